@@ -1,0 +1,270 @@
+"""The executor: runs one process's share of a split plan, step after step.
+
+Local ops run on the process's device; a SEND hands tensors to the transport
+(never blocking on the receiver); a RECV waits on the mailbox with a deadline
+and checks each tensor's dtype and shape against the plan. Values are freed
+after their last use, as `torch.fx.Interpreter` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from splitrun.splitter.labels import Label
+from splitrun.splitter.plan import OpKind, SplitPlan
+from splitrun.splitter.program import Program
+
+from .errors import MessageRejected, SplitrunError, StepFailed
+from .transport import MessageKey, Transport
+
+__all__ = ["Executor", "ExecutorStats", "ChannelStats"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ChannelStats:
+    messages: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class ExecutorStats:
+    """Counters since the executor started; `recv_wait_s` is time spent blocked
+    in receives, `busy_s` the rest of the step time."""
+
+    steps: int = 0
+    sent: dict[str, ChannelStats] = field(default_factory=lambda: defaultdict(ChannelStats))
+    received: dict[str, ChannelStats] = field(default_factory=lambda: defaultdict(ChannelStats))
+    recv_wait_s: float = 0.0
+    step_s: float = 0.0
+
+    @property
+    def messages_sent(self) -> int:
+        return sum(c.messages for c in self.sent.values())
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(c.bytes for c in self.sent.values())
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(c.bytes for c in self.received.values())
+
+    def as_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "step_s": round(self.step_s, 6),
+            "recv_wait_s": round(self.recv_wait_s, 6),
+            "sent": {k: vars(v) for k, v in sorted(self.sent.items())},
+            "received": {k: vars(v) for k, v in sorted(self.received.items())},
+        }
+
+
+class _Ref:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _describe_meta(dtype, shape) -> str:
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
+
+
+def _binder(args, kwargs):
+    """A function env -> (args, kwargs) with node references filled in."""
+    flat = all(not isinstance(a, (list, tuple, dict)) for a in args)
+    if flat and not any(isinstance(v, (_Ref, list, tuple, dict)) for v in kwargs.values()):
+        refs = [(i, a.name) for i, a in enumerate(args) if isinstance(a, _Ref)]
+        template = list(args)
+
+        def bind_flat(env):
+            values = template.copy()
+            for i, name in refs:
+                values[i] = env[name]
+            return values, kwargs
+        return bind_flat
+
+    def resolve(obj, env):
+        if isinstance(obj, _Ref):
+            return env[obj.name]
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(resolve(o, env) for o in obj)
+        if isinstance(obj, dict):
+            return {k: resolve(v, env) for k, v in obj.items()}
+        return obj
+
+    return lambda env: (resolve(args, env), resolve(kwargs, env))
+
+
+class Executor:
+    """Runs `label`'s subgraph of `plan`. Call `load_state`, then `run_step`."""
+
+    def __init__(self, plan: SplitPlan, label: Label, transport: Transport, *,
+                 program: Program | None = None, device: str | torch.device = "cpu",
+                 incarnation: int = 0, recv_timeout_s: float = 60.0) -> None:
+        self.program = program or plan.program
+        if self.program is None:
+            raise SplitrunError("the executor needs the program the plan was split from")
+        self.plan = plan
+        self.label = label
+        self.proc = plan.process(label)
+        self.transport = transport
+        self.device = torch.device(device)
+        self.incarnation = incarnation
+        self.recv_timeout_s = recv_timeout_s
+        self.state: dict[str, torch.Tensor] = {}
+        self.stats = ExecutorStats()
+        self._tag = f"[{label.describe()}]"
+        self._nodes: dict[str, fx.Node] = {n.name: n for n in self.program.graph.nodes}
+        self._compile()
+
+    # -- setup --
+
+    def _compile(self) -> None:
+        program, proc = self.program, self.proc
+        self._state_nodes = {key: program.input_for_key(key).node for key in proc.state}
+        self._feed_nodes = {key: program.input_for_key(key).node for key in proc.feeds}
+        self._output_nodes = {o.key: o.node for o in program.outputs if o.key in set(proc.outputs)}
+        self._state_updates = {}
+        for key in proc.state:
+            spec = program.state_output(key)
+            if spec is not None:
+                self._state_updates[key] = spec.node
+        self._constants = {n.name: getattr(program.graph_module, n.target)
+                           for n in self._nodes.values() if n.op == "get_attr"}
+
+        ops = []
+        for instr in proc.schedule:
+            if instr.kind is OpKind.RUN:
+                node = self._nodes[instr.target]
+                args = fx.node.map_arg(node.args, lambda n: _Ref(n.name))
+                kwargs = dict(fx.node.map_arg(node.kwargs, lambda n: _Ref(n.name)))
+                if isinstance(kwargs.get("device"), torch.device):
+                    kwargs["device"] = self.device  # graphs are captured on CPU
+                ops.append((OpKind.RUN, node.name, node.target, _binder(args, kwargs)))
+            else:
+                channel = self.plan.channel(instr.target)
+                if instr.kind is OpKind.SEND:
+                    ops.append((OpKind.SEND, channel.name, channel.dst, channel.values))
+                else:
+                    expected = [self._expected_meta(v) for v in channel.values]
+                    ops.append((OpKind.RECV, channel.name, channel.src,
+                                (channel.recv_names, expected)))
+        self._ops = ops
+        self._free_after = self._last_uses(ops)
+
+    def _expected_meta(self, name: str):
+        node = self._nodes.get(name)
+        value = None if node is None else node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            return value.dtype, tuple(value.shape)
+        return None
+
+    def _last_uses(self, ops) -> list[list[str]]:
+        keep = set(self._output_nodes.values()) | set(self._state_updates.values())
+        last: dict[str, int] = {}
+        for index, (kind, name, _, payload) in enumerate(ops):
+            if kind is OpKind.RUN:
+                for arg in self._nodes[name].all_input_nodes:
+                    last[arg.name] = index
+            elif kind is OpKind.SEND:
+                for value in payload:
+                    last[value] = index
+        free_after: list[list[str]] = [[] for _ in ops]
+        for name, index in last.items():
+            if name not in keep and name not in self._constants:
+                free_after[index].append(name)
+        return free_after
+
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Take the state this process owns from `state` (a full or partial dict)."""
+        missing = [key for key in self.proc.state if key not in state]
+        if missing:
+            raise SplitrunError(
+                f"{self._tag} state {', '.join(map(repr, missing))} is missing; this "
+                f"process owns {', '.join(self.proc.state)}")
+        self.state = {key: state[key].detach().to(self.device) for key in self.proc.state}
+
+    # -- one step --
+
+    def run_step(self, step: int, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run this process's subgraph once; return the outputs delivered here."""
+        started = time.perf_counter()
+        env: dict[str, object] = dict(self._constants)
+        for key, node in self._state_nodes.items():
+            env[node] = self.state[key]
+        for key, node in self._feed_nodes.items():
+            if key not in feeds:
+                raise SplitrunError(
+                    f"{self._tag} step {step}: feed {key!r} is missing; this process "
+                    f"reads {', '.join(self.proc.feeds)}")
+            env[node] = feeds[key].to(self.device, non_blocking=True)
+
+        for index, (kind, name, target, payload) in enumerate(self._ops):
+            if kind is OpKind.RUN:
+                args, kwargs = payload(env)
+                try:
+                    env[name] = target(*args, **kwargs)
+                except Exception as exc:
+                    module = self.program.module_of(self._nodes[name])
+                    where = f" (module {module!r})" if module else ""
+                    raise StepFailed(
+                        f"{self._tag} step {step}: node {name}{where} "
+                        f"({getattr(target, '__name__', target)}) raised "
+                        f"{type(exc).__name__}: {exc}") from exc
+            elif kind is OpKind.SEND:
+                tensors = [env[v] for v in payload]
+                self.transport.send(target, MessageKey(self.incarnation, step, name), tensors)
+                counter = self.stats.sent[name]
+                counter.messages += 1
+                counter.bytes += _tensor_bytes(tensors)
+            else:
+                self._receive(step, name, target, payload, env)
+            for dead in self._free_after[index]:
+                env.pop(dead, None)
+
+        outputs = {key: env[node] for key, node in self._output_nodes.items()}
+        for key, node in self._state_updates.items():
+            self.state[key] = env[node]
+        self.stats.steps += 1
+        self.stats.step_s += time.perf_counter() - started
+        return outputs
+
+    def _receive(self, step, channel, src, payload, env) -> None:
+        recv_names, expected = payload
+        key = MessageKey(self.incarnation, step, channel)
+        waited = time.perf_counter()
+        tensors = self.transport.recv(src, key, self.recv_timeout_s)
+        self.stats.recv_wait_s += time.perf_counter() - waited
+        if len(tensors) != len(recv_names):
+            raise MessageRejected(
+                f"{self._tag} step {step}: channel {channel!r} from {src.describe()} "
+                f"carried {len(tensors)} tensors, the plan expects {len(recv_names)}")
+        for name, tensor, meta in zip(recv_names, tensors, expected):
+            if meta is not None and (tensor.dtype, tuple(tensor.shape)) != meta:
+                raise MessageRejected(
+                    f"{self._tag} step {step}: channel {channel!r} from {src.describe()}: "
+                    f"{name} expected {_describe_meta(*meta)}, got "
+                    f"{_describe_meta(tensor.dtype, tensor.shape)}; the sender's step "
+                    f"differs from the plan (same script and batch shapes on every process?)")
+            env[name] = tensor if tensor.device == self.device else tensor.to(self.device)
+        counter = self.stats.received[channel]
+        counter.messages += 1
+        counter.bytes += _tensor_bytes(tensors)
+
+    def abort(self, error: BaseException) -> None:
+        self.transport.abort(error)
+

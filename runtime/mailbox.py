@@ -1,0 +1,86 @@
+"""A process's inbox: messages buffered by key until the executor takes them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from splitrun.splitter.labels import Label
+
+from .errors import MessageRejected, PeerFailed, RecvTimeout
+from .transport import MessageKey
+
+__all__ = ["Mailbox"]
+
+
+class Mailbox:
+    """Thread-safe buffer of incoming messages, keyed by `MessageKey`.
+
+    `put` never blocks. `take` waits until the message is there, the deadline
+    passes (`RecvTimeout` naming channel, peer and step) or the mailbox is
+    aborted (the abort's error, e.g. `PeerFailed` naming the dead process).
+    """
+
+    def __init__(self, owner: Label, incarnation: int = 0) -> None:
+        self.owner = owner
+        self.incarnation = incarnation
+        self._messages: dict[MessageKey, tuple[Label, list[torch.Tensor]]] = {}
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+
+    def put(self, key: MessageKey, src: Label, tensors: Sequence[torch.Tensor]) -> None:
+        with self._cond:
+            if key.incarnation != self.incarnation:
+                raise MessageRejected(
+                    f"[{self.owner.describe()}] refused {key} from {src.describe()}: "
+                    f"the job's incarnation is {self.incarnation}; the sender is from a "
+                    f"previous run of the job")
+            if key in self._messages:
+                raise MessageRejected(
+                    f"[{self.owner.describe()}] refused a second message for {key} "
+                    f"from {src.describe()}")
+            self._messages[key] = (src, list(tensors))
+            self._cond.notify_all()
+
+    def take(self, key: MessageKey, src: Label, timeout_s: float) -> list[torch.Tensor]:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while key not in self._messages:
+                if self._error is not None:
+                    raise self._error
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RecvTimeout(
+                        f"[{self.owner.describe()}] receive on channel {key.channel!r} "
+                        f"step {key.step}: no message from {src.describe()} within "
+                        f"{timeout_s:g} s; is {src.describe()} alive and running the "
+                        f"same plan? (raise recv_timeout_s if its steps are that slow)")
+                self._cond.wait(remaining)
+            sender, tensors = self._messages.pop(key)
+        if sender != src:
+            raise MessageRejected(
+                f"[{self.owner.describe()}] {key} came from {sender.describe()}, "
+                f"expected {src.describe()}")
+        return tensors
+
+    def abort(self, error: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._cond.notify_all()
+
+    def pending(self) -> list[MessageKey]:
+        with self._cond:
+            return sorted(self._messages, key=lambda k: (k.step, k.channel))
+
+    def drop_steps_before(self, step: int) -> None:
+        with self._cond:
+            for key in [k for k in self._messages if k.step < step]:
+                del self._messages[key]
+
+
+def peer_failed(failed: Label, reason: str) -> PeerFailed:
+    return PeerFailed(f"stopped because {failed.describe()} failed: {reason}")

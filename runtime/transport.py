@@ -1,0 +1,47 @@
+"""The `Transport` protocol: how an executor hands tensors to its peers.
+
+Sends never wait for the receiver to reach its receive (the receiver buffers),
+and every receive has a deadline. That, with schedules in one global order, is
+what makes a split program deadlock-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from splitrun.splitter.labels import Label
+
+__all__ = ["MessageKey", "Transport"]
+
+
+@dataclass(frozen=True, slots=True)
+class MessageKey:
+    """Identifies one message: a restarted peer has a new incarnation, so its
+    stale messages are refused instead of mixed in."""
+
+    incarnation: int
+    step: int
+    channel: str
+
+    def __str__(self) -> str:
+        return f"channel {self.channel!r} step {self.step} (incarnation {self.incarnation})"
+
+
+class Transport(Protocol):
+    label: Label
+
+    def send(self, dst: Label, key: MessageKey, tensors: Sequence[torch.Tensor]) -> None:
+        """Queue `tensors` for `dst`; returns without waiting for the receiver."""
+
+    def recv(self, src: Label, key: MessageKey, timeout_s: float) -> list[torch.Tensor]:
+        """The tensors `src` sent under `key`; raises `RecvTimeout` past the deadline."""
+
+    def abort(self, error: BaseException) -> None:
+        """Wake every pending receive of this process with `error`."""
+
+    def close(self) -> None:
+        """Release resources; pending sends are flushed or reported."""

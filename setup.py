@@ -1,0 +1,4 @@
+# All metadata lives in setup.cfg; this shim lets pip build the project.
+from setuptools import setup
+
+setup()

@@ -1,0 +1,178 @@
+"""Labels say which process runs an operation: a `(rank, role)` pair.
+
+`place()` labels a module (its forward and backward ops, and its parameters) or a
+single parameter; `region()` labels the ops traced inside a code block. Labels
+are stored as short strings (`"w1"`, `"s0"`) so they survive deep copies and
+torch's tracing metadata unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch import nn
+
+from .errors import LabelError
+
+__all__ = [
+    "Role",
+    "Label",
+    "place",
+    "region",
+    "placement_of",
+    "Cluster",
+    "LABEL_ANNOTATION",
+    "MODULE_ANNOTATION",
+]
+
+# Keys of the annotation dict that `torch.fx.traceback.annotate` copies into
+# `node.meta["custom"]` for forward ops and, on torch 2.13, their backward ops.
+LABEL_ANNOTATION = "splitrun.label"
+MODULE_ANNOTATION = "splitrun.module"
+
+_PLACEMENT_ATTR = "_splitrun_label"
+
+
+class Role(Enum):
+    WORKER = "worker"
+    SERVER = "server"
+    # The scheduler runs membership only; placing an op there is an error.
+    SCHEDULER = "scheduler"
+
+    @property
+    def short(self) -> str:
+        return _ROLE_SHORT[self]
+
+    @classmethod
+    def parse(cls, value: Role | str) -> Role:
+        if isinstance(value, Role):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            known = ", ".join(r.value for r in cls)
+            raise LabelError(
+                f"unknown role {value!r}; expected one of {known}") from None
+
+
+_ROLE_SHORT = {Role.WORKER: "w", Role.SERVER: "s", Role.SCHEDULER: "sched"}
+_SHORT_ROLE = {v: k for k, v in _ROLE_SHORT.items()}
+_ROLE_ORDER = {Role.WORKER: 0, Role.SERVER: 1, Role.SCHEDULER: 2}
+_LABEL_RE = re.compile(r"^(w|s|sched)(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Label:
+    """The process an op runs on. Sorts workers first, then servers, by rank."""
+
+    rank: int
+    role: Role = Role.WORKER
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, Role):
+            object.__setattr__(self, "role", Role.parse(self.role))
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise LabelError(
+                f"rank must be an integer >= 0, got {self.rank!r} for role "
+                f"{self.role.value}")
+
+    @classmethod
+    def worker(cls, rank: int = 0) -> Label:
+        return cls(rank, Role.WORKER)
+
+    @classmethod
+    def server(cls, rank: int = 0) -> Label:
+        return cls(rank, Role.SERVER)
+
+    @classmethod
+    def parse(cls, text: str) -> Label:
+        """Parse the short form, `"w0"`, `"s1"`."""
+        match = _LABEL_RE.match(text.strip())
+        if match is None:
+            raise LabelError(
+                f"malformed label {text!r}; expected a role letter and a rank, "
+                f"like 'w0' (worker 0) or 's1' (server 1)")
+        return cls(int(match.group(2)), _SHORT_ROLE[match.group(1)])
+
+    def sort_key(self) -> tuple[int, int]:
+        return (_ROLE_ORDER[self.role], self.rank)
+
+    def __lt__(self, other: Label) -> bool:
+        return self.sort_key() < other.sort_key()
+
+    def __str__(self) -> str:
+        return f"{self.role.short}{self.rank}"
+
+    def describe(self) -> str:
+        """Human form for messages and log prefixes: `worker 1`."""
+        return f"{self.role.value} {self.rank}"
+
+
+def _make_label(role: Role | str, rank: int) -> Label:
+    return Label(rank, Role.parse(role))
+
+
+def place(target: nn.Module | nn.Parameter, *, role: Role | str = Role.WORKER,
+          rank: int = 0) -> nn.Module | nn.Parameter:
+    """Run a module (forward, backward, optimizer update of its parameters) or
+    own a single parameter on the process `(rank, role)`.
+
+    The innermost placement wins: a module placed inside a placed module keeps
+    its own label. Returns `target`, so `place(nn.Linear(4, 4), rank=1)` can be
+    used inline.
+    """
+    if not isinstance(target, (nn.Module, nn.Parameter)):
+        raise LabelError(
+            f"place() takes an nn.Module or nn.Parameter, got "
+            f"{type(target).__name__}; use region() to place a block of code")
+    try:
+        label = _make_label(role, rank)
+    except LabelError as exc:
+        what = type(target).__name__
+        raise LabelError(f"place({what}, role={role!r}, rank={rank!r}): {exc}") from None
+    setattr(target, _PLACEMENT_ATTR, str(label))
+    return target
+
+
+def placement_of(target: nn.Module | torch.Tensor) -> Label | None:
+    """The label `place()` gave `target`, or None."""
+    text = getattr(target, _PLACEMENT_ATTR, None)
+    return None if text is None else Label.parse(text)
+
+
+@contextlib.contextmanager
+def region(*, role: Role | str = Role.WORKER, rank: int = 0) -> Iterator[Label]:
+    """Label every op traced inside the block (and its backward ops)."""
+    label = _make_label(role, rank)
+    with fx_traceback.annotate({LABEL_ANNOTATION: str(label)}):
+        yield label
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """How many processes of each role the job runs."""
+
+    num_workers: int = 1
+    num_servers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1 or self.num_servers < 0:
+            raise LabelError(
+                f"a cluster needs at least 1 worker and 0 or more servers, got "
+                f"workers={self.num_workers} servers={self.num_servers}")
+
+    def size(self, role: Role) -> int:
+        return {Role.WORKER: self.num_workers, Role.SERVER: self.num_servers}.get(role, 0)
+
+    def labels(self) -> list[Label]:
+        return ([Label.worker(r) for r in range(self.num_workers)]
+                + [Label.server(r) for r in range(self.num_servers)])
+
+    def __str__(self) -> str:
+        return f"workers={self.num_workers} servers={self.num_servers}"

@@ -1,0 +1,128 @@
+"""Execution modes: the hooks that make one splitter serve several jobs.
+
+As in MindSpore's `graph_splitter.h`, a mode may relabel or add nodes before the
+split (`prebuild`), groups inter-process edges into fused channels (`fuse`),
+and may adjust the finished plan (`postbuild`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .labels import Cluster, Label
+from .plan import ChannelKind, ModeKind, SplitPlan
+from .program import OutputKind, OutputSpec, Program
+
+__all__ = ["Edge", "ChannelDraft", "Mode", "GeneralMode", "fuse_by_source_segment"]
+
+STEP_START = -1  # position of values that exist before the step runs (state, feeds)
+# Step-start values up to this size piggyback on a later message (see fuse).
+PIGGYBACK_MAX_BYTES = 64 * 1024
+
+
+@dataclass(slots=True)
+class Edge:
+    """One value crossing from `src` to `dst`: one receive per (value, dst)."""
+
+    value: str          # producer node name on src
+    src: Label
+    dst: Label
+    src_pos: int        # producer's position in the global order, or STEP_START
+    src_segment: int    # index of the producer's segment, or STEP_START
+    dst_pos: int        # first consumer's position on dst
+    nbytes: int
+    state_key: str | None = None  # set when the value is a state slot (data-sync)
+    recv_name: str = ""
+
+    def __post_init__(self) -> None:
+        self.recv_name = self.recv_name or self.value
+
+
+@dataclass(slots=True)
+class ChannelDraft:
+    src: Label
+    dst: Label
+    kind: ChannelKind
+    edges: list[Edge] = field(default_factory=list)
+    send_pos: int = STEP_START
+    recv_pos: int = STEP_START
+
+
+class Mode:
+    """Base mode: exact label match, fusion by source segment."""
+
+    kind: ModeKind = ModeKind.GENERAL
+
+    def default_label(self, cluster: Cluster) -> Label:
+        return Label.worker(0)
+
+    def reject_label(self, label: Label, cluster: Cluster) -> str | None:
+        """Why this mode cannot run an op on `label`, or None if it can."""
+        return None
+
+    def prebuild(self, program: Program, cluster: Cluster) -> Program:
+        return program
+
+    def output_home(self, spec: OutputSpec, producer: Label, cluster: Cluster) -> Label:
+        """Where an output is delivered: the loss goes to the default process
+        (the driver shows it), everything else stays where it is computed."""
+        if spec.kind is OutputKind.LOSS:
+            return self.default_label(cluster)
+        return producer
+
+    def fuse(self, edges: list[Edge], cluster: Cluster) -> list[ChannelDraft]:
+        return fuse_by_source_segment(edges)
+
+    def postbuild(self, plan: SplitPlan, program: Program) -> SplitPlan:
+        return plan
+
+
+class GeneralMode(Mode):
+    """Pipeline-style splitting of a model across processes."""
+
+    kind = ModeKind.GENERAL
+
+
+def fuse_by_source_segment(edges: list[Edge]) -> list[ChannelDraft]:
+    """Edges from A to B whose values are produced in the same segment of A ride
+    one message, sent right after the last of them is produced and received
+    right before the first of them is used.
+
+    A segment is a maximal run of A's nodes in the global order, so every
+    consumer on B comes after the segment's end: send < receive in the global
+    order, which keeps the schedules deadlock-free. Small values that exist at
+    step start (learning rate, step count, small state) ride the earliest
+    message to the same process that is sent before they are needed, instead of
+    costing a message of their own.
+    """
+    groups: dict[tuple, ChannelDraft] = {}
+    small_start: list[Edge] = []
+    for edge in edges:
+        if edge.src_segment == STEP_START and edge.nbytes <= PIGGYBACK_MAX_BYTES:
+            small_start.append(edge)
+            continue
+        _add_to_group(groups, (edge.src, edge.dst, edge.src_segment), edge)
+    by_pair = defaultdict(list)
+    for draft in groups.values():
+        by_pair[(draft.src, draft.dst)].append(draft)
+    for drafts in by_pair.values():
+        drafts.sort(key=lambda d: d.send_pos)
+    for edge in small_start:
+        ride = next((d for d in by_pair[(edge.src, edge.dst)] if d.send_pos < edge.dst_pos), None)
+        if ride is None:
+            _add_to_group(groups, (edge.src, edge.dst, STEP_START), edge)
+        else:
+            ride.edges.append(edge)
+            ride.recv_pos = min(ride.recv_pos, edge.dst_pos)
+    return list(groups.values())
+
+
+def _add_to_group(groups: dict[tuple, ChannelDraft], key: tuple, edge: Edge) -> None:
+    draft = groups.get(key)
+    if draft is None:
+        draft = groups[key] = ChannelDraft(edge.src, edge.dst, ChannelKind.DATA,
+                                           send_pos=edge.src_pos, recv_pos=edge.dst_pos)
+    draft.edges.append(edge)
+    draft.send_pos = max(draft.send_pos, edge.src_pos)
+    draft.recv_pos = min(draft.recv_pos, edge.dst_pos)

@@ -1,0 +1,226 @@
+"""The `SplitPlan`: what each process runs, and the channels between them.
+
+A plan is plain data. It names graph nodes by their fx names and state by its
+keys, so every process that computes it from the same script gets the same
+plan, and its text form (`to_text` / `from_text`, in `plan_text.py`) prints and
+parses back to an equal plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import cached_property
+
+from .errors import PlanError
+from .labels import Cluster, Label
+
+__all__ = [
+    "ModeKind",
+    "ChannelKind",
+    "OpKind",
+    "Channel",
+    "Instruction",
+    "ProcessPlan",
+    "DataSync",
+    "ControlEdge",
+    "SplitPlan",
+]
+
+
+class ModeKind(Enum):
+    GENERAL = "general"
+    PARAMETER_SERVER = "parameter_server"
+    EMBEDDING_CACHE = "embedding_cache"
+
+
+class ChannelKind(Enum):
+    DATA = "data"
+    CONTROL = "control"  # zero tensors: orders two processes where no data does
+
+
+class OpKind(Enum):
+    RUN = "run"
+    SEND = "send"
+    RECV = "recv"
+
+
+@dataclass(frozen=True, slots=True)
+class Channel:
+    """A fused Send/Recv pair: one message per step from `src` to `dst`.
+
+    `values` are node names on the sender, `recv_names` the names the receiver
+    binds them to (the same in general mode; per-worker slots in
+    parameter-server mode).
+    """
+
+    name: str
+    src: Label
+    dst: Label
+    kind: ChannelKind
+    values: tuple[str, ...] = ()
+    recv_names: tuple[str, ...] = ()
+    nbytes: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.values) != len(self.recv_names):
+            raise PlanError(
+                f"channel {self.name}: {len(self.values)} values sent but "
+                f"{len(self.recv_names)} names received")
+
+
+@dataclass(frozen=True, slots=True)
+class Instruction:
+    kind: OpKind
+    target: str  # node name for RUN, channel name for SEND and RECV
+
+    def __str__(self) -> str:
+        return f"{self.kind.value} {self.target}"
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessPlan:
+    """One process's share of the step.
+
+    `state`: state keys it owns (holds between steps, updates, sends to readers).
+    `feeds`: batch and hyperparameter keys it reads from its own feeds.
+    `outputs`: output keys (loss, grads) delivered to it.
+    """
+
+    label: Label
+    state: tuple[str, ...]
+    feeds: tuple[str, ...]
+    outputs: tuple[str, ...]
+    schedule: tuple[Instruction, ...]
+
+    @property
+    def num_ops(self) -> int:
+        return sum(1 for i in self.schedule if i.kind is OpKind.RUN)
+
+    @property
+    def is_idle(self) -> bool:
+        return not self.schedule
+
+
+@dataclass(frozen=True, slots=True)
+class DataSync:
+    """State `key`, updated by `owner`, read by `reader`: the new value reaches
+    the reader through `channel` before the reader's first read of each step."""
+
+    key: str
+    owner: Label
+    reader: Label
+    channel: str
+
+
+@dataclass(frozen=True, slots=True)
+class ControlEdge:
+    src: Label
+    dst: Label
+    channel: str
+
+
+@dataclass(frozen=True, eq=True)
+class SplitPlan:
+    mode: ModeKind
+    cluster: Cluster
+    processes: tuple[ProcessPlan, ...]
+    channels: tuple[Channel, ...]
+    data_syncs: tuple[DataSync, ...] = ()
+    # The program the plan's node names refer to (after the mode's prebuild);
+    # None for a plan parsed from text.
+    program: object = field(default=None, compare=False, repr=False)
+    _index: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._index["process"] = {p.label: p for p in self.processes}
+        self._index["channel"] = {c.name: c for c in self.channels}
+
+    # -- lookups --
+
+    def process(self, label: Label) -> ProcessPlan:
+        try:
+            return self._index["process"][label]
+        except KeyError:
+            known = ", ".join(str(p.label) for p in self.processes)
+            raise PlanError(
+                f"no process {label} in this plan; it has {known}") from None
+
+    def channel(self, name: str) -> Channel:
+        try:
+            return self._index["channel"][name]
+        except KeyError:
+            raise PlanError(f"no channel {name!r} in this plan") from None
+
+    @property
+    def labels(self) -> list[Label]:
+        return [p.label for p in self.processes]
+
+    @property
+    def control_edges(self) -> list[ControlEdge]:
+        return [ControlEdge(c.src, c.dst, c.name) for c in self.channels
+                if c.kind is ChannelKind.CONTROL]
+
+    def send_channels(self, label: Label) -> list[Channel]:
+        return [c for c in self.channels if c.src == label]
+
+    def recv_channels(self, label: Label) -> list[Channel]:
+        return [c for c in self.channels if c.dst == label]
+
+    def messages_per_step(self) -> int:
+        return len(self.channels)
+
+    def bytes_per_step(self) -> int:
+        return sum(c.nbytes for c in self.channels)
+
+    # -- forms --
+
+    def to_text(self) -> str:
+        from .plan_text import plan_to_text
+        return plan_to_text(self)
+
+    @classmethod
+    def from_text(cls, text: str) -> SplitPlan:
+        from .plan_text import plan_from_text
+        return plan_from_text(text)
+
+    def to_dot(self) -> str:
+        from .plan_dot import plan_to_dot
+        return plan_to_dot(self)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A short hash of the text form: two processes with the same script and
+        cluster agree on it, so the scheduler can refuse a mismatched one."""
+        return hashlib.sha256(self.to_text().encode()).hexdigest()[:16]
+
+    def summary(self) -> str:
+        lines = [f"{self.mode.value} plan, {self.cluster}: "
+                 f"{self.messages_per_step()} messages, "
+                 f"{self.bytes_per_step()} bytes per step"]
+        for proc in self.processes:
+            sends = len(self.send_channels(proc.label))
+            recvs = len(self.recv_channels(proc.label))
+            lines.append(f"  {proc.label.describe()}: {proc.num_ops} ops, "
+                         f"{sends} sends, {recvs} receives, {len(proc.state)} state")
+        return "\n".join(lines)
+
+    # -- invariants --
+
+    def lint(self, program=None) -> None:
+        """Check the plan's invariants; raise `PlanError` naming the first broken one.
+
+        Always: channel names are unique, every channel has exactly one send (on
+        its source) and one receive (on its destination), and the schedules
+        cannot deadlock (checked by running them abstractly). With the
+        `program`: no process reads a value it neither computes, receives nor
+        holds, and every send carries values its process has.
+        """
+        from .plan_check import check_plan
+        check_plan(self, program)
+
+
+def sorted_labels(labels: Iterable[Label]) -> list[Label]:
+    return sorted(set(labels), key=Label.sort_key)

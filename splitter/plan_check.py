@@ -1,0 +1,113 @@
+"""`SplitPlan.lint()`: the invariants a plan must keep, checked in one place."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from torch import fx
+
+from .errors import PlanError
+from .plan import ChannelKind, OpKind, SplitPlan
+
+__all__ = ["check_plan"]
+
+
+def check_plan(plan: SplitPlan, program=None) -> None:
+    _check_channels(plan)
+    _check_no_deadlock(plan)
+    if program is not None:
+        _check_dataflow(plan, program)
+
+
+def _check_channels(plan: SplitPlan) -> None:
+    counts = Counter(c.name for c in plan.channels)
+    duplicated = sorted(name for name, n in counts.items() if n > 1)
+    if duplicated:
+        raise PlanError(f"channel names are not unique: {', '.join(duplicated)}")
+    sends: Counter = Counter()
+    recvs: Counter = Counter()
+    for proc in plan.processes:
+        for instr in proc.schedule:
+            if instr.kind is OpKind.RUN:
+                continue
+            channel = plan.channel(instr.target)
+            expected = channel.src if instr.kind is OpKind.SEND else channel.dst
+            if proc.label != expected:
+                raise PlanError(
+                    f"[{proc.label.describe()}] {instr} but channel {channel.name} "
+                    f"runs {channel.src} -> {channel.dst}")
+            (sends if instr.kind is OpKind.SEND else recvs)[channel.name] += 1
+    for channel in plan.channels:
+        for what, count in (("send", sends[channel.name]), ("receive", recvs[channel.name])):
+            if count != 1:
+                raise PlanError(
+                    f"channel {channel.name} has {count} {what}s; every channel needs "
+                    f"exactly one send on {channel.src} and one receive on {channel.dst}")
+        if channel.kind is ChannelKind.CONTROL and channel.values:
+            raise PlanError(f"control channel {channel.name} carries values {channel.values}")
+
+
+def _check_no_deadlock(plan: SplitPlan) -> None:
+    """Run every schedule abstractly: sends never block, a receive waits for its
+    send. If some process can never move on, the plan would deadlock."""
+    position = {p.label: 0 for p in plan.processes}
+    sent: set[str] = set()
+    moved = True
+    while moved:
+        moved = False
+        for proc in plan.processes:
+            schedule, at = proc.schedule, position[proc.label]
+            while at < len(schedule):
+                instr = schedule[at]
+                if instr.kind is OpKind.RECV and instr.target not in sent:
+                    break
+                if instr.kind is OpKind.SEND:
+                    sent.add(instr.target)
+                at += 1
+                moved = True
+            position[proc.label] = at
+    blocked = [f"{p.label.describe()} waits on {p.schedule[position[p.label]].target} "
+               f"(instruction {position[p.label]})"
+               for p in plan.processes if position[p.label] < len(p.schedule)]
+    if blocked:
+        raise PlanError("the schedules deadlock: " + "; ".join(blocked))
+
+
+def _check_dataflow(plan: SplitPlan, program) -> None:
+    nodes: dict[str, fx.Node] = {n.name: n for n in program.graph.nodes}
+    constants = {n.name for n in nodes.values() if n.op == "get_attr"}
+    output_node = {o.key: o.node for o in program.outputs}
+    for proc in plan.processes:
+        who = proc.label.describe()
+        have = set(constants)
+        for key in (*proc.state, *proc.feeds):
+            have.add(program.input_for_key(key).node)
+        for instr in proc.schedule:
+            if instr.kind is OpKind.RUN:
+                node = nodes.get(instr.target)
+                if node is None:
+                    raise PlanError(f"[{who}] runs {instr.target}, which is not in the graph")
+                for arg in node.all_input_nodes:
+                    if arg.name not in have:
+                        raise PlanError(
+                            f"[{who}] node {node.name} reads {arg.name}, which {who} "
+                            f"neither computes, receives, nor holds as state or feed")
+                have.add(node.name)
+            elif instr.kind is OpKind.SEND:
+                channel = plan.channel(instr.target)
+                missing = [v for v in channel.values if v not in have]
+                if missing:
+                    raise PlanError(
+                        f"[{who}] sends {', '.join(missing)} on {channel.name} before "
+                        f"computing or receiving them")
+            else:
+                have.update(plan.channel(instr.target).recv_names)
+        for key in proc.outputs:
+            if output_node[key] not in have:
+                raise PlanError(f"[{who}] output {key!r} ({output_node[key]}) never reaches it")
+        for key in proc.state:
+            spec = program.state_output(key)
+            if spec is not None and spec.node not in have:
+                raise PlanError(
+                    f"[{who}] owns state {key!r} but its new value {spec.node} is "
+                    f"computed elsewhere; the update must run on the owner")

@@ -1,0 +1,99 @@
+"""A plan as a Graphviz picture.
+
+Each process is a coloured cluster of blocks (runs of its ops between
+communication points); each channel is an edge from the block that sends it to
+the block that receives it, labelled with its tensors and bytes per step.
+Data-sync channels are dashed, control edges dotted.
+"""
+
+from __future__ import annotations
+
+from .plan import ChannelKind, OpKind, SplitPlan
+
+__all__ = ["plan_to_dot"]
+
+_COLOURS = ["#dbeafe", "#dcfce7", "#fef9c3", "#fce7f3", "#ede9fe", "#ffedd5",
+            "#cffafe", "#e5e7eb"]
+_MAX_NAMES = 4
+
+
+def _quote(text: str) -> str:
+    # Node and channel names are identifiers; "\n" in labels is DOT's line break.
+    return '"' + text.replace('"', '\\"') + '"'
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes} B"
+
+
+def _names(values: tuple[str, ...]) -> str:
+    shown = ", ".join(values[:_MAX_NAMES])
+    more = len(values) - _MAX_NAMES
+    return shown + (f", +{more} more" if more > 0 else "")
+
+
+def plan_to_dot(plan: SplitPlan) -> str:
+    lines = ["digraph splitrun_plan {", "  rankdir=LR;",
+             '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];',
+             '  edge [fontname="Helvetica", fontsize=9];']
+    send_block: dict[str, str] = {}
+    recv_block: dict[str, str] = {}
+    for index, proc in enumerate(plan.processes):
+        colour = _COLOURS[index % len(_COLOURS)]
+        lines.append(f"  subgraph cluster_{proc.label} {{")
+        lines.append(f"    label={_quote(proc.label.describe())}; style=filled; "
+                     f"color={_quote(colour)};")
+        previous = f"{proc.label}_start"
+        lines.append(f"    {previous} [label={_quote('step start')}, shape=circle, "
+                     f"fillcolor=white, fontsize=8];")
+        blocks = _blocks(proc.schedule)
+        for number, (ops, recvs, sends) in enumerate(blocks, start=1):
+            name = previous
+            if ops:
+                name = f"{proc.label}_b{number}"
+                text = f"{len(ops)} ops\\n{_names(tuple(ops))}"
+                lines.append(f"    {name} [label={_quote(text)}, fillcolor=white];")
+                lines.append(f"    {previous} -> {name} [style=invis];")
+            recv_block.update((channel, name) for channel in recvs)
+            send_block.update((channel, name) for channel in sends)
+            previous = name
+        lines.append("  }")
+
+    syncing = {s.channel for s in plan.data_syncs}
+    for channel in plan.channels:
+        src = send_block.get(channel.name, f"{channel.src}_start")
+        dst = recv_block.get(channel.name, f"{channel.dst}_start")
+        if channel.kind is ChannelKind.CONTROL:
+            style, label = "dotted", f"{channel.name}\\ncontrol"
+        else:
+            style = "dashed" if channel.name in syncing else "solid"
+            label = (f"{channel.name}\\n{_names(channel.values)}\\n"
+                     f"{_size(channel.nbytes)}/step")
+        lines.append(f"  {src} -> {dst} [label={_quote(label)}, style={style}];")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _blocks(schedule) -> list[tuple[list[str], list[str], list[str]]]:
+    """Split a schedule into blocks: (ops, channels received just before them,
+    channels sent just after them)."""
+    blocks: list[tuple[list[str], list[str], list[str]]] = [([], [], [])]
+    for instr in schedule:
+        ops, recvs, sends = blocks[-1]
+        if instr.kind is OpKind.RUN:
+            if sends:  # a new run after sends starts a new block
+                blocks.append(([instr.target], [], []))
+            else:
+                ops.append(instr.target)
+        elif instr.kind is OpKind.RECV:
+            if ops or sends:
+                blocks.append(([], [instr.target], []))
+            else:
+                recvs.append(instr.target)
+        else:
+            sends.append(instr.target)
+    return blocks

@@ -1,0 +1,135 @@
+"""The plan's short text form, and its parser. `from_text(to_text(p)) == p`.
+
+    splitrun-plan 1
+    mode general
+    cluster workers=2 servers=0
+    channel w0->w1#0 data 160: relu detach
+    channel s0->w1#0 data 64: p_w>p_w.w1
+    channel w0->w2#c control 0:
+    sync l1.weight w0 -> w1 w0->w1#0
+    process w0
+      state l1.weight l1.bias
+      feeds batch.0 lr step
+      outputs loss
+      run t addmm relu
+      send w0->w1#0
+    end
+
+A value received under another name is written `sent>received`.
+"""
+
+from __future__ import annotations
+
+from .errors import LabelError, PlanParseError
+from .labels import Cluster, Label
+from .plan import (
+    Channel,
+    ChannelKind,
+    DataSync,
+    Instruction,
+    ModeKind,
+    OpKind,
+    ProcessPlan,
+    SplitPlan,
+)
+
+__all__ = ["plan_to_text", "plan_from_text"]
+
+_HEADER = "splitrun-plan 1"
+
+
+def _value_token(sent: str, received: str) -> str:
+    return sent if sent == received else f"{sent}>{received}"
+
+
+def plan_to_text(plan: SplitPlan) -> str:
+    lines = [_HEADER, f"mode {plan.mode.value}",
+             f"cluster workers={plan.cluster.num_workers} servers={plan.cluster.num_servers}"]
+    for c in plan.channels:
+        values = " ".join(_value_token(s, r) for s, r in zip(c.values, c.recv_names))
+        lines.append(f"channel {c.name} {c.kind.value} {c.nbytes}: {values}".rstrip())
+    for s in plan.data_syncs:
+        lines.append(f"sync {s.key} {s.owner} -> {s.reader} {s.channel}")
+    for proc in plan.processes:
+        lines.append(f"process {proc.label}")
+        for field_name in ("state", "feeds", "outputs"):
+            values = getattr(proc, field_name)
+            if values:
+                lines.append(f"  {field_name} {' '.join(values)}")
+        run: list[str] = []
+        for instr in proc.schedule:
+            if instr.kind is OpKind.RUN:
+                run.append(instr.target)
+                continue
+            if run:
+                lines.append(f"  run {' '.join(run)}")
+                run = []
+            lines.append(f"  {instr.kind.value} {instr.target}")
+        if run:
+            lines.append(f"  run {' '.join(run)}")
+        lines.append("end")
+    return "\n".join(lines) + "\n"
+
+
+def plan_from_text(text: str) -> SplitPlan:
+    lines = text.splitlines()
+    if not lines or lines[0].strip() != _HEADER:
+        raise PlanParseError(f"line 1: expected {_HEADER!r}, got {lines[0] if lines else ''!r}")
+    mode = cluster = None
+    channels: list[Channel] = []
+    syncs: list[DataSync] = []
+    processes: list[ProcessPlan] = []
+    current: dict | None = None
+    for number, raw in enumerate(lines[1:], start=2):
+        line = raw.strip()
+        if not line:
+            continue
+        word, _, rest = line.partition(" ")
+        try:
+            if current is not None:
+                if word == "end":
+                    processes.append(ProcessPlan(
+                        current["label"], tuple(current["state"]), tuple(current["feeds"]),
+                        tuple(current["outputs"]), tuple(current["schedule"])))
+                    current = None
+                elif word in ("state", "feeds", "outputs"):
+                    current[word] = rest.split()
+                elif word == "run":
+                    current["schedule"].extend(Instruction(OpKind.RUN, n) for n in rest.split())
+                elif word in ("send", "recv"):
+                    current["schedule"].append(Instruction(OpKind(word), rest.strip()))
+                else:
+                    raise ValueError(f"unknown process line {word!r}")
+            elif word == "mode":
+                mode = ModeKind(rest.strip())
+            elif word == "cluster":
+                fields = dict(item.split("=") for item in rest.split())
+                cluster = Cluster(int(fields["workers"]), int(fields["servers"]))
+            elif word == "channel":
+                head, _, values = rest.partition(":")
+                name, kind, nbytes = head.split()
+                src, dst = (Label.parse(x) for x in name.split("#")[0].split("->"))
+                pairs = [tok.split(">", 1) if ">" in tok else (tok, tok)
+                         for tok in values.split()]
+                channels.append(Channel(name, src, dst, ChannelKind(kind),
+                                        tuple(p[0] for p in pairs),
+                                        tuple(p[1] for p in pairs), int(nbytes)))
+            elif word == "sync":
+                key, owner, arrow, reader, channel = rest.split()
+                if arrow != "->":
+                    raise ValueError("expected 'KEY OWNER -> READER CHANNEL'")
+                syncs.append(DataSync(key, Label.parse(owner), Label.parse(reader), channel))
+            elif word == "process":
+                current = {"label": Label.parse(rest), "state": [], "feeds": [],
+                           "outputs": [], "schedule": []}
+            else:
+                raise ValueError(f"unknown line kind {word!r}")
+        except PlanParseError:
+            raise
+        except (ValueError, KeyError, LabelError) as exc:
+            raise PlanParseError(f"line {number}: {exc}: {raw!r}") from None
+    if current is not None:
+        raise PlanParseError(f"process {current['label']} has no 'end' line")
+    if mode is None or cluster is None:
+        raise PlanParseError("the plan needs a 'mode' and a 'cluster' line")
+    return SplitPlan(mode, cluster, tuple(processes), tuple(channels), tuple(syncs))

@@ -1,0 +1,173 @@
+"""A captured training step: one `torch.fx` graph plus what its inputs and outputs mean.
+
+The graph is a pure function. State (parameters, buffers, optimizer moments)
+enters as placeholders and its new value leaves as an output; the batch and the
+optimizer's hyperparameters (learning rate, step count) are fed each step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+from torch import fx
+
+from .errors import PlanError
+from .labels import LABEL_ANNOTATION, MODULE_ANNOTATION, Label
+
+__all__ = [
+    "InputKind",
+    "OutputKind",
+    "InputSpec",
+    "OutputSpec",
+    "Program",
+    "node_annotation",
+    "set_node_annotation",
+]
+
+
+class InputKind(Enum):
+    PARAM = "param"          # state, updated by the optimizer
+    BUFFER = "buffer"        # state, read only
+    OPT_STATE = "opt_state"  # state, updated by the optimizer
+    HPARAM = "hparam"        # fed each step by worker 0: learning rates, step count
+    BATCH = "batch"          # fed each step to every worker that reads it
+
+    @property
+    def is_state(self) -> bool:
+        return self in (InputKind.PARAM, InputKind.BUFFER, InputKind.OPT_STATE)
+
+
+class OutputKind(Enum):
+    LOSS = "loss"    # delivered to the mode's default process (worker 0)
+    GRAD = "grad"    # left where it is computed
+    STATE = "state"  # the new value of a state slot, kept by the slot's owner
+
+
+@dataclass(frozen=True, slots=True)
+class InputSpec:
+    node: str        # placeholder name in the graph
+    kind: InputKind
+    key: str         # user-facing name: "l1.weight", "l1.weight.exp_avg", "lr", "batch.0"
+
+
+@dataclass(frozen=True, slots=True)
+class OutputSpec:
+    node: str        # name of the graph node whose value is output
+    kind: OutputKind
+    key: str         # "loss", "grad.l1.weight", or the state key it updates
+
+
+def node_annotation(node: fx.Node, key: str = LABEL_ANNOTATION) -> str | None:
+    """An annotation `torch.fx.traceback.annotate` (or splitrun) left on `node`."""
+    custom = node.meta.get("custom")
+    return None if not custom else custom.get(key)
+
+
+def set_node_annotation(node: fx.Node, value: str, key: str = LABEL_ANNOTATION) -> None:
+    custom = dict(node.meta.get("custom") or {})
+    custom[key] = value
+    node.meta["custom"] = custom
+
+
+@dataclass
+class Program:
+    """One training step as one graph, ready to split.
+
+    `hparams_fn(step)` returns the hyperparameter feeds for a 0-based step
+    (learning rates read live, so schedules work). `param_groups` maps each
+    learning-rate key to the parameters it drives.
+    """
+
+    graph_module: fx.GraphModule
+    inputs: tuple[InputSpec, ...]
+    outputs: tuple[OutputSpec, ...]
+    initial_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    hparams_fn: Callable[[int], dict[str, torch.Tensor]] | None = None
+    # Extra facts a mode may need (sparse gradients, server placement hints).
+    extras: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._by_node = {spec.node: spec for spec in self.inputs}
+        self._by_key = {spec.key: spec for spec in self.inputs}
+        self._state_output = {s.key: s for s in self.outputs if s.kind is OutputKind.STATE}
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+    def input_spec(self, node_name: str) -> InputSpec | None:
+        return self._by_node.get(node_name)
+
+    def input_for_key(self, key: str) -> InputSpec:
+        return self._by_key[key]
+
+    def state_keys(self) -> list[str]:
+        return [s.key for s in self.inputs if s.kind.is_state]
+
+    def feed_keys(self) -> list[str]:
+        return [s.key for s in self.inputs if not s.kind.is_state]
+
+    def state_output(self, key: str) -> OutputSpec | None:
+        return self._state_output.get(key)
+
+    def hparams(self, step: int) -> dict[str, torch.Tensor]:
+        return {} if self.hparams_fn is None else self.hparams_fn(step)
+
+    def module_of(self, node: fx.Node) -> str | None:
+        return node_annotation(node, MODULE_ANNOTATION)
+
+    def explicit_label(self, node: fx.Node) -> str | None:
+        return node_annotation(node, LABEL_ANNOTATION)
+
+    # -- running the unsplit step (the reference every split is compared to) --
+
+    def flat_inputs(self, state: Mapping[str, torch.Tensor],
+                    feeds: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        values = []
+        for spec in self.inputs:
+            source = state if spec.kind.is_state else feeds
+            if spec.key not in source:
+                where = "state" if spec.kind.is_state else "feeds"
+                raise PlanError(
+                    f"input {spec.key!r} ({spec.kind.value}) is missing from the "
+                    f"{where}; the step needs {', '.join(s.key for s in self.inputs)}")
+            values.append(source[spec.key])
+        return values
+
+    def run_unsplit(self, state: Mapping[str, torch.Tensor],
+                    feeds: Mapping[str, torch.Tensor],
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Run the whole step in this process.
+
+        Returns `(outputs, new_state)`: outputs by key (loss, grads) and the
+        state after the step.
+        """
+        results = self.graph_module(*self.flat_inputs(state, feeds))
+        new_state = dict(state)
+        outputs: dict[str, torch.Tensor] = {}
+        for spec, value in zip(self.outputs, results):
+            if spec.kind is OutputKind.STATE:
+                new_state[spec.key] = value
+            else:
+                outputs[spec.key] = value
+        return outputs, new_state
+
+    def train_unsplit(self, num_steps: int,
+                      batches: Callable[[int], Mapping[str, torch.Tensor]],
+                      state: Mapping[str, torch.Tensor] | None = None,
+                      ) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+        """Run `num_steps` unsplit steps; `batches(step)` gives the batch feeds."""
+        state = dict(self.initial_state if state is None else state)
+        history = []
+        for step in range(num_steps):
+            feeds = {**batches(step), **self.hparams(step)}
+            outputs, state = self.run_unsplit(state, feeds)
+            history.append(outputs)
+        return history, state
+
+
+def label_or_none(text: str | None) -> Label | None:
+    return None if text is None else Label.parse(text)

@@ -1,0 +1,145 @@
+"""Give every node of a program its label.
+
+Rules, in order: an explicit label (from `place`, `region` or capture) wins;
+batch inputs and graph constants are replicated (every process that reads them
+has them); a state slot lives with the process that updates it; an unlabelled
+node that only views, reshapes or indexes one input follows its producer; any
+other node takes the mode's default label.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from .errors import PlanError
+from .labels import Cluster, Label, Role
+from .program import InputKind, OutputKind, Program
+
+__all__ = ["resolve_labels", "describe_node", "FOLLOWER_OPS"]
+
+_aten = torch.ops.aten
+
+# Ops whose result depends on one input's data or only its shape: they run
+# where that input is, instead of dragging it to the default process.
+FOLLOWER_OPS = frozenset({
+    _aten.view, _aten._unsafe_view, _aten.reshape, _aten.t, _aten.transpose,
+    _aten.permute, _aten.expand, _aten.squeeze, _aten.unsqueeze, _aten.slice,
+    _aten.select, _aten.detach, _aten.alias, _aten.as_strided, _aten.unflatten,
+    _aten.flatten, _aten.clone, _aten._to_copy, _aten.ones_like, _aten.zeros_like,
+    _aten.empty_like, _aten.full_like, _aten.split, _aten.unbind, _aten.chunk,
+    operator.getitem,
+})
+
+
+def _is_follower(node: fx.Node) -> bool:
+    target = getattr(node.target, "overloadpacket", node.target)
+    return target in FOLLOWER_OPS and len(node.all_input_nodes) == 1
+
+
+def describe_node(program: Program, node: fx.Node) -> str:
+    module = program.module_of(node)
+    spec = program.input_spec(node.name) if node.op == "placeholder" else None
+    if spec is not None:
+        return f"input {node.name} ({spec.kind.value} {spec.key!r})"
+    return f"node {node.name}" + (f" (module {module!r})" if module else "")
+
+
+class _LabelChecker:
+    def __init__(self, program: Program, cluster: Cluster, mode) -> None:
+        self.program, self.cluster, self.mode = program, cluster, mode
+        self._parsed: dict[str, Label] = {}
+        self._checked: set[Label] = set()
+
+    def parse(self, node: fx.Node, text: str) -> Label:
+        label = self._parsed.get(text)
+        if label is None:
+            try:
+                label = Label.parse(text)
+            except PlanError:
+                raise
+            except Exception as exc:
+                raise PlanError(f"{describe_node(self.program, node)}: {exc}") from None
+            self._parsed[text] = label
+        return label
+
+    def check(self, node: fx.Node, label: Label) -> None:
+        if label in self._checked:
+            return
+        where = describe_node(self.program, node)
+        if label.role is Role.SCHEDULER:
+            raise PlanError(
+                f"{where} is placed on the scheduler; the scheduler runs cluster "
+                f"membership only, place the op on a worker or a server")
+        size = self.cluster.size(label.role)
+        if label.rank >= size:
+            have = (f"ranks 0-{size - 1}" if size > 1 else "rank 0") if size else "none"
+            raise PlanError(
+                f"{where} is placed on {label.describe()}, but the cluster has "
+                f"{size} {label.role.value}s ({have}); lower the rank or launch with "
+                f"--{label.role.value}s {label.rank + 1}")
+        reason = self.mode.reject_label(label, self.cluster)
+        if reason:
+            raise PlanError(f"{where} is placed on {label.describe()}: {reason}")
+        self._checked.add(label)
+
+
+def resolve_labels(program: Program, cluster: Cluster, mode) -> dict[fx.Node, Label | None]:
+    """Label of every placeholder, constant and call; None means replicated."""
+    default = mode.default_label(cluster)
+    checker = _LabelChecker(program, cluster, mode)
+    labels: dict[fx.Node, Label | None] = {}
+    explicit: set[fx.Node] = set()
+    for node in program.graph.nodes:
+        op = node.op
+        if op == "output":
+            continue
+        if op == "get_attr":
+            labels[node] = None
+            continue
+        if op not in ("placeholder", "call_function"):
+            raise PlanError(
+                f"{describe_node(program, node)} has op kind {op!r}; splitrun graphs "
+                f"hold placeholders, constants and function calls only (capture them "
+                f"with splitrun.splitter.capture)")
+        text = program.explicit_label(node)
+        if op == "placeholder":
+            spec = program.input_spec(node.name)
+            if spec is None:
+                raise PlanError(f"placeholder {node.name} is not one of the program's inputs")
+            if spec.kind is InputKind.BATCH:
+                labels[node] = None
+                continue
+        if text is not None:
+            label = checker.parse(node, text)
+            explicit.add(node)
+        elif op == "call_function" and _is_follower(node):
+            label = labels[node.all_input_nodes[0]] or default
+        else:
+            label = default
+        checker.check(node, label)
+        labels[node] = label
+    _place_state_with_its_update(program, labels, explicit)
+    return labels
+
+
+def _place_state_with_its_update(program: Program, labels, explicit) -> None:
+    nodes = {n.name: n for n in labels}
+    for spec in program.outputs:
+        if spec.kind is not OutputKind.STATE:
+            continue
+        placeholder = nodes[program.input_for_key(spec.key).node]
+        producer = nodes.get(spec.node)
+        if producer is None or producer is placeholder:
+            continue
+        owner = labels[producer]
+        if labels[placeholder] == owner or owner is None:
+            continue
+        if placeholder in explicit:
+            raise PlanError(
+                f"state {spec.key!r} is placed on {labels[placeholder].describe()} but "
+                f"updated by {describe_node(program, producer)} on {owner.describe()}; "
+                f"a state slot lives where it is updated: place both on one process")
+        labels[placeholder] = owner
