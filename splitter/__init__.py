@@ -1,0 +1,55 @@
+"""Everything decided before any process talks to another: labels, capture,
+functional optimizers, the GraphSplitter and its modes, and the SplitPlan."""
+
+from . import optim
+from .capture import capture
+from .errors import CaptureError, LabelError, PlanError, PlanParseError, SplitrunError
+from .graph_splitter import GraphSplitter, split
+from .labels import Cluster, Label, Role, place, placement_of, region
+from .modes import GeneralMode, Mode
+from .plan import (
+    Channel,
+    ChannelKind,
+    ControlEdge,
+    DataSync,
+    Instruction,
+    ModeKind,
+    OpKind,
+    ProcessPlan,
+    SplitPlan,
+)
+from .program import InputKind, InputSpec, OutputKind, OutputSpec, Program
+
+__all__ = [
+    "optim",
+    "capture",
+    "SplitrunError",
+    "LabelError",
+    "CaptureError",
+    "PlanError",
+    "PlanParseError",
+    "GraphSplitter",
+    "split",
+    "Cluster",
+    "Label",
+    "Role",
+    "place",
+    "placement_of",
+    "region",
+    "Mode",
+    "GeneralMode",
+    "Channel",
+    "ChannelKind",
+    "ControlEdge",
+    "DataSync",
+    "Instruction",
+    "ModeKind",
+    "OpKind",
+    "ProcessPlan",
+    "SplitPlan",
+    "InputKind",
+    "InputSpec",
+    "OutputKind",
+    "OutputSpec",
+    "Program",
+]

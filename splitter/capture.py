@@ -67,7 +67,7 @@ def capture(model: nn.Module, loss_fn: LossFn,
     batch = _flatten_batch(example_batch)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    _reject_sparse_embeddings(model)
+    _reject_uncapturable_modules(model)
     groups = _optimizer_groups(optimizer, params)
     trainable = [name for name, p in params.items()
                  if p.requires_grad and (optimizer is None or name in groups.param_group)]
@@ -112,8 +112,15 @@ def _flatten_batch(example_batch) -> list[torch.Tensor]:
     return batch
 
 
-def _reject_sparse_embeddings(model: nn.Module) -> None:
+def _reject_uncapturable_modules(model: nn.Module) -> None:
     for path, module in model.named_modules():
+        where = f"{path or type(model).__name__!r} ({type(module).__name__})"
+        if (isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training
+                and module.track_running_stats):
+            raise CaptureError(
+                f"module {where} updates its running statistics in place during "
+                f"training; splitrun captures pure steps: use LayerNorm or GroupNorm, "
+                f"BatchNorm with track_running_stats=False, or put the module in eval mode")
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
             raise CaptureError(
                 f"module {path or type(model).__name__!r} is an "
@@ -204,8 +211,10 @@ class _ModuleRegions:
     def __init__(self, model: nn.Module) -> None:
         self._open: list[AbstractContextManager] = []
         self._handles = []
+        self.kind_of: dict[str, str] = {}  # module path -> class name, for errors
         for path, module in model.named_modules():
             annotation = {MODULE_ANNOTATION: path or type(model).__name__}
+            self.kind_of[annotation[MODULE_ANNOTATION]] = type(module).__name__
             label = placement_of(module)
             if label is not None:
                 annotation[LABEL_ANNOTATION] = str(label)
@@ -242,8 +251,10 @@ def _trace_joint(model, loss_fn, trainable, params, frozen, batch) -> fx.GraphMo
             with _reparametrize_module(model, state):
                 loss = loss_fn(model, *flat[num_trainable + num_frozen:])
         except BaseException:
-            failure_site["module"] = (fx_traceback.current_meta.get("custom") or {}).get(
+            path = (fx_traceback.current_meta.get("custom") or {}).get(
                 MODULE_ANNOTATION, type(model).__name__)
+            kind = regions.kind_of.get(path, type(model).__name__)
+            failure_site["where"] = f"module {path!r}" + ("" if path == kind else f" ({kind})")
             raise
         finally:
             regions.close()
@@ -261,31 +272,32 @@ def _trace_joint(model, loss_fn, trainable, params, frozen, batch) -> fx.GraphMo
             return aot_export_joint_simple(step_fn, args, trace_joint=True)
     except CaptureError:
         raise
-    except DataDependentOutputException as exc:
-        raise CaptureError(
-            f"module {failure_site.get('module')!r} calls {exc.func}, which needs a "
-            f"tensor's value while tracing (.item(), bool(), or a Python `if` on a "
-            f"tensor): data-dependent control flow cannot be captured into one graph; "
-            f"compute both branches and pick with torch.where, or decide outside the step"
-        ) from exc
-    except DynamicOutputShapeException as exc:
-        raise CaptureError(
-            f"module {failure_site.get('module')!r} calls {exc.func}, whose output shape "
-            f"depends on tensor values (nonzero, unique, masked_select...); such ops "
-            f"cannot be captured into one static graph; use a fixed-size alternative "
-            f"(torch.where, a mask multiply)") from exc
-    except RuntimeError as exc:
-        text = str(exc)
-        if "input mutations" in text:
-            raise CaptureError(
-                f"the step mutates an input in place (module "
-                f"{failure_site.get('module')!r}; typically BatchNorm running statistics "
-                f"or an in-place update of a buffer); splitrun captures pure steps: "
-                f"use LayerNorm/GroupNorm, or BatchNorm with track_running_stats=False"
-            ) from exc
-        first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-        raise CaptureError(
-            f"capture failed in module {failure_site.get('module')!r}: {first_line}") from exc
+    except Exception as exc:
+        where = failure_site.get("where", f"module {type(model).__name__!r}")
+        raise _capture_error(exc, where) from exc
+
+
+def _capture_error(exc: Exception, where: str) -> CaptureError:
+    """A torch tracing failure as a message naming the module and the op."""
+    if isinstance(exc, DataDependentOutputException):
+        return CaptureError(
+            f"{where} calls {exc.func}, which needs a tensor's value while tracing "
+            f"(.item(), bool(), or a Python `if` on a tensor): data-dependent control "
+            f"flow cannot be captured into one graph; compute both branches and pick "
+            f"with torch.where, or decide outside the step")
+    if isinstance(exc, DynamicOutputShapeException):
+        return CaptureError(
+            f"{where} calls {exc.func}, whose output shape depends on tensor values "
+            f"(nonzero, unique, masked_select...); such ops cannot be captured into one "
+            f"static graph; use a fixed-size alternative (torch.where, a mask multiply)")
+    text = str(exc).strip()
+    if "input mutations" in text:
+        return CaptureError(
+            f"the step mutates one of its inputs in place (an in-place update of a "
+            f"parameter or buffer inside the forward); splitrun captures pure steps: "
+            f"return new values instead of writing into module state")
+    first_line = text.splitlines()[0] if text else type(exc).__name__
+    return CaptureError(f"capture failed in {where}: {type(exc).__name__}: {first_line}")
 
 
 # -- building the step graph --------------------------------------------------

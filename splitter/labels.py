@@ -67,20 +67,47 @@ _ROLE_ORDER = {Role.WORKER: 0, Role.SERVER: 1, Role.SCHEDULER: 2}
 _LABEL_RE = re.compile(r"^(w|s|sched)(\d+)$")
 
 
-@dataclass(frozen=True, slots=True)
 class Label:
-    """The process an op runs on. Sorts workers first, then servers, by rank."""
+    """The process an op runs on. Sorts workers first, then servers, by rank.
+
+    Labels are interned (one object per rank and role), so they hash and
+    compare by identity: the splitter keys large dicts by them.
+    """
+
+    __slots__ = ("rank", "role", "_key")
+    _interned: dict[tuple[int, Role], Label] = {}
 
     rank: int
-    role: Role = Role.WORKER
+    role: Role
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.role, Role):
-            object.__setattr__(self, "role", Role.parse(self.role))
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+    def __new__(cls, rank: int, role: Role | str = Role.WORKER) -> Label:
+        role = Role.parse(role)
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise LabelError(
-                f"rank must be an integer >= 0, got {self.rank!r} for role "
-                f"{self.role.value}")
+                f"rank must be an integer >= 0, got {rank!r} for role {role.value}")
+        label = cls._interned.get((rank, role))
+        if label is None:
+            label = object.__new__(cls)
+            object.__setattr__(label, "rank", rank)
+            object.__setattr__(label, "role", role)
+            object.__setattr__(label, "_key", (_ROLE_ORDER[role], rank))
+            label = cls._interned.setdefault((rank, role), label)
+        return label
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError("Label is immutable")
+
+    def __reduce__(self):
+        return (Label, (self.rank, self.role))
+
+    def __copy__(self) -> Label:
+        return self
+
+    def __deepcopy__(self, memo) -> Label:
+        return self
+
+    def __repr__(self) -> str:
+        return f"Label({self.rank}, {self.role.value!r})"
 
     @classmethod
     def worker(cls, rank: int = 0) -> Label:
@@ -101,13 +128,13 @@ class Label:
         return cls(int(match.group(2)), _SHORT_ROLE[match.group(1)])
 
     def sort_key(self) -> tuple[int, int]:
-        return (_ROLE_ORDER[self.role], self.rank)
+        return self._key
 
     def __lt__(self, other: Label) -> bool:
-        return self.sort_key() < other.sort_key()
+        return self._key < other._key
 
     def __str__(self) -> str:
-        return f"{self.role.short}{self.rank}"
+        return f"{_ROLE_SHORT[self.role]}{self.rank}"
 
     def describe(self) -> str:
         """Human form for messages and log prefixes: `worker 1`."""

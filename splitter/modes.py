@@ -33,10 +33,7 @@ class Edge:
     dst_pos: int        # first consumer's position on dst
     nbytes: int
     state_key: str | None = None  # set when the value is a state slot (data-sync)
-    recv_name: str = ""
-
-    def __post_init__(self) -> None:
-        self.recv_name = self.recv_name or self.value
+    recv_name: str | None = None  # name on the receiver; None: the same as `value`
 
 
 @dataclass(slots=True)

@@ -43,6 +43,10 @@ def _check_channels(plan: SplitPlan) -> None:
                 raise PlanError(
                     f"channel {channel.name} has {count} {what}s; every channel needs "
                     f"exactly one send on {channel.src} and one receive on {channel.dst}")
+        if len(channel.values) != len(channel.recv_names):
+            raise PlanError(
+                f"channel {channel.name}: {len(channel.values)} values sent but "
+                f"{len(channel.recv_names)} names received")
         if channel.kind is ChannelKind.CONTROL and channel.values:
             raise PlanError(f"control channel {channel.name} carries values {channel.values}")
 

@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from .errors import PlanError
-from .labels import LABEL_ANNOTATION, MODULE_ANNOTATION, Label
+from .labels import LABEL_ANNOTATION, MODULE_ANNOTATION
 
 __all__ = [
     "InputKind",
@@ -90,6 +90,12 @@ class Program:
     extras: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        returned = [getattr(n, "name", None) for n in self.graph.output_node().args[0]]
+        declared = [spec.node for spec in self.outputs]
+        if returned != declared:
+            raise PlanError(
+                f"the graph returns {returned} but the program declares outputs "
+                f"{declared}; they must match one to one, in order")
         self._by_node = {spec.node: spec for spec in self.inputs}
         self._by_key = {spec.key: spec for spec in self.inputs}
         self._state_output = {s.key: s for s in self.outputs if s.kind is OutputKind.STATE}
@@ -168,6 +174,3 @@ class Program:
             history.append(outputs)
         return history, state
 
-
-def label_or_none(text: str | None) -> Label | None:
-    return None if text is None else Label.parse(text)

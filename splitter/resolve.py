@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from .errors import PlanError
-from .labels import Cluster, Label, Role
+from .labels import LABEL_ANNOTATION, Cluster, Label, Role
 from .program import InputKind, OutputKind, Program
 
 __all__ = ["resolve_labels", "describe_node", "FOLLOWER_OPS"]
@@ -51,7 +51,7 @@ class _LabelChecker:
     def __init__(self, program: Program, cluster: Cluster, mode) -> None:
         self.program, self.cluster, self.mode = program, cluster, mode
         self._parsed: dict[str, Label] = {}
-        self._checked: set[Label] = set()
+        self.checked: set[Label] = set()
 
     def parse(self, node: fx.Node, text: str) -> Label:
         label = self._parsed.get(text)
@@ -66,8 +66,6 @@ class _LabelChecker:
         return label
 
     def check(self, node: fx.Node, label: Label) -> None:
-        if label in self._checked:
-            return
         where = describe_node(self.program, node)
         if label.role is Role.SCHEDULER:
             raise PlanError(
@@ -83,15 +81,16 @@ class _LabelChecker:
         reason = self.mode.reject_label(label, self.cluster)
         if reason:
             raise PlanError(f"{where} is placed on {label.describe()}: {reason}")
-        self._checked.add(label)
+        self.checked.add(label)
 
 
 def resolve_labels(program: Program, cluster: Cluster, mode) -> dict[fx.Node, Label | None]:
     """Label of every placeholder, constant and call; None means replicated."""
     default = mode.default_label(cluster)
     checker = _LabelChecker(program, cluster, mode)
+    checked = checker.checked
     labels: dict[fx.Node, Label | None] = {}
-    explicit: set[fx.Node] = set()
+    explicit_inputs: set[fx.Node] = set()
     for node in program.graph.nodes:
         op = node.op
         if op == "output":
@@ -104,7 +103,8 @@ def resolve_labels(program: Program, cluster: Cluster, mode) -> dict[fx.Node, La
                 f"{describe_node(program, node)} has op kind {op!r}; splitrun graphs "
                 f"hold placeholders, constants and function calls only (capture them "
                 f"with splitrun.splitter.capture)")
-        text = program.explicit_label(node)
+        custom = node.meta.get("custom")
+        text = custom.get(LABEL_ANNOTATION) if custom else None
         if op == "placeholder":
             spec = program.input_spec(node.name)
             if spec is None:
@@ -112,16 +112,18 @@ def resolve_labels(program: Program, cluster: Cluster, mode) -> dict[fx.Node, La
             if spec.kind is InputKind.BATCH:
                 labels[node] = None
                 continue
+            if text is not None:
+                explicit_inputs.add(node)
         if text is not None:
             label = checker.parse(node, text)
-            explicit.add(node)
         elif op == "call_function" and _is_follower(node):
             label = labels[node.all_input_nodes[0]] or default
         else:
             label = default
-        checker.check(node, label)
+        if label not in checked:
+            checker.check(node, label)
         labels[node] = label
-    _place_state_with_its_update(program, labels, explicit)
+    _place_state_with_its_update(program, labels, explicit_inputs)
     return labels
 
 

@@ -1,0 +1,91 @@
+"""Executor and mailbox failure modes: deadlines, dead peers, bad messages."""
+
+import time
+
+import pytest
+import torch
+
+from splitrun.runtime import (
+    Executor,
+    LoopbackHub,
+    Mailbox,
+    MessageKey,
+    MessageRejected,
+    PeerFailed,
+    RecvTimeout,
+    run_threaded,
+)
+from splitrun.splitter import Cluster, Label, OpKind, split
+from splitrun.splitter.synthetic import random_batches, random_program
+
+W0, W1 = Label.worker(0), Label.worker(1)
+
+
+@pytest.fixture
+def two_worker_plan():
+    cluster = Cluster(num_workers=2)
+    program = random_program(30, cluster.labels(), seed=3, run_length=3.0)
+    plan = split(program, cluster)
+    assert any(c.dst == W1 for c in plan.channels)
+    return plan, program
+
+
+def test_receive_whose_peer_never_sends_names_channel_peer_and_step(two_worker_plan):
+    plan, program = two_worker_plan
+    hub = LoopbackHub(plan.labels)
+    executor = Executor(plan, W1, hub.transport(W1), recv_timeout_s=0.3)
+    executor.load_state(program.initial_state)
+    first_recv = next(i.target for i in plan.process(W1).schedule if i.kind is OpKind.RECV)
+    batch = random_batches(program, 1)[0]
+    started = time.monotonic()
+    with pytest.raises(RecvTimeout, match=rf"\[worker 1\] receive on channel '{first_recv}' "
+                                          r"step 0: no message from worker 0 within 0.3 s"):
+        executor.run_step(0, batch)
+    assert time.monotonic() - started < 5
+
+
+def test_a_failing_process_stops_the_others_with_its_name(two_worker_plan):
+    plan, program = two_worker_plan
+    batches = random_batches(program, 3)
+
+    def feeds(step):
+        if step == 1:
+            return {}  # every process misses its batch at step 1
+        return batches[step]
+
+    started = time.monotonic()
+    with pytest.raises(Exception, match=r"step 1: feed 'batch\.\d' is missing"):
+        run_threaded(plan, 3, feeds, recv_timeout_s=30)
+    assert time.monotonic() - started < 10, "peers must stop at once, not at their deadline"
+
+
+def test_abort_wakes_a_waiting_receive_with_the_failure():
+    mailbox = Mailbox(W1)
+    mailbox.abort(PeerFailed("stopped because worker 0 failed: boom"))
+    with pytest.raises(PeerFailed, match="worker 0 failed: boom"):
+        mailbox.take(MessageKey(0, 0, "w0->w1#0"), W0, timeout_s=5)
+
+
+def test_mailbox_refuses_stale_incarnation_and_duplicates():
+    mailbox = Mailbox(W1, incarnation=2)
+    with pytest.raises(MessageRejected, match=r"incarnation is 2; the sender is from a previous"):
+        mailbox.put(MessageKey(1, 0, "w0->w1#0"), W0, [])
+    key = MessageKey(2, 0, "w0->w1#0")
+    mailbox.put(key, W0, [torch.zeros(1)])
+    with pytest.raises(MessageRejected, match=r"second message"):
+        mailbox.put(key, W0, [torch.zeros(1)])
+
+
+def test_wrong_shape_in_a_message_is_rejected(two_worker_plan):
+    plan, program = two_worker_plan
+    hub = LoopbackHub(plan.labels)
+    executor = Executor(plan, W1, hub.transport(W1), recv_timeout_s=5)
+    executor.load_state(program.initial_state)
+    schedule = plan.process(W1).schedule
+    first_recv = next(i.target for i in schedule if i.kind is OpKind.RECV)
+    channel = plan.channel(first_recv)
+    wrong = [torch.zeros(7, dtype=torch.float64) for _ in channel.values]
+    hub.mailboxes[W1].put(MessageKey(0, 0, first_recv), channel.src, wrong)
+    with pytest.raises(MessageRejected, match=rf"channel '{first_recv}' from worker 0: .* "
+                                              r"expected float32\[4\], got float64\[7\]"):
+        executor.run_step(0, random_batches(program, 1)[0])
