@@ -1,15 +1,19 @@
-"""Split a model three ways and train it next to the unsplit step.
+"""Train a model split three ways across real processes, next to the unsplit step.
 
-Every process of the split program runs as a thread of this process over the
-loopback transport; the losses of both runs are printed side by side and must
-be identical.
+    splitrun launch --workers 3 examples/pipeline_split.py [--steps 60]
+    splitrun plan --workers 3 examples/pipeline_split.py --out plan.dot
+    python examples/pipeline_split.py --local     # every process as a thread, no sockets
 
-    python examples/pipeline_split.py [--steps 30] [--workers 3] [--plan plan.dot]
+The embedding runs on worker 0, the MLP on worker 1, the tied output head on
+worker 2 (it reads worker 0's embedding table by data-sync every step), the loss
+on worker 0. Worker 0 also trains the unsplit step on the same data and prints
+both losses; the run fails unless the final parameters are identical.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 import time
@@ -20,50 +24,82 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from models import TiedBigramLM, lm_loss, markov_batches  # noqa: E402
 
-from splitrun.runtime import run_threaded  # noqa: E402
-from splitrun.splitter import Cluster, capture, optim, split  # noqa: E402
+from splitrun.runtime import Job, run_threaded  # noqa: E402
+from splitrun.runtime.job import ENV  # noqa: E402
+from splitrun.splitter import Cluster, Program, capture, optim, split  # noqa: E402
+
+
+def build(num_workers: int, steps: int, lr: float):
+    torch.manual_seed(0)  # every process builds the same model and data
+    model = TiedBigramLM(num_workers=num_workers)
+    batches = markov_batches(steps)
+    program = capture(model, lm_loss, optim.Adam(lr=lr), batches[0])
+    return program, batches
+
+
+def compare(program: Program, batches, losses: list[float],
+            final_state: dict[str, torch.Tensor], elapsed_s: float) -> int:
+    started = time.perf_counter()
+    history, expected = program.train_unsplit(
+        len(batches), lambda s: {"batch.0": batches[s][0], "batch.1": batches[s][1]})
+    unsplit_s = time.perf_counter() - started
+    every = max(1, len(batches) // 10)
+    print(f"{'step':>5}  {'split loss':>11}  {'unsplit loss':>12}")
+    for step in range(0, len(batches), every):
+        print(f"{step:>5}  {losses[step]:>11.6f}  {history[step]['loss'].item():>12.6f}")
+    print(f"final  {losses[-1]:>11.6f}  {history[-1]['loss'].item():>12.6f}")
+    same = all(torch.equal(final_state[key], value) for key, value in expected.items())
+    print(f"split: {len(batches) / elapsed_s:.1f} steps/s; unsplit in one process: "
+          f"{len(batches) / unsplit_s:.1f} steps/s")
+    print(f"final parameters identical to the unsplit run: {same}")
+    return 0 if same else 1
+
+
+def run_launched(args) -> int:
+    job = Job.from_env()
+    program, batches = build(job.cluster.num_workers, args.steps, args.lr)
+    trainer = job.start(program, num_steps=args.steps)
+    started = time.perf_counter()
+    losses = []
+    if job.is_worker:
+        for tokens, targets in batches:
+            outputs = trainer.step((tokens, targets))
+            if "loss" in outputs:
+                losses.append(outputs["loss"].item())
+    final_state = trainer.finish()
+    if not job.is_driver:
+        return 0
+    return compare(program, batches, losses, final_state, time.perf_counter() - started)
+
+
+def run_local(args) -> int:
+    program, batches = build(args.workers, args.steps, args.lr)
+    plan = split(program, Cluster(num_workers=args.workers))
+    plan.lint(program)
+    print(plan.summary())
+    started = time.perf_counter()
+    run = run_threaded(plan, args.steps,
+                       lambda s: {"batch.0": batches[s][0], "batch.1": batches[s][1]})
+    losses = [h["loss"].item() for h in run.history]
+    return compare(program, batches, losses, run.state, time.perf_counter() - started)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--workers", type=int, default=3, choices=(2, 3))
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--plan", type=pathlib.Path, help="write the plan as DOT here")
+    parser.add_argument("--local", action="store_true",
+                        help="run every process as a thread of this one (loopback)")
+    parser.add_argument("--workers", type=int, default=3, choices=(1, 2, 3),
+                        help="with --local: how many workers to split across")
     args = parser.parse_args()
-
-    torch.manual_seed(0)
-    model = TiedBigramLM(num_workers=args.workers)
-    batches = markov_batches(args.steps)
-    feeds = lambda step: {"batch.0": batches[step][0], "batch.1": batches[step][1]}  # noqa: E731
-
-    program = capture(model, lm_loss, optim.Adam(lr=args.lr), batches[0])
-    plan = split(program, Cluster(num_workers=args.workers))
-    plan.lint(program)
-    print(plan.summary())
-    if args.plan:
-        args.plan.write_text(plan.to_dot())
-        print(f"plan written to {args.plan}")
-
-    started = time.perf_counter()
-    unsplit_history, unsplit_state = program.train_unsplit(args.steps, feeds)
-    unsplit_s = time.perf_counter() - started
-    started = time.perf_counter()
-    run = run_threaded(plan, args.steps, feeds)
-    split_s = time.perf_counter() - started
-
-    print(f"{'step':>4}  {'unsplit loss':>12}  {'split loss':>12}")
-    for step in range(args.steps):
-        print(f"{step:>4}  {unsplit_history[step]['loss'].item():>12.6f}  "
-              f"{run.history[step]['loss'].item():>12.6f}")
-    same = all(torch.equal(run.state[key], unsplit_state[key]) for key in unsplit_state)
-    same &= all(torch.equal(run.history[s]["loss"], unsplit_history[s]["loss"])
-                for s in range(args.steps))
-    messages = sum(stats.messages_sent for stats in run.stats.values()) / args.steps
-    print(f"split run: {messages:.0f} messages per step, {args.steps / split_s:.1f} steps/s "
-          f"(unsplit {args.steps / unsplit_s:.1f} steps/s)")
-    print("final parameters and losses identical to the unsplit step:", same)
-    return 0 if same else 1
+    if args.local:
+        return run_local(args)
+    if not (os.environ.get(ENV.SCHEDULER) or os.environ.get(ENV.PLAN_OUT)):
+        print("not started by splitrun; run `splitrun launch --workers 3 "
+              "examples/pipeline_split.py`, or pass --local", file=sys.stderr)
+        return 2
+    return run_launched(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,5 @@
+"""The `splitrun` command: launch, join, plan, scheduler."""
+
+from .cli import main
+
+__all__ = ["main"]

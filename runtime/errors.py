@@ -12,6 +12,7 @@ __all__ = [
     "PeerFailed",
     "StepFailed",
     "ClusterError",
+    "JobFinished",
 ]
 
 
@@ -38,3 +39,12 @@ class StepFailed(SplitrunError):
 
 class ClusterError(SplitrunError):
     """Membership went wrong: registration refused, plan mismatch, lost process."""
+
+
+class JobFinished(SplitrunError):
+    """Not a failure: the workers finished, so the step being waited for will
+    never run. Ends a server's serving loop."""
+
+    def __init__(self, num_steps: int) -> None:
+        super().__init__(f"the workers finished after {num_steps} steps")
+        self.num_steps = num_steps

@@ -200,8 +200,13 @@ class Executor:
 
     # -- one step --
 
-    def run_step(self, step: int, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run this process's subgraph once; return the outputs delivered here."""
+    def run_step(self, step: int, feeds: Mapping[str, torch.Tensor], *,
+                 first_recv_timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+        """Run this process's subgraph once; return the outputs delivered here.
+
+        `first_recv_timeout_s` bounds the step's first receive instead of
+        `recv_timeout_s`: a serving process may wait long for the next step.
+        """
         started = time.perf_counter()
         env: dict[str, object] = dict(self._constants)
         for key, node in self._state_nodes.items():
@@ -232,7 +237,10 @@ class Executor:
                 counter.messages += 1
                 counter.bytes += _tensor_bytes(tensors)
             else:
-                self._receive(step, name, target, payload, env)
+                timeout = self.recv_timeout_s
+                if first_recv_timeout_s is not None:
+                    timeout, first_recv_timeout_s = first_recv_timeout_s, None
+                self._receive(step, name, target, payload, env, timeout)
             for dead in self._free_after[index]:
                 env.pop(dead, None)
 
@@ -243,11 +251,11 @@ class Executor:
         self.stats.step_s += time.perf_counter() - started
         return outputs
 
-    def _receive(self, step, channel, src, payload, env) -> None:
+    def _receive(self, step, channel, src, payload, env, timeout_s) -> None:
         recv_names, expected = payload
         key = MessageKey(self.incarnation, step, channel)
         waited = time.perf_counter()
-        tensors = self.transport.recv(src, key, self.recv_timeout_s)
+        tensors = self.transport.recv(src, key, timeout_s)
         self.stats.recv_wait_s += time.perf_counter() - waited
         if len(tensors) != len(recv_names):
             raise MessageRejected(

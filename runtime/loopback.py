@@ -49,5 +49,11 @@ class LoopbackTransport:
     def abort(self, error: BaseException) -> None:
         self.hub.mailboxes[self.label].abort(error)
 
+    def finish_at(self, num_steps: int) -> None:
+        self.hub.mailboxes[self.label].finish_at(num_steps)
+
+    def flush(self, timeout_s: float) -> None:
+        pass  # sends are delivered synchronously
+
     def close(self) -> None:
         pass

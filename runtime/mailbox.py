@@ -10,7 +10,7 @@ import torch
 
 from splitrun.splitter.labels import Label
 
-from .errors import MessageRejected, PeerFailed, RecvTimeout
+from .errors import JobFinished, MessageRejected, RecvTimeout
 from .transport import MessageKey
 
 __all__ = ["Mailbox"]
@@ -30,6 +30,7 @@ class Mailbox:
         self._messages: dict[MessageKey, tuple[Label, list[torch.Tensor]]] = {}
         self._cond = threading.Condition()
         self._error: BaseException | None = None
+        self._finished_at: int | None = None
 
     def put(self, key: MessageKey, src: Label, tensors: Sequence[torch.Tensor]) -> None:
         with self._cond:
@@ -51,6 +52,8 @@ class Mailbox:
             while key not in self._messages:
                 if self._error is not None:
                     raise self._error
+                if self._finished_at is not None and key.step >= self._finished_at:
+                    raise JobFinished(self._finished_at)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise RecvTimeout(
@@ -72,6 +75,13 @@ class Mailbox:
                 self._error = error
             self._cond.notify_all()
 
+    def finish_at(self, num_steps: int) -> None:
+        """The job ran `num_steps` steps: receives for later steps end with
+        `JobFinished`; receives for earlier steps still wait for their message."""
+        with self._cond:
+            self._finished_at = num_steps
+            self._cond.notify_all()
+
     def pending(self) -> list[MessageKey]:
         with self._cond:
             return sorted(self._messages, key=lambda k: (k.step, k.channel))
@@ -81,6 +91,3 @@ class Mailbox:
             for key in [k for k in self._messages if k.step < step]:
                 del self._messages[key]
 
-
-def peer_failed(failed: Label, reason: str) -> PeerFailed:
-    return PeerFailed(f"stopped because {failed.describe()} failed: {reason}")

@@ -43,5 +43,11 @@ class Transport(Protocol):
     def abort(self, error: BaseException) -> None:
         """Wake every pending receive of this process with `error`."""
 
+    def finish_at(self, num_steps: int) -> None:
+        """Receives for steps >= `num_steps` end with `JobFinished`."""
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait until every queued send has been delivered."""
+
     def close(self) -> None:
         """Release resources; pending sends are flushed or reported."""

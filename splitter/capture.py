@@ -12,6 +12,7 @@ parameter's owner.
 from __future__ import annotations
 
 import logging
+import operator
 import re
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -31,7 +32,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from . import optim
 from .errors import CaptureError
-from .labels import LABEL_ANNOTATION, MODULE_ANNOTATION, Label, placement_of
+from .sparse_optim import ROW_WISE_UPDATES, sparse_update_for
+from .labels import LABEL_ANNOTATION, MODULE_ANNOTATION, placement_of
 from .program import (
     InputKind,
     InputSpec,
@@ -95,8 +97,15 @@ def capture(model: nn.Module, loss_fn: LossFn,
                 initial_state[f"{name}.{state_name}"] = value
     for name, tensor in frozen.items():
         initial_state[name] = tensor.detach().clone()
+    # The gradient of every trainable parameter: modes that move the update
+    # elsewhere (parameter server) find it through these.
+    extras = {"grad_of": {name: node.name for name, node in builder.grads.items()
+                          if name not in builder.sparse_grads},
+              "sparse_grad_of": {name: (i.name, v.name)
+                                 for name, (i, v) in builder.sparse_grads.items()}}
     return Program(gm, program_inputs, program_outputs, initial_state,
-                   hparams_fn=groups.hparams if optimizer is not None else None)
+                   hparams_fn=groups.hparams if optimizer is not None else None,
+                   extras=extras)
 
 
 # -- inputs -----------------------------------------------------------------
@@ -121,20 +130,20 @@ def _reject_uncapturable_modules(model: nn.Module) -> None:
                 f"module {where} updates its running statistics in place during "
                 f"training; splitrun captures pure steps: use LayerNorm or GroupNorm, "
                 f"BatchNorm with track_running_stats=False, or put the module in eval mode")
-        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+        if isinstance(module, nn.EmbeddingBag) and module.sparse:
             raise CaptureError(
-                f"module {path or type(model).__name__!r} is an "
-                f"{type(module).__name__}(sparse=True); sparse gradients are not "
-                f"supported by this capture yet; use sparse=False")
+                f"module {where} has sparse=True; sparse gradients are supported for "
+                f"nn.Embedding, not EmbeddingBag yet: use nn.Embedding and a sum/mean, "
+                f"or sparse=False")
 
 
-def _state_owners(model: nn.Module) -> dict[str, Label]:
-    """Owner of each placed parameter or buffer: its own placement, else the
+def _state_owners(model: nn.Module) -> dict[str, str]:
+    """Placement of each placed parameter or buffer: its own, else that of the
     innermost placed module that registers it."""
-    owners: dict[str, Label] = {}
+    owners: dict[str, str] = {}
     seen: set[int] = set()
 
-    def visit(module: nn.Module, prefix: str, inherited: Label | None) -> None:
+    def visit(module: nn.Module, prefix: str, inherited: str | None) -> None:
         label = placement_of(module) or inherited
         for name, tensor in [*module.named_parameters(recurse=False),
                              *module.named_buffers(recurse=False)]:
@@ -217,7 +226,7 @@ class _ModuleRegions:
             self.kind_of[annotation[MODULE_ANNOTATION]] = type(module).__name__
             label = placement_of(module)
             if label is not None:
-                annotation[LABEL_ANNOTATION] = str(label)
+                annotation[LABEL_ANNOTATION] = label
             self._handles.append(module.register_forward_pre_hook(self._enter(annotation)))
             self._handles.append(module.register_forward_hook(self._exit))
 
@@ -311,7 +320,7 @@ class _StepBuilder:
     tangent for the loss, and the optimizer updates appended."""
 
     def __init__(self, joint: fx.GraphModule, trainable: list[str], frozen: list[str],
-                 num_batch: int, owners: dict[str, Label]) -> None:
+                 num_batch: int, owners: dict[str, str]) -> None:
         self.joint = joint
         self.trainable = trainable
         self.frozen = frozen
@@ -324,13 +333,14 @@ class _StepBuilder:
         self.env: dict[fx.Node, fx.Node] = {}
         self.loss: fx.Node | None = None
         self.grads: dict[str, fx.Node] = {}
+        self.sparse_grads: dict[str, tuple[fx.Node, fx.Node]] = {}
         self._update_cache: dict[tuple, fx.GraphModule] = {}
 
     def _placeholder(self, name: str, kind: InputKind, key: str,
-                     owner: Label | None = None) -> fx.Node:
+                     owner: str | None = None) -> fx.Node:
         node = self.graph.placeholder(name)
         if owner is not None:
-            set_node_annotation(node, str(owner))
+            set_node_annotation(node, owner)
         self.inputs.append(InputSpec(node.name, kind, key))
         self.input_nodes[key] = node
         return node
@@ -383,7 +393,10 @@ class _StepBuilder:
                 raise CaptureError(
                     f"parameter {name!r} requires grad but the loss does not depend on "
                     f"it; freeze it (requires_grad=False) or leave it out of the optimizer")
-            self.grads[name] = self.env[grad]
+            node = self.grads[name] = self.env[grad]
+            if node.target is _aten._sparse_coo_tensor_with_dims_and_tensors.default:
+                # nn.Embedding(sparse=True): keep the gradient as (indices, values).
+                self.sparse_grads[name] = (node.args[3], node.args[4])
 
     def _lookup(self, node: fx.Node) -> fx.Node:
         return self.env[node]
@@ -397,22 +410,26 @@ class _StepBuilder:
             if owner is not None:
                 # The state lives where it is updated.
                 for node in (self.input_nodes[name], *state_nodes.values()):
-                    set_node_annotation(node, str(owner))
-            new_param, new_state = self._inline_update(
-                functional, params[name], self.input_nodes[name], self.grads[name],
-                state_nodes, lr, self.input_nodes["step"], owner, name)
+                    set_node_annotation(node, owner)
+            if name in self.sparse_grads:
+                new_param, new_state = self._sparse_update(
+                    functional, params[name], state_nodes, lr, owner, name)
+            else:
+                new_param, new_state = self._inline_update(
+                    functional, params[name], self.input_nodes[name], self.grads[name],
+                    state_nodes, lr, self.input_nodes["step"], owner, name)
             self.outputs.append(OutputSpec(new_param.name, OutputKind.STATE, name))
             for state_name, node in new_state.items():
                 self.outputs.append(OutputSpec(node.name, OutputKind.STATE,
                                                f"{name}.{state_name}"))
 
-    def _forward_label(self, name: str) -> Label | None:
+    def _forward_label(self, name: str) -> str | None:
         """An unplaced parameter is owned by the label of its first labelled
         reader, so a parameter used inside a `region` lives there."""
         for user in self.input_nodes[name].users:
             text = node_annotation(user)
             if text is not None:
-                return Label.parse(text)
+                return text
         return None
 
     def _inline_update(self, functional, param, param_node, grad_node, state_nodes,
@@ -448,14 +465,41 @@ class _StepBuilder:
             new = self.graph.node_copy(node, lambda n: env[n])
             new.meta.pop("custom", None)
             if owner is not None:
-                set_node_annotation(new, str(owner))
+                set_node_annotation(new, owner)
             set_node_annotation(new, f"optimizer.{name}", MODULE_ANNOTATION)
             env[node] = new
         new_param, *new_states = results
         return new_param, dict(zip(state_names, new_states))
 
+    def _sparse_update(self, functional, param, state_nodes, lr_node, owner, name):
+        """One row-wise update node (its output shapes depend on the data, so it
+        is called, not traced) and a getitem per result."""
+        update_fn, settings = sparse_update_for(functional)
+        indices, values = self.sparse_grads[name]
+        state_names = tuple(state_nodes)
+        args = (self.input_nodes[name], indices, values, lr_node, self.input_nodes["step"],
+                *state_nodes.values())
+        update = self.graph.call_function(update_fn, args, settings)
+        results = [self.graph.call_function(operator.getitem, (update, i))
+                   for i in range(1 + len(state_names))]
+        meta = torch.empty(tuple(param.shape), dtype=param.dtype, device="meta")
+        update.meta["val"] = tuple(meta for _ in results)
+        for node in (update, *results):
+            if owner is not None:
+                set_node_annotation(node, owner)
+            set_node_annotation(node, f"optimizer.{name}", MODULE_ANNOTATION)
+        for node in results:
+            node.meta["val"] = meta
+        return results[0], dict(zip(state_names, results[1:]))
+
     def finish(self, return_grads: bool) -> tuple[tuple[InputSpec, ...], tuple[OutputSpec, ...]]:
         outputs = [OutputSpec(self.loss.name, OutputKind.LOSS, "loss")]
+        if not return_grads:
+            # A sparse gradient as a COO tensor is only an output; the update
+            # reads its indices and values.
+            for name in self.sparse_grads:
+                if not self.grads[name].users:
+                    self.graph.erase_node(self.grads[name])
         if return_grads:
             outputs += [OutputSpec(g.name, OutputKind.GRAD, f"grad.{name}")
                         for name, g in self.grads.items()]
@@ -483,9 +527,22 @@ class _StepBuilder:
         return values
 
 
+class _StepValues(FakeTensorProp):
+    """FakeTensorProp that does not run row-wise sparse updates (their shapes
+    depend on data): their results have the shapes of the table and its state."""
+
+    def run_node(self, n: fx.Node):
+        if n.op == "call_function" and n.target in ROW_WISE_UPDATES:
+            with self._mode:
+                result = tuple(torch.empty(t.shape, dtype=t.dtype) for t in n.meta["val"])
+            n.meta["val"] = result
+            return result
+        return super().run_node(n)
+
+
 def _propagate_fake_values(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> None:
     """Give every node a `meta["val"]` (shape and dtype), which the splitter
     uses for byte counts and the runtime for envelopes."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_inputs = [mode.from_tensor(t) for t in example_inputs]
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+    _StepValues(gm, mode).propagate_dont_convert_inputs(*fake_inputs)

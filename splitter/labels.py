@@ -27,6 +27,7 @@ __all__ = [
     "region",
     "placement_of",
     "Cluster",
+    "ANY_SERVER",
     "LABEL_ANNOTATION",
     "MODULE_ANNOTATION",
 ]
@@ -141,15 +142,25 @@ class Label:
         return f"{self.role.value} {self.rank}"
 
 
-def _make_label(role: Role | str, rank: int) -> Label:
-    return Label(rank, Role.parse(role))
+# The annotation of a server placement without a rank: the mode picks the
+# server (balanced by bytes in parameter-server mode, server 0 otherwise).
+ANY_SERVER = "s*"
+
+
+def _placement_text(role: Role | str, rank: int | None) -> str:
+    role = Role.parse(role)
+    if rank is None:
+        return ANY_SERVER if role is Role.SERVER else str(Label(0, role))
+    return str(Label(rank, role))
 
 
 def place(target: nn.Module | nn.Parameter, *, role: Role | str = Role.WORKER,
-          rank: int = 0) -> nn.Module | nn.Parameter:
+          rank: int | None = None) -> nn.Module | nn.Parameter:
     """Run a module (forward, backward, optimizer update of its parameters) or
     own a single parameter on the process `(rank, role)`.
 
+    Without a rank: worker 0 for workers; for servers the mode chooses (in
+    parameter-server mode the parameters are spread across servers by size).
     The innermost placement wins: a module placed inside a placed module keeps
     its own label. Returns `target`, so `place(nn.Linear(4, 4), rank=1)` can be
     used inline.
@@ -159,26 +170,25 @@ def place(target: nn.Module | nn.Parameter, *, role: Role | str = Role.WORKER,
             f"place() takes an nn.Module or nn.Parameter, got "
             f"{type(target).__name__}; use region() to place a block of code")
     try:
-        label = _make_label(role, rank)
+        text = _placement_text(role, rank)
     except LabelError as exc:
         what = type(target).__name__
         raise LabelError(f"place({what}, role={role!r}, rank={rank!r}): {exc}") from None
-    setattr(target, _PLACEMENT_ATTR, str(label))
+    setattr(target, _PLACEMENT_ATTR, text)
     return target
 
 
-def placement_of(target: nn.Module | torch.Tensor) -> Label | None:
-    """The label `place()` gave `target`, or None."""
-    text = getattr(target, _PLACEMENT_ATTR, None)
-    return None if text is None else Label.parse(text)
+def placement_of(target: nn.Module | torch.Tensor) -> str | None:
+    """The placement `place()` gave `target` ("w1", "s0", or "s*"), or None."""
+    return getattr(target, _PLACEMENT_ATTR, None)
 
 
 @contextlib.contextmanager
-def region(*, role: Role | str = Role.WORKER, rank: int = 0) -> Iterator[Label]:
+def region(*, role: Role | str = Role.WORKER, rank: int | None = None) -> Iterator[str]:
     """Label every op traced inside the block (and its backward ops)."""
-    label = _make_label(role, rank)
-    with fx_traceback.annotate({LABEL_ANNOTATION: str(label)}):
-        yield label
+    text = _placement_text(role, rank)
+    with fx_traceback.annotate({LABEL_ANNOTATION: text}):
+        yield text
 
 
 @dataclass(frozen=True, slots=True)

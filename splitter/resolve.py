@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from .errors import PlanError
-from .labels import LABEL_ANNOTATION, Cluster, Label, Role
+from .labels import ANY_SERVER, LABEL_ANNOTATION, Cluster, Label, Role
 from .program import InputKind, OutputKind, Program
 
 __all__ = ["resolve_labels", "describe_node", "FOLLOWER_OPS"]
@@ -57,7 +57,7 @@ class _LabelChecker:
         label = self._parsed.get(text)
         if label is None:
             try:
-                label = Label.parse(text)
+                label = Label.server(0) if text == ANY_SERVER else Label.parse(text)
             except PlanError:
                 raise
             except Exception as exc:

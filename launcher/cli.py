@@ -1,0 +1,245 @@
+"""The `splitrun` command: launch a local cluster, join one, show a plan, or run
+a standalone scheduler."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+
+from splitrun.runtime.job import ENV
+from splitrun.runtime.scheduler import Scheduler, SchedulerSettings
+from splitrun.splitter.labels import Label, Role
+
+from .supervisor import Supervisor
+
+__all__ = ["main"]
+
+logger = logging.getLogger("splitrun.launcher")
+
+_EPILOG_LAUNCH = """\
+example:
+  splitrun launch --workers 3 examples/pipeline_split.py --steps 50
+  splitrun launch --workers 2 --servers 1 examples/ps_train.py
+
+Every process runs SCRIPT; its output lines are prefixed with the process
+("[worker 1] ..."). On the first failure the others are stopped and the
+launcher exits with the failing process's code.
+"""
+
+_EPILOG_PLAN = """\
+example:
+  splitrun plan --workers 3 examples/pipeline_split.py --out plan.dot
+  dot -Tsvg plan.dot -o plan.svg     # or --out plan.svg where graphviz is installed
+
+Runs SCRIPT once in plan mode: its Job.start() writes the plan instead of
+training. .dot (the default), .svg (needs graphviz) or .txt (the text form).
+"""
+
+_EPILOG_JOIN = """\
+example (two machines, one scheduler):
+  machine-a$ splitrun scheduler --workers 2 --servers 1 --host 0.0.0.0 --port 29400
+  machine-a$ splitrun join --scheduler machine-a:29400 --token TOKEN --role server \\
+                 --host 0.0.0.0 train.py
+  machine-b$ splitrun join --scheduler machine-a:29400 --token TOKEN --role worker \\
+                 --host 0.0.0.0 train.py
+
+Runs one process of a job whose scheduler was started elsewhere (by
+`splitrun scheduler`, under Slurm, Kubernetes, or a shell loop).
+"""
+
+_EPILOG_SCHEDULER = """\
+example:
+  splitrun scheduler --workers 2 --servers 1 --port 29400
+
+Prints its address and token, then serves until every process of the job is
+done (exit 0) or the job failed (exit 1).
+"""
+
+
+def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=1, help="number of worker processes")
+    parser.add_argument("--servers", type=int, default=0, help="number of server processes")
+
+
+def _add_script_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("script", help="the training script every process runs")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER,
+                        help="arguments passed to the script")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="splitrun",
+        description="Run one PyTorch training step split across processes.")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    launch = commands.add_parser(
+        "launch", help="start a local cluster and supervise it",
+        description="Start the scheduler and W workers + S servers on this machine.",
+        epilog=_EPILOG_LAUNCH, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_cluster_args(launch)
+    launch.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="device of every process (auto: cuda when available)")
+    launch.add_argument("--host", default="127.0.0.1",
+                        help="interface the scheduler and processes bind (default 127.0.0.1)")
+    launch.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                        help="seconds without a heartbeat before a process counts as lost")
+    launch.add_argument("--recv-timeout", type=float, default=None,
+                        help="seconds a receive inside a step waits for its message")
+    _add_script_args(launch)
+
+    plan = commands.add_parser(
+        "plan", help="write the split plan without running it",
+        description="Show how SCRIPT's step would be split.",
+        epilog=_EPILOG_PLAN, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_cluster_args(plan)
+    plan.add_argument("--out", default="plan.dot", help="plan.dot, plan.svg or plan.txt")
+    _add_script_args(plan)
+
+    join = commands.add_parser(
+        "join", help="run one process of a job started elsewhere",
+        description="Join the job of the scheduler at --scheduler.",
+        epilog=_EPILOG_JOIN, formatter_class=argparse.RawDescriptionHelpFormatter)
+    join.add_argument("--scheduler", required=True, help="HOST:PORT of the scheduler")
+    join.add_argument("--token", default=os.environ.get(ENV.TOKEN, ""),
+                      help=f"the job's token (default: ${ENV.TOKEN})")
+    join.add_argument("--role", default="worker", choices=["worker", "server"])
+    join.add_argument("--rank", type=int, default=None, help="rank to ask for (default: next free)")
+    join.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    join.add_argument("--host", default="127.0.0.1",
+                      help="interface this process's tensor server binds")
+    join.add_argument("--advertise", default=None,
+                      help="name peers use to reach this process (default: --host)")
+    _add_script_args(join)
+
+    scheduler = commands.add_parser(
+        "scheduler", help="run a standalone scheduler for `splitrun join`",
+        description="Run the membership service of one job.",
+        epilog=_EPILOG_SCHEDULER, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_cluster_args(scheduler)
+    scheduler.add_argument("--host", default="127.0.0.1")
+    scheduler.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    scheduler.add_argument("--token", default=None, help="default: a fresh random token")
+    scheduler.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    return parser
+
+
+def _new_incarnation() -> int:
+    # Distinct per start of a job, so a restarted peer's stale messages are refused.
+    return time.time_ns() & ((1 << 62) - 1)
+
+
+def _child_env(args, address: str, token: str, label: Label) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({ENV.SCHEDULER: address, ENV.TOKEN: token, ENV.ROLE: label.role.value,
+                ENV.RANK: str(label.rank), ENV.DEVICE: args.device, ENV.HOST: args.host,
+                ENV.LOG_LEVEL: args.log_level, ENV.HEARTBEAT_TIMEOUT_S: str(args.heartbeat_timeout),
+                "PYTHONUNBUFFERED": "1"})
+    if args.recv_timeout is not None:
+        env[ENV.RECV_TIMEOUT_S] = str(args.recv_timeout)
+    return env
+
+
+def _launch(args) -> int:
+    token = secrets.token_hex(16)
+    scheduler = Scheduler(SchedulerSettings(args.workers, args.servers, token,
+                                            _new_incarnation(),
+                                            heartbeat_timeout_s=args.heartbeat_timeout))
+    address = scheduler.start(args.host, 0)
+    supervisor = Supervisor()
+    supervisor.say(f"scheduler at {address}; starting {args.workers} workers and "
+                   f"{args.servers} servers running {args.script}")
+    previous = {sig: signal.signal(sig, lambda *_: supervisor.interrupt())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        labels = ([Label(r, Role.WORKER) for r in range(args.workers)]
+                  + [Label(r, Role.SERVER) for r in range(args.servers)])
+        for label in labels:
+            supervisor.spawn(label, [sys.executable, args.script, *args.script_args],
+                             _child_env(args, address, token, label))
+        outcome = supervisor.run(external_failure=lambda: scheduler.failure,
+                                 step_of=scheduler.member_step)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        scheduler.stop()
+    supervisor.say(outcome.summary)
+    return outcome.exit_code
+
+
+def _plan(args) -> int:
+    env = dict(os.environ)
+    env.update({ENV.PLAN_OUT: args.out, ENV.NUM_WORKERS: str(args.workers),
+                ENV.NUM_SERVERS: str(args.servers), ENV.LOG_LEVEL: args.log_level})
+    env.pop(ENV.SCHEDULER, None)
+    supervisor = Supervisor()
+    supervisor.spawn(Label.worker(0), [sys.executable, args.script, *args.script_args], env)
+    outcome = supervisor.run()
+    if outcome.exit_code == 0 and not os.path.exists(args.out):
+        supervisor.say(f"{args.script} exited without writing a plan; does it call "
+                       f"Job.from_env() and job.start(program)?")
+        return 1
+    supervisor.say(f"plan written to {args.out}" if outcome.exit_code == 0 else outcome.summary)
+    return outcome.exit_code
+
+
+def _join(args) -> int:
+    env = dict(os.environ)
+    env.update({ENV.SCHEDULER: args.scheduler, ENV.TOKEN: args.token, ENV.ROLE: args.role,
+                ENV.DEVICE: args.device, ENV.HOST: args.host, ENV.LOG_LEVEL: args.log_level})
+    if args.rank is not None:
+        env[ENV.RANK] = str(args.rank)
+    if args.advertise:
+        env[ENV.ADVERTISE] = args.advertise
+    argv = [sys.executable, args.script, *args.script_args]
+    os.execvpe(argv[0], argv, env)  # this process becomes the job's process
+    return 1  # not reached
+
+
+def _scheduler(args) -> int:
+    token = args.token or secrets.token_hex(16)
+    scheduler = Scheduler(SchedulerSettings(args.workers, args.servers, token,
+                                            _new_incarnation(),
+                                            heartbeat_timeout_s=args.heartbeat_timeout))
+    address = scheduler.start(args.host, args.port)
+    print(f"splitrun scheduler at {address} token {token}", flush=True)
+    stop = {"interrupted": False}
+
+    def on_signal(*_):
+        stop["interrupted"] = True
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    try:
+        while not scheduler.wait_done(timeout_s=0.5):
+            if stop["interrupted"]:
+                print("splitrun scheduler: interrupted", flush=True)
+                return 130
+        failure = scheduler.failure
+        if failure is not None:
+            print(f"splitrun scheduler: job failed: {failure[1]}", flush=True)
+            return 1
+        print("splitrun scheduler: every process is done", flush=True)
+        return 0
+    finally:
+        scheduler.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="[splitrun] %(levelname)s %(message)s")
+    if getattr(args, "workers", 1) < 1 or getattr(args, "servers", 0) < 0:
+        print("splitrun: need --workers >= 1 and --servers >= 0", file=sys.stderr)
+        return 2
+    command = {"launch": _launch, "plan": _plan, "join": _join, "scheduler": _scheduler}
+    return command[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,426 @@
+"""The user-facing job API: join the cluster, split, train, finish.
+
+    job = Job.from_env()                      # set up by `splitrun launch` or `join`
+    program = capture(model, loss_fn, optimizer, example_batch)
+    trainer = job.start(program)              # split, agree on the plan, connect
+    for batch in batches:                     # workers run the loop
+        trainer.step(batch)
+    final_state = trainer.finish()            # servers serve here until the workers finish
+
+Every process runs the same script. A worker's `step` runs its subgraph once;
+a server has no loop of its own: `finish()` serves steps until the workers
+report that they finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from splitrun.splitter.graph_splitter import split
+from splitrun.splitter.labels import Cluster, Label, Role
+from splitrun.splitter.modes import Mode
+from splitrun.splitter.plan import SplitPlan
+from splitrun.splitter.program import Program
+
+from .errors import ClusterError, JobFinished, PeerFailed, SplitrunError
+from .executor import Executor
+from .grpc_transport import ExpectedChannel, GrpcTransport, expected_channels
+from .membership import Heartbeat, SchedulerClient
+from .progress import Progress
+from .transport import MessageKey
+
+__all__ = ["Job", "Trainer", "JobSettings", "ENV"]
+
+logger = logging.getLogger(__name__)
+
+
+class ENV:
+    """Environment variables `splitrun launch` and `splitrun join` set."""
+
+    SCHEDULER = "SPLITRUN_SCHEDULER"      # host:port of the scheduler
+    TOKEN = "SPLITRUN_TOKEN"              # the job's secret; every call carries it
+    ROLE = "SPLITRUN_ROLE"                # worker | server
+    RANK = "SPLITRUN_RANK"                # optional: the rank to ask for
+    DEVICE = "SPLITRUN_DEVICE"            # cpu | cuda | auto
+    HOST = "SPLITRUN_HOST"                # interface this process's tensor server binds
+    ADVERTISE = "SPLITRUN_ADVERTISE"      # name peers use to reach it (default: HOST)
+    RECV_TIMEOUT_S = "SPLITRUN_RECV_TIMEOUT_S"
+    IDLE_TIMEOUT_S = "SPLITRUN_IDLE_TIMEOUT_S"
+    HEARTBEAT_TIMEOUT_S = "SPLITRUN_HEARTBEAT_TIMEOUT_S"
+    LOG_LEVEL = "SPLITRUN_LOG_LEVEL"
+    PLAN_OUT = "SPLITRUN_PLAN_OUT"        # `splitrun plan`: write the plan here and exit
+    NUM_WORKERS = "SPLITRUN_NUM_WORKERS"  # cluster size for `splitrun plan`
+    NUM_SERVERS = "SPLITRUN_NUM_SERVERS"
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    # A receive inside a step waits this long for its message.
+    recv_timeout_s: float = 120.0
+    # A server's first receive of a step waits this long: workers may spend a
+    # while between steps (evaluation, checkpoints). Liveness comes from
+    # heartbeats meanwhile.
+    idle_timeout_s: float = 3600.0
+    # Peers must all register within this long.
+    register_timeout_s: float = 120.0
+    # The scheduler unreachable this long fails this process.
+    heartbeat_timeout_s: float = 10.0
+    # Flushing sends and the final barrier are bounded by this.
+    finish_timeout_s: float = 120.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> JobSettings:
+        def number(key: str, default: float) -> float:
+            text = environ.get(key)
+            try:
+                return default if text is None else float(text)
+            except ValueError:
+                raise ClusterError(f"{key}={text!r} is not a number of seconds") from None
+        return cls(recv_timeout_s=number(ENV.RECV_TIMEOUT_S, cls.recv_timeout_s),
+                   idle_timeout_s=number(ENV.IDLE_TIMEOUT_S, cls.idle_timeout_s),
+                   heartbeat_timeout_s=number(ENV.HEARTBEAT_TIMEOUT_S, cls.heartbeat_timeout_s))
+
+
+def _pick_device(text: str) -> torch.device:
+    if text in ("", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(text)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ClusterError(f"{ENV.DEVICE}={text} but this machine has no CUDA device; "
+                           f"launch with --device cpu")
+    return device
+
+
+def _configure_logging(environ: Mapping[str, str]) -> None:
+    """The launcher asks its children to log at a level; set it up once."""
+    level = environ.get(ENV.LOG_LEVEL)
+    if level and not logging.getLogger().handlers:
+        logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                            format="%(levelname)s %(name)s: %(message)s")
+
+
+class Job:
+    """This process's membership in a running job."""
+
+    def __init__(self, label: Label, cluster: Cluster, device: torch.device,
+                 settings: JobSettings, *, client: SchedulerClient | None = None,
+                 transport: GrpcTransport | None = None, incarnation: int = 0,
+                 heartbeat_interval_s: float = 0.5, plan_out: str | None = None) -> None:
+        self.label = label
+        self.cluster = cluster
+        self.device = device
+        self.settings = settings
+        self.incarnation = incarnation
+        self.client = client
+        self.transport = transport
+        self.plan_out = plan_out
+        self._heartbeat: Heartbeat | None = None
+        if client is not None:
+            self._heartbeat = Heartbeat(
+                client, label, heartbeat_interval_s, settings.heartbeat_timeout_s,
+                on_failed=self._job_failed, on_finished=self._workers_finished)
+            self._heartbeat.start()
+
+    # -- joining --
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Job:
+        """Join the job `splitrun launch` or `splitrun join` started this process in."""
+        environ = os.environ if environ is None else environ
+        _configure_logging(environ)
+        settings = JobSettings.from_env(environ)
+        device = _pick_device(environ.get(ENV.DEVICE, "auto"))
+        if environ.get(ENV.PLAN_OUT):
+            cluster = Cluster(int(environ.get(ENV.NUM_WORKERS, "1")),
+                              int(environ.get(ENV.NUM_SERVERS, "0")))
+            return cls(Label.worker(0), cluster, device, settings,
+                       plan_out=environ[ENV.PLAN_OUT])
+        address = environ.get(ENV.SCHEDULER)
+        if not address:
+            raise ClusterError(
+                f"{ENV.SCHEDULER} is not set: this script joins a splitrun job; start it "
+                f"with `splitrun launch --workers N {sys.argv[0]}` or `splitrun join "
+                f"--scheduler HOST:PORT {sys.argv[0]}`")
+        role = Role.parse(environ.get(ENV.ROLE, "worker"))
+        rank_text = environ.get(ENV.RANK, "")
+        rank = int(rank_text) if rank_text not in ("", "-1") else None
+        token = environ.get(ENV.TOKEN, "")
+        host = environ.get(ENV.HOST, "127.0.0.1")
+        advertise = environ.get(ENV.ADVERTISE) or host
+        client = SchedulerClient(address, token)
+        # The tensor server starts before registering: its address is part of
+        # the registration. Its label is provisional until the scheduler assigns
+        # the rank.
+        provisional = Label(rank or 0, role)
+        transport = GrpcTransport(provisional, token=token, incarnation=0, host=host, port=0)
+        bound = transport.start()
+        port = bound.rsplit(":", 1)[1]
+        registration = client.register(role, rank, f"{advertise}:{port}")
+        transport.set_identity(registration.label, registration.incarnation)
+        logger.info("joined as %s of %s (incarnation %d, device %s)",
+                    registration.label.describe(), registration.cluster,
+                    registration.incarnation, device)
+        return cls(registration.label, registration.cluster, device, settings,
+                   client=client, transport=transport, incarnation=registration.incarnation,
+                   heartbeat_interval_s=registration.heartbeat_interval_s)
+
+    @property
+    def rank(self) -> int:
+        return self.label.rank
+
+    @property
+    def role(self) -> Role:
+        return self.label.role
+
+    @property
+    def is_worker(self) -> bool:
+        return self.label.role is Role.WORKER
+
+    @property
+    def is_server(self) -> bool:
+        return self.label.role is Role.SERVER
+
+    @property
+    def is_driver(self) -> bool:
+        """Worker 0: shows progress, receives the loss and the gathered state."""
+        return self.label == Label.worker(0)
+
+    # -- job state from the heartbeat thread --
+
+    def _job_failed(self, reason: str) -> None:
+        logger.error("[%s] stopping: %s", self.label.describe(), reason)
+        if self.transport is not None:
+            self.transport.abort(PeerFailed(f"job failed: {reason}"))
+
+    def _workers_finished(self, num_steps: int) -> None:
+        if self.transport is not None:
+            self.transport.finish_at(num_steps)
+
+    # -- running --
+
+    def start(self, program: Program, mode: Mode | None = None, *,
+              gather_state: bool = True, num_steps: int | None = None) -> Trainer:
+        """Split `program` for this job's cluster, agree on the plan with every
+        other process, connect to the peers and return the trainer.
+
+        `gather_state`: at `finish()`, worker 0 receives every process's final
+        state. `num_steps` (optional) sizes the progress bar.
+        """
+        plan = split(program, self.cluster, mode)
+        plan.lint(program)
+        if self.plan_out is not None:
+            _write_plan(plan, self.plan_out)
+            raise SystemExit(0)
+        summary = plan.summary().splitlines()[0]
+        self.client.submit_plan(self.label, plan.fingerprint, summary)
+        peers = self.client.wait_for_peers(self.label, self.settings.register_timeout_s)
+        self.transport.set_peers({label: address for label, address in peers.items()
+                                  if label != self.label})
+        expected = expected_channels(plan, program, self.label)
+        if gather_state and self.is_driver:
+            expected.update(_state_channels(plan, program, self.label))
+        self.transport.expect(expected)
+        executor = Executor(plan, self.label, self.transport, program=program,
+                            device=self.device, incarnation=self.incarnation,
+                            recv_timeout_s=self.settings.recv_timeout_s)
+        executor.load_state(program.initial_state)
+        logger.info("[%s] plan %s: %s", self.label.describe(), plan.fingerprint, summary)
+        return Trainer(self, plan, program, executor, gather_state=gather_state,
+                       num_steps=num_steps)
+
+    def report_failure(self, error: BaseException) -> None:
+        if self.client is None or isinstance(error, (PeerFailed, JobFinished)):
+            return
+        try:
+            self.client.report_failure(self.label, f"{type(error).__name__}: {error}")
+        except ClusterError:
+            logger.warning("[%s] could not report the failure to the scheduler",
+                           self.label.describe())
+
+    def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        if self.transport is not None:
+            self.transport.close()
+        if self.client is not None:
+            self.client.close()
+
+
+class Trainer:
+    """Runs this process's share of the split step."""
+
+    def __init__(self, job: Job, plan: SplitPlan, program: Program, executor: Executor, *,
+                 gather_state: bool, num_steps: int | None) -> None:
+        self.job = job
+        self.plan = plan
+        self.program = program
+        self.executor = executor
+        self.gather_state = gather_state
+        self.steps_done = 0
+        self.final_state: dict[str, torch.Tensor] | None = None
+        self._progress = Progress(num_steps, enabled=job.is_driver)
+        self._finished = False
+
+    @property
+    def stats(self):
+        return self.executor.stats
+
+    def _feeds(self, batch) -> dict[str, torch.Tensor]:
+        if isinstance(batch, Mapping):
+            feeds = dict(batch)
+        elif isinstance(batch, torch.Tensor):
+            feeds = {"batch.0": batch}
+        elif isinstance(batch, Sequence):
+            feeds = {f"batch.{i}": t for i, t in enumerate(batch)}
+        else:
+            raise SplitrunError(
+                f"step() takes the batch as a tensor, a sequence of tensors or a dict "
+                f"of feeds, got {type(batch).__name__}")
+        feeds.update(self.program.hparams(self.steps_done))
+        return feeds
+
+    def step(self, batch) -> dict[str, torch.Tensor]:
+        """Run one training step on this worker; returns the outputs delivered
+        here (the loss, on worker 0)."""
+        if not self.job.is_worker:
+            raise SplitrunError(
+                f"[{self.job.label.describe()}] servers do not run the training loop; "
+                f"call trainer.finish() on servers (it serves steps until the workers "
+                f"finish), or loop over job.shard(batches), which is empty on servers")
+        if self._finished:
+            raise SplitrunError("step() after finish()")
+        try:
+            outputs = self.executor.run_step(self.steps_done, self._feeds(batch))
+        except BaseException as exc:
+            self.job.report_failure(exc)
+            raise
+        self.steps_done += 1
+        if self.job._heartbeat is not None:
+            self.job._heartbeat.step = self.steps_done
+        loss = outputs.get("loss")
+        self._progress.update(self.steps_done - 1, None if loss is None else loss.item())
+        return outputs
+
+    def _serve(self) -> None:
+        """A server's loop: run steps as their messages come, until the workers
+        finish (a receive for a step they never ran ends with JobFinished)."""
+        if self.plan.process(self.job.label).is_idle:
+            return
+        settings = self.job.settings
+        while True:
+            try:
+                self.executor.run_step(self.steps_done, {},
+                                       first_recv_timeout_s=settings.idle_timeout_s)
+            except JobFinished:
+                return
+            except BaseException as exc:
+                self.job.report_failure(exc)
+                raise
+            self.steps_done += 1
+            if self.job._heartbeat is not None:
+                self.job._heartbeat.step = self.steps_done
+
+    def finish(self) -> dict[str, torch.Tensor] | None:
+        """End training on this process and leave the job.
+
+        Workers report how many steps they ran; servers serve until then. With
+        `gather_state`, worker 0 then receives every process's final state and
+        returns it (a dict like `program.initial_state`); other processes return
+        None. Every process waits at a final barrier before closing, so no
+        message is sent to a process that is gone.
+        """
+        if self._finished:
+            return self.final_state
+        self._finished = True
+        job, transport, timeout = self.job, self.job.transport, self.job.settings.finish_timeout_s
+        try:
+            if job.is_worker:
+                transport.flush(timeout)
+                job.client.report_finished(job.label, self.steps_done)
+            else:
+                self._serve()
+            if self.gather_state:
+                self._gather_state()
+            transport.flush(timeout)
+            job.client.barrier("finish", job.label, timeout)
+            job.client.report_done(job.label)
+        except BaseException as exc:
+            job.report_failure(exc)
+            raise
+        finally:
+            elapsed = self._progress.close()
+            stats = self.executor.stats
+            logger.info("[%s] %d steps in %.2f s; sent %d B in %d messages, received %d B; "
+                        "waited %.2f s in receives", job.label.describe(), self.steps_done,
+                        elapsed, stats.bytes_sent, stats.messages_sent, stats.bytes_received,
+                        stats.recv_wait_s)
+            job.close()
+        return self.final_state
+
+    def _gather_state(self) -> None:
+        driver = Label.worker(0)
+        me = self.job.label
+        step = self.steps_done
+        if me != driver:
+            keys = self.plan.process(me).state
+            if keys:
+                tensors = [self.executor.state[k].detach().cpu() for k in keys]
+                self.job.transport.send(driver, _state_key(self.job, me, step), tensors)
+            return
+        state = {k: v.detach().cpu() for k, v in self.executor.state.items()}
+        for proc in self.plan.processes:
+            if proc.label == me or not proc.state:
+                continue
+            tensors = self.job.transport.recv(proc.label, _state_key(self.job, proc.label, step),
+                                              self.job.settings.finish_timeout_s)
+            state.update(zip(proc.state, tensors))
+        self.final_state = state
+
+
+def _state_channel(label: Label) -> str:
+    return f"@state:{label}"
+
+
+def _state_key(job: Job, owner: Label, step: int) -> MessageKey:
+    return MessageKey(job.incarnation, step, _state_channel(owner))
+
+
+def _state_channels(plan: SplitPlan, program: Program, me: Label) -> dict[str, ExpectedChannel]:
+    """The channels on which worker 0 receives each owner's final state."""
+    nodes = {n.name: n for n in program.graph.nodes}
+    channels = {}
+    for proc in plan.processes:
+        if proc.label == me or not proc.state:
+            continue
+        metas = []
+        for key in proc.state:
+            value = nodes[program.input_for_key(key).node].meta["val"]
+            metas.append((value.dtype, tuple(value.shape)))
+        channels[_state_channel(proc.label)] = ExpectedChannel(proc.label, tuple(metas))
+    return channels
+
+
+def _write_plan(plan: SplitPlan, path: str) -> None:
+    """`splitrun plan`: the plan as DOT, SVG (with graphviz) or text, by suffix."""
+    import shutil
+    import subprocess
+
+    if path.endswith(".svg"):
+        dot = shutil.which("dot")
+        if dot is None:
+            raise ClusterError("writing .svg needs graphviz's `dot` on PATH; write .dot instead")
+        subprocess.run([dot, "-Tsvg", "-o", path], input=plan.to_dot(), text=True,
+                       check=True, timeout=120)
+    elif path.endswith(".txt"):
+        with open(path, "w") as out:
+            out.write(plan.to_text())
+    else:
+        with open(path, "w") as out:
+            out.write(plan.to_dot())
+    logger.info("plan written to %s\n%s", path, plan.summary())

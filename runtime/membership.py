@@ -1,0 +1,159 @@
+"""A process's side of cluster membership: the scheduler client and the
+heartbeat thread that tells this process when the job failed or finished."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from splitrun.splitter.labels import Cluster, Label, Role
+
+from .errors import ClusterError
+from .scheduler import TOKEN_METADATA_KEY
+from .wire import splitrun_pb2 as pb
+from .wire import splitrun_pb2_grpc as pb_grpc
+
+__all__ = ["Registration", "SchedulerClient", "Heartbeat"]
+
+logger = logging.getLogger(__name__)
+
+# Bounds one ordinary scheduler call (registration, reports, kv puts).
+CALL_TIMEOUT_S = 30.0
+# How long a process keeps trying to reach a scheduler that is not up yet.
+CONNECT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Registration:
+    label: Label
+    incarnation: int
+    cluster: Cluster
+    heartbeat_interval_s: float
+
+
+class SchedulerClient:
+    """Typed calls to the scheduler; gRPC errors become `ClusterError`s that
+    carry the scheduler's explanation."""
+
+    def __init__(self, address: str, token: str) -> None:
+        self.address = address
+        self._metadata = ((TOKEN_METADATA_KEY, token),)
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.SchedulerStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: str, request, timeout_s: float = CALL_TIMEOUT_S):
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout_s,
+                                               metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise ClusterError(
+                f"scheduler {self.address} {method}: {exc.code().name}: {exc.details()}"
+            ) from None
+
+    def register(self, role: Role, rank: int | None, address: str) -> Registration:
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=CONNECT_TIMEOUT_S)
+        except grpc.FutureTimeoutError:
+            raise ClusterError(
+                f"cannot reach the scheduler at {self.address} within "
+                f"{CONNECT_TIMEOUT_S:g} s; is it running, and is the address right?") from None
+        reply = self._call("Register", pb.RegisterRequest(
+            role=role.value, rank=-1 if rank is None else rank, address=address,
+            host=socket.gethostname(), pid=os.getpid()))
+        return Registration(Label(reply.rank, role), reply.incarnation,
+                            Cluster(reply.num_workers, reply.num_servers),
+                            reply.heartbeat_interval_s)
+
+    def wait_for_peers(self, label: Label, timeout_s: float) -> dict[Label, str]:
+        table = self._call("WaitForPeers", pb.WaitForPeersRequest(
+            label=str(label), timeout_s=timeout_s), timeout_s=timeout_s + CALL_TIMEOUT_S)
+        return {Label.parse(p.label): p.address for p in table.peers}
+
+    def submit_plan(self, label: Label, fingerprint: str, summary: str) -> None:
+        self._call("SubmitPlan", pb.SubmitPlanRequest(label=str(label), fingerprint=fingerprint,
+                                                      summary=summary))
+
+    def heartbeat(self, label: Label, step: int, timeout_s: float) -> pb.JobStatus:
+        return self._call("Heartbeat", pb.HeartbeatRequest(label=str(label), step=step),
+                          timeout_s=timeout_s)
+
+    def report_failure(self, label: Label, message: str) -> None:
+        self._call("ReportFailure", pb.FailureReport(label=str(label), message=message))
+
+    def report_finished(self, label: Label, num_steps: int) -> pb.JobStatus:
+        return self._call("ReportFinished", pb.FinishedReport(label=str(label),
+                                                              num_steps=num_steps))
+
+    def report_done(self, label: Label) -> None:
+        self._call("ReportDone", pb.DoneReport(label=str(label)))
+
+    def kv_put(self, key: str, value: bytes) -> None:
+        self._call("KvPut", pb.KvPutRequest(key=key, value=value))
+
+    def kv_get(self, key: str, timeout_s: float) -> bytes:
+        return self._call("KvGet", pb.KvGetRequest(key=key, timeout_s=timeout_s),
+                          timeout_s=timeout_s + CALL_TIMEOUT_S).value
+
+    def barrier(self, name: str, label: Label, timeout_s: float) -> None:
+        self._call("Barrier", pb.BarrierRequest(name=name, label=str(label),
+                                                timeout_s=timeout_s),
+                   timeout_s=timeout_s + CALL_TIMEOUT_S)
+
+
+class Heartbeat:
+    """Tells the scheduler this process is alive (and at which step) and hears
+    back the job's state: `on_failed(reason)` when the job failed or the
+    scheduler is unreachable past the deadline, `on_finished(num_steps)` when
+    the workers finished."""
+
+    def __init__(self, client: SchedulerClient, label: Label, interval_s: float,
+                 lost_after_s: float, on_failed: Callable[[str], None],
+                 on_finished: Callable[[int], None]) -> None:
+        self._client = client
+        self._label = label
+        self._interval_s = interval_s
+        self._lost_after_s = lost_after_s
+        self._on_failed = on_failed
+        self._on_finished = on_finished
+        self.step = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"splitrun-heartbeat-{label}")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self._interval_s + CALL_TIMEOUT_S)
+
+    def _run(self) -> None:
+        last_ok = time.monotonic()
+        finished_told = False
+        while not self._stop.wait(self._interval_s):
+            try:
+                status = self._client.heartbeat(self._label, self.step,
+                                                timeout_s=max(self._interval_s * 4, 2.0))
+            except ClusterError as exc:
+                silent = time.monotonic() - last_ok
+                if silent > self._lost_after_s:
+                    self._on_failed(f"lost the scheduler for {silent:.1f} s: {exc}")
+                    return
+                continue
+            last_ok = time.monotonic()
+            if status.state == pb.JobStatus.FAILED:
+                self._on_failed(status.reason)
+                return
+            if status.state == pb.JobStatus.FINISHED and not finished_told:
+                finished_told = True
+                self._on_finished(status.num_steps)

@@ -1,0 +1,383 @@
+"""The scheduler: cluster membership for one job.
+
+Registration and rank assignment per role, the address table, the plan
+fingerprint every process must agree on, a small key-value store, barriers,
+heartbeats and failure detection (a process silent past its deadline, or one
+that reports a failure, fails the job and every process learns which one and
+why), and orderly shutdown once every process is done. It holds no graph nodes.
+
+It runs inside `splitrun launch` or alone (`splitrun scheduler`), on gRPC.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+
+from splitrun.splitter.labels import Label, Role
+
+from .wire import splitrun_pb2 as pb
+from .wire import splitrun_pb2_grpc as pb_grpc
+
+__all__ = ["SchedulerSettings", "Scheduler", "TOKEN_METADATA_KEY"]
+
+logger = logging.getLogger(__name__)
+
+TOKEN_METADATA_KEY = "splitrun-token"
+# How often the monitor looks for silent processes.
+_MONITOR_PERIOD_S = 0.2
+# Upper bound on any single blocking call a client may ask for.
+_MAX_WAIT_S = 3600.0
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    num_workers: int
+    num_servers: int
+    token: str
+    incarnation: int
+    # Each process sends a heartbeat this often...
+    heartbeat_interval_s: float = 0.5
+    # ...and is declared lost when none came for this long.
+    heartbeat_timeout_s: float = 10.0
+
+    @property
+    def num_processes(self) -> int:
+        return self.num_workers + self.num_servers
+
+
+@dataclass
+class _Member:
+    label: Label
+    address: str
+    host: str
+    pid: int
+    last_seen: float
+    step: int = 0
+    finished_steps: int | None = None
+    done: bool = False
+
+
+@dataclass
+class _State:
+    members: dict[Label, _Member] = field(default_factory=dict)
+    plan: tuple[str, Label, str] | None = None  # fingerprint, first submitter, summary
+    status: int = pb.JobStatus.RUNNING
+    reason: str = ""
+    failed_label: str = ""
+    num_steps: int = 0
+    kv: dict[str, bytes] = field(default_factory=dict)
+    barriers: dict[str, set[Label]] = field(default_factory=dict)
+
+
+class Scheduler(pb_grpc.SchedulerServicer):
+    """One job's membership service. `start()` binds; `wait_done()` returns
+    when every process reported done or the job failed."""
+
+    def __init__(self, settings: SchedulerSettings) -> None:
+        self.settings = settings
+        self._state = _State()
+        self._cond = threading.Condition()
+        self._server: grpc.Server | None = None
+        self._stopped = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self.address = ""
+
+    # -- lifecycle --
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        # Blocking calls (WaitForPeers, KvGet, Barrier) hold a thread each.
+        workers = 8 + 3 * self.settings.num_processes
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers,
+                                                              thread_name_prefix="scheduler"))
+        pb_grpc.add_SchedulerServicer_to_server(self, self._server)
+        bound = self._server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"scheduler could not bind {host}:{port}")
+        self._server.start()
+        self.address = f"{host}:{bound}"
+        self._monitor = threading.Thread(target=self._watch_heartbeats, daemon=True,
+                                         name="scheduler-monitor")
+        self._monitor.start()
+        logger.info("scheduler listening on %s for %d workers and %d servers",
+                    self.address, self.settings.num_workers, self.settings.num_servers)
+        return self.address
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._stopped.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._server is not None:
+            self._server.stop(grace_s).wait(grace_s + 1.0)
+
+    def wait_done(self, timeout_s: float | None = None) -> bool:
+        """True once every process is done or the job failed."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while not self._all_done() and self._state.status != pb.JobStatus.FAILED:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining if remaining is not None else 1.0)
+            return True
+
+    @property
+    def failure(self) -> tuple[str, str] | None:
+        """(failed label, reason) once the job failed, else None."""
+        with self._cond:
+            if self._state.status == pb.JobStatus.FAILED:
+                return self._state.failed_label, self._state.reason
+            return None
+
+    def fail(self, label: str, reason: str) -> None:
+        """Fail the job from outside (the launcher saw a process exit)."""
+        with self._cond:
+            self._fail(label, reason)
+
+    def member_step(self, label: Label) -> int | None:
+        with self._cond:
+            member = self._state.members.get(label)
+            return None if member is None else member.step
+
+    # -- helpers (call with the lock held) --
+
+    def _all_done(self) -> bool:
+        members = self._state.members
+        return (len(members) == self.settings.num_processes
+                and all(m.done for m in members.values()))
+
+    def _fail(self, label: str, reason: str) -> None:
+        if self._state.status == pb.JobStatus.FAILED:
+            return
+        self._state.status = pb.JobStatus.FAILED
+        self._state.reason = reason
+        self._state.failed_label = label
+        logger.error("job failed: %s", reason)
+        self._cond.notify_all()
+
+    def _status(self) -> pb.JobStatus:
+        s = self._state
+        return pb.JobStatus(state=s.status, reason=s.reason, failed_label=s.failed_label,
+                            num_steps=s.num_steps)
+
+    def _check_token(self, context: grpc.ServicerContext) -> None:
+        sent = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY, "")
+        if not hmac.compare_digest(sent.encode(), self.settings.token.encode()):
+            what = "no token" if not sent else "a wrong token"
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          f"scheduler refused a call with {what}; processes of this job "
+                          f"get the token from SPLITRUN_TOKEN (set by splitrun launch, or "
+                          f"pass --token to splitrun join)")
+
+    def _label(self, text: str, context: grpc.ServicerContext) -> Label:
+        try:
+            label = Label.parse(text)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad label {text!r}: {exc}")
+        with self._cond:
+            if label not in self._state.members:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"{label.describe()} is not registered with this job")
+        return label
+
+    @staticmethod
+    def _wait_s(requested: float) -> float:
+        return min(max(requested, 0.0), _MAX_WAIT_S)
+
+    # -- RPCs --
+
+    def Register(self, request, context):
+        self._check_token(context)
+        try:
+            role = Role.parse(request.role)
+        except Exception as exc:  # noqa: BLE001
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        size = {Role.WORKER: self.settings.num_workers,
+                Role.SERVER: self.settings.num_servers}.get(role, 0)
+        with self._cond:
+            if self._state.status == pb.JobStatus.FAILED:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"the job already failed: {self._state.reason}")
+            taken = {m.label.rank for m in self._state.members.values() if m.label.role is role}
+            if request.rank >= 0:
+                rank = request.rank
+                if rank >= size:
+                    context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                                  f"{role.value} rank {rank} is out of range: this job has "
+                                  f"{size} {role.value}s")
+                if rank in taken:
+                    other = self._state.members[Label(rank, role)]
+                    context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                  f"{role.value} {rank} is already registered (pid "
+                                  f"{other.pid} on {other.host})")
+            else:
+                free = [r for r in range(size) if r not in taken]
+                if not free:
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"all {size} {role.value} ranks are taken")
+                rank = free[0]
+            label = Label(rank, role)
+            self._state.members[label] = _Member(label, request.address, request.host,
+                                                 request.pid, time.monotonic())
+            self._cond.notify_all()
+        logger.info("registered %s at %s (pid %d on %s)", label.describe(), request.address,
+                    request.pid, request.host)
+        return pb.RegisterReply(rank=rank, incarnation=self.settings.incarnation,
+                                num_workers=self.settings.num_workers,
+                                num_servers=self.settings.num_servers,
+                                heartbeat_interval_s=self.settings.heartbeat_interval_s)
+
+    def WaitForPeers(self, request, context):
+        self._check_token(context)
+        deadline = time.monotonic() + self._wait_s(request.timeout_s)
+        with self._cond:
+            while len(self._state.members) < self.settings.num_processes:
+                if self._state.status == pb.JobStatus.FAILED:
+                    context.abort(grpc.StatusCode.ABORTED, self._state.reason)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stopped.is_set():
+                    registered = set(self._state.members)
+                    missing = [str(l) for l in self._expected_labels() if l not in registered]
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"still waiting for {', '.join(missing)} to register after "
+                                  f"{request.timeout_s:g} s; did they start, and with this "
+                                  f"scheduler's address and token?")
+                self._cond.wait(remaining)
+            peers = [pb.Peer(label=str(m.label), address=m.address, host=m.host, pid=m.pid)
+                     for m in sorted(self._state.members.values(),
+                                     key=lambda m: m.label.sort_key())]
+        return pb.PeerTable(peers=peers)
+
+    def _expected_labels(self) -> list[Label]:
+        return ([Label.worker(r) for r in range(self.settings.num_workers)]
+                + [Label.server(r) for r in range(self.settings.num_servers)])
+
+    def SubmitPlan(self, request, context):
+        self._check_token(context)
+        label = self._label(request.label, context)
+        with self._cond:
+            if self._state.plan is None:
+                self._state.plan = (request.fingerprint, label, request.summary)
+            elif self._state.plan[0] != request.fingerprint:
+                first_fp, first, summary = self._state.plan
+                reason = (f"plan mismatch: {label.describe()} computed plan "
+                          f"{request.fingerprint} ({request.summary}) but {first.describe()} "
+                          f"computed {first_fp} ({summary}); every process must run the same "
+                          f"script with the same model, arguments and cluster size")
+                self._fail(str(label), reason)
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
+        return pb.SubmitPlanReply()
+
+    def Heartbeat(self, request, context):
+        self._check_token(context)
+        label = self._label(request.label, context)
+        with self._cond:
+            member = self._state.members[label]
+            member.last_seen = time.monotonic()
+            member.step = request.step
+            return self._status()
+
+    def ReportFailure(self, request, context):
+        self._check_token(context)
+        label = self._label(request.label, context)
+        with self._cond:
+            self._fail(str(label), f"{label.describe()} failed: {request.message}")
+            return self._status()
+
+    def ReportFinished(self, request, context):
+        self._check_token(context)
+        label = self._label(request.label, context)
+        with self._cond:
+            members = self._state.members
+            members[label].finished_steps = request.num_steps
+            workers = [m for m in members.values() if m.label.role is Role.WORKER]
+            counts = {m.finished_steps for m in workers}
+            if (len(workers) == self.settings.num_workers and None not in counts
+                    and self._state.status == pb.JobStatus.RUNNING):
+                if len(counts) > 1:
+                    detail = ", ".join(f"{m.label.describe()} {m.finished_steps}"
+                                       for m in sorted(workers, key=lambda m: m.label.sort_key()))
+                    self._fail(str(label), f"workers ran different numbers of steps ({detail}); "
+                                           f"every worker must run the same number of steps")
+                else:
+                    self._state.status = pb.JobStatus.FINISHED
+                    self._state.num_steps = counts.pop()
+                    logger.info("workers finished after %d steps", self._state.num_steps)
+                    self._cond.notify_all()
+            return self._status()
+
+    def ReportDone(self, request, context):
+        self._check_token(context)
+        label = self._label(request.label, context)
+        with self._cond:
+            self._state.members[label].done = True
+            self._cond.notify_all()
+        return pb.DoneReply()
+
+    def KvPut(self, request, context):
+        self._check_token(context)
+        with self._cond:
+            self._state.kv[request.key] = request.value
+            self._cond.notify_all()
+        return pb.KvPutReply()
+
+    def KvGet(self, request, context):
+        self._check_token(context)
+        deadline = time.monotonic() + self._wait_s(request.timeout_s)
+        with self._cond:
+            while request.key not in self._state.kv:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stopped.is_set():
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"key {request.key!r} not set within {request.timeout_s:g} s")
+                self._cond.wait(remaining)
+            return pb.KvGetReply(value=self._state.kv[request.key])
+
+    def Barrier(self, request, context):
+        self._check_token(context)
+        label = self._label(request.label, context)
+        deadline = time.monotonic() + self._wait_s(request.timeout_s)
+        with self._cond:
+            arrived = self._state.barriers.setdefault(request.name, set())
+            arrived.add(label)
+            self._cond.notify_all()
+            while len(arrived) < self.settings.num_processes:
+                if self._state.status == pb.JobStatus.FAILED:
+                    context.abort(grpc.StatusCode.ABORTED, self._state.reason)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stopped.is_set():
+                    missing = [str(l) for l in self._expected_labels() if l not in arrived]
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"barrier {request.name!r}: {', '.join(missing)} did not "
+                                  f"arrive within {request.timeout_s:g} s")
+                self._cond.wait(remaining)
+        return pb.BarrierReply()
+
+    # -- failure detection --
+
+    def _watch_heartbeats(self) -> None:
+        timeout = self.settings.heartbeat_timeout_s
+        while not self._stopped.wait(_MONITOR_PERIOD_S):
+            now = time.monotonic()
+            with self._cond:
+                if self._state.status == pb.JobStatus.FAILED:
+                    continue
+                for member in self._state.members.values():
+                    silent = now - member.last_seen
+                    if not member.done and silent > timeout:
+                        self._fail(str(member.label),
+                                   f"{member.label.describe()} (pid {member.pid} on "
+                                   f"{member.host}) sent no heartbeat for {silent:.1f} s "
+                                   f"(last at step {member.step}); it died or hangs")
+                        break
+
+
+def default_host_name() -> str:
+    return socket.gethostname()

@@ -1,0 +1,322 @@
+"""Parameter-server mode: W workers run one worker subgraph on their own data
+shards; parameters and their optimizer live on S servers.
+
+prebuild (graph): every trainable parameter goes to a server (the one it was
+placed on with `place(..., role="server", rank=K)`, else spread across servers
+by bytes, deterministically); its optimizer update runs there; all other ops run
+on the worker template, worker 0. For W >= 2 each server-side gradient gets one
+slot per worker feeding a gradient-accumulation node: a sum in worker order,
+then the mean.
+
+fuse: one message per (worker, server) per direction per step: parameters go
+out at step start (data-sync), gradients (and, from worker 0, the learning rate
+and step count) come back after the backward.
+
+postbuild (plan): the template's schedule is given to every worker with its own
+channels; each server receives one copy of every gradient message per worker,
+binding worker r's gradient to slot r.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import fx
+
+from .errors import PlanError
+from .labels import ANY_SERVER, MODULE_ANNOTATION, Cluster, Label, Role
+from .modes import ChannelDraft, Edge, Mode
+from .plan import Channel, ChannelKind, DataSync, Instruction, ModeKind, OpKind, SplitPlan
+from .program import InputKind, OutputKind, OutputSpec, Program, node_annotation, set_node_annotation
+
+__all__ = ["ParameterServerMode", "gradient_slot", "assign_servers"]
+
+logger = logging.getLogger(__name__)
+
+_aten = torch.ops.aten
+_OPTIMIZER_PREFIX = "optimizer."
+
+
+def gradient_slot(grad: torch.Tensor, worker: int) -> torch.Tensor:
+    """Stands for worker `worker`'s copy of `grad` on the gradient's server.
+
+    Never runs: the plan binds the tensor received from that worker to this
+    node's name.
+    """
+    raise PlanError(f"gradient slot of worker {worker} was executed instead of received")
+
+
+def assign_servers(sizes: dict[str, int], pinned: dict[str, int], num_servers: int
+                   ) -> dict[str, int]:
+    """Server of every parameter: pinned ones where pinned, the others largest
+    first onto the server holding the fewest bytes (ties: lowest rank)."""
+    load = [0] * num_servers
+    owner = dict(pinned)
+    for name, server in pinned.items():
+        load[server] += sizes[name]
+    for name in sorted((n for n in sizes if n not in pinned), key=lambda n: (-sizes[n], n)):
+        server = min(range(num_servers), key=lambda s: (load[s], s))
+        owner[name] = server
+        load[server] += sizes[name]
+    return owner
+
+
+class ParameterServerMode(Mode):
+    kind = ModeKind.PARAMETER_SERVER
+
+    def reject_label(self, label: Label, cluster: Cluster) -> str | None:
+        if label.role is Role.WORKER and label.rank != 0:
+            return ("in parameter-server mode every worker runs the same worker subgraph; "
+                    "label worker ops with rank 0 or leave them unlabelled")
+        return None
+
+    def output_home(self, spec: OutputSpec, producer: Label, cluster: Cluster) -> Label:
+        return producer  # every worker keeps its own loss
+
+    # -- prebuild --
+
+    def prebuild(self, program: Program, cluster: Cluster) -> Program:
+        if cluster.num_servers < 1:
+            raise PlanError("parameter-server mode needs at least one server; launch with "
+                            "--servers 1 or more")
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        returned = graph.graph_copy(program.graph, env)
+        nodes = {n.name: n for n in graph.nodes}
+        owner = self._owners(program, nodes, cluster)
+        self._relabel(program, graph, owner)
+        slots = {}
+        if cluster.num_workers >= 2:
+            slots = self._accumulate(program, graph, nodes, owner, cluster.num_workers)
+        graph.output(returned)
+        gm = fx.GraphModule(program.graph_module, graph, class_name="ParameterServerStep")
+        extras = dict(program.extras, ps_slots=slots, ps_owner=owner)
+        return dataclasses.replace(program, graph_module=gm, extras=extras)
+
+    def _owners(self, program: Program, nodes, cluster: Cluster) -> dict[str, int]:
+        sizes, pinned = {}, {}
+        for spec in program.inputs:
+            if spec.kind is not InputKind.PARAM or program.state_output(spec.key) is None:
+                continue
+            node = nodes[spec.node]
+            value = node.meta.get("val")
+            sizes[spec.key] = value.numel() * value.element_size() if value is not None else 0
+            text = node_annotation(node)
+            if text and text.startswith("s") and text != ANY_SERVER:
+                rank = Label.parse(text).rank
+                if rank >= cluster.num_servers:
+                    raise PlanError(
+                        f"parameter {spec.key!r} is placed on server {rank}, but the cluster "
+                        f"has {cluster.num_servers} servers; lower the rank or launch with "
+                        f"--servers {rank + 1}")
+                pinned[spec.key] = rank
+        if not sizes:
+            raise PlanError("parameter-server mode found no trainable parameter to serve; "
+                            "capture the step with an optimizer")
+        owner = assign_servers(sizes, pinned, cluster.num_servers)
+        logger.debug("parameter servers: %s", owner)
+        return owner
+
+    def _relabel(self, program: Program, graph: fx.Graph, owner: dict[str, int]) -> None:
+        worker = str(Label.worker(0))
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                spec = program.input_spec(node.name)
+                param = _param_of_input(spec)
+                if param in owner:
+                    set_node_annotation(node, str(Label.server(owner[param])))
+                elif spec.kind is not InputKind.BATCH:
+                    set_node_annotation(node, worker)
+            elif node.op == "call_function":
+                module = node_annotation(node, MODULE_ANNOTATION) or ""
+                param = module[len(_OPTIMIZER_PREFIX):] if module.startswith(_OPTIMIZER_PREFIX) else None
+                if param in owner:
+                    set_node_annotation(node, str(Label.server(owner[param])))
+                elif (node_annotation(node) or "").startswith("s"):
+                    # A module placed on a server keeps its parameters there; its
+                    # ops run on the workers.
+                    set_node_annotation(node, worker)
+
+    def _accumulate(self, program, graph, nodes, owner, num_workers) -> dict[str, list[str]]:
+        """Per server-side gradient, W slots (one per worker) and their mean:
+        dense gradients are summed in worker order, then divided by W; sparse
+        ones have their indices and values concatenated, the values divided by W."""
+        grad_of = program.extras.get("grad_of")
+        sparse_of = program.extras.get("sparse_grad_of", {})
+        if grad_of is None:
+            raise PlanError("parameter-server mode needs a program from splitrun's capture "
+                            "(it records each parameter's gradient)")
+        slots: dict[str, list[str]] = {}
+        for param, server in owner.items():
+            where = (str(Label.server(server)), f"accumulate.{param}")
+            grads = ([nodes[name] for name in sparse_of[param]] if param in sparse_of
+                     else [nodes[grad_of[param]]])
+            updates = [user for grad in grads for user in grad.users
+                       if node_annotation(user, MODULE_ANNOTATION) == _OPTIMIZER_PREFIX + param]
+            if not updates:
+                raise PlanError(f"no optimizer update reads the gradient of {param!r}")
+            with graph.inserting_before(min(updates, key=_position(graph))):
+                for grad in grads:
+                    worker_slots = [_new_node(graph, gradient_slot, (grad, rank),
+                                              grad.meta.get("val"), where)
+                                    for rank in range(num_workers)]
+                    slots[grad.name] = [slot.name for slot in worker_slots]
+                    if param in sparse_of:
+                        mean = _concat(graph, worker_slots, where)
+                        if grad is grads[1]:  # values, not indices
+                            mean = _new_node(graph, _aten.div.Tensor, (mean, num_workers),
+                                             mean.meta.get("val"), where)
+                    else:
+                        total = worker_slots[0]
+                        for slot in worker_slots[1:]:
+                            total = _new_node(graph, _aten.add.Tensor, (total, slot),
+                                              grad.meta.get("val"), where)
+                        mean = _new_node(graph, _aten.div.Tensor, (total, num_workers),
+                                         grad.meta.get("val"), where)
+                    for update in updates:
+                        update.replace_input_with(grad, mean)
+        return slots
+
+    # -- fuse --
+
+    def fuse(self, edges: list[Edge], cluster: Cluster) -> list[ChannelDraft]:
+        """One channel per direction between the worker template and each server."""
+        drafts: dict[tuple[Label, Label], ChannelDraft] = {}
+        for edge in edges:
+            if Role.WORKER not in (edge.src.role, edge.dst.role):
+                raise PlanError(
+                    f"value {edge.value} goes from {edge.src.describe()} to "
+                    f"{edge.dst.describe()}; in parameter-server mode servers only exchange "
+                    f"parameters and gradients with workers")
+            draft = drafts.get((edge.src, edge.dst))
+            if draft is None:
+                draft = drafts[(edge.src, edge.dst)] = ChannelDraft(
+                    edge.src, edge.dst, ChannelKind.DATA, send_pos=edge.src_pos,
+                    recv_pos=edge.dst_pos)
+            draft.edges.append(edge)
+            draft.send_pos = max(draft.send_pos, edge.src_pos)
+            draft.recv_pos = min(draft.recv_pos, edge.dst_pos)
+        for draft in drafts.values():
+            if draft.send_pos >= draft.recv_pos:
+                raise PlanError(
+                    f"the message {draft.src} -> {draft.dst} would be needed at position "
+                    f"{draft.recv_pos} before its last value is produced at {draft.send_pos}; "
+                    f"an op on the server reads a worker value in the middle of the step")
+        return list(drafts.values())
+
+    # -- postbuild --
+
+    def postbuild(self, plan: SplitPlan, program: Program) -> SplitPlan:
+        num_workers = plan.cluster.num_workers
+        if num_workers == 1:
+            return plan  # the template is the only worker: nothing to replicate
+        template = Label.worker(0)
+        sizes = {n.name: _nbytes(n) for n in program.graph.nodes}
+        slot_of = {grad: names for grad, names in program.extras.get("ps_slots", {}).items()}
+        slot_names = {name for names in slot_of.values() for name in names}
+        hparams = {s.node for s in program.inputs if s.kind is InputKind.HPARAM}
+
+        copies: dict[str, list[Channel]] = {}
+        channels: list[Channel] = []
+        for channel in plan.channels:
+            if template not in (channel.src, channel.dst) or channel.kind is ChannelKind.CONTROL:
+                channels.append(channel)
+                continue
+            copies[channel.name] = [
+                _worker_copy(channel, template, Label.worker(rank), slot_of, hparams, sizes)
+                for rank in range(num_workers)]
+            channels.extend(copies[channel.name])
+
+        processes = []
+        for proc in plan.processes:
+            if proc.label.role is Role.WORKER:
+                base = plan.process(template)
+                rank = proc.label.rank
+                schedule = tuple(
+                    Instruction(i.kind, copies[i.target][rank].name)
+                    if i.kind is not OpKind.RUN and i.target in copies else i
+                    for i in base.schedule)
+                feeds = base.feeds if rank == 0 else tuple(
+                    k for k in base.feeds if program.input_for_key(k).node not in hparams)
+                processes.append(dataclasses.replace(base, label=proc.label, schedule=schedule,
+                                                     feeds=feeds))
+                continue
+            schedule = []
+            for instr in proc.schedule:
+                if instr.kind is OpKind.RUN:
+                    if instr.target not in slot_names:
+                        schedule.append(instr)
+                elif instr.target in copies:
+                    schedule.extend(Instruction(instr.kind, c.name) for c in copies[instr.target])
+                else:
+                    schedule.append(instr)
+            processes.append(dataclasses.replace(proc, schedule=tuple(schedule)))
+
+        syncs = tuple(DataSync(s.key, s.owner, Label.worker(rank), copies[s.channel][rank].name)
+                      for s in plan.data_syncs for rank in range(num_workers))
+        return SplitPlan(plan.mode, plan.cluster, tuple(processes), tuple(channels), syncs,
+                         program=program)
+
+
+def _new_node(graph: fx.Graph, target, args, value, where: tuple[str, str]) -> fx.Node:
+    node = graph.call_function(target, args)
+    node.meta["val"] = value
+    set_node_annotation(node, where[0])
+    set_node_annotation(node, where[1], MODULE_ANNOTATION)
+    return node
+
+
+def _concat(graph: fx.Graph, parts: list[fx.Node], where: tuple[str, str]) -> fx.Node:
+    first = parts[0].meta.get("val")
+    value = None
+    if isinstance(first, torch.Tensor):
+        shape = (first.shape[0] * len(parts), *first.shape[1:])
+        value = torch.empty(shape, dtype=first.dtype, device="meta")
+    return _new_node(graph, _aten.cat.default, (parts,), value, where)
+
+
+def _param_of_input(spec) -> str | None:
+    if spec.kind is InputKind.PARAM:
+        return spec.key
+    if spec.kind is InputKind.OPT_STATE:
+        return spec.key.rsplit(".", 1)[0]
+    return None
+
+
+def _position(graph: fx.Graph):
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
+def _nbytes(node: fx.Node) -> int:
+    value = node.meta.get("val")
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def _worker_copy(channel: Channel, template: Label, worker: Label, slot_of, hparams,
+                 sizes) -> Channel:
+    """Worker `worker`'s copy of a channel between the template and a server."""
+    rank = worker.rank
+    src = worker if channel.src == template else channel.src
+    dst = worker if channel.dst == template else channel.dst
+    name = channel.name.replace(f"{template}->", f"{src}->", 1) if src == worker else \
+        channel.name.replace(f"->{template}#", f"->{dst}#", 1)
+    if src != worker:  # server -> worker: the same values to every worker
+        return channel._replace(name=name, dst=dst)
+    values, recv_names = [], []
+    for value, recv_name in zip(channel.values, channel.recv_names):
+        if value in slot_of:
+            values.append(value)
+            recv_names.append(slot_of[value][rank])
+        elif value in hparams:
+            if rank == 0:  # the learning rate and step count come from worker 0
+                values.append(value)
+                recv_names.append(recv_name)
+        else:
+            raise PlanError(
+                f"channel {channel.name} carries {value}, which is neither a gradient nor "
+                f"a hyperparameter; in parameter-server mode workers send servers only those")
+    return channel._replace(name=name, src=src, values=tuple(values),
+                            recv_names=tuple(recv_names), nbytes=sum(sizes[v] for v in values))

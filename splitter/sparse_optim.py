@@ -1,0 +1,99 @@
+"""Row-wise optimizer updates for sparse gradients (`nn.Embedding(sparse=True)`).
+
+A sparse gradient is `(indices, values)`: row `indices[i]` of the table gets
+`values[i]`, duplicates adding up. Each update first coalesces (sums the values
+of duplicate rows), then touches only those rows, as torch does for sparse
+gradients: SGD and Adagrad give the same result as their dense versions, Adam
+is lazy (torch.optim.SparseAdam: moments of untouched rows do not decay).
+
+They are graph nodes whose output shapes depend on data (`unique`), so they are
+plain functions called by the executor rather than traced aten ops. Each
+returns new tensors; the old table may still be on its way to a peer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .errors import CaptureError
+
+__all__ = ["coalesce", "sparse_sgd", "sparse_adagrad", "sparse_adam", "sparse_update_for",
+           "ROW_WISE_UPDATES"]
+
+
+def coalesce(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique rows (sorted) and the summed values of each."""
+    rows, inverse = torch.unique(indices.reshape(-1), sorted=True, return_inverse=True)
+    summed = torch.zeros((rows.numel(), *values.shape[1:]), dtype=values.dtype,
+                         device=values.device)
+    summed.index_add_(0, inverse, values.reshape(-1, *values.shape[1:]))
+    return rows, summed
+
+
+def sparse_sgd(param, indices, values, lr, step, *, maximize: bool = False):
+    rows, grad = coalesce(indices, values)
+    grad = -grad if maximize else grad
+    return (param.index_add(0, rows, (-lr) * grad),)
+
+
+def sparse_adagrad(param, indices, values, lr, step, state_sum, *, lr_decay: float = 0.0,
+                   eps: float = 1e-10, maximize: bool = False):
+    rows, grad = coalesce(indices, values)
+    grad = -grad if maximize else grad
+    clr = lr / (1 + (step - 1) * lr_decay)
+    # The dense Adagrad's ops on the touched rows (untouched rows would not move).
+    row_sum = torch.addcmul(state_sum.index_select(0, rows), grad, grad, value=1)
+    std = row_sum.sqrt() + eps
+    new_param = param.index_add(0, rows, ((-clr) * grad) / std)
+    return new_param, state_sum.index_copy(0, rows, row_sum)
+
+
+def sparse_adam(param, indices, values, lr, step, exp_avg, exp_avg_sq, *,
+                betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                maximize: bool = False):
+    beta1, beta2 = betas
+    rows, grad = coalesce(indices, values)
+    grad = -grad if maximize else grad
+    old_avg = exp_avg.index_select(0, rows)
+    old_avg_sq = exp_avg_sq.index_select(0, rows)
+    avg = old_avg + (grad - old_avg) * (1 - beta1)
+    avg_sq = old_avg_sq + (grad.pow(2) - old_avg_sq) * (1 - beta2)
+    step_value = float(step)
+    bias_correction1 = 1 - beta1 ** step_value
+    bias_correction2 = 1 - beta2 ** step_value
+    step_size = float(lr) * math.sqrt(bias_correction2) / bias_correction1
+    update = (avg / (avg_sq.sqrt() + eps)) * -step_size
+    return (param.index_add(0, rows, update), exp_avg.index_copy(0, rows, avg),
+            exp_avg_sq.index_copy(0, rows, avg_sq))
+
+
+ROW_WISE_UPDATES = frozenset({sparse_sgd, sparse_adagrad, sparse_adam})
+
+
+def sparse_update_for(functional) -> tuple[callable, dict]:
+    """The row-wise update matching a functional optimizer, and its settings."""
+    from . import optim
+
+    name = type(functional).__name__
+    if type(functional) is optim.SGD:
+        if functional.momentum or functional.weight_decay:
+            raise CaptureError(
+                f"SGD with momentum or weight decay cannot update a sparse embedding row by "
+                f"row; use sparse=False for that embedding, or plain SGD")
+        return sparse_sgd, {"maximize": functional.maximize}
+    if type(functional) is optim.Adagrad:
+        if functional.weight_decay:
+            raise CaptureError("Adagrad with weight decay does not support sparse gradients "
+                               "(nor does torch); set weight_decay=0 or sparse=False")
+        return sparse_adagrad, {"lr_decay": functional.lr_decay, "eps": functional.eps,
+                                "maximize": functional.maximize}
+    if type(functional) is optim.Adam:
+        if functional.weight_decay:
+            raise CaptureError("Adam on sparse gradients is lazy (SparseAdam) and has no "
+                               "weight decay; set weight_decay=0 or sparse=False")
+        return sparse_adam, {"betas": tuple(functional.betas), "eps": functional.eps,
+                             "maximize": functional.maximize}
+    raise CaptureError(f"{name} has no row-wise update for sparse gradients; use SGD, "
+                       f"Adagrad or Adam, or sparse=False")

@@ -1,0 +1,93 @@
+"""A training job for the end-to-end tests, run by the real launcher.
+
+    splitrun launch --workers 3 tests/scripts/train_job.py --steps 12 --out result.pt
+
+Worker 0 saves the losses and the final state gathered from every process to
+--out (a file this test suite reads back; nothing from the network is loaded).
+`build()` is imported by the tests to compute the unsplit reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import pathlib
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
+
+from models import TiedBigramLM, lm_loss, markov_batches  # noqa: E402
+
+from splitrun.splitter import capture, optim, place  # noqa: E402
+
+OPTIMIZERS = {
+    "sgd": lambda: optim.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3),
+    "adam": lambda: optim.Adam(lr=0.01),
+    "adagrad": lambda: optim.Adagrad(lr=0.05),
+}
+
+
+class Pipeline(nn.Module):
+    def __init__(self, num_workers: int, width: int = 32) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList([nn.Sequential(nn.Linear(12, width), nn.ReLU()),
+                                     nn.Sequential(nn.Linear(width, width), nn.Tanh()),
+                                     nn.Linear(width, 5)])
+        for index, stage in enumerate(self.stages):
+            place(stage, rank=min(index, num_workers - 1))
+
+    def forward(self, x):
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+
+def build(model_name: str, optimizer: str, num_workers: int, steps: int, hidden: int = 32):
+    """The program and its batches; every process builds the same ones."""
+    torch.manual_seed(0)
+    if model_name == "lm":
+        model, loss_fn = TiedBigramLM(num_workers=num_workers), lm_loss
+        batches = markov_batches(steps, batch=8)
+    else:
+        model = Pipeline(num_workers, hidden)
+        loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+        generator = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(16, 12, generator=generator),
+                    torch.randint(0, 5, (16,), generator=generator)) for _ in range(steps)]
+    program = capture(model, loss_fn, OPTIMIZERS[optimizer](), batches[0])
+    return program, batches
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="mlp", choices=["mlp", "lm"])
+    parser.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZERS))
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--out", type=pathlib.Path)
+    args = parser.parse_args()
+
+    from splitrun.runtime.job import Job
+    job = Job.from_env()
+    program, batches = build(args.model, args.optimizer, job.cluster.num_workers, args.steps,
+                             args.hidden)
+    trainer = job.start(program, num_steps=args.steps)
+    logging.getLogger("train_job").warning("training started")
+    losses = []
+    if job.is_worker:
+        for batch in batches:
+            outputs = trainer.step(batch)
+            if "loss" in outputs:
+                losses.append(outputs["loss"])
+    final_state = trainer.finish()
+    if job.is_driver and args.out:
+        torch.save({"losses": torch.stack(losses), "state": final_state}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
