@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast proto bench clean
+.PHONY: venv run run-pipeline test test-fast proto bench clean
 
 $(STAMP): setup.cfg setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -14,9 +14,13 @@ $(STAMP): setup.cfg setup.py constraints.txt
 
 venv: $(STAMP)
 
-# The main job.
+# The main job: parameter-server training on 2 workers and 1 server.
 run: $(STAMP)
-	$(PY) examples/pipeline_split.py
+	$(VENV)/bin/splitrun launch --workers 2 --servers 1 examples/ps_train.py --min-accuracy 0.95
+
+# The model split three ways (pipeline), next to the unsplit step.
+run-pipeline: $(STAMP)
+	$(VENV)/bin/splitrun launch --workers 3 examples/pipeline_split.py
 
 # The whole test suite.
 test: $(STAMP)

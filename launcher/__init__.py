@@ -1,5 +1,1 @@
-"""The `splitrun` command: launch, join, plan, scheduler."""
-
-from .cli import main
-
-__all__ = ["main"]
+"""The `splitrun` command: launch, join, plan, scheduler (`splitrun.launcher.cli`)."""

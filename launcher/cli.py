@@ -33,7 +33,7 @@ launcher exits with the failing process's code.
 
 _EPILOG_PLAN = """\
 example:
-  splitrun plan --workers 3 examples/pipeline_split.py --out plan.dot
+  splitrun plan --workers 3 --out plan.dot examples/pipeline_split.py
   dot -Tsvg plan.dot -o plan.svg     # or --out plan.svg where graphviz is installed
 
 Runs SCRIPT once in plan mode: its Job.start() writes the plan instead of
@@ -69,7 +69,8 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
 def _add_script_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script", help="the training script every process runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER,
-                        help="arguments passed to the script")
+                        help="arguments passed to the script (splitrun's own options go "
+                             "before SCRIPT)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -141,7 +142,7 @@ def _child_env(args, address: str, token: str, label: Label) -> dict[str, str]:
     env.update({ENV.SCHEDULER: address, ENV.TOKEN: token, ENV.ROLE: label.role.value,
                 ENV.RANK: str(label.rank), ENV.DEVICE: args.device, ENV.HOST: args.host,
                 ENV.LOG_LEVEL: args.log_level, ENV.HEARTBEAT_TIMEOUT_S: str(args.heartbeat_timeout),
-                "PYTHONUNBUFFERED": "1"})
+                ENV.LAUNCHER_PID: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
     if args.recv_timeout is not None:
         env[ENV.RECV_TIMEOUT_S] = str(args.recv_timeout)
     return env

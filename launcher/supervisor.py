@@ -2,13 +2,13 @@
 first failure.
 
 Each child leads its own process group (so its own children go with it) and,
-on Linux, dies with the launcher (PR_SET_PDEATHSIG): no process outlives the
+on Linux, asks to die with the launcher (`die_with_parent`, called by the
+job at start; the heartbeat timeout covers the rest): no process outlives the
 launcher. Only processes this supervisor started are ever signalled, by id.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -29,15 +29,6 @@ logger = logging.getLogger(__name__)
 TERMINATE_GRACE_S = 5.0
 # How often the supervisor looks at its children and the scheduler.
 _POLL_S = 0.05
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass  # not Linux: the heartbeat timeout stops orphans instead
 
 
 @dataclass
@@ -85,9 +76,12 @@ class Supervisor:
         self._interrupted = threading.Event()
 
     def spawn(self, label: Label, argv: Sequence[str], env: dict[str, str]) -> Child:
+        # No preexec_fn: Python then starts the child with vfork/posix_spawn,
+        # which runs no fork handlers. gRPC's, with the scheduler's server
+        # threads running, can abort a forked child before it execs.
         process = subprocess.Popen(
             list(argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+            stderr=subprocess.STDOUT, start_new_session=True)
         child = Child(label, process)
         child.reader = threading.Thread(target=self._relay, args=(child,), daemon=True,
                                         name=f"relay-{label}")

@@ -2,6 +2,7 @@
 
 from .errors import (
     ClusterError,
+    JobFinished,
     MessageRejected,
     PeerFailed,
     RecvTimeout,
@@ -10,6 +11,8 @@ from .errors import (
     TransportError,
 )
 from .executor import ChannelStats, Executor, ExecutorStats
+from .grpc_transport import ExpectedChannel, GrpcSettings, GrpcTransport, expected_channels
+from .job import Job, JobSettings, Trainer
 from .loopback import LoopbackHub, LoopbackTransport
 from .mailbox import Mailbox
 from .threaded import ThreadedRun, run_threaded
@@ -17,6 +20,7 @@ from .transport import MessageKey, Transport
 
 __all__ = [
     "ClusterError",
+    "JobFinished",
     "MessageRejected",
     "PeerFailed",
     "RecvTimeout",
@@ -26,6 +30,13 @@ __all__ = [
     "ChannelStats",
     "Executor",
     "ExecutorStats",
+    "ExpectedChannel",
+    "GrpcSettings",
+    "GrpcTransport",
+    "expected_channels",
+    "Job",
+    "JobSettings",
+    "Trainer",
     "LoopbackHub",
     "LoopbackTransport",
     "Mailbox",

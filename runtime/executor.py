@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -201,11 +201,15 @@ class Executor:
     # -- one step --
 
     def run_step(self, step: int, feeds: Mapping[str, torch.Tensor], *,
-                 first_recv_timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+                 first_recv_timeout_s: float | None = None,
+                 control: tuple[str, Callable] | None = None) -> dict[str, torch.Tensor]:
         """Run this process's subgraph once; return the outputs delivered here.
 
-        `first_recv_timeout_s` bounds the step's first receive instead of
-        `recv_timeout_s`: a serving process may wait long for the next step.
+        For a process that serves steps: `first_recv_timeout_s` bounds the
+        step's first receive instead of `recv_timeout_s` (the next step may be
+        long in coming), and `control = (channel, handler)` hands messages on
+        that channel to the handler while the first receive waits, i.e. between
+        steps.
         """
         started = time.perf_counter()
         env: dict[str, object] = dict(self._constants)
@@ -237,10 +241,13 @@ class Executor:
                 counter.messages += 1
                 counter.bytes += _tensor_bytes(tensors)
             else:
-                timeout = self.recv_timeout_s
+                timeout, between_steps = self.recv_timeout_s, None
                 if first_recv_timeout_s is not None:
                     timeout, first_recv_timeout_s = first_recv_timeout_s, None
-                self._receive(step, name, target, payload, env, timeout)
+                if control is not None:
+                    between_steps = (MessageKey(self.incarnation, step, control[0]), control[1])
+                    control = None
+                self._receive(step, name, target, payload, env, timeout, between_steps)
             for dead in self._free_after[index]:
                 env.pop(dead, None)
 
@@ -251,11 +258,14 @@ class Executor:
         self.stats.step_s += time.perf_counter() - started
         return outputs
 
-    def _receive(self, step, channel, src, payload, env, timeout_s) -> None:
+    def _receive(self, step, channel, src, payload, env, timeout_s, control) -> None:
         recv_names, expected = payload
         key = MessageKey(self.incarnation, step, channel)
         waited = time.perf_counter()
-        tensors = self.transport.recv(src, key, timeout_s)
+        if control is None:
+            tensors = self.transport.recv(src, key, timeout_s)
+        else:
+            tensors = self.transport.recv(src, key, timeout_s, control=control)
         self.stats.recv_wait_s += time.perf_counter() - waited
         if len(tensors) != len(recv_names):
             raise MessageRejected(

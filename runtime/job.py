@@ -14,8 +14,10 @@ report that they finished.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,9 +27,11 @@ import torch
 from splitrun.splitter.graph_splitter import split
 from splitrun.splitter.labels import Cluster, Label, Role
 from splitrun.splitter.modes import Mode
-from splitrun.splitter.plan import SplitPlan
+from splitrun.splitter.plan import ModeKind, SplitPlan
 from splitrun.splitter.program import Program
 
+from . import checkpoint
+from .data import shard_batches
 from .errors import ClusterError, JobFinished, PeerFailed, SplitrunError
 from .executor import Executor
 from .grpc_transport import ExpectedChannel, GrpcTransport, expected_channels
@@ -38,6 +42,8 @@ from .transport import MessageKey
 __all__ = ["Job", "Trainer", "JobSettings", "ENV"]
 
 logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
 
 
 class ENV:
@@ -57,6 +63,7 @@ class ENV:
     PLAN_OUT = "SPLITRUN_PLAN_OUT"        # `splitrun plan`: write the plan here and exit
     NUM_WORKERS = "SPLITRUN_NUM_WORKERS"  # cluster size for `splitrun plan`
     NUM_SERVERS = "SPLITRUN_NUM_SERVERS"
+    LAUNCHER_PID = "SPLITRUN_LAUNCHER_PID"  # die with this process (set by launch)
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,21 @@ def _pick_device(text: str) -> torch.device:
     return device
 
 
+def _die_with_launcher(environ: Mapping[str, str]) -> None:
+    """Under `splitrun launch`, make the kernel kill this process if the
+    launcher dies (Linux), so no process outlives it."""
+    pid = environ.get(ENV.LAUNCHER_PID)
+    if not pid or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        return  # the heartbeat timeout stops an orphan instead
+    if os.getppid() != int(pid):
+        raise ClusterError(f"the launcher (pid {pid}) is gone; not starting")
+
+
 def _configure_logging(environ: Mapping[str, str]) -> None:
     """The launcher asks its children to log at a level; set it up once."""
     level = environ.get(ENV.LOG_LEVEL)
@@ -134,6 +156,7 @@ class Job:
         """Join the job `splitrun launch` or `splitrun join` started this process in."""
         environ = os.environ if environ is None else environ
         _configure_logging(environ)
+        _die_with_launcher(environ)
         settings = JobSettings.from_env(environ)
         device = _pick_device(environ.get(ENV.DEVICE, "auto"))
         if environ.get(ENV.PLAN_OUT):
@@ -205,15 +228,18 @@ class Job:
     # -- running --
 
     def start(self, program: Program, mode: Mode | None = None, *,
-              gather_state: bool = True, num_steps: int | None = None) -> Trainer:
+              gather_state: bool = True, num_steps: int | None = None,
+              resume: str | os.PathLike | None = None) -> Trainer:
         """Split `program` for this job's cluster, agree on the plan with every
         other process, connect to the peers and return the trainer.
 
         `gather_state`: at `finish()`, worker 0 receives every process's final
-        state. `num_steps` (optional) sizes the progress bar.
+        state. `num_steps` (optional) sizes the progress bar. `resume`: a
+        checkpoint written by `Trainer.save` (any number of servers) to start
+        from; training continues at its step.
         """
         plan = split(program, self.cluster, mode)
-        plan.lint(program)
+        plan.lint()
         if self.plan_out is not None:
             _write_plan(plan, self.plan_out)
             raise SystemExit(0)
@@ -222,17 +248,22 @@ class Job:
         peers = self.client.wait_for_peers(self.label, self.settings.register_timeout_s)
         self.transport.set_peers({label: address for label, address in peers.items()
                                   if label != self.label})
-        expected = expected_channels(plan, program, self.label)
-        if gather_state and self.is_driver:
-            expected.update(_state_channels(plan, program, self.label))
+        expected = expected_channels(plan, plan.program, self.label)
+        expected.update(_control_channels(plan, plan.program or program, self.label))
         self.transport.expect(expected)
-        executor = Executor(plan, self.label, self.transport, program=program,
+        executor = Executor(plan, self.label, self.transport, program=plan.program,
                             device=self.device, incarnation=self.incarnation,
                             recv_timeout_s=self.settings.recv_timeout_s)
-        executor.load_state(program.initial_state)
+        state, first_step = program.initial_state, 0
+        if resume is not None:
+            state, first_step = checkpoint.from_checkpoint(
+                program, checkpoint.read_checkpoint(resume))
+            logger.info("[%s] resuming from %s at step %d", self.label.describe(), resume,
+                        first_step)
+        executor.load_state(state)
         logger.info("[%s] plan %s: %s", self.label.describe(), plan.fingerprint, summary)
-        return Trainer(self, plan, program, executor, gather_state=gather_state,
-                       num_steps=num_steps)
+        return Trainer(self, plan, plan.program, executor, gather_state=gather_state,
+                       num_steps=num_steps, first_step=first_step)
 
     def report_failure(self, error: BaseException) -> None:
         if self.client is None or isinstance(error, (PeerFailed, JobFinished)):
@@ -256,13 +287,13 @@ class Trainer:
     """Runs this process's share of the split step."""
 
     def __init__(self, job: Job, plan: SplitPlan, program: Program, executor: Executor, *,
-                 gather_state: bool, num_steps: int | None) -> None:
+                 gather_state: bool, num_steps: int | None, first_step: int = 0) -> None:
         self.job = job
         self.plan = plan
         self.program = program
         self.executor = executor
         self.gather_state = gather_state
-        self.steps_done = 0
+        self.steps_done = first_step
         self.final_state: dict[str, torch.Tensor] | None = None
         self._progress = Progress(num_steps, enabled=job.is_driver)
         self._finished = False
@@ -307,6 +338,63 @@ class Trainer:
         self._progress.update(self.steps_done - 1, None if loss is None else loss.item())
         return outputs
 
+    def shard(self, batches):
+        """The batches this process trains on: in parameter-server mode worker
+        r of W gets rows [r*B/W, (r+1)*B/W) of every global batch; in general
+        mode every worker gets whole batches; servers get none."""
+        if not self.job.is_worker:
+            return iter(())
+        if self.plan.mode is ModeKind.GENERAL:
+            return iter(batches)
+        return shard_batches(batches, self.job.rank, self.job.cluster.num_workers)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write a checkpoint of the whole job's state after the steps done so
+        far. Every worker calls it at the same point of its loop; servers answer
+        between steps; worker 0 writes the file."""
+        if not self.job.is_worker:
+            raise SplitrunError("save() is called by the workers; servers answer it")
+        job, step = self.job, self.steps_done
+        if not job.is_driver:
+            self._send_state(checkpoint.save_channel(job.label), step)
+            return
+        command = [torch.tensor(checkpoint.SAVE, dtype=torch.int64)]
+        for proc in self.plan.processes:
+            if proc.label.role is Role.SERVER and proc.state:
+                job.transport.send(proc.label, MessageKey(job.incarnation, step,
+                                                          checkpoint.CONTROL_CHANNEL), command)
+        state = self._collect_state(checkpoint.save_channel, step)
+        info = {"cluster": str(job.cluster), "plan": self.plan.fingerprint}
+        checkpoint.write_checkpoint(checkpoint.to_checkpoint(self.program, state, step, info),
+                                    path)
+        logger.info("[%s] checkpoint of step %d written to %s", job.label.describe(), step,
+                    path)
+
+    def _send_state(self, channel: str, step: int) -> None:
+        keys = self.plan.process(self.job.label).state
+        if keys:
+            tensors = [self.executor.state[k].detach().cpu() for k in keys]
+            self.job.transport.send(Label.worker(0), MessageKey(self.job.incarnation, step,
+                                                               channel), tensors)
+
+    def _collect_state(self, channel_of, step: int) -> dict[str, torch.Tensor]:
+        """Worker 0: its own state and every other owner's, sent on `channel_of(owner)`."""
+        state = {k: v.detach().cpu() for k, v in self.executor.state.items()}
+        for proc in self.plan.processes:
+            if proc.label == self.job.label or not proc.state:
+                continue
+            key = MessageKey(self.job.incarnation, step, channel_of(proc.label))
+            tensors = self.job.transport.recv(proc.label, key, self.job.settings.finish_timeout_s)
+            state.update(zip(proc.state, tensors))
+        return state
+
+    def _on_control(self, sender: Label, tensors: list[torch.Tensor]) -> None:
+        """A serving process, between steps: worker 0 asks for a checkpoint."""
+        command = int(tensors[0]) if tensors else None
+        if command != checkpoint.SAVE:
+            raise SplitrunError(f"unknown control command {command} from {sender.describe()}")
+        self._send_state(checkpoint.save_channel(self.job.label), self.steps_done)
+
     def _serve(self) -> None:
         """A server's loop: run steps as their messages come, until the workers
         finish (a receive for a step they never ran ends with JobFinished)."""
@@ -316,7 +404,8 @@ class Trainer:
         while True:
             try:
                 self.executor.run_step(self.steps_done, {},
-                                       first_recv_timeout_s=settings.idle_timeout_s)
+                                       first_recv_timeout_s=settings.idle_timeout_s,
+                                       control=(checkpoint.CONTROL_CHANNEL, self._on_control))
             except JobFinished:
                 return
             except BaseException as exc:
@@ -364,45 +453,32 @@ class Trainer:
         return self.final_state
 
     def _gather_state(self) -> None:
-        driver = Label.worker(0)
-        me = self.job.label
-        step = self.steps_done
-        if me != driver:
-            keys = self.plan.process(me).state
-            if keys:
-                tensors = [self.executor.state[k].detach().cpu() for k in keys]
-                self.job.transport.send(driver, _state_key(self.job, me, step), tensors)
-            return
-        state = {k: v.detach().cpu() for k, v in self.executor.state.items()}
-        for proc in self.plan.processes:
+        if self.job.is_driver:
+            self.final_state = self._collect_state(checkpoint.final_state_channel,
+                                                   self.steps_done)
+        else:
+            self._send_state(checkpoint.final_state_channel(self.job.label), self.steps_done)
+
+
+def _control_channels(plan: SplitPlan, program: Program, me: Label
+                      ) -> dict[str, ExpectedChannel]:
+    """Channels outside the step's plan: worker 0 receives every owner's state
+    (for saves and at finish); serving processes receive worker 0's commands."""
+    channels: dict[str, ExpectedChannel] = {}
+    if me == Label.worker(0):
+        nodes = {n.name: n for n in program.graph.nodes}
+        for proc in plan.processes:
             if proc.label == me or not proc.state:
                 continue
-            tensors = self.job.transport.recv(proc.label, _state_key(self.job, proc.label, step),
-                                              self.job.settings.finish_timeout_s)
-            state.update(zip(proc.state, tensors))
-        self.final_state = state
-
-
-def _state_channel(label: Label) -> str:
-    return f"@state:{label}"
-
-
-def _state_key(job: Job, owner: Label, step: int) -> MessageKey:
-    return MessageKey(job.incarnation, step, _state_channel(owner))
-
-
-def _state_channels(plan: SplitPlan, program: Program, me: Label) -> dict[str, ExpectedChannel]:
-    """The channels on which worker 0 receives each owner's final state."""
-    nodes = {n.name: n for n in program.graph.nodes}
-    channels = {}
-    for proc in plan.processes:
-        if proc.label == me or not proc.state:
-            continue
-        metas = []
-        for key in proc.state:
-            value = nodes[program.input_for_key(key).node].meta["val"]
-            metas.append((value.dtype, tuple(value.shape)))
-        channels[_state_channel(proc.label)] = ExpectedChannel(proc.label, tuple(metas))
+            metas = []
+            for key in proc.state:
+                value = nodes[program.input_for_key(key).node].meta["val"]
+                metas.append((value.dtype, tuple(value.shape)))
+            for channel in (checkpoint.save_channel, checkpoint.final_state_channel):
+                channels[channel(proc.label)] = ExpectedChannel(proc.label, tuple(metas))
+    elif me.role is Role.SERVER:
+        channels[checkpoint.CONTROL_CHANNEL] = ExpectedChannel(
+            Label.worker(0), ((torch.int64, ()),))
     return channels
 
 

@@ -43,8 +43,9 @@ class LoopbackTransport:
         # receiver may share the sender's tensors.
         self.hub.mailboxes[dst].put(key, self.label, tensors)
 
-    def recv(self, src: Label, key: MessageKey, timeout_s: float) -> list[torch.Tensor]:
-        return self.hub.mailboxes[self.label].take(key, src, timeout_s)
+    def recv(self, src: Label, key: MessageKey, timeout_s: float,
+             control=None) -> list[torch.Tensor]:
+        return self.hub.mailboxes[self.label].take(key, src, timeout_s, control)
 
     def abort(self, error: BaseException) -> None:
         self.hub.mailboxes[self.label].abort(error)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -46,13 +46,31 @@ class Mailbox:
             self._messages[key] = (src, list(tensors))
             self._cond.notify_all()
 
-    def take(self, key: MessageKey, src: Label, timeout_s: float) -> list[torch.Tensor]:
+    def take(self, key: MessageKey, src: Label, timeout_s: float,
+             control: tuple[MessageKey, Callable[[Label, list[torch.Tensor]], None]] | None = None,
+             ) -> list[torch.Tensor]:
+        """The tensors `src` sent under `key`.
+
+        `control`: while waiting, a message under the control key is taken and
+        handed to the handler (in this thread), then the wait goes on. A
+        process that serves steps answers requests between steps this way.
+        """
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while key not in self._messages:
+                if control is not None and control[0] in self._messages:
+                    sender, tensors = self._messages.pop(control[0])
+                    self._cond.release()
+                    try:
+                        control[1](sender, tensors)
+                    finally:
+                        self._cond.acquire()
+                    deadline = time.monotonic() + timeout_s
+                    continue
                 if self._error is not None:
                     raise self._error
-                if self._finished_at is not None and key.step >= self._finished_at:
+                if (self._finished_at is not None and key.step >= self._finished_at
+                        and key.is_in_plan):
                     raise JobFinished(self._finished_at)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -76,8 +94,9 @@ class Mailbox:
             self._cond.notify_all()
 
     def finish_at(self, num_steps: int) -> None:
-        """The job ran `num_steps` steps: receives for later steps end with
-        `JobFinished`; receives for earlier steps still wait for their message."""
+        """The job ran `num_steps` steps: receives of plan channels for later
+        steps end with `JobFinished`; earlier steps, and channels outside the
+        plan (final state, checkpoints), still wait for their message."""
         with self._cond:
             self._finished_at = num_steps
             self._cond.notify_all()

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from splitrun.splitter.labels import Label
-from splitrun.splitter.plan import SplitPlan
+from splitrun.splitter.labels import Label, Role
+from splitrun.splitter.plan import ModeKind, SplitPlan
 from splitrun.splitter.program import Program
 
+from .data import shard_batch
 from .errors import PeerFailed, SplitrunError
 from .executor import Executor, ExecutorStats
 from .loopback import LoopbackHub
@@ -41,7 +42,11 @@ def run_threaded(plan: SplitPlan, num_steps: int,
                  program: Program | None = None, recv_timeout_s: float = 30.0,
                  device: str = "cpu") -> ThreadedRun:
     """Train `num_steps` steps of the split program; `batches(step)` gives the
-    batch feeds, the program's optimizer gives the hyperparameters."""
+    global batch's feeds, the program's optimizer the hyperparameters.
+
+    In parameter-server mode each worker gets its shard of the global batch,
+    as `Trainer.shard` gives it in a real job.
+    """
     program = program or plan.program
     state = program.initial_state if state is None else state
     hub = LoopbackHub(plan.labels)
@@ -54,10 +59,20 @@ def run_threaded(plan: SplitPlan, num_steps: int,
     failures: list[tuple[Label, BaseException]] = []
     lock = threading.Lock()
 
+    sharded = plan.mode is ModeKind.PARAMETER_SERVER
+
+    def feeds_for(label: Label, step: int) -> dict[str, torch.Tensor]:
+        if label.role is not Role.WORKER:
+            return program.hparams(step)
+        batch = batches(step)
+        if sharded:
+            batch = shard_batch(batch, label.rank, plan.cluster.num_workers)
+        return {**batch, **program.hparams(step)}
+
     def work(label: Label, executor: Executor) -> None:
         try:
             for step in range(num_steps):
-                feeds = {**batches(step), **program.hparams(step)}
+                feeds = feeds_for(label, step)
                 outputs = executor.run_step(step, feeds)
                 with lock:
                     history[step].update(outputs)

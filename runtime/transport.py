@@ -7,7 +7,7 @@ what makes a split program deadlock-free.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,7 +15,11 @@ import torch
 
 from splitrun.splitter.labels import Label
 
-__all__ = ["MessageKey", "Transport"]
+__all__ = ["MessageKey", "Transport", "OUT_OF_PLAN"]
+
+# Channels that are not part of the step's plan (control, state for
+# checkpoints) start with this; only plan channels end when the job finishes.
+OUT_OF_PLAN = "@"
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +34,10 @@ class MessageKey:
     def __str__(self) -> str:
         return f"channel {self.channel!r} step {self.step} (incarnation {self.incarnation})"
 
+    @property
+    def is_in_plan(self) -> bool:
+        return not self.channel.startswith(OUT_OF_PLAN)
+
 
 class Transport(Protocol):
     label: Label
@@ -37,8 +45,11 @@ class Transport(Protocol):
     def send(self, dst: Label, key: MessageKey, tensors: Sequence[torch.Tensor]) -> None:
         """Queue `tensors` for `dst`; returns without waiting for the receiver."""
 
-    def recv(self, src: Label, key: MessageKey, timeout_s: float) -> list[torch.Tensor]:
-        """The tensors `src` sent under `key`; raises `RecvTimeout` past the deadline."""
+    def recv(self, src: Label, key: MessageKey, timeout_s: float,
+             control: tuple[MessageKey, Callable[[Label, list[torch.Tensor]], None]] | None = None,
+             ) -> list[torch.Tensor]:
+        """The tensors `src` sent under `key`; raises `RecvTimeout` past the deadline.
+        While waiting, a message under `control`'s key goes to its handler."""
 
     def abort(self, error: BaseException) -> None:
         """Wake every pending receive of this process with `error`."""

@@ -5,8 +5,9 @@ from . import optim
 from .capture import capture
 from .errors import CaptureError, LabelError, PlanError, PlanParseError, SplitrunError
 from .graph_splitter import GraphSplitter, split
-from .labels import Cluster, Label, Role, place, placement_of, region
+from .labels import ANY_SERVER, Cluster, Label, Role, place, placement_of, region
 from .modes import GeneralMode, Mode
+from .ps_mode import ParameterServerMode
 from .plan import (
     Channel,
     ChannelKind,
@@ -30,6 +31,7 @@ __all__ = [
     "PlanParseError",
     "GraphSplitter",
     "split",
+    "ANY_SERVER",
     "Cluster",
     "Label",
     "Role",
@@ -38,6 +40,7 @@ __all__ = [
     "region",
     "Mode",
     "GeneralMode",
+    "ParameterServerMode",
     "Channel",
     "ChannelKind",
     "ControlEdge",

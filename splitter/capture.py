@@ -102,7 +102,8 @@ def capture(model: nn.Module, loss_fn: LossFn,
     extras = {"grad_of": {name: node.name for name, node in builder.grads.items()
                           if name not in builder.sparse_grads},
               "sparse_grad_of": {name: (i.name, v.name)
-                                 for name, (i, v) in builder.sparse_grads.items()}}
+                                 for name, (i, v) in builder.sparse_grads.items()},
+              "param_groups": groups.describe(trainable)}
     return Program(gm, program_inputs, program_outputs, initial_state,
                    hparams_fn=groups.hparams if optimizer is not None else None,
                    extras=extras)
@@ -176,8 +177,25 @@ class _Groups:
     def lr_key(index: int) -> str:
         return "lr" if index == 0 else f"lr.{index}"
 
+    def describe(self, trainable: list[str]) -> list[dict]:
+        """Each param group's optimizer, settings and parameters (in the order
+        of `trainable`), for checkpoints in torch's optimizer format."""
+        groups = []
+        for index, functional in enumerate(self.functional):
+            settings = {k: v for k, v in vars(functional).items()
+                        if not k.startswith("_") and k != "state_names"}
+            groups.append({"optimizer": type(functional).__name__,
+                           "state_names": list(functional.state_names),
+                           "params": [n for n in trainable if self.param_group.get(n) == index],
+                           **settings})
+        return groups
+
     def hparams(self, step: int) -> dict[str, torch.Tensor]:
         feeds = {}
+        if self._torch is not None:
+            # The update runs in the graph, so the torch optimizer's step() is
+            # never called; tell its LR scheduler that steps do happen.
+            self._torch._opt_called = True
         for index, functional in enumerate(self.functional):
             lr = functional.lr if self._torch is None else self._torch.param_groups[index]["lr"]
             feeds[self.lr_key(index)] = torch.tensor(float(lr), dtype=optim.HPARAM_DTYPE)

@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from .errors import PlanError
-from .labels import Cluster, Label
+from .labels import Cluster, Label, Role
 from .modes import STEP_START, ChannelDraft, Edge, GeneralMode, Mode
 from .plan import (
     Channel,
@@ -116,10 +116,12 @@ class GraphSplitter:
             elif spec.kind is InputKind.HPARAM:
                 if node.users:
                     feeds_of[labels[node]].add(spec.key)
-            else:  # batch: fed to every process that reads it
+            else:  # batch: fed to every worker that reads it, or sent by the driver
+                driver = self.mode.default_label(self.cluster)
                 for user in node.users:
                     if user.op == "call_function":
-                        feeds_of[labels[user]].add(spec.key)
+                        reader = labels[user]
+                        feeds_of[driver if reader.role is Role.SERVER else reader].add(spec.key)
         outputs_of: dict[Label, list[str]] = defaultdict(list)
         for spec in program.outputs:
             if spec.kind is OutputKind.STATE:
@@ -169,6 +171,9 @@ class _Scan:
             if node.op != "call_function"}
         runs: dict[Label, list[tuple]] = defaultdict(list)
         run, current, segment = OpKind.RUN, None, -1
+        # Servers run no data loop: a batch input a server reads comes from
+        # the default process (worker 0) at step start.
+        driver = mode.default_label(cluster)
 
         def add(value: fx.Node, src: Label, dst: Label, src_pos: int, src_segment: int,
                 dst_pos: int) -> None:
@@ -190,6 +195,8 @@ class _Scan:
             runs[dst].append((pos, _RUN, "", Instruction(run, node.name)))
             for value in node._input_nodes:  # all_input_nodes without the list copy
                 src, src_pos, src_segment = info[value]
+                if src is None and dst.role is Role.SERVER and value.op == "placeholder":
+                    src = driver
                 if src is not None and src is not dst and (value, dst) not in found:
                     add(value, src, dst, src_pos, src_segment, pos)
         end = pos + 1

@@ -208,12 +208,13 @@ class SplitPlan:
 
         Always: channel names are unique, every channel has exactly one send (on
         its source) and one receive (on its destination), and the schedules
-        cannot deadlock (checked by running them abstractly). With the
-        `program`: no process reads a value it neither computes, receives nor
-        holds, and every send carries values its process has.
+        cannot deadlock (checked by running them abstractly). With a program
+        (by default the one the plan was split from): no process reads a value
+        it neither computes, receives nor holds, and every send carries values
+        its process has.
         """
         from .plan_check import check_plan
-        check_plan(self, program)
+        check_plan(self, program if program is not None else self.program)
 
 
 def sorted_labels(labels: Iterable[Label]) -> list[Label]:

@@ -89,7 +89,7 @@ class Proc:
 def splitrun(*args, env_extra=None) -> Proc:
     env = dict(os.environ)
     env.update(env_extra or {})
-    return Proc([sys.executable, "-m", "splitrun.launcher.cli", *args], env=env)
+    return Proc([sys.executable, "-m", "splitrun.launcher", *args], env=env)
 
 
 def pid_alive(pid: int) -> bool:

@@ -120,12 +120,12 @@ def test_plan_mismatch_is_refused_at_join(tmp_path):
 
 def test_plan_command_writes_the_plan(tmp_path):
     out = tmp_path / "plan.txt"
-    proc = splitrun("plan", "--workers", 3, TRAIN_JOB, "--out", out)
+    proc = splitrun("plan", "--workers", 3, "--out", out, TRAIN_JOB)
     assert proc.wait(120) == 0, proc.output()
     text = out.read_text()
     assert text.startswith("splitrun-plan 1") and "process w2" in text
     dot = tmp_path / "plan.dot"
-    assert splitrun("plan", "--workers", 3, TRAIN_JOB, "--out", dot).wait(120) == 0
+    assert splitrun("plan", "--workers", 3, "--out", dot, TRAIN_JOB).wait(120) == 0
     assert dot.read_text().startswith("digraph")
 
 

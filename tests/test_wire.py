@@ -16,8 +16,12 @@ def test_generated_code_is_fresh(tmp_path):
 
 
 def test_no_pickle_in_the_runtime():
-    """Nothing read from the network may be unpickled."""
+    """Nothing read from the network may be unpickled; the one torch.load (of a
+    checkpoint file the user names) loads weights only."""
     runtime = pathlib.Path(generate.WIRE).parents[0]
     for path in runtime.rglob("*.py"):
         text = path.read_text()
-        assert "pickle" not in text and "torch.load(" not in text, path
+        assert "import pickle" not in text and "pickle.load" not in text, path
+        for line in text.splitlines():
+            if "torch.load(" in line:
+                assert "weights_only=True" in line, f"{path}: {line.strip()}"

@@ -1,0 +1,249 @@
+"""Parameter-server throughput: splitrun (2 workers, 1 server) against, in the
+same run, (a) one process training on the same global batch and (b) PyTorch's
+usual parameter server: `torch.distributed.rpc` with a batch-updating
+parameter-server object (PyTorch's "Batch RPC Processing" tutorial pattern:
+trainers send gradients, the server averages them, steps, and returns the new
+parameters).
+
+Same model (an MLP of ~6.3 M parameters, so the server's work is not
+negligible), same global batch, same optimizer (SGD with momentum). Prints JSON:
+steps/s and samples/s of each (median of --repeats runs) and splitrun's ratio
+to the RPC baseline (goal: >= 2x).
+
+    python bench/ps_throughput.py [--steps 40] [--repeats 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HERE = pathlib.Path(__file__).resolve()
+GOAL_RATIO = 2.0
+# Bounds one whole measured run (start, warm-up, steps, shutdown) on 2 cores.
+RUN_TIMEOUT_S = 900
+WARMUP_STEPS = 3
+
+
+def model(width: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(512, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+
+
+def batches(steps: int, batch_size: int):
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randn(batch_size, 512, generator=generator),
+             torch.randint(0, 10, (batch_size,), generator=generator)) for _ in range(steps)]
+
+
+def loss_fn(m, x, y):
+    return F.cross_entropy(m(x), y)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- (a) one process ------------------------------------------------------
+
+def run_single(args) -> float:
+    torch.set_num_threads(2)
+    net = model(args.width)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    data = batches(args.steps + WARMUP_STEPS, args.batch_size)
+    started = None
+    for index, (x, y) in enumerate(data):
+        if index == WARMUP_STEPS:
+            started = time.perf_counter()
+        optimizer.zero_grad()
+        loss_fn(net, x, y).backward()
+        optimizer.step()
+    return args.steps / (time.perf_counter() - started)
+
+
+# -- (b) torch.distributed.rpc parameter server ---------------------------
+
+class _BatchUpdateServer:
+    """Holds the model; `update_and_fetch` waits for every trainer's gradients,
+    averages them, steps the optimizer and returns the new parameters."""
+
+    def __init__(self, width: int, num_trainers: int) -> None:
+        self.net = model(width)
+        self.optimizer = torch.optim.SGD(self.net.parameters(), lr=0.01, momentum=0.9)
+        self.num_trainers = num_trainers
+        self.lock = threading.Lock()
+        self.pending = 0
+        self.future = torch.futures.Future()
+        for p in self.net.parameters():
+            p.grad = torch.zeros_like(p)
+
+    def params(self):
+        return [p.detach() for p in self.net.parameters()]
+
+    @staticmethod
+    @torch.distributed.rpc.functions.async_execution
+    def update_and_fetch(server_rref, grads):
+        self = server_rref.local_value()
+        with self.lock:
+            for p, g in zip(self.net.parameters(), grads):
+                p.grad += g
+            self.pending += 1
+            future = self.future
+            if self.pending == self.num_trainers:
+                for p in self.net.parameters():
+                    p.grad /= self.num_trainers
+                self.optimizer.step()
+                for p in self.net.parameters():
+                    p.grad.zero_()
+                self.pending = 0
+                self.future = torch.futures.Future()
+                future.set_result(self.params())
+        return future
+
+
+def _rpc_process(rank: int, world: int, port: int, args, results) -> None:
+    from torch.distributed import rpc
+    torch.set_num_threads(1)
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
+                                              rpc_timeout=RUN_TIMEOUT_S)
+    name = "ps" if rank == 0 else f"trainer{rank}"
+    rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=options)
+    if rank != 0:
+        server = rpc.remote("ps", _BatchUpdateServer, args=(args.width, world - 1))
+        net = model(args.width)
+        shard = args.batch_size // (world - 1)
+        data = batches(args.steps + WARMUP_STEPS, args.batch_size)
+        started = None
+        for index, (x, y) in enumerate(data):
+            if index == WARMUP_STEPS:
+                started = time.perf_counter()
+            lo = (rank - 1) * shard
+            net.zero_grad()
+            loss_fn(net, x[lo:lo + shard], y[lo:lo + shard]).backward()
+            new = rpc.rpc_sync("ps", _BatchUpdateServer.update_and_fetch,
+                               args=(server, [p.grad for p in net.parameters()]))
+            with torch.no_grad():
+                for p, value in zip(net.parameters(), new):
+                    p.copy_(value)
+        if rank == 1:
+            results.put(args.steps / (time.perf_counter() - started))
+    rpc.shutdown()
+
+
+def run_rpc(args) -> float:
+    import torch.multiprocessing as mp
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    world = 3  # one server, two trainers
+    port = _free_port()
+    processes = [context.Process(target=_rpc_process, args=(rank, world, port, args, results))
+                 for rank in range(world)]
+    for process in processes:
+        process.start()
+    try:
+        steps_per_s = results.get(timeout=RUN_TIMEOUT_S)
+    finally:
+        for process in processes:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+    return steps_per_s
+
+
+# -- (c) splitrun -----------------------------------------------------------
+
+def run_splitrun_job(args) -> None:
+    """Runs inside `splitrun launch`: every process runs this."""
+    from splitrun.runtime.job import Job
+    from splitrun.splitter import ParameterServerMode, capture, optim, place
+
+    torch.set_num_threads(1)
+    job = Job.from_env()
+    net = model(args.width)
+    place(net, role="server")
+    data = batches(args.steps + WARMUP_STEPS, args.batch_size)
+    shard = args.batch_size // job.cluster.num_workers
+    program = capture(net, loss_fn, optim.SGD(lr=0.01, momentum=0.9),
+                      (data[0][0][:shard], data[0][1][:shard]))
+    trainer = job.start(program, ParameterServerMode(), gather_state=False)
+    started = None
+    for index, batch in enumerate(trainer.shard(data)):
+        if index == WARMUP_STEPS:
+            started = time.perf_counter()
+        trainer.step(batch)
+    trainer.finish()
+    if job.is_driver:
+        print("BENCH " + json.dumps({"steps_per_s": args.steps / (time.perf_counter() - started)}),
+              flush=True)
+
+
+def run_splitrun(args) -> float:
+    command = [sys.executable, "-m", "splitrun.launcher", "--log-level", "WARNING",
+               "launch", "--workers", "2", "--servers", "1", "--device", "cpu", str(HERE),
+               "--job", "--steps", str(args.steps), "--width", str(args.width),
+               "--batch-size", str(args.batch_size)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    for line in out.stdout.splitlines():
+        if "BENCH " in line:
+            return json.loads(line.split("BENCH ", 1)[1])["steps_per_s"]
+    raise RuntimeError(f"splitrun run failed ({out.returncode}):\n{out.stdout[-4000:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--width", type=int, default=1700)
+    parser.add_argument("--batch-size", type=int, default=128, help="global batch")
+    parser.add_argument("--quick", action="store_true", help="one short run of each")
+    parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.job:
+        run_splitrun_job(args)
+        return
+    if args.quick:
+        args.steps, args.repeats = 10, 1
+    params = sum(p.numel() for p in model(args.width).parameters())
+    measured = {"single_process": [], "torch_rpc_ps": [], "splitrun_ps": []}
+    for _ in range(args.repeats):  # interleaved, so drift hits all three alike
+        measured["single_process"].append(run_single(args))
+        measured["torch_rpc_ps"].append(run_rpc(args))
+        measured["splitrun_ps"].append(run_splitrun(args))
+    report = {"benchmark": "ps_throughput", "parameters": params,
+              "global_batch": args.batch_size, "steps": args.steps, "repeats": args.repeats,
+              "workers": 2, "servers": 1, "results": {}}
+    for name, runs in measured.items():
+        steps_per_s = statistics.median(runs)
+        report["results"][name] = {"steps_per_s": round(steps_per_s, 3),
+                                   "samples_per_s": round(steps_per_s * args.batch_size, 1),
+                                   "runs_steps_per_s": [round(r, 3) for r in runs]}
+    ratio = (report["results"]["splitrun_ps"]["steps_per_s"]
+             / report["results"]["torch_rpc_ps"]["steps_per_s"])
+    report["splitrun_over_rpc"] = round(ratio, 3)
+    report["splitrun_over_single_process"] = round(
+        report["results"]["splitrun_ps"]["steps_per_s"]
+        / report["results"]["single_process"]["steps_per_s"], 3)
+    report["goal_splitrun_over_rpc_at_least"] = GOAL_RATIO
+    report["meets_goal"] = ratio >= GOAL_RATIO
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,367 @@
+"""Throughput and round-trip latency of splitrun's GrpcTransport between two
+processes, against baselines measured in the same run.
+
+For each payload size one round trip is: the payload from process A to
+process B, then a one-byte reply from B to A. The median round trip gives the
+latency and size / latency the throughput. Baselines, same pattern:
+
+- ``tcp``: a raw TCP socket over loopback (``sendall`` / ``recv_into`` into a
+  reused buffer, a one-byte ack);
+- ``grpc_unary``: a bare grpcio unary call carrying the payload (raw bytes, no
+  protobuf), whose empty reply is the ack;
+- ``gloo``: torch.distributed send/recv, world size 2, FileStore rendezvous;
+- ``splitrun``: ``GrpcTransport.send`` of a uint8 tensor, ``recv`` on the
+  other side, a one-element tensor back.
+
+Every process sets ``torch.set_num_threads(1)``: on a 2-core machine torch's
+intra-op threads only compete with the transports' own threads. The
+transports take turns in rounds (each round starts a fresh pair of processes
+per transport), so a machine that slows down mid-run does not bias one
+transport against another; medians are over all rounds.
+
+    python bench/transport.py [--quick] [--rounds N] [--sizes 4096 65536 ...]
+                              [--kinds ...] [--chunk-bytes N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+KINDS = ["tcp", "grpc_unary", "gloo", "splitrun"]
+GOAL_64MIB_VS_TCP = 0.40   # splitrun throughput at 64 MiB, as a fraction of raw TCP's
+GOAL_4KIB_VS_GRPC = 1.3    # splitrun round trip at 4 KiB, as a multiple of a bare unary call's
+# Bounds one pair of processes (start-up plus all sizes); a full run takes far less.
+PAIR_TIMEOUT_S = 600.0
+# Bounds the start-up handshake between the two processes of a pair.
+SETUP_TIMEOUT_S = 120.0
+TOKEN = "bench-token"
+
+
+def _repeats(size: int, quick: bool) -> int:
+    """Timed round trips per size and round: many for small payloads (noisy),
+    fewer for large ones."""
+    full = 200 if size <= 64 * KiB else 60 if size <= MiB else 15 if size <= 16 * MiB else 6
+    return max(3, full // 4) if quick else full
+
+
+def _warmup(size: int) -> int:
+    return 20 if size <= MiB else 2
+
+
+# -- one side of each transport ------------------------------------------------------
+
+
+class _Tcp:
+    def __init__(self, role: str, conn, sizes: list[int]) -> None:
+        if role == "a":
+            server = socket.create_server(("127.0.0.1", 0))
+            conn.send(server.getsockname()[1])
+            server.settimeout(SETUP_TIMEOUT_S)
+            self.sock, _ = server.accept()
+            server.close()
+        else:
+            port = conn.recv()
+            self.sock = socket.create_connection(("127.0.0.1", port), timeout=SETUP_TIMEOUT_S)
+        self.sock.settimeout(PAIR_TIMEOUT_S)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buffer = memoryview(bytearray(max(sizes)))
+        self.ack = bytearray(1)
+
+    def round_trip(self, payload: memoryview) -> None:
+        self.sock.sendall(payload)
+        self.sock.recv_into(self.ack, 1)
+
+    def serve_one(self, size: int) -> None:
+        got = 0
+        while got < size:
+            count = self.sock.recv_into(self.buffer[got:size], size - got)
+            if count == 0:
+                raise ConnectionError("peer closed")
+            got += count
+        self.sock.sendall(b"k")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _GrpcUnary:
+    def __init__(self, role: str, conn, sizes: list[int]) -> None:
+        from concurrent import futures
+
+        import grpc
+        options = [("grpc.max_receive_message_length", max(sizes) + MiB),
+                   ("grpc.max_send_message_length", max(sizes) + MiB)]
+        self.server = None
+        if role == "b":
+            handler = grpc.method_handlers_generic_handler(
+                "bench.Echo", {"Call": grpc.unary_unary_rpc_method_handler(lambda r, c: b"")})
+            self.server = grpc.server(futures.ThreadPoolExecutor(4), options=options)
+            self.server.add_generic_rpc_handlers((handler,))
+            conn.send(self.server.add_insecure_port("127.0.0.1:0"))
+            self.server.start()
+        else:
+            port = conn.recv()
+            self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
+            grpc.channel_ready_future(self.channel).result(timeout=SETUP_TIMEOUT_S)
+            self.call = self.channel.unary_unary("/bench.Echo/Call")
+            self.metadata = (("splitrun-token", TOKEN),)
+
+    def round_trip(self, payload: bytes) -> None:
+        self.call(payload, timeout=PAIR_TIMEOUT_S, metadata=self.metadata)
+
+    def serve_one(self, size: int) -> None:
+        pass  # the server's threads answer; nothing to do per call
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop(1).wait(5)
+        else:
+            self.channel.close()
+
+
+class _Gloo:
+    def __init__(self, role: str, conn, sizes: list[int]) -> None:
+        import torch
+        import torch.distributed as dist
+        self.workdir = tempfile.mkdtemp(prefix="splitrun-bench-gloo-") if role == "a" else None
+        path = os.path.join(self.workdir, "store") if role == "a" else conn.recv()
+        if role == "a":
+            conn.send(path)
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0 if role == "a" else 1,
+                                world_size=2, timeout=datetime.timedelta(seconds=SETUP_TIMEOUT_S))
+        self.dist = dist
+        self.buffer = torch.empty(max(sizes), dtype=torch.uint8)
+        self.ack = torch.zeros(1, dtype=torch.uint8)
+
+    def round_trip(self, payload) -> None:
+        self.dist.send(payload, dst=1)
+        self.dist.recv(self.ack, src=1)
+
+    def serve_one(self, size: int) -> None:
+        self.dist.recv(self.buffer[:size], src=0)
+        self.dist.send(self.ack, dst=0)
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class _Splitrun:
+    chunk_bytes: int | None = None  # --chunk-bytes, set in the child process
+
+    def __init__(self, role: str, conn, sizes: list[int]) -> None:
+        import torch
+
+        from splitrun.runtime.grpc_transport import ExpectedChannel, GrpcSettings, GrpcTransport
+        from splitrun.runtime.transport import MessageKey
+        from splitrun.splitter.labels import Label
+        self.torch, self.MessageKey = torch, MessageKey
+        self.me, self.peer = (Label.worker(0), Label.worker(1)) if role == "a" else \
+            (Label.worker(1), Label.worker(0))
+        if role == "a":
+            expected = {"ack": ExpectedChannel(self.peer, ((torch.uint8, (1,)),))}
+        else:
+            expected = {f"data{size}": ExpectedChannel(self.peer, ((torch.uint8, (size,)),))
+                        for size in sizes}
+        settings = GrpcSettings() if self.chunk_bytes is None else \
+            GrpcSettings(chunk_bytes=self.chunk_bytes)
+        self.transport = GrpcTransport(self.me, token=TOKEN, incarnation=1, expected=expected,
+                                       settings=settings)
+        conn.send(self.transport.start())
+        self.transport.set_peers({self.peer: conn.recv()})
+        self.ack = torch.zeros(1, dtype=torch.uint8)
+        self.step = 0
+
+    def round_trip(self, payload) -> None:
+        step, self.step = self.step, self.step + 1
+        self.transport.send(self.peer, self.MessageKey(1, step, f"data{payload.numel()}"),
+                            [payload])
+        self.transport.recv(self.peer, self.MessageKey(1, step, "ack"), PAIR_TIMEOUT_S)
+
+    def serve_one(self, size: int) -> None:
+        step, self.step = self.step, self.step + 1
+        self.transport.recv(self.peer, self.MessageKey(1, step, f"data{size}"), PAIR_TIMEOUT_S)
+        self.transport.send(self.peer, self.MessageKey(1, step, "ack"), [self.ack])
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+_SIDES = {"tcp": _Tcp, "grpc_unary": _GrpcUnary, "gloo": _Gloo, "splitrun": _Splitrun}
+
+
+def _payload(kind: str, size: int):
+    import torch
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    if kind == "tcp":
+        return memoryview(data.numpy())
+    if kind == "grpc_unary":
+        return data.numpy().tobytes()
+    return data
+
+
+def _side(kind: str, role: str, peer, parent, sizes: list[int], quick: bool,
+          chunk_bytes: int | None) -> None:
+    """One process of a pair: A times round trips, B answers them. `peer` is a
+    pipe to the other side (set-up only), `parent` one to the parent."""
+    try:
+        import torch
+        torch.set_num_threads(1)
+        _Splitrun.chunk_bytes = chunk_bytes
+        side = _SIDES[kind](role, _Link(peer), sizes)
+        _Link(peer).send("ready")  # both sides set up before A starts timing
+        _Link(peer).recv()
+        results = {}
+        for size in sizes:
+            count = _warmup(size) + _repeats(size, quick)
+            if role == "a":
+                payload = _payload(kind, size)
+                times = []
+                for _ in range(count):
+                    started = time.perf_counter()
+                    side.round_trip(payload)
+                    times.append(time.perf_counter() - started)
+                results[size] = times[_warmup(size):]
+            else:
+                for _ in range(count):
+                    side.serve_one(size)
+        parent.send(("ok", results if role == "a" else None))
+        # Close only when the parent says so: both sides are done by then.
+        if parent.poll(SETUP_TIMEOUT_S):
+            parent.recv()
+        side.close()
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        parent.send(("error", traceback.format_exc()))
+        raise
+
+
+class _Link:
+    """A pipe end whose every wait is bounded."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def send(self, value) -> None:
+        self.conn.send(value)
+
+    def recv(self):
+        if not self.conn.poll(SETUP_TIMEOUT_S):
+            raise TimeoutError(f"the other side did not answer within {SETUP_TIMEOUT_S} s")
+        return self.conn.recv()
+
+
+def _measure(kind: str, sizes: list[int], quick: bool,
+             chunk_bytes: int | None) -> dict[int, list[float]]:
+    """Run one pair of processes; the round-trip times A measured, per size."""
+    ctx = mp.get_context("spawn")
+    peer_a, peer_b = ctx.Pipe()
+    parents, procs = {}, []
+    for role, peer in (("a", peer_a), ("b", peer_b)):
+        here, there = ctx.Pipe()
+        parents[role] = here
+        procs.append(ctx.Process(target=_side,
+                                 args=(kind, role, peer, there, sizes, quick, chunk_bytes),
+                                 daemon=True))
+    for proc in procs:
+        proc.start()
+    try:
+        outcome = {}
+        for role, here in parents.items():
+            if not here.poll(PAIR_TIMEOUT_S):
+                raise TimeoutError(f"{kind}: side {role} did not finish in {PAIR_TIMEOUT_S} s")
+            status, value = here.recv()
+            if status != "ok":
+                raise RuntimeError(f"{kind}: side {role} failed:\n{value}")
+            outcome[role] = value
+        for here in parents.values():
+            here.send("close")
+        return outcome["a"]
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _summary(times: list[float], size: int) -> dict:
+    median = statistics.median(times)
+    return {"rtt_us": round(median * 1e6, 1), "gbps": round(size / median / 1e9, 3),
+            "min_rtt_us": round(min(times) * 1e6, 1), "repeats": len(times)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer repetitions and no 256 MiB payload")
+    parser.add_argument("--sizes", type=int, nargs="+")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=KINDS)
+    parser.add_argument("--rounds", type=int,
+                        help="rounds of all transports (default 3, 1 with --quick)")
+    parser.add_argument("--chunk-bytes", type=int, help="splitrun's GrpcSettings.chunk_bytes")
+    args = parser.parse_args()
+    sizes = args.sizes or ([s for s in SIZES if s <= 64 * MiB] if args.quick else SIZES)
+    rounds = args.rounds or (1 if args.quick else 3)
+    started = time.perf_counter()
+    raw: dict[str, dict[int, list[float]]] = {kind: {size: [] for size in sizes}
+                                               for kind in args.kinds}
+    for _ in range(rounds):
+        for kind in args.kinds:
+            for size, times in _measure(kind, sizes, args.quick, args.chunk_bytes).items():
+                raw[kind][size] += times
+    table = {kind: {str(size): _summary(times[size], size) for size in sizes}
+             for kind, times in raw.items()}
+    for size in map(str, sizes):
+        row = table.get("splitrun", {}).get(size)
+        if row is None:
+            continue
+        if "tcp" in table:
+            row["throughput_vs_tcp"] = round(row["gbps"] / table["tcp"][size]["gbps"], 3)
+        if "grpc_unary" in table:
+            row["throughput_vs_grpc_unary"] = round(
+                row["gbps"] / table["grpc_unary"][size]["gbps"], 3)
+            row["rtt_vs_grpc_unary"] = round(
+                row["rtt_us"] / table["grpc_unary"][size]["rtt_us"], 3)
+    goals = {}
+    split = table.get("splitrun", {})
+    if str(64 * MiB) in split and "throughput_vs_tcp" in split[str(64 * MiB)]:
+        ratio = split[str(64 * MiB)]["throughput_vs_tcp"]
+        goals["throughput_64MiB_vs_tcp"] = {"goal": f">= {GOAL_64MIB_VS_TCP}",
+                                            "measured": ratio, "met": ratio >= GOAL_64MIB_VS_TCP}
+    if str(4 * KiB) in split and "rtt_vs_grpc_unary" in split[str(4 * KiB)]:
+        ratio = split[str(4 * KiB)]["rtt_vs_grpc_unary"]
+        goals["rtt_4KiB_vs_grpc_unary"] = {"goal": f"<= {GOAL_4KIB_VS_GRPC}",
+                                           "measured": ratio, "met": ratio <= GOAL_4KIB_VS_GRPC}
+    import grpc
+    import torch
+    print(json.dumps({
+        "benchmark": "transport",
+        "round_trip": "payload A->B, then a 1-byte reply B->A; medians",
+        "quick": args.quick,
+        "rounds": rounds,
+        "splitrun_chunk_bytes": args.chunk_bytes or 1 * MiB,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "torch": torch.__version__, "grpcio": grpc.__version__,
+                    "torch_threads": 1},
+        "results": table,
+        "goals": goals,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Checkpoints are ordinary PyTorch state: plain torch loads them and goes on
+training to the same place splitrun's resume goes (tolerance 1e-6: eager torch
+rounds its fused updates differently)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitrun.runtime.checkpoint import (
+    from_checkpoint,
+    read_checkpoint,
+    to_checkpoint,
+    write_checkpoint,
+)
+from splitrun.runtime.errors import SplitrunError
+from splitrun.splitter import capture, optim
+
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+CASES = {
+    "adam": (lambda: optim.Adam(lr=0.01), lambda p: torch.optim.Adam(p, lr=0.01, foreach=False)),
+    "sgd": (lambda: optim.SGD(lr=0.1, momentum=0.9),
+            lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=False)),
+    "adagrad": (lambda: optim.Adagrad(lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1,
+                                                                              foreach=False)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_plain_pytorch_resumes_a_splitrun_checkpoint(tmp_path, name):
+    functional, torch_optimizer = CASES[name]
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    generator = torch.Generator().manual_seed(3)
+    data = [(torch.randn(10, 6, generator=generator),
+             torch.randint(0, 3, (10,), generator=generator)) for _ in range(10)]
+    feeds = lambda s: {"batch.0": data[s][0], "batch.1": data[s][1]}  # noqa: E731
+    program = capture(net(), loss_fn, functional(), data[0])
+    _, state = program.train_unsplit(5, feeds)
+    path = tmp_path / "ckpt.pt"
+    write_checkpoint(to_checkpoint(program, state, 5), path)
+
+    # splitrun resumes...
+    restored, step = from_checkpoint(program, read_checkpoint(path))
+    assert step == 5
+    for key, value in state.items():
+        assert torch.equal(restored[key], value)
+    for s in range(5, 10):
+        _, restored = program.run_unsplit(restored, {**feeds(s), **program.hparams(s)})
+
+    # ...and so does plain PyTorch, from the same file.
+    checkpoint = torch.load(path, weights_only=True)
+    model = net()
+    model.load_state_dict(checkpoint["model"])
+    optimizer = torch_optimizer(model.parameters())
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    for s in range(5, 10):
+        optimizer.zero_grad()
+        loss_fn(model, *data[s]).backward()
+        optimizer.step()
+    for key, param in model.named_parameters():
+        torch.testing.assert_close(restored[key], param.detach(), rtol=0, atol=1e-6)
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path):
+    loss_fn = lambda m, x: m(x).sum()  # noqa: E731
+    program = capture(net(), loss_fn, optim.Adam(lr=0.01), torch.randn(2, 6))
+    other = capture(nn.Linear(6, 3), loss_fn, optim.Adam(lr=0.01), torch.randn(2, 6))
+    path = tmp_path / "other.pt"
+    write_checkpoint(to_checkpoint(other, other.initial_state, 0), path)
+    with pytest.raises(SplitrunError, match=r"the checkpoint lacks 0.weight"):
+        from_checkpoint(program, read_checkpoint(path))
+    with pytest.raises(SplitrunError, match=r"not a splitrun checkpoint"):
+        from_checkpoint(program, {"weights": 1})

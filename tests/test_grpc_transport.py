@@ -1,0 +1,584 @@
+"""GrpcTransport over real sockets on 127.0.0.1: tensors arrive intact (a
+1 GiB one from another process too), a split program trains to the same
+numbers as the unsplit step, bad requests are refused with the right status
+and leave the job alone, and waits end with errors that name the peer.
+
+Every wait is bounded; no sleep synchronises anything; timings decide nothing.
+"""
+
+import hashlib
+import logging
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+
+import grpc
+import pytest
+import torch
+from models import TiedBigramLM, lm_loss, markov_batches
+
+from splitrun.runtime import Executor, MessageKey, RecvTimeout, TransportError
+from splitrun.runtime.grpc_transport import (
+    ExpectedChannel,
+    GrpcSettings,
+    GrpcTransport,
+    _SendQueue,
+    expected_channels,
+)
+from splitrun.runtime.wire import splitrun_pb2
+from splitrun.splitter import Cluster, Label, capture, optim, split
+from splitrun.splitter.synthetic import random_batches, random_program
+
+W0, W1, W2 = Label.worker(0), Label.worker(1), Label.worker(2)
+TOKEN = "test-token"
+INCARNATION = 7
+# Small deadlines so failure tests end quickly; generous enough for a loaded CI box.
+SETTINGS = GrpcSettings(connect_timeout_s=2.0, close_timeout_s=10.0, stream_idle_s=0.2,
+                        send_timeout_s=10.0, expect_timeout_s=2.0)
+# Bounds a receive that must succeed.
+RECV_TIMEOUT_S = 30.0
+# Bounds the 1 GiB test's sender process (start-up, 1 GiB over loopback, hashing).
+BIG_TIMEOUT_S = 240.0
+# Bounds each raw client call in the bad-input tests.
+CALL_TIMEOUT_S = 10.0
+
+FLOAT_2x3 = ((torch.float32, (2, 3)),)
+
+
+def key(step: int, channel: str = "w0->w1#0") -> MessageKey:
+    return MessageKey(INCARNATION, step, channel)
+
+
+def connect(*transports: GrpcTransport) -> None:
+    addresses = {t.label: t.start() for t in transports}
+    for transport in transports:
+        transport.set_peers({label: address for label, address in addresses.items()
+                             if label != transport.label})
+
+
+def close_all(*transports: GrpcTransport) -> None:
+    """Close in parallel, as processes of a job do."""
+    errors = []
+
+    def close(transport):
+        try:
+            transport.close()
+        except Exception as exc:  # noqa: BLE001 - collected below
+            errors.append(exc)
+    threads = [threading.Thread(target=close, args=(t,)) for t in transports]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(SETTINGS.close_timeout_s * 2)
+    assert not any(t.is_alive() for t in threads), "close() must end within its deadline"
+    if errors:
+        raise errors[0]
+
+
+@pytest.fixture
+def pair():
+    """Worker 0 and worker 1, each expecting what the tests below send it."""
+    expected_w1 = {
+        "w0->w1#0": ExpectedChannel(W0, FLOAT_2x3),
+        "mixed": ExpectedChannel(W0, ((torch.bool, (5,)), (torch.bfloat16, ()),
+                                      (torch.int64, (0, 4)), (torch.complex64, (3,)))),
+        "big": ExpectedChannel(W0, ((torch.float32, (1 << 18,)),)),
+        "open": ExpectedChannel(W0, (None,)),
+        "control": ExpectedChannel(W0, ()),
+    }
+    expected_w0 = {"w1->w0#0": ExpectedChannel(W1, FLOAT_2x3)}
+    a = GrpcTransport(W0, token=TOKEN, incarnation=INCARNATION, expected=expected_w0,
+                      settings=SETTINGS)
+    b = GrpcTransport(W1, token=TOKEN, incarnation=INCARNATION, expected=expected_w1,
+                      settings=SETTINGS)
+    connect(a, b)
+    yield a, b
+    close_all(a, b)
+
+
+# -- tensors arrive intact ---------------------------------------------------------------
+
+
+def test_tensors_cross_both_ways(pair):
+    a, b = pair
+    for step in range(3):
+        x = torch.randn(2, 3)
+        a.send(W1, key(step), [x])
+        (got,) = b.recv(W0, key(step), RECV_TIMEOUT_S)
+        assert torch.equal(got, x) and got.device.type == "cpu"
+        b.send(W0, key(step, "w1->w0#0"), [got * 2])
+        (back,) = a.recv(W1, key(step, "w1->w0#0"), RECV_TIMEOUT_S)
+        assert torch.equal(back, x * 2)
+
+
+def test_mixed_dtypes_zero_dim_and_empty_tensors_in_one_message(pair):
+    a, b = pair
+    tensors = [torch.tensor([True, False, True, True, False]),
+               torch.tensor(2.5, dtype=torch.bfloat16),
+               torch.zeros(0, 4, dtype=torch.int64), torch.randn(3, dtype=torch.complex64)]
+    a.send(W1, key(0, "mixed"), tensors)
+    got = b.recv(W0, key(0, "mixed"), RECV_TIMEOUT_S)
+    assert [(t.dtype, t.shape) for t in got] == [(t.dtype, t.shape) for t in tensors]
+    assert all(torch.equal(g, t) for g, t in zip(got, tensors))
+
+
+def test_a_control_message_carries_no_tensors(pair):
+    a, b = pair
+    a.send(W1, key(4, "control"), [])
+    assert b.recv(W0, key(4, "control"), RECV_TIMEOUT_S) == []
+
+
+def test_a_message_larger_than_a_chunk_streams_in_pieces():
+    settings = GrpcSettings(chunk_bytes=64 << 10, stream_idle_s=0.2, connect_timeout_s=2.0)
+    a = GrpcTransport(W0, token=TOKEN, incarnation=INCARNATION, settings=settings)
+    b = GrpcTransport(W1, token=TOKEN, incarnation=INCARNATION, settings=settings,
+                      expected={"big": ExpectedChannel(W0, ((torch.float32, (1 << 18,)),))})
+    connect(a, b)
+    try:
+        for step in range(2):
+            x = torch.randn(1 << 18)  # 1 MiB: 16 chunks
+            a.send(W1, key(step, "big"), [x])
+            (got,) = b.recv(W0, key(step, "big"), RECV_TIMEOUT_S)
+            assert torch.equal(got, x)
+    finally:
+        close_all(a, b)
+
+
+def test_a_channel_without_static_shapes_takes_any_tensor(pair):
+    a, b = pair
+    for step, tensor in enumerate([torch.arange(5), torch.ones(2, 2, dtype=torch.float16)]):
+        a.send(W1, key(step, "open"), [tensor])
+        (got,) = b.recv(W0, key(step, "open"), RECV_TIMEOUT_S)
+        assert torch.equal(got, tensor)
+
+
+def test_a_full_queue_holds_the_sender_back_and_drops_nothing():
+    settings = GrpcSettings(max_queued_bytes=256 << 10, chunk_bytes=64 << 10,
+                            stream_idle_s=0.2, connect_timeout_s=2.0)
+    a = GrpcTransport(W0, token=TOKEN, incarnation=INCARNATION, settings=settings)
+    b = GrpcTransport(W1, token=TOKEN, incarnation=INCARNATION, settings=settings,
+                      expected={"big": ExpectedChannel(W0, ((torch.float32, (1 << 18,)),))})
+    connect(a, b)
+    try:
+        sent = [torch.full((1 << 18,), float(step)) for step in range(12)]  # 12 MiB, 48x the bound
+        for step, x in enumerate(sent):
+            a.send(W1, key(step, "big"), [x])
+        a.flush(RECV_TIMEOUT_S)
+        for step, x in enumerate(sent):
+            (got,) = b.recv(W0, key(step, "big"), RECV_TIMEOUT_S)
+            assert torch.equal(got, x)
+    finally:
+        close_all(a, b)
+
+
+def test_send_queue_blocks_at_its_bound_and_lets_an_oversized_message_go_alone():
+    class Item:
+        def __init__(self, nbytes):
+            self.nbytes = nbytes
+    queue = _SendQueue(max_bytes=100)
+    first, second = Item(60), Item(60)
+    assert queue.put(first, timeout_s=1)
+    assert not queue.put(second, timeout_s=0.05), "over the bound: held back"
+    released = threading.Event()
+
+    def put_second():
+        queue.put(second, timeout_s=RECV_TIMEOUT_S)
+        released.set()
+    thread = threading.Thread(target=put_second)
+    thread.start()
+    assert queue.peek(1) is first
+    queue.pop(first)
+    assert released.wait(RECV_TIMEOUT_S)
+    thread.join(RECV_TIMEOUT_S)
+    queue.pop(second)
+    assert queue.put(Item(1000), timeout_s=1), "an empty queue takes any message"
+
+
+BIG_SENDER = textwrap.dedent("""
+    import hashlib, sys, torch
+    from splitrun.runtime import MessageKey
+    from splitrun.runtime.grpc_transport import GrpcSettings, GrpcTransport
+    from splitrun.splitter import Label
+    address, incarnation, token = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    torch.set_num_threads(1)
+    # 1 GiB whose every 8 bytes differ: a misplaced chunk changes the hash.
+    big = torch.arange(1 << 27, dtype=torch.int64).mul_(-7046029254386353131)
+    digest = hashlib.blake2b(memoryview(big.numpy()), digest_size=16).digest()
+    transport = GrpcTransport(Label.worker(0), token=token, incarnation=incarnation,
+                              settings=GrpcSettings(connect_timeout_s=30.0))
+    transport.start()
+    transport.set_peers({Label.worker(1): address})
+    transport.send(Label.worker(1), MessageKey(incarnation, 0, "big"), [big])
+    transport.send(Label.worker(1), MessageKey(incarnation, 0, "digest"),
+                   [torch.frombuffer(bytearray(digest), dtype=torch.uint8)])
+    transport.flush(120.0)
+    transport.close()
+""")
+
+
+@pytest.mark.slow
+def test_a_one_gib_tensor_crosses_from_another_process_intact():
+    expected = {"big": ExpectedChannel(W0, ((torch.int64, (1 << 27,)),)),
+                "digest": ExpectedChannel(W0, ((torch.uint8, (16,)),))}
+    receiver = GrpcTransport(W1, token=TOKEN, incarnation=INCARNATION, expected=expected,
+                             settings=SETTINGS)
+    address = receiver.start()
+    sender = subprocess.Popen([sys.executable, "-c", BIG_SENDER, address, str(INCARNATION), TOKEN],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        (big,) = receiver.recv(W0, key(0, "big"), BIG_TIMEOUT_S)
+        (digest,) = receiver.recv(W0, key(0, "digest"), RECV_TIMEOUT_S)
+        output, _ = sender.communicate(timeout=BIG_TIMEOUT_S)
+        assert sender.returncode == 0, output
+        assert big.dtype == torch.int64 and big.shape == (1 << 27,)
+        assert hashlib.blake2b(memoryview(big.numpy()), digest_size=16).digest() == \
+            bytes(digest.tolist())
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+            sender.communicate(timeout=30)
+        receiver.close()
+
+
+# -- a split program over two transports ------------------------------------------------
+
+
+def run_over_grpc(plan, program, num_steps, feeds):
+    """run_threaded's loop, with a GrpcTransport per process instead of loopback."""
+    transports = {label: GrpcTransport(label, token=TOKEN, incarnation=INCARNATION,
+                                       expected=expected_channels(plan, program, label),
+                                       settings=SETTINGS)
+                  for label in plan.labels}
+    connect(*transports.values())
+    executors = {label: Executor(plan, label, transports[label], program=program,
+                                 incarnation=INCARNATION, recv_timeout_s=RECV_TIMEOUT_S)
+                 for label in plan.labels}
+    history = [{} for _ in range(num_steps)]
+    failures = []
+    lock = threading.Lock()
+
+    def work(executor):
+        try:
+            executor.load_state(program.initial_state)
+            for step in range(num_steps):
+                outputs = executor.run_step(step, {**feeds(step), **program.hparams(step)})
+                with lock:
+                    history[step].update(outputs)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+            for transport in transports.values():
+                transport.abort(exc)
+
+    threads = [threading.Thread(target=work, args=(e,)) for e in executors.values()]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(num_steps * RECV_TIMEOUT_S + 30)
+        assert not any(t.is_alive() for t in threads), "a step hangs"
+        if failures:
+            raise failures[0]
+    finally:
+        close_all(*transports.values())
+    state = {}
+    for executor in executors.values():
+        state.update(executor.state)
+    messages = sum(e.stats.messages_sent for e in executors.values())
+    return history, state, messages
+
+
+def assert_same_training(program, plan, num_steps, feeds):
+    expected_history, expected_state = program.train_unsplit(num_steps, feeds)
+    history, state, messages = run_over_grpc(plan, program, num_steps, feeds)
+    assert messages >= num_steps, "the processes must really talk"
+    for step in range(num_steps):
+        assert history[step].keys() == expected_history[step].keys()
+        for name, value in expected_history[step].items():
+            assert torch.equal(history[step][name], value), f"step {step}: {name} differs"
+    assert state.keys() == expected_state.keys()
+    for name, value in expected_state.items():
+        assert torch.equal(state[name], value), f"state {name} differs"
+
+
+def test_a_random_split_program_trains_like_the_unsplit_step():
+    program = random_program(40, [W0, W1, W2], seed=5, run_length=3.0, shape=(3, 4))
+    plan = split(program, Cluster(num_workers=3))
+    batches = random_batches(program, 4, seed=1)
+    assert_same_training(program, plan, 4, lambda step: batches[step])
+
+
+def test_a_captured_model_trains_like_the_unsplit_step():
+    torch.manual_seed(1)
+    model = TiedBigramLM(num_workers=2)
+    data = markov_batches(3, batch=8)
+    program = capture(model, lm_loss, optim.Adam(lr=0.01), data[0])
+    plan = split(program, Cluster(num_workers=2))
+    feeds = lambda step: {"batch.0": data[step][0], "batch.1": data[step][1]}  # noqa: E731
+    assert_same_training(program, plan, 3, feeds)
+
+
+def test_expected_channels_come_from_the_plan_and_the_graph():
+    program = random_program(30, [W0, W1], seed=3, run_length=3.0, shape=(2, 5))
+    plan = split(program, Cluster(num_workers=2))
+    expected = expected_channels(plan, program, W1)
+    assert set(expected) == {c.name for c in plan.recv_channels(W1)} and expected
+    for channel in plan.recv_channels(W1):
+        assert expected[channel.name].src == channel.src
+        assert all(meta == (torch.float32, (2, 5)) for meta in expected[channel.name].tensors
+                   if meta is not None)
+
+
+# -- waits that end with errors naming the peer -------------------------------------------
+
+
+def test_a_receive_whose_peer_never_sends_names_channel_peer_and_step(pair):
+    _, b = pair
+    with pytest.raises(RecvTimeout, match=r"\[worker 1\] receive on channel 'w0->w1#0' step 3: "
+                                          r"no message from worker 0 within 0.2 s"):
+        b.recv(W0, key(3), timeout_s=0.2)
+
+
+def test_a_send_to_a_peer_that_is_gone_fails_naming_the_peer():
+    gone = GrpcTransport(W1, token=TOKEN, incarnation=INCARNATION, settings=SETTINGS)
+    address = gone.start()
+    gone.close()
+    a = GrpcTransport(W0, token=TOKEN, incarnation=INCARNATION, settings=SETTINGS)
+    a.start()
+    a.set_peers({W1: address})
+    try:
+        a.send(W1, key(0), [torch.zeros(2, 3)])  # queued: sends do not wait
+        pattern = (rf"\[worker 0\] cannot reach worker 1 at {address} to send "
+                   rf"channel 'w0->w1#0' step 0")
+        with pytest.raises(TransportError, match=pattern):
+            a.recv(W1, key(0, "w1->w0#0"), timeout_s=RECV_TIMEOUT_S)
+        with pytest.raises(TransportError, match=pattern):
+            a.send(W1, key(1), [torch.zeros(2, 3)])
+    finally:
+        a.close()
+
+
+def test_a_refused_message_fails_the_sender_with_the_receivers_reason(pair):
+    a, b = pair
+    a.send(W1, key(0), [torch.zeros(2, 3, dtype=torch.float64)])
+    with pytest.raises(TransportError,
+                       match=r"sending channel 'w0->w1#0' step 0 .* to worker 1 .*"
+                             r"INVALID_ARGUMENT: \[worker 1\] refused .* tensor 0 "
+                             r"expected float32\[2, 3\], got float64\[2, 3\]"):
+        a.flush(RECV_TIMEOUT_S)
+    assert b._mailbox.pending() == [], "the refused message never reached the mailbox"
+    # The receiver is undisturbed: worker 1 still sends, and worker 0's server
+    # still takes messages even though its own sending failed.
+    b.send(W0, key(0, "w1->w0#0"), [torch.ones(2, 3)])
+    b.flush(RECV_TIMEOUT_S)
+    assert a._mailbox.pending() == [key(0, "w1->w0#0")]
+    with pytest.raises(TransportError, match="INVALID_ARGUMENT"):
+        a.recv(W1, key(0, "w1->w0#0"), RECV_TIMEOUT_S)  # the failure stays raised
+    a.close()  # already reported: close adds nothing
+
+
+def test_flush_confirms_delivery_and_close_is_idempotent(pair):
+    a, b = pair
+    for step in range(5):
+        a.send(W1, key(step), [torch.full((2, 3), float(step))])
+    a.flush(RECV_TIMEOUT_S)
+    assert b._mailbox.pending() == [key(step) for step in range(5)], \
+        "every message is delivered before flush returns"
+    a.close()
+    a.close()
+    with pytest.raises(TransportError, match="the transport is closed"):
+        a.send(W1, key(9), [torch.zeros(2, 3)])
+
+
+def test_a_process_takes_its_identity_after_its_server_is_up():
+    provisional = GrpcTransport(W0, token=TOKEN, incarnation=0, settings=SETTINGS)
+    peer = GrpcTransport(W0, token=TOKEN, incarnation=INCARNATION, settings=SETTINGS)
+    connect_to = provisional.start()
+    provisional.set_identity(W2, INCARNATION)
+    provisional.expect({"w0->w2#0": ExpectedChannel(W0, FLOAT_2x3)})
+    peer.start()
+    peer.set_peers({W2: connect_to})
+    try:
+        assert peer.ping(W2) == "w2"
+        peer.send(W2, key(0, "w0->w2#0"), [torch.ones(2, 3)])
+        (got,) = provisional.recv(W0, key(0, "w0->w2#0"), RECV_TIMEOUT_S)
+        assert torch.equal(got, torch.ones(2, 3))
+    finally:
+        close_all(provisional, peer)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_go_through_pinned_host_memory(pair):
+    a, b = pair
+    x = torch.randn(2, 3, device="cuda")
+    a.send(W1, key(0), [x])
+    (got,) = b.recv(W0, key(0), RECV_TIMEOUT_S)
+    assert got.device.type == "cpu" and torch.equal(got, x.cpu())
+
+
+# -- bad input from a raw client ------------------------------------------------------------
+
+
+@pytest.fixture
+def server():
+    """Worker 1's transport alone, and a raw gRPC channel to it."""
+    transport = GrpcTransport(W1, token=TOKEN, incarnation=INCARNATION, settings=SETTINGS,
+                              expected={"w0->w1#0": ExpectedChannel(W0, FLOAT_2x3),
+                                        "open": ExpectedChannel(W0, (None,))})
+    address = transport.start()
+    channel = grpc.insecure_channel(address)
+    grpc.channel_ready_future(channel).result(timeout=CALL_TIMEOUT_S)
+    yield transport, channel
+    channel.close()
+    transport.close()
+
+
+def chunk(step=0, channel="w0->w1#0", src="w0", incarnation=INCARNATION, dtype="float32",
+          shape=(2, 3), data=None, total_bytes=None) -> bytes:
+    data = bytes(24) if data is None else data
+    envelope = splitrun_pb2.Envelope(incarnation=incarnation, step=step, channel=channel, src=src,
+                                     total_bytes=len(data) if total_bytes is None else total_bytes,
+                                     little_endian=sys.byteorder == "little")
+    envelope.tensors.add(dtype=dtype, shape=shape)
+    return splitrun_pb2.Chunk(envelope=envelope, data=data).SerializeToString()
+
+
+def deliver(channel, request: bytes, token: str | None = TOKEN):
+    call = channel.unary_unary("/splitrun.TensorService/Deliver")
+    metadata = () if token is None else (("splitrun-token", token),)
+    return call(request, timeout=CALL_TIMEOUT_S, metadata=metadata)
+
+
+def deliver_stream(channel, requests):
+    call = channel.stream_unary("/splitrun.TensorService/DeliverStream")
+    return call(iter(requests), timeout=CALL_TIMEOUT_S, metadata=(("splitrun-token", TOKEN),))
+
+
+BAD_REQUESTS = {
+    "no-token": (dict(token=None), grpc.StatusCode.UNAUTHENTICATED,
+                 r"refused a call from .*: no 'splitrun-token' in the call metadata"),
+    "wrong-token": (dict(token="guess"), grpc.StatusCode.UNAUTHENTICATED,
+                    r"the job token is wrong"),
+    "garbage": (dict(request=b"\xff\x00 not protobuf"), grpc.StatusCode.INVALID_ARGUMENT,
+                r"\[worker 1\] refused a request from .*: the request is not a splitrun Chunk"),
+    "short-data": (dict(request=chunk(data=bytes(20), total_bytes=24)),
+                   grpc.StatusCode.INVALID_ARGUMENT,
+                   r"Deliver carried 20 of the envelope's 24 bytes"),
+    "long-data": (dict(request=chunk(data=bytes(28), total_bytes=24)),
+                  grpc.StatusCode.INVALID_ARGUMENT,
+                  r"data runs past the envelope's total_bytes 24"),
+    "shape-vs-total": (dict(request=chunk(shape=(2, 4), total_bytes=24)),
+                       grpc.StatusCode.INVALID_ARGUMENT,
+                       r"tensors \(float32\[2, 4\]\) take 32 bytes but total_bytes says 24"),
+    "unknown-channel": (dict(request=chunk(channel="w0->w1#99")), grpc.StatusCode.NOT_FOUND,
+                        r"refused channel 'w0->w1#99' step 0 from 'w0' .*: no such channel into "
+                        r"this process \(it receives open, w0->w1#0\)"),
+    "stale-incarnation": (dict(request=chunk(incarnation=INCARNATION - 1)),
+                          grpc.StatusCode.FAILED_PRECONDITION,
+                          rf"incarnation {INCARNATION - 1}, but the job's incarnation is "
+                          rf"{INCARNATION}; the sender belongs to a previous run"),
+    "wrong-sender": (dict(request=chunk(src="w2")), grpc.StatusCode.PERMISSION_DENIED,
+                     r"this channel comes from worker 0, the envelope says worker 2"),
+    "bad-label": (dict(request=chunk(src="root")), grpc.StatusCode.INVALID_ARGUMENT,
+                  r"malformed label 'root'"),
+    "wrong-dtype": (dict(request=chunk(dtype="bfloat16", data=bytes(12))),
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    r"tensor 0 expected float32\[2, 3\], got bfloat16\[2, 3\]"),
+    "unknown-dtype": (dict(request=chunk(dtype="object", data=bytes(0), total_bytes=0)),
+                      grpc.StatusCode.INVALID_ARGUMENT, r"unknown dtype 'object'"),
+    "huge-claim": (dict(request=chunk(channel="open", dtype="uint8", shape=(1 << 40,),
+                                      data=b"", total_bytes=1 << 40)),
+                   grpc.StatusCode.INVALID_ARGUMENT,
+                   r"declares 1099511627776 bytes, above the limit"),
+    "no-envelope": (dict(request=splitrun_pb2.Chunk(data=b"abc").SerializeToString()),
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    r"refused a request .*: a chunk without an envelope"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_requests_are_refused_and_leave_the_job_alone(server, case, caplog):
+    transport, channel = server
+    kwargs, code, details = BAD_REQUESTS[case]
+    request = kwargs.get("request", chunk())
+    with caplog.at_level(logging.WARNING, logger="splitrun.runtime.grpc_transport"):
+        with pytest.raises(grpc.RpcError) as raised:
+            deliver(channel, request, token=kwargs.get("token", TOKEN))
+    assert raised.value.code() == code, raised.value.details()
+    assert re.search(details, raised.value.details()), raised.value.details()
+    assert any("[worker 1] refused" in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records), "every refusal is logged"
+    assert transport._mailbox.pending() == [], "a refused message never reaches the mailbox"
+    # The process is undisturbed: a good message still goes through.
+    deliver(channel, chunk(step=5, data=torch.arange(6.0).numpy().tobytes()))
+    (got,) = transport.recv(W0, key(5), RECV_TIMEOUT_S)
+    assert torch.equal(got, torch.arange(6.0).view(2, 3))
+
+
+def test_a_duplicate_message_is_refused(server):
+    transport, channel = server
+    deliver(channel, chunk(step=1))
+    with pytest.raises(grpc.RpcError) as raised:
+        deliver(channel, chunk(step=1))
+    assert raised.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert re.search(r"\[worker 1\] refused a second message for channel 'w0->w1#0' step 1 "
+                     r"\(incarnation 7\) from worker 0", raised.value.details())
+    assert len(transport.recv(W0, key(1), RECV_TIMEOUT_S)) == 1
+
+
+def test_broken_streams_are_refused(server):
+    transport, channel = server
+    data_only = splitrun_pb2.Chunk(data=bytes(8)).SerializeToString()
+    with pytest.raises(grpc.RpcError) as raised:
+        deliver_stream(channel, [data_only])
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "a chunk without an envelope" in raised.value.details()
+    with pytest.raises(grpc.RpcError) as raised:
+        deliver_stream(channel, [chunk(step=2, data=bytes(16), total_bytes=24)])
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the stream ended after 16 of the envelope's 24 bytes" in raised.value.details()
+    # A refusal names how many messages of the stream were delivered before it.
+    with pytest.raises(grpc.RpcError) as raised:
+        deliver_stream(channel, [chunk(step=3), chunk(step=4, src="w2")])
+    assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert dict(raised.value.trailing_metadata())["splitrun-delivered"] == "1"
+    assert transport._mailbox.pending() == [key(3)]
+
+
+def test_a_failure_inside_the_server_reaches_the_sender_as_internal(server, monkeypatch):
+    transport, channel = server
+
+    def broken_put(*args):
+        raise RuntimeError("disk on fire")
+    monkeypatch.setattr(transport._mailbox, "put", broken_put)
+    with pytest.raises(grpc.RpcError) as raised:
+        deliver(channel, chunk(step=1))
+    assert raised.value.code() == grpc.StatusCode.INTERNAL
+    assert re.search(r"\[worker 1\] failed on channel 'w0->w1#0' step 1 .*RuntimeError: disk on "
+                     r"fire\nTraceback", raised.value.details())
+
+
+def test_a_message_before_the_plan_waits_for_it_then_is_refused():
+    settings = GrpcSettings(expect_timeout_s=0.2, stream_idle_s=0.2)
+    transport = GrpcTransport(W1, token=TOKEN, incarnation=INCARNATION, settings=settings)
+    channel = grpc.insecure_channel(transport.start())
+    try:
+        with pytest.raises(grpc.RpcError) as raised:
+            deliver(channel, chunk())
+        assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "this process has no plan yet (expect() not called within 0.2 s)" in \
+            raised.value.details()
+    finally:
+        channel.close()
+        transport.close()
+
+
+def test_ping_needs_the_token_and_names_the_process(server):
+    transport, channel = server
+    ping = channel.unary_unary("/splitrun.TensorService/Ping")
+    reply = ping(b"", timeout=CALL_TIMEOUT_S, metadata=(("splitrun-token", TOKEN),))
+    assert splitrun_pb2.PingReply.FromString(reply).label == "w1"
+    with pytest.raises(grpc.RpcError) as raised:
+        ping(b"", timeout=CALL_TIMEOUT_S)
+    assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
