@@ -1,0 +1,55 @@
+"""A parameter-server job for the end-to-end tests, run by the real launcher.
+
+    splitrun launch --workers 2 --servers 2 tests/scripts/ps_job.py --steps 20 --out r.pt
+
+Worker 0 saves the final state gathered from every process to --out. With
+--stop-after N it trains only up to step N (and --save writes a checkpoint
+there); --resume continues from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from ps_models import make  # noqa: E402
+
+from splitrun.runtime.job import Job  # noqa: E402
+from splitrun.splitter import ParameterServerMode  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kind", default="dense", choices=["dense", "sparse"])
+    parser.add_argument("--optimizer", default="adam")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--stop-after", type=int)
+    parser.add_argument("--width", type=int, default=24)
+    parser.add_argument("--save")
+    parser.add_argument("--resume")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+
+    job = Job.from_env()
+    program, _, batches = make(args.kind, args.optimizer, job.cluster.num_workers, args.steps,
+                               width=args.width)
+    trainer = job.start(program, ParameterServerMode(), num_steps=args.steps,
+                        resume=args.resume)
+    stop = args.stop_after or args.steps
+    for batch in trainer.shard(batches[trainer.steps_done:stop]):
+        trainer.step(batch)
+    if args.save and job.is_worker:
+        trainer.save(args.save)
+    final_state = trainer.finish()
+    if job.is_driver and args.out:
+        torch.save({"state": final_state, "steps": trainer.steps_done}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Parameter-server mode end to end: real launcher, real processes, real gRPC.
+
+Tolerance 1e-5 against one process on the global batch (the mean of the shard
+gradients sums in another order); a resumed run equals the uninterrupted one
+to 1e-6.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+from cluster import JOB_TIMEOUT_S, SCRIPTS, pid_alive, splitrun
+
+sys.path.insert(0, str(SCRIPTS.parent))
+from ps_models import feeds, make  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PS_JOB = SCRIPTS / "ps_job.py"
+FAULT_DEADLINE_S = 15.0
+
+
+def launch(tmp_path, name, workers, servers, *args):
+    out = tmp_path / f"{name}.pt"
+    proc = splitrun("launch", "--workers", workers, "--servers", servers, PS_JOB, *args,
+                    "--out", out)
+    assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
+    return torch.load(out)
+
+
+def single_process(kind, optimizer, steps):
+    _, full, batches = make(kind, optimizer, 1, steps)
+    return full.train_unsplit(steps, feeds(batches))[1]
+
+
+@pytest.mark.parametrize("kind, optimizer", [("dense", "adam"), ("sparse", "adagrad")])
+def test_two_workers_two_servers_equal_one_process(tmp_path, kind, optimizer):
+    result = launch(tmp_path, "run", 2, 2, "--kind", kind, "--optimizer", optimizer,
+                    "--steps", 20)
+    expected = single_process(kind, optimizer, 20)
+    assert result["steps"] == 20
+    assert result["state"].keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(result["state"][key], value, rtol=0, atol=1e-5)
+
+
+def test_checkpoint_resumes_with_another_number_of_servers(tmp_path):
+    checkpoint = tmp_path / "step10.pt"
+    launch(tmp_path, "first", 2, 1, "--steps", 20, "--stop-after", 10, "--save", checkpoint)
+    saved = torch.load(checkpoint, weights_only=True)
+    assert saved["step"] == 10 and "body.0.weight" in saved["model"]
+    resumed = launch(tmp_path, "resumed", 2, 2, "--steps", 20, "--resume", checkpoint)
+    straight = launch(tmp_path, "straight", 2, 1, "--steps", 20)
+    assert resumed["steps"] == straight["steps"] == 20
+    for key, value in straight["state"].items():
+        torch.testing.assert_close(resumed["state"][key], value, rtol=0, atol=1e-6)
+
+
+def test_killed_server_stops_the_job_naming_it(tmp_path):
+    proc = splitrun("launch", "--workers", 2, "--servers", 1, PS_JOB, "--steps", 200000)
+    try:
+        server_pid = int(proc.wait_for(r"started server 0 \(pid (\d+)\)", 60).group(1))
+        worker_pids = [int(proc.wait_for(rf"started worker {r} \(pid (\d+)\)", 60).group(1))
+                       for r in range(2)]
+        proc.wait_for(r"\[worker 0\].*step \d+/200000", JOB_TIMEOUT_S)
+        os.kill(server_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        code = proc.wait(FAULT_DEADLINE_S + 10)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        proc.kill()
+    assert code != 0 and elapsed < FAULT_DEADLINE_S
+    assert f"server 0 (pid {server_pid}) was killed by SIGKILL" in proc.output()
+    for pid in (server_pid, *worker_pids):
+        assert not pid_alive(pid)
+
+
+def test_worker_with_another_model_is_refused_at_join(tmp_path):
+    scheduler = splitrun("scheduler", "--workers", 1, "--servers", 1)
+    procs = []
+    try:
+        address, token = scheduler.wait_for(r"scheduler at (\S+) token (\S+)", 60).groups()
+        for role, width in (("server", 24), ("worker", 32)):
+            procs.append(splitrun("join", "--scheduler", address, "--token", token, "--role",
+                                  role, PS_JOB, "--steps", 5, "--width", width))
+        codes = [p.wait(JOB_TIMEOUT_S) for p in procs]
+        assert scheduler.wait(30) == 1
+    finally:
+        for proc in (scheduler, *procs):
+            proc.kill()
+    assert codes != [0, 0]
+    text = "\n".join(p.output() for p in procs) + scheduler.output()
+    assert "plan mismatch" in text
