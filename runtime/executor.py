@@ -114,7 +114,10 @@ class Executor:
 
     def __init__(self, plan: SplitPlan, label: Label, transport: Transport, *,
                  program: Program | None = None, device: str | torch.device = "cpu",
-                 incarnation: int = 0, recv_timeout_s: float = 60.0) -> None:
+                 incarnation: int = 0, recv_timeout_s: float = 60.0,
+                 bindings: Mapping[Callable, Callable] | None = None) -> None:
+        """`bindings` implement marker ops of the graph with runtime objects
+        (the embedding cache binds `cached_lookup` and `cached_update`)."""
         self.program = program or plan.program
         if self.program is None:
             raise SplitrunError("the executor needs the program the plan was split from")
@@ -127,6 +130,7 @@ class Executor:
         self.recv_timeout_s = recv_timeout_s
         self.state: dict[str, torch.Tensor] = {}
         self.stats = ExecutorStats()
+        self._bindings = dict(bindings or {})
         self._tag = f"[{label.describe()}]"
         self._nodes: dict[str, fx.Node] = {n.name: n for n in self.program.graph.nodes}
         self._compile()
@@ -154,7 +158,8 @@ class Executor:
                 kwargs = dict(fx.node.map_arg(node.kwargs, lambda n: _Ref(n.name)))
                 if isinstance(kwargs.get("device"), torch.device):
                     kwargs["device"] = self.device  # graphs are captured on CPU
-                ops.append((OpKind.RUN, node.name, node.target, _binder(args, kwargs)))
+                target = self._bindings.get(node.target, node.target)
+                ops.append((OpKind.RUN, node.name, target, _binder(args, kwargs)))
             else:
                 channel = self.plan.channel(instr.target)
                 if instr.kind is OpKind.SEND:

@@ -53,6 +53,9 @@ class LoopbackTransport:
     def finish_at(self, num_steps: int) -> None:
         self.hub.mailboxes[self.label].finish_at(num_steps)
 
+    def route(self, prefix: str, handler) -> None:
+        self.hub.mailboxes[self.label].route(prefix, handler)
+
     def flush(self, timeout_s: float) -> None:
         pass  # sends are delivered synchronously
 

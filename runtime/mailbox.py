@@ -31,8 +31,24 @@ class Mailbox:
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._finished_at: int | None = None
+        self._routes: list[tuple[str, Callable]] = []
+
+    def route(self, prefix: str, handler: Callable[[MessageKey, Label, list[torch.Tensor]], None]
+              ) -> None:
+        """Hand messages on channels starting with `prefix` to `handler` as they
+        arrive (it must not block), instead of keeping them for `take`."""
+        with self._cond:
+            self._routes.append((prefix, handler))
 
     def put(self, key: MessageKey, src: Label, tensors: Sequence[torch.Tensor]) -> None:
+        for prefix, handler in self._routes:
+            if key.channel.startswith(prefix):
+                if key.incarnation != self.incarnation:
+                    raise MessageRejected(
+                        f"[{self.owner.describe()}] refused {key} from {src.describe()}: "
+                        f"the job's incarnation is {self.incarnation}")
+                handler(key, src, list(tensors))
+                return
         with self._cond:
             if key.incarnation != self.incarnation:
                 raise MessageRejected(

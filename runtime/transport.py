@@ -60,5 +60,9 @@ class Transport(Protocol):
     def flush(self, timeout_s: float) -> None:
         """Wait until every queued send has been delivered."""
 
+    def route(self, prefix: str,
+              handler: Callable[[MessageKey, Label, list[torch.Tensor]], None]) -> None:
+        """Hand incoming messages on channels starting with `prefix` to `handler`."""
+
     def close(self) -> None:
         """Release resources; pending sends are flushed or reported."""

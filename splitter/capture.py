@@ -11,6 +11,7 @@ parameter's owner.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import re
@@ -31,6 +32,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.nn.utils.stateless import _reparametrize_module
 
 from . import optim
+from .cache_mode import cache_settings_of
 from .errors import CaptureError
 from .sparse_optim import ROW_WISE_UPDATES, sparse_update_for
 from .labels import LABEL_ANNOTATION, MODULE_ANNOTATION, placement_of
@@ -77,7 +79,9 @@ def capture(model: nn.Module, loss_fn: LossFn,
     frozen.update(buffers)
     owners = _state_owners(model)
 
-    joint = _trace_joint(model, loss_fn, trainable, params, frozen, batch)
+    cached = _cached_tables(model)
+    with _sparse_gradients(cached.values()):
+        joint = _trace_joint(model, loss_fn, trainable, params, frozen, batch)
     builder = _StepBuilder(joint, trainable, list(frozen), len(batch), owners)
     builder.add_inputs(groups if optimizer is not None else None)
     builder.copy_joint()
@@ -103,7 +107,8 @@ def capture(model: nn.Module, loss_fn: LossFn,
                           if name not in builder.sparse_grads},
               "sparse_grad_of": {name: (i.name, v.name)
                                  for name, (i, v) in builder.sparse_grads.items()},
-              "param_groups": groups.describe(trainable)}
+              "param_groups": groups.describe(trainable),
+              "cached_tables": {key: cache_settings_of(module) for key, module in cached.items()}}
     return Program(gm, program_inputs, program_outputs, initial_state,
                    hparams_fn=groups.hparams if optimizer is not None else None,
                    extras=extras)
@@ -159,6 +164,27 @@ def _state_owners(model: nn.Module) -> dict[str, str]:
 
     visit(model, "", None)
     return owners
+
+
+def _cached_tables(model: nn.Module) -> dict[str, nn.Embedding]:
+    """The tables `place_embedding_cache` marked, by parameter name."""
+    return {f"{path}.weight" if path else "weight": module
+            for path, module in model.named_modules()
+            if isinstance(module, nn.Embedding) and cache_settings_of(module) is not None}
+
+
+@contextlib.contextmanager
+def _sparse_gradients(tables):
+    """Capture cached tables as sparse embeddings: lookup forward, (indices,
+    values) gradients, a row-wise update."""
+    saved = [(table, table.sparse) for table in tables]
+    try:
+        for table, _ in saved:
+            table.sparse = True
+        yield
+    finally:
+        for table, sparse in saved:
+            table.sparse = sparse
 
 
 class _Groups:

@@ -218,6 +218,9 @@ class ParameterServerMode(Mode):
         slot_names = {name for names in slot_of.values() for name in names}
         hparams = {s.node for s in program.inputs if s.kind is InputKind.HPARAM}
 
+        nodes = {n.name: n for n in program.graph.nodes}
+        read_by_workers = {arg.name for i in plan.process(template).schedule
+                           if i.kind is OpKind.RUN for arg in nodes[i.target].all_input_nodes}
         copies: dict[str, list[Channel]] = {}
         channels: list[Channel] = []
         for channel in plan.channels:
@@ -238,8 +241,11 @@ class ParameterServerMode(Mode):
                     Instruction(i.kind, copies[i.target][rank].name)
                     if i.kind is not OpKind.RUN and i.target in copies else i
                     for i in base.schedule)
+                # Workers besides 0 need a hyperparameter only if they read it
+                # themselves (worker 0 sends it to the servers).
                 feeds = base.feeds if rank == 0 else tuple(
-                    k for k in base.feeds if program.input_for_key(k).node not in hparams)
+                    k for k in base.feeds if program.input_for_key(k).node not in hparams
+                    or program.input_for_key(k).node in read_by_workers)
                 processes.append(dataclasses.replace(base, label=proc.label, schedule=schedule,
                                                      feeds=feeds))
                 continue

@@ -1,0 +1,243 @@
+"""A worker's embedding caches and their conversation with the servers.
+
+It binds the graph's marker ops: `cached_lookup` plans the batch against the
+cache (evicting, writing dirty rows back, pulling misses: one message per
+server) and gathers the rows; `cached_update` applies the table's row-wise
+optimizer.
+
+Consistency model:
+- One worker: write-back. The update runs on the cached rows, whose optimizer
+  state is cached with them; a dirty row goes back to its server when evicted
+  and when the job saves or finishes. The servers' tables are then exactly what
+  training with the whole table in one process gives.
+- Several workers: gradients go to the servers every step (each server
+  averages them over the workers and updates, as parameter-server mode does),
+  and a cached row older than `max_staleness` steps is pulled again before it
+  is used; 0 means every row is fresh each step: parameter-server mode exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Mapping
+
+import torch
+
+from splitrun.splitter.cache_mode import CachedTable, cached_lookup, cached_update
+from splitrun.splitter.labels import Cluster, Label
+from splitrun.splitter.sparse_optim import sparse_adagrad, sparse_sgd
+
+from .embedding_protocol import Op, header, reply_channel, request_channel
+from .row_cache import BatchPlan, RowCache
+from .row_sharding import RowSharding
+from .transport import MessageKey, Transport
+
+__all__ = ["EmbeddingClient"]
+
+logger = logging.getLogger(__name__)
+
+_ROW_WISE = {"sgd": sparse_sgd, "adagrad": sparse_adagrad}
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class EmbeddingClient:
+    def __init__(self, tables: list[CachedTable], label: Label, cluster: Cluster,
+                 transport: Transport, incarnation: int, *, device: torch.device | str = "cpu",
+                 timeout_s: float = 120.0, first_step: int = 0) -> None:
+        self.tables = tables
+        self.label = label
+        self.cluster = cluster
+        self.transport = transport
+        self.incarnation = incarnation
+        self.timeout_s = timeout_s
+        self.write_back = cluster.num_workers == 1
+        self.caches = {t.key: RowCache(t, device) for t in tables}
+        self.index = {t.key: i for i, t in enumerate(tables)}
+        self.sharding = {t.key: RowSharding(t.num_rows, cluster.num_servers) for t in tables}
+        self.servers = [Label.server(k) for k in range(cluster.num_servers)]
+        self.step = first_step
+        self.next_feeds: Mapping[str, torch.Tensor] | None = None
+        self._plans: dict[str, BatchPlan] = {}
+        self._prefetched: dict[str, list[tuple[Label, int, torch.Tensor]]] = {}
+        self._prefetch_fresh: dict[int, int] = {}  # request seq -> step its rows are fresh for
+        self._seq = itertools.count()
+
+    def bindings(self) -> dict:
+        return {cached_lookup: self.lookup, cached_update: self.update}
+
+    @property
+    def counters(self) -> dict[str, dict]:
+        return {key: cache.counters.as_dict() for key, cache in self.caches.items()}
+
+    def hit_rate(self) -> float:
+        hits = sum(c.counters.last_step.get("hits", 0) for c in self.caches.values())
+        unique = sum(c.counters.last_step.get("unique_ids", 0) for c in self.caches.values())
+        return hits / unique if unique else 0.0
+
+    # -- messages --
+
+    def _request(self, server: Label, op: Op, table: str, step: int, tensors=()) -> int:
+        seq = next(self._seq)
+        message = [header(op, self.index[table], step), *tensors]
+        self.transport.send(server, MessageKey(self.incarnation, seq,
+                                               request_channel(self.label)), message)
+        return seq
+
+    def _reply(self, server: Label, seq: int) -> list[torch.Tensor]:
+        return self.transport.recv(server, MessageKey(self.incarnation, seq,
+                                                      reply_channel(server)), self.timeout_s)
+
+    def _by_server(self, table: str, ids: torch.Tensor):
+        """(server, mask) for each server holding some of `ids`, in rank order."""
+        owner = self.sharding[table].server_of(ids)
+        for server in self.servers:
+            mask = owner == server.rank
+            if bool(mask.any()):
+                yield server, mask
+
+    # -- bound to the graph's marker ops --
+
+    def lookup(self, ids: torch.Tensor, *, table: str) -> torch.Tensor:
+        cache = self.caches[table]
+        settings = cache.table.settings
+        plan = cache.plan(ids, self.step, write_back=self.write_back,
+                          max_staleness=settings.max_staleness)
+        pushed = self._write_back(table, plan.evicted_ids, plan.evicted_rows, plan.evicted_state)
+        pulled = self._pull(table, plan)
+        cache.counters.record(lookups=ids.numel(), unique_ids=plan.unique_ids.numel(),
+                              hits=plan.hits, misses=plan.unique_ids.numel() - plan.hits,
+                              evictions=plan.evictions, bytes_pulled=pulled, bytes_pushed=pushed)
+        self._plans[table] = plan
+        self._prefetch(table)
+        return cache.gather(plan, ids.shape)
+
+    def update(self, indices: torch.Tensor, values: torch.Tensor, lr: torch.Tensor,
+               step: torch.Tensor, *, table: str) -> None:
+        cache = self.caches[table]
+        ids = indices.reshape(-1).to("cpu", torch.int64)
+        if self.write_back:
+            slots = cache.slots_of(ids).to(cache.device)
+            update = _ROW_WISE[cache.table.optimizer]
+            results = update(cache.rows, slots, values, lr, step,
+                             *(cache.state[n] for n in cache.table.state_names),
+                             **cache.table.optimizer_settings)
+            cache.rows = results[0]
+            for name, value in zip(cache.table.state_names, results[1:]):
+                cache.state[name] = value
+            cache.dirty[slots.cpu()] = True
+            return
+        values = values.reshape(ids.numel(), -1).cpu()
+        owner = self.sharding[table].server_of(ids)
+        pushed = 0
+        for server in self.servers:  # every server hears from every worker each step
+            mask = owner == server.rank
+            tensors = [ids[mask], values[mask], lr.cpu(), step.cpu()]
+            self._request(server, Op.GRADS, table, self.step, tensors)
+            pushed += _nbytes(tensors[:2])
+        cache.counters.bytes_pushed += pushed
+        cache.counters.last_step["bytes_pushed"] = pushed
+
+    # -- pulls, pushes, prefetch --
+
+    def _pull(self, table: str, plan: BatchPlan) -> int:
+        """Install the rows the plan needs: from this table's prefetch replies
+        where they hold them, from the servers otherwise."""
+        cache = self.caches[table]
+        ids, slots = plan.pull_ids, plan.pull_slots
+        pulled = 0
+        for server, seq, prefetched_ids in self._prefetched.pop(table, []):
+            reply = self._reply(server, seq)
+            pulled += _nbytes(reply)
+            wanted = torch.isin(prefetched_ids, ids)
+            if not bool(wanted.any()):
+                continue
+            got = prefetched_ids[wanted]
+            position = torch.searchsorted(ids, got)  # ids are sorted (unique)
+            state = dict(zip(cache.table.state_names, (t[wanted] for t in reply[1:])))
+            cache.install(slots[position], reply[0][wanted], state, fresh_for=self._fresh_of(seq))
+            keep = torch.ones_like(ids, dtype=torch.bool)
+            keep[position] = False
+            ids, slots = ids[keep], slots[keep]
+        requests = [(server, mask, self._request(server, Op.PULL, table, self.step, [ids[mask]]))
+                    for server, mask in self._by_server(table, ids)]
+        for server, mask, seq in requests:
+            reply = self._reply(server, seq)
+            pulled += _nbytes(reply)
+            state = dict(zip(cache.table.state_names, reply[1:]))
+            cache.install(slots[mask], reply[0], state, fresh_for=self.step)
+        return pulled
+
+    def _fresh_of(self, seq: int) -> int:
+        return self._prefetch_fresh.pop(seq, self.step)
+
+    def _prefetch(self, table: str) -> None:
+        """Ask now for the next batch's missing rows of `table`, so the reply
+        travels while this step computes. Only where a row read a step early is
+        allowed: one worker (its cache holds the only writes), or staleness >= 1."""
+        cache = self.caches[table]
+        feed = cache.table.ids_feed
+        if self.next_feeds is None or feed is None or feed not in self.next_feeds:
+            return
+        if not self.write_back and cache.table.settings.max_staleness < 1:
+            return
+        ids = torch.unique(self.next_feeds[feed].reshape(-1).to("cpu", torch.int64))
+        cache.check_ids(ids)
+        ids = ids[cache.slot_of_id[ids] < 0]
+        requests = []
+        for server, mask in self._by_server(table, ids):
+            seq = self._request(server, Op.PULL, table, self.step, [ids[mask]])
+            self._prefetch_fresh[seq] = self.step
+            requests.append((server, seq, ids[mask]))
+        self._prefetched[table] = requests
+
+    def _write_back(self, table: str, ids: torch.Tensor, rows: torch.Tensor,
+                    state: dict[str, torch.Tensor]) -> int:
+        if not self.write_back or ids.numel() == 0:
+            return 0
+        pushed = 0
+        names = self.caches[table].table.state_names
+        for server, mask in self._by_server(table, ids):
+            tensors = [ids[mask], rows[mask.to(rows.device)].cpu(),
+                       *(state[n][mask.to(rows.device)].cpu() for n in names)]
+            self._request(server, Op.PUSH, table, self.step, tensors)
+            pushed += _nbytes(tensors)
+        return pushed
+
+    # -- end of training, checkpoints --
+
+    def flush(self) -> None:
+        """Write every dirty row back (write-back mode); requests stay in order,
+        so a later dump sees them."""
+        for table, cache in self.caches.items():
+            ids, rows, state = cache.dirty_rows()
+            cache.counters.bytes_pushed += self._write_back(table, ids, rows, state)
+
+    def drain_prefetch(self) -> None:
+        """Take the replies of prefetches no step will use (the last batch's)."""
+        for table in list(self._prefetched):
+            for server, seq, _ in self._prefetched.pop(table):
+                self._reply(server, seq)
+
+    def dump(self, steps_done: int) -> dict[str, torch.Tensor]:
+        """Worker 0: every table and its row state, whole, from the servers."""
+        self.drain_prefetch()
+        self.flush()
+        result = {}
+        for table in self.tables:
+            rows = torch.empty(table.num_rows, table.dim, dtype=table.dtype)
+            state = {n: torch.empty_like(rows) for n in table.state_names}
+            requests = [(server, self._request(server, Op.DUMP, table.key, steps_done))
+                        for server in self.servers]
+            for server, seq in requests:
+                reply = self._reply(server, seq)
+                ids = self.sharding[table.key].ids_of(server.rank)
+                rows[ids] = reply[0]
+                for name, value in zip(table.state_names, reply[1:]):
+                    state[name][ids] = value
+            result[table.key] = rows
+            result.update({f"{table.key}.{n}": v for n, v in state.items()})
+        return result

@@ -1,0 +1,162 @@
+"""A server's slices of the cached tables, and the thread that serves the
+workers' requests (see embedding_protocol.py).
+
+Requests are handled one at a time in arrival order, so a worker's write-back
+of a row is applied before its later pull of the same row. With several
+workers, gradients of a step are applied once every worker's arrived (in
+worker order, averaged, as parameter-server mode does), and a pull or dump that
+needs a step's updates waits, parked, until they are applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from splitrun.splitter.cache_mode import CachedTable
+from splitrun.splitter.labels import Cluster, Label
+from splitrun.splitter.sparse_optim import sparse_adagrad, sparse_sgd
+
+from .embedding_protocol import Op, read_header, reply_channel
+from .errors import SplitrunError
+from .row_sharding import RowSharding
+from .transport import MessageKey, Transport
+
+__all__ = ["EmbeddingStore"]
+
+logger = logging.getLogger(__name__)
+
+_ROW_WISE = {"sgd": sparse_sgd, "adagrad": sparse_adagrad}
+# How often the serving thread looks at its stop flag while idle.
+_IDLE_POLL_S = 0.2
+
+
+@dataclass
+class _Shard:
+    table: CachedTable
+    sharding: RowSharding
+    rows: torch.Tensor
+    state: dict[str, torch.Tensor]
+    applied_step: int                       # updates of steps <= this are in
+    pending: dict[int, dict[int, tuple]] = field(default_factory=dict)  # step -> worker -> grads
+
+
+class EmbeddingStore:
+    def __init__(self, tables: list[CachedTable], label: Label, cluster: Cluster,
+                 transport: Transport, incarnation: int,
+                 initial: Mapping[str, torch.Tensor], first_step: int = 0) -> None:
+        self.label = label
+        self.cluster = cluster
+        self.transport = transport
+        self.incarnation = incarnation
+        self.write_back = cluster.num_workers == 1
+        self._tag = f"[{label.describe()}]"
+        self.shards = []
+        for table in tables:
+            sharding = RowSharding(table.num_rows, cluster.num_servers)
+            ids = sharding.ids_of(label.rank)
+            rows = initial[table.key].index_select(0, ids).clone()
+            state = {n: initial[f"{table.key}.{n}"].index_select(0, ids).clone()
+                     for n in table.state_names}
+            self.shards.append(_Shard(table, sharding, rows, state, first_step - 1))
+        self._inbox: queue.Queue = queue.Queue()
+        self._parked: list[tuple[MessageKey, Label, list[torch.Tensor]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True,
+                                        name=f"splitrun-embedding-{label}")
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout=timeout_s)
+
+    def on_message(self, key: MessageKey, src: Label, tensors: list[torch.Tensor]) -> None:
+        """Called by the transport's receiving thread: queue it, never block."""
+        self._inbox.put((key, src, tensors))
+
+    # -- serving --
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                key, src, tensors = self._inbox.get(timeout=_IDLE_POLL_S)
+            except queue.Empty:
+                continue
+            try:
+                self._handle(key, src, tensors)
+            except BaseException as exc:  # noqa: BLE001 - the job must learn about it
+                self.error = exc
+                logger.error("%s embedding request %s from %s failed: %s", self._tag, key,
+                             src.describe(), exc)
+                self.transport.abort(SplitrunError(
+                    f"{self._tag} embedding store failed on a request from "
+                    f"{src.describe()}: {exc}"))
+                return
+
+    def _handle(self, key: MessageKey, src: Label, tensors: list[torch.Tensor]) -> None:
+        op, index, step = read_header(tensors[0])
+        shard = self.shards[index]
+        if op is Op.PUSH:
+            ids, rows, *state = tensors[1:]
+            local = shard.sharding.local_index(ids, self.label.rank)
+            shard.rows[local] = rows
+            for name, value in zip(shard.table.state_names, state):
+                shard.state[name][local] = value
+        elif op is Op.GRADS:
+            shard.pending.setdefault(step, {})[src.rank] = tuple(tensors[1:])
+            if len(shard.pending[step]) == self.cluster.num_workers:
+                self._apply(shard, step, shard.pending.pop(step))
+                self._retry_parked()
+        elif op in (Op.PULL, Op.DUMP):
+            if self._ready(shard, op, step):
+                self._answer(key, src, op, shard, tensors)
+            else:
+                self._parked.append((key, src, tensors))
+        else:
+            raise SplitrunError(f"unknown embedding request {op}")
+
+    def _ready(self, shard: _Shard, op: Op, step: int) -> bool:
+        """With several workers, a pull fresh for `step` (or a dump after
+        `step` steps) needs every earlier step's updates."""
+        return self.write_back or shard.applied_step >= step - 1
+
+    def _retry_parked(self) -> None:
+        parked, self._parked = self._parked, []
+        for key, src, tensors in parked:
+            self._handle(key, src, tensors)
+
+    def _answer(self, key, src, op, shard: _Shard, tensors) -> None:
+        if op is Op.PULL:
+            local = shard.sharding.local_index(tensors[1], self.label.rank)
+            reply = [shard.rows[local]]
+            if self.write_back:  # the row's optimizer state travels with it
+                reply += [shard.state[n][local] for n in shard.table.state_names]
+        else:
+            reply = [shard.rows.clone(), *(shard.state[n].clone() for n in shard.table.state_names)]
+        self.transport.send(src, MessageKey(self.incarnation, key.step, reply_channel(self.label)),
+                            reply)
+
+    def _apply(self, shard: _Shard, step: int, grads: dict[int, tuple]) -> None:
+        """The step's update from every worker's gradient: concatenated in worker
+        order, averaged, then the row-wise optimizer (as parameter-server mode)."""
+        ordered = [grads[rank] for rank in range(self.cluster.num_workers)]
+        ids = torch.cat([g[0] for g in ordered])
+        values = torch.cat([g[1] for g in ordered]) / self.cluster.num_workers
+        lr, step_count = ordered[0][2], ordered[0][3]
+        update = _ROW_WISE[shard.table.optimizer]
+        local = shard.sharding.local_index(ids, self.label.rank)
+        results = update(shard.rows, local, values, lr, step_count,
+                         *(shard.state[n] for n in shard.table.state_names),
+                         **shard.table.optimizer_settings)
+        shard.rows = results[0]
+        for name, value in zip(shard.table.state_names, results[1:]):
+            shard.state[name] = value
+        shard.applied_step = step

@@ -1,0 +1,199 @@
+"""A worker's cache of one table's hot rows: the rows (and their per-row
+optimizer state) in slots on the worker's device, an id -> slot map, and the
+eviction policy. It only decides and stores; `embedding_client.py` talks to
+the servers.
+
+All bookkeeping is vectorized over a batch's unique ids: `slot_of_id` is a
+dense int64 map over the table (8 bytes a row), eviction sorts the candidate
+slots by the policy's key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from splitrun.splitter.cache_mode import CachedTable, EvictionPolicy
+
+from .errors import SplitrunError
+
+__all__ = ["RowCache", "BatchPlan", "TableCounters"]
+
+
+@dataclass
+class TableCounters:
+    """Per table: totals since the start, and the last step's values."""
+
+    lookups: int = 0
+    unique_ids: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_pulled: int = 0
+    bytes_pushed: int = 0
+    last_step: dict = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.unique_ids if self.unique_ids else 0.0
+
+    def record(self, **values: int) -> None:
+        for name, value in values.items():
+            setattr(self, name, getattr(self, name) + value)
+        self.last_step = dict(values)
+
+    def as_dict(self) -> dict:
+        return {"lookups": self.lookups, "unique_ids": self.unique_ids, "hits": self.hits,
+                "misses": self.misses, "evictions": self.evictions,
+                "bytes_pulled": self.bytes_pulled, "bytes_pushed": self.bytes_pushed,
+                "hit_rate": round(self.hit_rate, 6), "last_step": dict(self.last_step)}
+
+
+@dataclass
+class BatchPlan:
+    """What a batch needs from the cache: every unique id's slot (valid once
+    the rows to pull are installed), the ids to pull into which slots, and the
+    evicted dirty rows to write back."""
+
+    unique_ids: torch.Tensor
+    inverse: torch.Tensor        # batch position -> index into unique_ids
+    slots: torch.Tensor          # slot of each unique id
+    pull_ids: torch.Tensor
+    pull_slots: torch.Tensor
+    evicted_ids: torch.Tensor    # dirty rows leaving the cache (write-back only)
+    evicted_rows: torch.Tensor
+    evicted_state: dict[str, torch.Tensor]
+    hits: int
+    evictions: int
+
+
+class RowCache:
+    def __init__(self, table: CachedTable, device: torch.device | str = "cpu") -> None:
+        self.table = table
+        self.capacity = min(table.settings.cache_rows, table.num_rows)
+        self.policy = table.settings.policy
+        self.device = torch.device(device)
+        shape = (self.capacity, table.dim)
+        self.rows = torch.zeros(shape, dtype=table.dtype, device=self.device)
+        self.state = {name: torch.zeros(shape, dtype=table.dtype, device=self.device)
+                      for name in table.state_names}
+        self.slot_of_id = torch.full((table.num_rows,), -1, dtype=torch.int64)
+        self.id_of_slot = torch.full((self.capacity,), -1, dtype=torch.int64)
+        self.last_used = torch.full((self.capacity,), -1, dtype=torch.int64)
+        # The step for which a cached row is fresh (several workers: stale rows
+        # are pulled again).
+        self.fresh_for = torch.zeros(self.capacity, dtype=torch.int64)
+        self.dirty = torch.zeros(self.capacity, dtype=torch.bool)
+        # LFU counts every id's lookups over the whole run, cached or not, so a
+        # row's history survives its eviction.
+        self.frequency = (torch.zeros(table.num_rows, dtype=torch.int64)
+                          if self.policy is EvictionPolicy.LFU else None)
+        self.counters = TableCounters()
+
+    # -- planning a batch --
+
+    def check_ids(self, ids: torch.Tensor) -> None:
+        if ids.numel() == 0:
+            return
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.table.num_rows:
+            bad = low if low < 0 else high
+            raise SplitrunError(
+                f"table {self.table.key!r} has {self.table.num_rows} rows (ids 0-"
+                f"{self.table.num_rows - 1}) but the batch looks up id {bad}")
+
+    def plan(self, ids: torch.Tensor, step: int, *, write_back: bool, max_staleness: int
+             ) -> BatchPlan:
+        """Make room for the batch's ids and say which rows to pull.
+
+        Rows of this batch are pinned: never chosen for eviction. Misses go to
+        free slots first, then to the policy's victims; with several workers,
+        cached rows older than `max_staleness` steps are pulled again.
+        """
+        ids = ids.reshape(-1).to("cpu", torch.int64)
+        self.check_ids(ids)
+        unique_ids, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True,
+                                                   return_counts=True)
+        if unique_ids.numel() > self.capacity:
+            raise SplitrunError(
+                f"table {self.table.key!r}: this batch looks up {unique_ids.numel()} distinct "
+                f"ids but the cache holds {self.capacity} rows; cache_rows must be at least "
+                f"{unique_ids.numel()} (place_embedding_cache(..., cache_rows=...))")
+        slots = self.slot_of_id[unique_ids]
+        cached = slots >= 0
+        hits = int(cached.sum())
+        stale = torch.zeros_like(cached)
+        if not write_back:
+            stale = cached & (step - self.fresh_for[slots.clamp(min=0)] > max_staleness)
+        miss_ids = unique_ids[~cached]
+        new_slots, evicted = self._make_room(miss_ids.numel(), pinned=slots[cached])
+        evicted_ids = self.id_of_slot[evicted]
+        dirty = self.dirty[evicted]
+        evicted_dirty_slots = evicted[dirty]
+        evicted_rows = self.rows[evicted_dirty_slots]
+        evicted_state = {n: t[evicted_dirty_slots] for n, t in self.state.items()}
+        dirty_ids = evicted_ids[dirty]
+        self.slot_of_id[evicted_ids] = -1
+        self.id_of_slot[new_slots] = miss_ids
+        self.slot_of_id[miss_ids] = new_slots
+        self.dirty[new_slots] = False
+        slots = self.slot_of_id[unique_ids]
+        self.last_used[slots] = step
+        if self.frequency is not None:
+            self.frequency[unique_ids] += counts
+        pull_mask = ~cached | stale
+        return BatchPlan(unique_ids, inverse, slots, unique_ids[pull_mask], slots[pull_mask],
+                         dirty_ids, evicted_rows, evicted_state, hits, evicted.numel())
+
+    def _make_room(self, needed: int, pinned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`needed` slots: free ones first, then evicted ones (returned too)."""
+        free = (self.id_of_slot < 0).nonzero().reshape(-1)[:needed]
+        short = needed - free.numel()
+        if short <= 0:
+            return free, free[:0]
+        candidate = self.id_of_slot >= 0
+        candidate[pinned] = False
+        slots = candidate.nonzero().reshape(-1)
+        if self.policy is EvictionPolicy.LFU:
+            # Least frequent first; among equals the least recently used.
+            key = self.frequency[self.id_of_slot[slots]] * (1 << 31) + (self.last_used[slots] + 1)
+        else:
+            key = self.last_used[slots]
+        victims = slots[torch.argsort(key, stable=True)[:short]]
+        return torch.cat([free, victims]), victims
+
+    # -- rows --
+
+    def install(self, slots: torch.Tensor, rows: torch.Tensor,
+                state: dict[str, torch.Tensor], fresh_for: int) -> None:
+        slots = slots.to(self.device)
+        self.rows[slots] = rows.to(self.device, self.rows.dtype)
+        for name, value in state.items():
+            self.state[name][slots] = value.to(self.device, self.rows.dtype)
+        self.fresh_for[slots.cpu()] = fresh_for
+
+    def gather(self, plan: BatchPlan, shape: torch.Size) -> torch.Tensor:
+        """The rows of the batch, shaped like the ids plus the row dimension."""
+        slots = plan.slots[plan.inverse].to(self.device)
+        return self.rows.index_select(0, slots).reshape(*shape, self.table.dim)
+
+    def slots_of(self, ids: torch.Tensor) -> torch.Tensor:
+        slots = self.slot_of_id[ids.reshape(-1).to("cpu", torch.int64)]
+        if bool((slots < 0).any()):
+            raise SplitrunError(f"table {self.table.key!r}: a gradient for rows that are not "
+                                f"cached (the lookup and the update disagree)")
+        return slots
+
+    def dirty_rows(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Every dirty row (ids, rows, state), marked clean."""
+        slots = self.dirty.nonzero().reshape(-1)
+        self.dirty[slots] = False
+        return (self.id_of_slot[slots], self.rows[slots.to(self.device)],
+                {n: t[slots.to(self.device)] for n, t in self.state.items()})
+
+    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mask of cached ids, their rows) for ids that may or may not be cached."""
+        slots = self.slot_of_id[ids]
+        mask = slots >= 0
+        return mask, self.rows[slots[mask].to(self.device)]
