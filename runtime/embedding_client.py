@@ -14,6 +14,8 @@ Consistency model:
   averages them over the workers and updates, as parameter-server mode does),
   and a cached row older than `max_staleness` steps is pulled again before it
   is used; 0 means every row is fresh each step: parameter-server mode exactly.
+- Policy NONE (no caching, any number of workers): every batch pulls all its
+  rows and every gradient goes to the servers.
 """
 
 from __future__ import annotations
@@ -24,9 +26,14 @@ from collections.abc import Mapping
 
 import torch
 
-from splitrun.splitter.cache_mode import CachedTable, cached_lookup, cached_update
+from splitrun.splitter.cache_mode import (
+    CachedTable,
+    EvictionPolicy,
+    cached_lookup,
+    cached_update,
+)
 from splitrun.splitter.labels import Cluster, Label
-from splitrun.splitter.sparse_optim import sparse_adagrad, sparse_sgd
+from splitrun.splitter.sparse_optim import IN_PLACE
 
 from .embedding_protocol import Op, header, reply_channel, request_channel
 from .row_cache import BatchPlan, RowCache
@@ -36,8 +43,6 @@ from .transport import MessageKey, Transport
 __all__ = ["EmbeddingClient"]
 
 logger = logging.getLogger(__name__)
-
-_ROW_WISE = {"sgd": sparse_sgd, "adagrad": sparse_adagrad}
 
 
 def _nbytes(tensors) -> int:
@@ -54,8 +59,8 @@ class EmbeddingClient:
         self.transport = transport
         self.incarnation = incarnation
         self.timeout_s = timeout_s
-        self.write_back = cluster.num_workers == 1
         self.caches = {t.key: RowCache(t, device) for t in tables}
+        self.write_back = {t.key: t.settings.write_back(cluster.num_workers) for t in tables}
         self.index = {t.key: i for i, t in enumerate(tables)}
         self.sharding = {t.key: RowSharding(t.num_rows, cluster.num_servers) for t in tables}
         self.servers = [Label.server(k) for k in range(cluster.num_servers)]
@@ -104,12 +109,14 @@ class EmbeddingClient:
     def lookup(self, ids: torch.Tensor, *, table: str) -> torch.Tensor:
         cache = self.caches[table]
         settings = cache.table.settings
-        plan = cache.plan(ids, self.step, write_back=self.write_back,
+        plan = cache.plan(ids, self.step, write_back=self.write_back[table],
                           max_staleness=settings.max_staleness)
         pushed = self._write_back(table, plan.evicted_ids, plan.evicted_rows, plan.evicted_state)
         pulled = self._pull(table, plan)
+        # A hit is a row served without a pull (a stale cached row is a miss).
+        misses = plan.pull_ids.numel()
         cache.counters.record(lookups=ids.numel(), unique_ids=plan.unique_ids.numel(),
-                              hits=plan.hits, misses=plan.unique_ids.numel() - plan.hits,
+                              hits=plan.unique_ids.numel() - misses, misses=misses,
                               evictions=plan.evictions, bytes_pulled=pulled, bytes_pushed=pushed)
         self._plans[table] = plan
         self._prefetch(table)
@@ -119,15 +126,12 @@ class EmbeddingClient:
                step: torch.Tensor, *, table: str) -> None:
         cache = self.caches[table]
         ids = indices.reshape(-1).to("cpu", torch.int64)
-        if self.write_back:
+        if self.write_back[table]:
             slots = cache.slots_of(ids).to(cache.device)
-            update = _ROW_WISE[cache.table.optimizer]
-            results = update(cache.rows, slots, values, lr, step,
-                             *(cache.state[n] for n in cache.table.state_names),
-                             **cache.table.optimizer_settings)
-            cache.rows = results[0]
-            for name, value in zip(cache.table.state_names, results[1:]):
-                cache.state[name] = value
+            # In place: rows leave the cache only as copies (gathers, pushes).
+            IN_PLACE[cache.table.optimizer](cache.rows, slots, values, lr, step,
+                                            *(cache.state[n] for n in cache.table.state_names),
+                                            **cache.table.optimizer_settings)
             cache.dirty[slots.cpu()] = True
             return
         values = values.reshape(ids.numel(), -1).cpu()
@@ -182,7 +186,9 @@ class EmbeddingClient:
         feed = cache.table.ids_feed
         if self.next_feeds is None or feed is None or feed not in self.next_feeds:
             return
-        if not self.write_back and cache.table.settings.max_staleness < 1:
+        settings = cache.table.settings
+        if not self.write_back[table] and (settings.max_staleness < 1
+                                           or settings.policy is EvictionPolicy.NONE):
             return
         ids = torch.unique(self.next_feeds[feed].reshape(-1).to("cpu", torch.int64))
         cache.check_ids(ids)
@@ -196,7 +202,7 @@ class EmbeddingClient:
 
     def _write_back(self, table: str, ids: torch.Tensor, rows: torch.Tensor,
                     state: dict[str, torch.Tensor]) -> int:
-        if not self.write_back or ids.numel() == 0:
+        if not self.write_back[table] or ids.numel() == 0:
             return 0
         pushed = 0
         names = self.caches[table].table.state_names

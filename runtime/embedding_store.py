@@ -20,7 +20,7 @@ import torch
 
 from splitrun.splitter.cache_mode import CachedTable
 from splitrun.splitter.labels import Cluster, Label
-from splitrun.splitter.sparse_optim import sparse_adagrad, sparse_sgd
+from splitrun.splitter.sparse_optim import IN_PLACE
 
 from .embedding_protocol import Op, read_header, reply_channel
 from .errors import SplitrunError
@@ -31,7 +31,6 @@ __all__ = ["EmbeddingStore"]
 
 logger = logging.getLogger(__name__)
 
-_ROW_WISE = {"sgd": sparse_sgd, "adagrad": sparse_adagrad}
 # How often the serving thread looks at its stop flag while idle.
 _IDLE_POLL_S = 0.2
 
@@ -43,6 +42,7 @@ class _Shard:
     rows: torch.Tensor
     state: dict[str, torch.Tensor]
     applied_step: int                       # updates of steps <= this are in
+    write_back: bool                        # the worker updates rows it caches
     pending: dict[int, dict[int, tuple]] = field(default_factory=dict)  # step -> worker -> grads
 
 
@@ -54,7 +54,6 @@ class EmbeddingStore:
         self.cluster = cluster
         self.transport = transport
         self.incarnation = incarnation
-        self.write_back = cluster.num_workers == 1
         self._tag = f"[{label.describe()}]"
         self.shards = []
         for table in tables:
@@ -63,7 +62,8 @@ class EmbeddingStore:
             rows = initial[table.key].index_select(0, ids).clone()
             state = {n: initial[f"{table.key}.{n}"].index_select(0, ids).clone()
                      for n in table.state_names}
-            self.shards.append(_Shard(table, sharding, rows, state, first_step - 1))
+            self.shards.append(_Shard(table, sharding, rows, state, first_step - 1,
+                                      table.settings.write_back(cluster.num_workers)))
         self._inbox: queue.Queue = queue.Queue()
         self._parked: list[tuple[MessageKey, Label, list[torch.Tensor]]] = []
         self._stop = threading.Event()
@@ -126,7 +126,7 @@ class EmbeddingStore:
     def _ready(self, shard: _Shard, op: Op, step: int) -> bool:
         """With several workers, a pull fresh for `step` (or a dump after
         `step` steps) needs every earlier step's updates."""
-        return self.write_back or shard.applied_step >= step - 1
+        return shard.write_back or shard.applied_step >= step - 1
 
     def _retry_parked(self) -> None:
         parked, self._parked = self._parked, []
@@ -137,7 +137,7 @@ class EmbeddingStore:
         if op is Op.PULL:
             local = shard.sharding.local_index(tensors[1], self.label.rank)
             reply = [shard.rows[local]]
-            if self.write_back:  # the row's optimizer state travels with it
+            if shard.write_back:  # the row's optimizer state travels with it
                 reply += [shard.state[n][local] for n in shard.table.state_names]
         else:
             reply = [shard.rows.clone(), *(shard.state[n].clone() for n in shard.table.state_names)]
@@ -151,12 +151,9 @@ class EmbeddingStore:
         ids = torch.cat([g[0] for g in ordered])
         values = torch.cat([g[1] for g in ordered]) / self.cluster.num_workers
         lr, step_count = ordered[0][2], ordered[0][3]
-        update = _ROW_WISE[shard.table.optimizer]
         local = shard.sharding.local_index(ids, self.label.rank)
-        results = update(shard.rows, local, values, lr, step_count,
-                         *(shard.state[n] for n in shard.table.state_names),
-                         **shard.table.optimizer_settings)
-        shard.rows = results[0]
-        for name, value in zip(shard.table.state_names, results[1:]):
-            shard.state[name] = value
+        # In place: replies and dumps send copies of the rows.
+        IN_PLACE[shard.table.optimizer](shard.rows, local, values, lr, step_count,
+                                        *(shard.state[n] for n in shard.table.state_names),
+                                        **shard.table.optimizer_settings)
         shard.applied_step = step

@@ -30,7 +30,8 @@ from splitrun.splitter.modes import Mode
 from splitrun.splitter.plan import ModeKind, SplitPlan
 from splitrun.splitter.program import Program
 
-from . import checkpoint
+from . import checkpoint, embedding_protocol
+from .cache_runtime import CacheParts, attach_cache
 from .data import shard_batches
 from .errors import ClusterError, JobFinished, PeerFailed, SplitrunError
 from .executor import Executor
@@ -250,20 +251,25 @@ class Job:
                                   if label != self.label})
         expected = expected_channels(plan, plan.program, self.label)
         expected.update(_control_channels(plan, plan.program or program, self.label))
+        expected.update(_embedding_channels(plan, self.label))
         self.transport.expect(expected)
-        executor = Executor(plan, self.label, self.transport, program=plan.program,
-                            device=self.device, incarnation=self.incarnation,
-                            recv_timeout_s=self.settings.recv_timeout_s)
         state, first_step = program.initial_state, 0
         if resume is not None:
             state, first_step = checkpoint.from_checkpoint(
                 program, checkpoint.read_checkpoint(resume))
             logger.info("[%s] resuming from %s at step %d", self.label.describe(), resume,
                         first_step)
+        caches = attach_cache(plan, self.label, self.transport, self.incarnation, state=state,
+                              device=self.device, first_step=first_step,
+                              timeout_s=self.settings.recv_timeout_s)
+        executor = Executor(plan, self.label, self.transport, program=plan.program,
+                            device=self.device, incarnation=self.incarnation,
+                            recv_timeout_s=self.settings.recv_timeout_s,
+                            bindings=caches.bindings)
         executor.load_state(state)
         logger.info("[%s] plan %s: %s", self.label.describe(), plan.fingerprint, summary)
         return Trainer(self, plan, plan.program, executor, gather_state=gather_state,
-                       num_steps=num_steps, first_step=first_step)
+                       num_steps=num_steps, first_step=first_step, caches=caches)
 
     def report_failure(self, error: BaseException) -> None:
         if self.client is None or isinstance(error, (PeerFailed, JobFinished)):
@@ -287,7 +293,8 @@ class Trainer:
     """Runs this process's share of the split step."""
 
     def __init__(self, job: Job, plan: SplitPlan, program: Program, executor: Executor, *,
-                 gather_state: bool, num_steps: int | None, first_step: int = 0) -> None:
+                 gather_state: bool, num_steps: int | None, first_step: int = 0,
+                 caches: CacheParts | None = None) -> None:
         self.job = job
         self.plan = plan
         self.program = program
@@ -295,12 +302,20 @@ class Trainer:
         self.gather_state = gather_state
         self.steps_done = first_step
         self.final_state: dict[str, torch.Tensor] | None = None
+        self.caches = caches or CacheParts()
         self._progress = Progress(num_steps, enabled=job.is_driver)
         self._finished = False
 
     @property
     def stats(self):
         return self.executor.stats
+
+    @property
+    def cache_counters(self) -> dict[str, dict]:
+        """Embedding-cache mode: per table, lookups, unique ids, hits, misses,
+        evictions and bytes pulled and pushed (totals and the last step's)."""
+        client = self.caches.client
+        return {} if client is None else client.counters
 
     def _feeds(self, batch) -> dict[str, torch.Tensor]:
         if isinstance(batch, Mapping):
@@ -316,9 +331,20 @@ class Trainer:
         feeds.update(self.program.hparams(self.steps_done))
         return feeds
 
-    def step(self, batch) -> dict[str, torch.Tensor]:
+    def run(self, batches):
+        """Step through `batches`, yielding each step's outputs; each step also
+        gets the next batch, so an embedding cache prefetches its rows."""
+        iterator = iter(batches)
+        current = next(iterator, None)
+        while current is not None:
+            following = next(iterator, None)
+            yield self.step(current, next_batch=following)
+            current = following
+
+    def step(self, batch, next_batch=None) -> dict[str, torch.Tensor]:
         """Run one training step on this worker; returns the outputs delivered
-        here (the loss, on worker 0)."""
+        here (the loss, on worker 0). `next_batch` (optional) lets an embedding
+        cache fetch the next step's missing rows while this one computes."""
         if not self.job.is_worker:
             raise SplitrunError(
                 f"[{self.job.label.describe()}] servers do not run the training loop; "
@@ -326,6 +352,10 @@ class Trainer:
                 f"finish), or loop over job.shard(batches), which is empty on servers")
         if self._finished:
             raise SplitrunError("step() after finish()")
+        client = self.caches.client
+        if client is not None:
+            client.step = self.steps_done
+            client.next_feeds = None if next_batch is None else self._feeds(next_batch)
         try:
             outputs = self.executor.run_step(self.steps_done, self._feeds(batch))
         except BaseException as exc:
@@ -335,7 +365,8 @@ class Trainer:
         if self.job._heartbeat is not None:
             self.job._heartbeat.step = self.steps_done
         loss = outputs.get("loss")
-        self._progress.update(self.steps_done - 1, None if loss is None else loss.item())
+        extra = "" if client is None else f"hit rate {client.hit_rate():.3f}"
+        self._progress.update(self.steps_done - 1, None if loss is None else loss.item(), extra)
         return outputs
 
     def shard(self, batches):
@@ -364,6 +395,8 @@ class Trainer:
                 job.transport.send(proc.label, MessageKey(job.incarnation, step,
                                                           checkpoint.CONTROL_CHANNEL), command)
         state = self._collect_state(checkpoint.save_channel, step)
+        if self.caches.client is not None:  # dirty rows go back, then the tables come
+            state.update(self.caches.client.dump(step))
         info = {"cluster": str(job.cluster), "plan": self.plan.fingerprint}
         checkpoint.write_checkpoint(checkpoint.to_checkpoint(self.program, state, step, info),
                                     path)
@@ -449,15 +482,24 @@ class Trainer:
                         "waited %.2f s in receives", job.label.describe(), self.steps_done,
                         elapsed, stats.bytes_sent, stats.messages_sent, stats.bytes_received,
                         stats.recv_wait_s)
+            for table, counters in self.cache_counters.items():
+                logger.info("[%s] cache %s: %s", job.label.describe(), table,
+                            {k: v for k, v in counters.items() if k != "last_step"})
+            self.caches.close()
             job.close()
         return self.final_state
 
     def _gather_state(self) -> None:
+        client = self.caches.client
         if self.job.is_driver:
             self.final_state = self._collect_state(checkpoint.final_state_channel,
                                                    self.steps_done)
+            if client is not None:
+                self.final_state.update(client.dump(self.steps_done))
         else:
             self._send_state(checkpoint.final_state_channel(self.job.label), self.steps_done)
+            if client is not None:
+                client.drain_prefetch()
 
 
 def _control_channels(plan: SplitPlan, program: Program, me: Label
@@ -480,6 +522,18 @@ def _control_channels(plan: SplitPlan, program: Program, me: Label
         channels[checkpoint.CONTROL_CHANNEL] = ExpectedChannel(
             Label.worker(0), ((torch.int64, ()),))
     return channels
+
+
+def _embedding_channels(plan: SplitPlan, me: Label) -> dict[str, ExpectedChannel]:
+    """Embedding-cache mode: workers' requests to servers and the replies; their
+    sizes change every step, so only the sender is checked."""
+    if not (plan.program.extras or {}).get("cache_tables"):
+        return {}
+    if me.role is Role.WORKER:
+        return {embedding_protocol.reply_channel(server): ExpectedChannel(server, None)
+                for server in plan.labels if server.role is Role.SERVER}
+    return {embedding_protocol.request_channel(worker): ExpectedChannel(worker, None)
+            for worker in plan.labels if worker.role is Role.WORKER}
 
 
 def _write_plan(plan: SplitPlan, path: str) -> None:

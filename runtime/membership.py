@@ -16,7 +16,7 @@ import grpc
 from splitrun.splitter.labels import Cluster, Label, Role
 
 from .errors import ClusterError
-from .scheduler import TOKEN_METADATA_KEY
+from .grpc_service import TOKEN_METADATA_KEY
 from .wire import splitrun_pb2 as pb
 from .wire import splitrun_pb2_grpc as pb_grpc
 

@@ -64,7 +64,6 @@ class BatchPlan:
     evicted_ids: torch.Tensor    # dirty rows leaving the cache (write-back only)
     evicted_rows: torch.Tensor
     evicted_state: dict[str, torch.Tensor]
-    hits: int
     evictions: int
 
 
@@ -122,9 +121,10 @@ class RowCache:
                 f"{unique_ids.numel()} (place_embedding_cache(..., cache_rows=...))")
         slots = self.slot_of_id[unique_ids]
         cached = slots >= 0
-        hits = int(cached.sum())
         stale = torch.zeros_like(cached)
-        if not write_back:
+        if self.policy is EvictionPolicy.NONE:
+            stale = cached  # no reuse: every row comes from its server
+        elif not write_back:
             stale = cached & (step - self.fresh_for[slots.clamp(min=0)] > max_staleness)
         miss_ids = unique_ids[~cached]
         new_slots, evicted = self._make_room(miss_ids.numel(), pinned=slots[cached])
@@ -144,7 +144,7 @@ class RowCache:
             self.frequency[unique_ids] += counts
         pull_mask = ~cached | stale
         return BatchPlan(unique_ids, inverse, slots, unique_ids[pull_mask], slots[pull_mask],
-                         dirty_ids, evicted_rows, evicted_state, hits, evicted.numel())
+                         dirty_ids, evicted_rows, evicted_state, evicted.numel())
 
     def _make_room(self, needed: int, pinned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`needed` slots: free ones first, then evicted ones (returned too)."""
@@ -155,7 +155,9 @@ class RowCache:
         candidate = self.id_of_slot >= 0
         candidate[pinned] = False
         slots = candidate.nonzero().reshape(-1)
-        if self.policy is EvictionPolicy.LFU:
+        if self.policy is EvictionPolicy.NONE:
+            key = torch.zeros_like(slots)
+        elif self.policy is EvictionPolicy.LFU:
             # Least frequent first; among equals the least recently used.
             key = self.frequency[self.id_of_slot[slots]] * (1 << 31) + (self.last_used[slots] + 1)
         else:

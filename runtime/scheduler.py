@@ -23,6 +23,7 @@ import grpc
 
 from splitrun.splitter.labels import Label, Role
 
+from .grpc_service import TOKEN_METADATA_KEY
 from .wire import splitrun_pb2 as pb
 from .wire import splitrun_pb2_grpc as pb_grpc
 
@@ -30,7 +31,6 @@ __all__ = ["SchedulerSettings", "Scheduler", "TOKEN_METADATA_KEY"]
 
 logger = logging.getLogger(__name__)
 
-TOKEN_METADATA_KEY = "splitrun-token"
 # How often the monitor looks for silent processes.
 _MONITOR_PERIOD_S = 0.2
 # Upper bound on any single blocking call a client may ask for.

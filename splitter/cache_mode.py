@@ -42,6 +42,9 @@ _aten = torch.ops.aten
 class EvictionPolicy(Enum):
     LRU = "lru"   # evict the rows used longest ago
     LFU = "lfu"   # evict the rows looked up least often (counted over the whole run)
+    # No caching: every batch pulls all its rows and every gradient goes to the
+    # servers (plain parameter-server lookups); cache_rows is the batch buffer.
+    NONE = "none"
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,11 @@ class CacheSettings:
     # With several workers: a cached row is re-read from its server once it
     # is older than this many steps (0: every step, exactly parameter-server mode).
     max_staleness: int = 0
+
+    def write_back(self, num_workers: int) -> bool:
+        """One worker caching rows owns them while cached: updates stay in the
+        cache until the row goes back. Otherwise gradients go to the servers."""
+        return num_workers == 1 and self.policy is not EvictionPolicy.NONE
 
     def __post_init__(self) -> None:
         if self.cache_rows < 1:

@@ -8,7 +8,9 @@ is lazy (torch.optim.SparseAdam: moments of untouched rows do not decay).
 
 They are graph nodes whose output shapes depend on data (`unique`), so they are
 plain functions called by the executor rather than traced aten ops. Each
-returns new tensors; the old table may still be on its way to a peer.
+returns new tensors: in a plan the old table may still be on its way to a peer.
+The in-place twins (`sparse_sgd_`, `sparse_adagrad_`) serve the embedding
+cache and the servers' table shards, which send only copies of their rows.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import torch
 
 from .errors import CaptureError
 
-__all__ = ["coalesce", "sparse_sgd", "sparse_adagrad", "sparse_adam", "sparse_update_for",
-           "ROW_WISE_UPDATES"]
+__all__ = ["coalesce", "sparse_sgd", "sparse_adagrad", "sparse_adam", "sparse_sgd_",
+           "sparse_adagrad_", "IN_PLACE", "sparse_update_for", "ROW_WISE_UPDATES"]
 
 
 def coalesce(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,22 +34,53 @@ def coalesce(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor,
     return rows, summed
 
 
-def sparse_sgd(param, indices, values, lr, step, *, maximize: bool = False):
+def _sgd_rows(indices, values, lr, maximize):
+    """(rows, what to add to them)."""
     rows, grad = coalesce(indices, values)
     grad = -grad if maximize else grad
-    return (param.index_add(0, rows, (-lr) * grad),)
+    return rows, (-lr) * grad
+
+
+def _adagrad_rows(indices, values, lr, step, state_sum, lr_decay, eps, maximize):
+    """(rows, what to add to them, their new sums): the dense Adagrad's ops on
+    the touched rows (untouched rows would not move)."""
+    rows, grad = coalesce(indices, values)
+    grad = -grad if maximize else grad
+    clr = lr / (1 + (step - 1) * lr_decay)
+    row_sum = torch.addcmul(state_sum.index_select(0, rows), grad, grad, value=1)
+    std = row_sum.sqrt() + eps
+    return rows, ((-clr) * grad) / std, row_sum
+
+
+def sparse_sgd(param, indices, values, lr, step, *, maximize: bool = False):
+    rows, delta = _sgd_rows(indices, values, lr, maximize)
+    return (param.index_add(0, rows, delta),)
 
 
 def sparse_adagrad(param, indices, values, lr, step, state_sum, *, lr_decay: float = 0.0,
                    eps: float = 1e-10, maximize: bool = False):
-    rows, grad = coalesce(indices, values)
-    grad = -grad if maximize else grad
-    clr = lr / (1 + (step - 1) * lr_decay)
-    # The dense Adagrad's ops on the touched rows (untouched rows would not move).
-    row_sum = torch.addcmul(state_sum.index_select(0, rows), grad, grad, value=1)
-    std = row_sum.sqrt() + eps
-    new_param = param.index_add(0, rows, ((-clr) * grad) / std)
-    return new_param, state_sum.index_copy(0, rows, row_sum)
+    rows, delta, row_sum = _adagrad_rows(indices, values, lr, step, state_sum, lr_decay, eps,
+                                         maximize)
+    return param.index_add(0, rows, delta), state_sum.index_copy(0, rows, row_sum)
+
+
+def sparse_sgd_(param, indices, values, lr, step, *, maximize: bool = False) -> None:
+    """`sparse_sgd`, in place: for tables their owner does not send meanwhile."""
+    rows, delta = _sgd_rows(indices, values, lr, maximize)
+    param.index_add_(0, rows, delta)
+
+
+def sparse_adagrad_(param, indices, values, lr, step, state_sum, *, lr_decay: float = 0.0,
+                    eps: float = 1e-10, maximize: bool = False) -> None:
+    """`sparse_adagrad`, in place."""
+    rows, delta, row_sum = _adagrad_rows(indices, values, lr, step, state_sum, lr_decay, eps,
+                                         maximize)
+    param.index_add_(0, rows, delta)
+    state_sum.index_copy_(0, rows, row_sum)
+
+
+# The in-place twin of each functional update, for caches and table shards.
+IN_PLACE = {"sgd": sparse_sgd_, "adagrad": sparse_adagrad_}
 
 
 def sparse_adam(param, indices, values, lr, step, exp_avg, exp_avg_sq, *,

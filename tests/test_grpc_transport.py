@@ -502,7 +502,7 @@ def test_bad_requests_are_refused_and_leave_the_job_alone(server, case, caplog):
     transport, channel = server
     kwargs, code, details = BAD_REQUESTS[case]
     request = kwargs.get("request", chunk())
-    with caplog.at_level(logging.WARNING, logger="splitrun.runtime.grpc_transport"):
+    with caplog.at_level(logging.WARNING, logger="splitrun.runtime.grpc_receive"):
         with pytest.raises(grpc.RpcError) as raised:
             deliver(channel, request, token=kwargs.get("token", TOKEN))
     assert raised.value.code() == code, raised.value.details()
