@@ -307,6 +307,10 @@ class GrpcTransport:
         """Receives for steps >= `num_steps` end with `JobFinished`."""
         self._mailbox.finish_at(num_steps)
 
+    def route(self, prefix: str, handler) -> None:
+        """Hand incoming messages on channels starting with `prefix` to `handler`."""
+        self._mailbox.route(prefix, handler)
+
     def flush(self, timeout_s: float) -> None:
         """Wait until every message queued so far is confirmed delivered."""
         self._raise_if_failed()

@@ -252,16 +252,18 @@ class Job:
         expected = expected_channels(plan, plan.program, self.label)
         expected.update(_control_channels(plan, plan.program or program, self.label))
         expected.update(_embedding_channels(plan, self.label))
-        self.transport.expect(expected)
         state, first_step = program.initial_state, 0
         if resume is not None:
             state, first_step = checkpoint.from_checkpoint(
                 program, checkpoint.read_checkpoint(resume))
             logger.info("[%s] resuming from %s at step %d", self.label.describe(), resume,
                         first_step)
+        # The embedding store must take its requests before any can arrive,
+        # i.e. before `expect` lets the plan's messages in.
         caches = attach_cache(plan, self.label, self.transport, self.incarnation, state=state,
                               device=self.device, first_step=first_step,
                               timeout_s=self.settings.recv_timeout_s)
+        self.transport.expect(expected)
         executor = Executor(plan, self.label, self.transport, program=plan.program,
                             device=self.device, incarnation=self.incarnation,
                             recv_timeout_s=self.settings.recv_timeout_s,

@@ -1,0 +1,75 @@
+"""A small recommendation model and click data for the embedding-cache tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitrun.splitter import capture, optim, place
+from splitrun.splitter.cache_mode import place_embedding_cache
+
+NUM_TABLES = 2
+ROWS = 400
+DIM = 4
+GLOBAL_BATCH = 16
+LOOKUPS = 3  # ids per sample and table
+
+OPTIMIZERS = {"sgd": lambda: optim.SGD(lr=0.3), "adagrad": lambda: optim.Adagrad(lr=0.3)}
+
+
+class TinyRecommender(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList(nn.Embedding(ROWS, DIM) for _ in range(NUM_TABLES))
+        self.dense = nn.Linear(3, DIM)
+        self.top = nn.Sequential(nn.Linear(DIM * (NUM_TABLES + 1), 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, dense, *ids):
+        parts = [self.dense(dense)] + [t(i).sum(1) for t, i in zip(self.tables, ids)]
+        return self.top(torch.cat(parts, 1)).squeeze(1)
+
+
+def click_loss(model, dense, *rest):
+    *ids, label = rest
+    return F.binary_cross_entropy_with_logits(model(dense, *ids), label)
+
+
+def click_batches(num_steps: int, seed: int = 0, exponent: float = 1.1):
+    """Ids drawn from a Zipf-like law (hot rows recur: the cache gets hits and
+    must evict), labels from a hidden linear model."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = 1.0 / torch.arange(1, ROWS + 1, dtype=torch.float64) ** exponent
+    batches = []
+    for _ in range(num_steps):
+        dense = torch.randn(GLOBAL_BATCH, 3, generator=generator)
+        ids = [torch.multinomial(weights, GLOBAL_BATCH * LOOKUPS, replacement=True,
+                                 generator=generator).reshape(GLOBAL_BATCH, LOOKUPS)
+               for _ in range(NUM_TABLES)]
+        label = ((dense[:, 0] + 0.01 * ids[0][:, 0] - 0.5) > 0).float()
+        batches.append((dense, *ids, label))
+    return batches
+
+
+def make(optimizer: str, num_workers: int, num_steps: int, *, cache_rows: int | None = 48,
+         policy: str = "lru", max_staleness: int = 0, sparse_tables: bool = False):
+    """(program for one worker's shard, the global batches). With cache_rows the
+    tables are cached; with sparse_tables they are sparse embeddings instead (the
+    whole-table and parameter-server references)."""
+    torch.manual_seed(0)
+    model = TinyRecommender()
+    place(model, role="server")
+    if cache_rows is not None:
+        place_embedding_cache(model.tables, cache_rows=cache_rows, policy=policy,
+                              max_staleness=max_staleness)
+    for table in model.tables:
+        table.sparse = sparse_tables
+    batches = click_batches(num_steps)
+    shard = GLOBAL_BATCH // num_workers
+    program = capture(model, click_loss, OPTIMIZERS[optimizer](),
+                      tuple(t[:shard] for t in batches[0]))
+    return program, batches
+
+
+def feeds(batches):
+    return lambda step: {f"batch.{i}": t for i, t in enumerate(batches[step])}

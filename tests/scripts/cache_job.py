@@ -1,0 +1,46 @@
+"""An embedding-cache job for the end-to-end tests, run by the real launcher.
+
+    splitrun launch --workers 1 --servers 2 tests/scripts/cache_job.py --steps 20 --out r.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from cache_models import make  # noqa: E402
+
+from splitrun.runtime.job import Job  # noqa: E402
+from splitrun.splitter.cache_mode import EmbeddingCacheMode  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--optimizer", default="adagrad")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--cache-rows", type=int, default=48)
+    parser.add_argument("--policy", default="lru")
+    parser.add_argument("--max-staleness", type=int, default=0)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+
+    job = Job.from_env()
+    program, batches = make(args.optimizer, job.cluster.num_workers, args.steps,
+                            cache_rows=args.cache_rows, policy=args.policy,
+                            max_staleness=args.max_staleness)
+    trainer = job.start(program, EmbeddingCacheMode(), num_steps=args.steps)
+    for _ in trainer.run(trainer.shard(batches)):
+        pass
+    final_state = trainer.finish()
+    if job.is_driver and args.out:
+        torch.save({"state": final_state, "counters": trainer.cache_counters}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
