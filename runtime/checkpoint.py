@@ -43,8 +43,11 @@ def final_state_channel(owner: Label) -> str:
 
 def to_checkpoint(program: Program, state: Mapping[str, torch.Tensor], step: int,
                   info: Mapping[str, object] | None = None) -> dict:
-    model = {spec.key: state[spec.key].detach().cpu() for spec in program.inputs
-             if spec.kind in (InputKind.PARAM, InputKind.BUFFER)}
+    keys = [spec.key for spec in program.inputs
+            if spec.kind in (InputKind.PARAM, InputKind.BUFFER)]
+    # Cached tables are not inputs of an embedding-cache plan's program.
+    keys += [table.key for table in program.extras.get("cache_tables", ())]
+    model = {key: state[key].detach().cpu() for key in keys}
     groups, opt_state, index = [], {}, 0
     for group in program.extras.get("param_groups", []):
         settings = {k: v for k, v in group.items()

@@ -15,7 +15,8 @@ DIM = 4
 GLOBAL_BATCH = 16
 LOOKUPS = 3  # ids per sample and table
 
-OPTIMIZERS = {"sgd": lambda: optim.SGD(lr=0.3), "adagrad": lambda: optim.Adagrad(lr=0.3)}
+OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad}
+LR = 0.3
 
 
 class TinyRecommender(nn.Module):
@@ -35,16 +36,17 @@ def click_loss(model, dense, *rest):
     return F.binary_cross_entropy_with_logits(model(dense, *ids), label)
 
 
-def click_batches(num_steps: int, seed: int = 0, exponent: float = 1.1):
+def click_batches(num_steps: int, seed: int = 0, exponent: float = 1.1,
+                  batch: int = GLOBAL_BATCH):
     """Ids drawn from a Zipf-like law (hot rows recur: the cache gets hits and
     must evict), labels from a hidden linear model."""
     generator = torch.Generator().manual_seed(seed)
     weights = 1.0 / torch.arange(1, ROWS + 1, dtype=torch.float64) ** exponent
     batches = []
     for _ in range(num_steps):
-        dense = torch.randn(GLOBAL_BATCH, 3, generator=generator)
-        ids = [torch.multinomial(weights, GLOBAL_BATCH * LOOKUPS, replacement=True,
-                                 generator=generator).reshape(GLOBAL_BATCH, LOOKUPS)
+        dense = torch.randn(batch, 3, generator=generator)
+        ids = [torch.multinomial(weights, batch * LOOKUPS, replacement=True,
+                                 generator=generator).reshape(batch, LOOKUPS)
                for _ in range(NUM_TABLES)]
         label = ((dense[:, 0] + 0.01 * ids[0][:, 0] - 0.5) > 0).float()
         batches.append((dense, *ids, label))
@@ -52,7 +54,8 @@ def click_batches(num_steps: int, seed: int = 0, exponent: float = 1.1):
 
 
 def make(optimizer: str, num_workers: int, num_steps: int, *, cache_rows: int | None = 48,
-         policy: str = "lru", max_staleness: int = 0, sparse_tables: bool = False):
+         policy: str = "lru", max_staleness: int = 0, sparse_tables: bool = False,
+         batch: int = GLOBAL_BATCH, lr: float = LR):
     """(program for one worker's shard, the global batches). With cache_rows the
     tables are cached; with sparse_tables they are sparse embeddings instead (the
     whole-table and parameter-server references)."""
@@ -64,9 +67,9 @@ def make(optimizer: str, num_workers: int, num_steps: int, *, cache_rows: int | 
                               max_staleness=max_staleness)
     for table in model.tables:
         table.sparse = sparse_tables
-    batches = click_batches(num_steps)
-    shard = GLOBAL_BATCH // num_workers
-    program = capture(model, click_loss, OPTIMIZERS[optimizer](),
+    batches = click_batches(num_steps, batch=batch)
+    shard = batch // num_workers
+    program = capture(model, click_loss, OPTIMIZERS[optimizer](lr=lr),
                       tuple(t[:shard] for t in batches[0]))
     return program, batches
 

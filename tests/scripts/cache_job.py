@@ -26,6 +26,9 @@ def main() -> int:
     parser.add_argument("--cache-rows", type=int, default=48)
     parser.add_argument("--policy", default="lru")
     parser.add_argument("--max-staleness", type=int, default=0)
+    parser.add_argument("--stop-after", type=int)
+    parser.add_argument("--save")
+    parser.add_argument("--resume")
     parser.add_argument("--out")
     args = parser.parse_args()
 
@@ -33,9 +36,13 @@ def main() -> int:
     program, batches = make(args.optimizer, job.cluster.num_workers, args.steps,
                             cache_rows=args.cache_rows, policy=args.policy,
                             max_staleness=args.max_staleness)
-    trainer = job.start(program, EmbeddingCacheMode(), num_steps=args.steps)
-    for _ in trainer.run(trainer.shard(batches)):
+    trainer = job.start(program, EmbeddingCacheMode(), num_steps=args.steps,
+                        resume=args.resume)
+    stop = args.stop_after or args.steps
+    for _ in trainer.run(trainer.shard(batches[trainer.steps_done:stop])):
         pass
+    if args.save and job.is_worker:
+        trainer.save(args.save)
     final_state = trainer.finish()
     if job.is_driver and args.out:
         torch.save({"state": final_state, "counters": trainer.cache_counters}, args.out)

@@ -1,0 +1,204 @@
+"""Embedding-cache mode over loopback.
+
+One worker: training equals the whole tables in one process (compared with
+torch.equal; the cache runs the same row-wise ops on the same rows). Two
+workers with max_staleness 0 equal parameter-server mode exactly; with
+staleness, the held-out log-loss stays within 1% of it.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cache_models import ROWS, TinyRecommender, click_batches, feeds, make
+
+from splitrun.runtime import LoopbackHub, run_threaded
+from splitrun.runtime.embedding_client import EmbeddingClient
+from splitrun.runtime.embedding_protocol import PREFIX
+from splitrun.runtime.embedding_store import EmbeddingStore
+from splitrun.runtime.errors import SplitrunError
+from splitrun.runtime.row_cache import RowCache
+from splitrun.splitter import (
+    Cluster,
+    Label,
+    ParameterServerMode,
+    PlanError,
+    capture,
+    optim,
+    split,
+)
+from splitrun.splitter.cache_mode import (
+    CachedTable,
+    CacheSettings,
+    EmbeddingCacheMode,
+    EvictionPolicy,
+    place_embedding_cache,
+)
+
+NUM_STEPS = 25
+
+
+def cached_run(optimizer, num_workers, num_servers, steps=NUM_STEPS, **options):
+    program, batches = make(optimizer, num_workers, steps, **options)
+    plan = split(program, Cluster(num_workers, num_servers), EmbeddingCacheMode())
+    plan.lint()
+    return run_threaded(plan, steps, feeds(batches), recv_timeout_s=30), batches
+
+
+def whole_table_run(optimizer, steps=NUM_STEPS):
+    program, batches = make(optimizer, 1, steps, cache_rows=None, sparse_tables=True)
+    return program.train_unsplit(steps, feeds(batches))[1]
+
+
+def ps_run(optimizer, num_workers, num_servers, steps=NUM_STEPS, **options):
+    program, batches = make(optimizer, num_workers, steps, cache_rows=None, sparse_tables=True,
+                            **options)
+    plan = split(program, Cluster(num_workers, num_servers), ParameterServerMode())
+    return run_threaded(plan, steps, feeds(batches), recv_timeout_s=30).state
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.parametrize("num_servers", [1, 2])
+def test_one_worker_equals_whole_tables_in_one_process(optimizer, num_servers):
+    run, _ = cached_run(optimizer, 1, num_servers, cache_rows=40)
+    expected = whole_table_run(optimizer)
+    assert run.state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(run.state[key], value), f"{key} differs"
+    for table, counters in run.cache_counters[Label.worker(0)].items():
+        assert counters["evictions"] > 0, f"{table}: the cache must really evict"
+        assert 0 < counters["hit_rate"] < 1
+        assert counters["bytes_pushed"] > 0 and counters["bytes_pulled"] > 0
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_two_workers_without_staleness_equal_parameter_server_mode(optimizer):
+    run, _ = cached_run(optimizer, 2, 2, cache_rows=40, policy="lfu", max_staleness=0)
+    expected = ps_run(optimizer, 2, 2)
+    for key, value in expected.items():
+        assert torch.equal(run.state[key], value), f"{key} differs"
+
+
+def held_out_loss(state, batches):
+    model = TinyRecommender()
+    model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()})
+    with torch.no_grad():
+        losses = [F.binary_cross_entropy_with_logits(model(b[0], *b[1:-1]), b[-1])
+                  for b in batches]
+    return torch.stack(losses).mean().item()
+
+
+def test_stale_rows_keep_the_held_out_loss_within_one_percent():
+    # Batches of 64 and a modest rate, so the loss is settled enough that 1%
+    # measures staleness rather than the noise of one trajectory.
+    options = {"batch": 64, "lr": 0.05}
+    steps = 150
+    held_out = click_batches(30, seed=99, batch=64)
+    run, _ = cached_run("adagrad", 2, 2, steps, cache_rows=160, policy="lfu", max_staleness=3,
+                        **options)
+    fresh = ps_run("adagrad", 2, 2, steps, **options)
+    stale_loss, fresh_loss = held_out_loss(run.state, held_out), held_out_loss(fresh, held_out)
+    untrained = held_out_loss(make("adagrad", 1, 1)[0].initial_state, held_out)
+    assert fresh_loss < 0.8 * untrained, "the model must learn for the comparison to mean much"
+    assert abs(stale_loss - fresh_loss) <= 0.01 * fresh_loss, (stale_loss, fresh_loss)
+    pulled = sum(c["bytes_pulled"] for c in run.cache_counters[Label.worker(0)].values())
+    fresh_run, _ = cached_run("adagrad", 2, 2, steps, cache_rows=160, policy="lfu",
+                              max_staleness=0, **options)
+    pulled_fresh = sum(c["bytes_pulled"]
+                       for c in fresh_run.cache_counters[Label.worker(0)].values())
+    assert pulled < pulled_fresh, "stale rows must save pulls"
+
+
+def _table(rows=20, cache_rows=4, policy=EvictionPolicy.LRU, optimizer="sgd"):
+    return CachedTable("emb.weight", rows, 2, torch.float32, CacheSettings(cache_rows, policy),
+                       optimizer, {}, (), "batch.0")
+
+
+def test_eviction_never_drops_an_update():
+    """Write known values through the update path, force every written row out
+    of the cache, read them back from the servers."""
+    table = _table(rows=20, cache_rows=4)
+    cluster = Cluster(1, 2)
+    labels = cluster.labels()
+    hub = LoopbackHub(labels)
+    initial = {table.key: torch.arange(40, dtype=torch.float32).reshape(20, 2)}
+    stores = [EmbeddingStore([table], server, cluster, hub.transport(server), 0, initial)
+              for server in labels[1:]]
+    for store, server in zip(stores, labels[1:]):
+        hub.transport(server).route(PREFIX, store.on_message)
+        store.start()
+    try:
+        client = EmbeddingClient([table], labels[0], cluster, hub.transport(labels[0]), 0,
+                                 timeout_s=10)
+        written = torch.tensor([3, 7, 11, 15])
+        client.step = 0
+        rows = client.lookup(written, table=table.key)
+        assert torch.equal(rows, initial[table.key][written])
+        grad = torch.full((4, 2), 2.0)
+        client.update(written, grad, torch.tensor(0.5, dtype=torch.float64),
+                      torch.tensor(1.0, dtype=torch.float64), table=table.key)
+        expected = initial[table.key][written] - 1.0
+        client.step = 1
+        client.lookup(torch.tensor([0, 1, 2, 4]), table=table.key)  # evicts all four
+        counters = client.counters[table.key]
+        assert counters["evictions"] == 4 and counters["bytes_pushed"] > 0
+        assert not bool((client.caches[table.key].slot_of_id[written] >= 0).any())
+        dumped = client.dump(steps_done=2)[table.key]
+        assert torch.equal(dumped[written], expected)
+        client.step = 2
+        assert torch.equal(client.lookup(written, table=table.key), expected)
+    finally:
+        for store in stores:
+            store.stop()
+
+
+def test_lru_and_lfu_evict_different_rows_and_never_a_pinned_one():
+    lru, lfu = RowCache(_table(policy=EvictionPolicy.LRU)), RowCache(_table(
+        policy=EvictionPolicy.LFU))
+    history = [[0, 0, 0, 1], [2, 2, 3], [1, 2, 3]]  # id 0: frequent but old
+    for step, ids in enumerate(history):
+        for cache in (lru, lfu):
+            cache.plan(torch.tensor(ids), step, write_back=True, max_staleness=0)
+    cached = lambda cache: set((cache.id_of_slot[cache.id_of_slot >= 0]).tolist())  # noqa: E731
+    lru.plan(torch.tensor([4]), 3, write_back=True, max_staleness=0)
+    lfu.plan(torch.tensor([4]), 3, write_back=True, max_staleness=0)
+    assert cached(lru) == {1, 2, 3, 4}, "LRU drops the least recently used: 0"
+    assert 0 in cached(lfu) and cached(lfu) == {0, 2, 3, 4}, "LFU drops the least used: 1"
+    # The batch's own rows are pinned: with a full cache, a batch that reuses
+    # the least recent row keeps it.
+    plan = lru.plan(torch.tensor([1, 5]), 4, write_back=True, max_staleness=0)
+    assert 1 in cached(lru) and 5 in cached(lru) and plan.evictions == 1
+
+
+def test_bad_ids_and_small_caches_name_the_table():
+    cache = RowCache(_table(rows=20, cache_rows=4))
+    with pytest.raises(SplitrunError, match=r"table 'emb.weight' has 20 rows \(ids 0-19\) but "
+                                            r"the batch looks up id 25"):
+        cache.plan(torch.tensor([1, 25]), 0, write_back=True, max_staleness=0)
+    with pytest.raises(SplitrunError, match=r"looks up 6 distinct ids but the cache holds 4 "
+                                            r"rows; cache_rows must be at least 6"):
+        cache.plan(torch.arange(6), 0, write_back=True, max_staleness=0)
+
+
+def test_cached_tables_refuse_what_they_cannot_do():
+    torch.manual_seed(0)
+    model = TinyRecommender()
+    place_embedding_cache(model.tables, cache_rows=50)
+    batch = click_batches(1)[0]
+    loss = lambda m, *b: F.binary_cross_entropy_with_logits(m(b[0], *b[1:-1]), b[-1])  # noqa
+    program = capture(model, loss, optim.Adam(lr=0.01), batch)
+    with pytest.raises(PlanError, match=r"cached table 'tables.0.weight' is trained with "
+                                        r"sparse_adam; cached tables support SGD and row-wise"):
+        split(program, Cluster(1, 1), EmbeddingCacheMode())
+    with pytest.raises(PlanError, match=r"needs at least one server"):
+        split(capture(model, loss, optim.SGD(lr=0.1), batch), Cluster(1, 0),
+              EmbeddingCacheMode())
+    with pytest.raises(Exception, match=r"cache_rows must be >= 1"):
+        place_embedding_cache(model.tables, cache_rows=0)
+
+
+def test_uncached_policy_pulls_every_row_every_step():
+    run, _ = cached_run("sgd", 1, 1, cache_rows=ROWS, policy="none")
+    for counters in run.cache_counters[Label.worker(0)].values():
+        assert counters["hits"] == 0 and counters["misses"] == counters["unique_ids"]
+    for key, value in whole_table_run("sgd").items():
+        torch.testing.assert_close(run.state[key], value, rtol=0, atol=1e-6)
