@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run run-pipeline test test-fast proto bench clean
+.PHONY: venv run run-pipeline run-recsys test test-fast proto bench clean
 
 $(STAMP): setup.cfg setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ run: $(STAMP)
 run-pipeline: $(STAMP)
 	$(VENV)/bin/splitrun launch --workers 3 examples/pipeline_split.py
 
+# A DLRM-style click model: tables on 2 servers, hot rows cached on the worker.
+run-recsys: $(STAMP)
+	$(VENV)/bin/splitrun launch --workers 1 --servers 2 examples/recsys_cache.py --min-auc 0.65
+
 # The whole test suite.
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -34,8 +38,12 @@ test-fast: $(STAMP)
 proto: $(STAMP)
 	$(PY) -m splitrun.runtime.wire.generate
 
+# Every benchmark; each prints JSON (about an hour on 2 cores).
 bench: $(STAMP)
 	$(PY) bench/splitter_scale.py
+	$(PY) bench/transport.py
+	$(PY) bench/ps_throughput.py
+	$(PY) bench/embedding_cache.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

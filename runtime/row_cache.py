@@ -4,8 +4,8 @@ eviction policy. It only decides and stores; `embedding_client.py` talks to
 the servers.
 
 All bookkeeping is vectorized over a batch's unique ids: `slot_of_id` is a
-dense int64 map over the table (8 bytes a row), eviction sorts the candidate
-slots by the policy's key.
+dense int64 map over the table (8 bytes a row), eviction picks the candidate
+slots with the smallest policy keys (LRU: last use; LFU: lookups, then last use).
 """
 
 from __future__ import annotations
@@ -19,6 +19,26 @@ from splitrun.splitter.cache_mode import CachedTable, EvictionPolicy
 from .errors import SplitrunError
 
 __all__ = ["RowCache", "BatchPlan", "TableCounters"]
+
+# Eviction picks at most 1/this of the candidate slots: a partial selection
+# (topk) then a sort of the few picked beats sorting every candidate (~4x at
+# 200k cached rows). Picking more, a full sort is as fast.
+_PARTIAL_SELECT_RATIO = 16
+
+
+def _smallest(key: torch.Tensor, count: int) -> torch.Tensor:
+    """Positions of the `count` smallest keys in the order of
+    `torch.argsort(key, stable=True)[:count]` (equal keys: lower position
+    first), without sorting every key. Requires 1 <= count <= key.numel()."""
+    if count * _PARTIAL_SELECT_RATIO > key.numel():
+        return torch.argsort(key, stable=True)[:count]
+    # The count-th smallest key: fewer than `count` keys are below it, and
+    # the first of its ties (by position) make up the rest.
+    threshold = torch.topk(key, count, largest=False, sorted=False).values.max()
+    below = (key < threshold).nonzero().reshape(-1)
+    tied = (key == threshold).nonzero().reshape(-1)[:count - below.numel()]
+    chosen = torch.cat([below, tied])  # each part in position order
+    return chosen[torch.argsort(key[chosen], stable=True)]
 
 
 @dataclass
@@ -162,7 +182,7 @@ class RowCache:
             key = self.frequency[self.id_of_slot[slots]] * (1 << 31) + (self.last_used[slots] + 1)
         else:
             key = self.last_used[slots]
-        victims = slots[torch.argsort(key, stable=True)[:short]]
+        victims = slots[_smallest(key, short)]
         return torch.cat([free, victims]), victims
 
     # -- rows --

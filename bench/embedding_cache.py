@@ -1,0 +1,369 @@
+"""Embedding cache: hit rates of its eviction policies, and what caching buys a
+recommendation job. Prints JSON.
+
+(a) Hit rates. `RowCache.plan()` (the worker's cache of one table, exactly as
+    the runtime drives it, write-back, no servers) is fed independent Zipf
+    draws over a 1 M-row table, for exponents 0.9, 1.05, 1.2 and caches of 1 %,
+    5 %, 20 % of the rows, LRU and LFU, next to the ideal static cache (the
+    most frequent rows, always cached): all on the same id streams, measured
+    on the same batches, after the cache is full and a warm-up. Per-lookup hit
+    rate: a lookup hits when its id was cached before its batch (what theory
+    speaks of; Che's approximation for LRU is reported next to it). Per-unique
+    id: of a batch's distinct ids, those served without a pull (what the
+    runtime's counters report). Goals, at exponent 1.05 and 5 %: LFU within
+    0.02 and LRU within 0.06 of the ideal static cache (per lookup).
+
+(b) Throughput. The DLRM job of examples/recsys_cache.py through the real
+    launcher (1 worker, 2 servers), with LRU caches against the same job with
+    policy none (every lookup pulls its rows from the servers and every
+    gradient goes back), interleaved, median of --repeats runs; samples/s over
+    the steps after a warm-up (the cache is full by then) and over the whole
+    run. Goal: the cached job at least 3x the uncached one's samples/s.
+
+    python bench/embedding_cache.py [--quick] [--repeats 3] [--part hit_rates|throughput]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = pathlib.Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parents[1] / "examples"))
+
+import recsys_cache  # noqa: E402
+
+from splitrun.runtime.row_cache import RowCache  # noqa: E402
+from splitrun.splitter.cache_mode import (  # noqa: E402
+    CachedTable,
+    CacheSettings,
+    EvictionPolicy,
+)
+
+# -- (a) hit rates -------------------------------------------------------------
+
+SIM_ROWS = 1_000_000
+ZIPF_EXPONENTS = (0.9, 1.05, 1.2)
+CACHE_FRACTIONS = (0.01, 0.05, 0.20)
+SIM_BATCH = 1024  # lookups per batch
+# Batches simulated after the cache first fills, before measuring: LRU is in
+# its steady state as soon as it is full; LFU's counts keep sharpening, and
+# this many batches (about 1 M lookups) is about what a short job sees.
+WARMUP_AFTER_FULL_BATCHES = 1000
+MEASURED_BATCHES = 2000
+QUICK_WARMUP_AFTER_FULL_BATCHES = 200
+QUICK_MEASURED_BATCHES = 300
+# Streams are drawn in chunks of this many batches until long enough.
+STREAM_CHUNK_BATCHES = 1000
+SIM_SEED = 0
+GOAL_ZIPF = 1.05
+GOAL_FRACTION = 0.05
+GOAL_LFU_GAP = 0.02
+GOAL_LRU_GAP = 0.06
+# Bisection steps for Che's characteristic time (float64 converges well before).
+CHE_BISECTION_STEPS = 200
+
+
+def zipf_probabilities(num_rows: int, exponent: float) -> torch.Tensor:
+    weights = torch.arange(1, num_rows + 1, dtype=torch.float64).pow_(-exponent)
+    return weights / weights.sum()
+
+
+def che_lru_hit_rate(probabilities: torch.Tensor, capacity: int) -> float:
+    """Che's approximation of LRU's hit rate under independent draws: the
+    characteristic time T solves sum_i (1 - exp(-p_i T)) = C, and the hit
+    rate is sum_i p_i (1 - exp(-p_i T))."""
+    def occupancy(t: float) -> float:
+        return float((-torch.expm1(-probabilities * t)).sum())
+    low, high = 0.0, 1.0
+    while occupancy(high) < capacity:
+        high *= 2
+    for _ in range(CHE_BISECTION_STEPS):
+        middle = (low + high) / 2
+        low, high = (middle, high) if occupancy(middle) < capacity else (low, middle)
+    return float((probabilities * -torch.expm1(-probabilities * high)).sum())
+
+
+class IdStream:
+    """One exponent's id stream, batch by batch, drawn as the example draws
+    its ids (Zipf ranks mapped to ids by a fixed permutation), extended on
+    demand; also knows after which batch the stream has shown C distinct ids
+    (when a cache of C rows, which evicts only when full, fills)."""
+
+    def __init__(self, exponent: float, num_rows: int, batch: int, seed: int) -> None:
+        self.exponent = exponent
+        self.num_rows = num_rows
+        self.batch = batch
+        self.generator = torch.Generator().manual_seed(seed)
+        self.order = recsys_cache.hot_order(num_rows, 0)
+        self.chunks: list[torch.Tensor] = []
+        self.seen = torch.zeros(num_rows, dtype=torch.bool)
+        self.distinct_after: list[torch.Tensor] = []  # cumulative distinct ids per batch
+
+    @property
+    def num_batches(self) -> int:
+        return sum(c.shape[0] for c in self.chunks)
+
+    def extend(self, num_batches: int) -> None:
+        ranks = recsys_cache.zipf_ranks(self.num_rows, self.exponent,
+                                        num_batches * self.batch, self.generator)
+        ids = self.order[ranks]
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        first = torch.full((unique.numel(),), ids.numel(), dtype=torch.int64)
+        first.scatter_reduce_(0, inverse, torch.arange(ids.numel()), reduce="amin")
+        new = ~self.seen[unique]
+        self.seen[unique] = True
+        per_batch = torch.bincount(first[new] // self.batch, minlength=num_batches)
+        before = self.distinct_after[-1][-1] if self.distinct_after else torch.tensor(0)
+        self.distinct_after.append(before + torch.cumsum(per_batch, 0))
+        self.chunks.append(ids.reshape(num_batches, self.batch))
+
+    def fill_batch(self, capacity: int) -> int:
+        """Index of the batch after which `capacity` distinct ids were seen."""
+        while not self.distinct_after or int(self.distinct_after[-1][-1]) < capacity:
+            self.extend(STREAM_CHUNK_BATCHES)
+        distinct = torch.cat(self.distinct_after)
+        return int(torch.searchsorted(distinct, capacity))
+
+    def batches(self, end: int) -> torch.Tensor:
+        while self.num_batches < end:
+            self.extend(STREAM_CHUNK_BATCHES)
+        return torch.cat(self.chunks)[:end]
+
+
+def simulate(policy: EvictionPolicy, ids: torch.Tensor, capacity: int, num_rows: int,
+             window: range) -> dict:
+    """Drive `RowCache.plan()` through every batch; count hits in `window`."""
+    table = CachedTable("sim.weight", num_rows, 1, torch.float32,
+                        CacheSettings(capacity, policy), "sgd", {}, (), None)
+    cache = RowCache(table)
+    lookup_hits = unique_hits = unique_total = 0
+    started = time.perf_counter()
+    for step in range(window.stop):
+        batch = ids[step]
+        if step in window:
+            lookup_hits += int((cache.slot_of_id[batch] >= 0).sum())
+        plan = cache.plan(batch, step, write_back=True, max_staleness=0)
+        if step in window:
+            unique_total += plan.unique_ids.numel()
+            unique_hits += plan.unique_ids.numel() - plan.pull_ids.numel()
+    return {"per_lookup": lookup_hits / (len(window) * ids.shape[1]),
+            "per_unique_id": unique_hits / unique_total,
+            "seconds": time.perf_counter() - started}
+
+
+def ideal_static(ids: torch.Tensor, hottest: torch.Tensor, num_rows: int,
+                 window: range) -> dict:
+    """The most frequent rows always cached, measured on the same batches."""
+    cached = torch.zeros(num_rows, dtype=torch.bool)
+    cached[hottest] = True
+    measured = ids[window.start:window.stop]
+    unique_hits = unique_total = 0
+    for batch in measured:
+        unique = torch.unique(batch)
+        unique_hits += int(cached[unique].sum())
+        unique_total += unique.numel()
+    return {"per_lookup": float(cached[measured].float().mean()),
+            "per_unique_id": unique_hits / unique_total}
+
+
+def hit_rates(quick: bool) -> dict:
+    warmup = QUICK_WARMUP_AFTER_FULL_BATCHES if quick else WARMUP_AFTER_FULL_BATCHES
+    measured = QUICK_MEASURED_BATCHES if quick else MEASURED_BATCHES
+    results = []
+    for exponent in ZIPF_EXPONENTS:
+        stream = IdStream(exponent, SIM_ROWS, SIM_BATCH, SIM_SEED)
+        probabilities = zipf_probabilities(SIM_ROWS, exponent)
+        for fraction in CACHE_FRACTIONS:
+            capacity = round(fraction * SIM_ROWS)
+            filled = stream.fill_batch(capacity) + 1
+            window = range(filled + warmup, filled + warmup + measured)
+            ids = stream.batches(window.stop)
+            lru = simulate(EvictionPolicy.LRU, ids, capacity, SIM_ROWS, window)
+            lfu = simulate(EvictionPolicy.LFU, ids, capacity, SIM_ROWS, window)
+            ideal = ideal_static(ids, stream.order[:capacity], SIM_ROWS, window)
+            results.append({
+                "zipf": exponent, "cache_fraction": fraction, "cache_rows": capacity,
+                "cache_full_after_batch": filled, "measured_batches": [window.start, window.stop],
+                "per_lookup": {"lru": round(lru["per_lookup"], 4),
+                               "lfu": round(lfu["per_lookup"], 4),
+                               "ideal_static": round(ideal["per_lookup"], 4),
+                               "lru_che_approximation": round(
+                                   che_lru_hit_rate(probabilities, capacity), 4),
+                               "ideal_static_expected": round(
+                                   float(probabilities[:capacity].sum()), 4)},
+                "per_unique_id": {"lru": round(lru["per_unique_id"], 4),
+                                  "lfu": round(lfu["per_unique_id"], 4),
+                                  "ideal_static": round(ideal["per_unique_id"], 4)},
+                "lru_below_ideal": round(ideal["per_lookup"] - lru["per_lookup"], 4),
+                "lfu_below_ideal": round(ideal["per_lookup"] - lfu["per_lookup"], 4),
+                "simulation_s": {"lru": round(lru["seconds"], 1),
+                                 "lfu": round(lfu["seconds"], 1)}})
+    goal = next(r for r in results
+                if r["zipf"] == GOAL_ZIPF and r["cache_fraction"] == GOAL_FRACTION)
+    return {"table_rows": SIM_ROWS, "batch_lookups": SIM_BATCH,
+            "warmup_batches_after_full": warmup, "measured_batches": measured,
+            "results": results,
+            "goals": {"at": {"zipf": GOAL_ZIPF, "cache_fraction": GOAL_FRACTION},
+                      "lfu_within": GOAL_LFU_GAP, "lfu_below_ideal": goal["lfu_below_ideal"],
+                      "lfu_met": goal["lfu_below_ideal"] <= GOAL_LFU_GAP,
+                      "lru_within": GOAL_LRU_GAP, "lru_below_ideal": goal["lru_below_ideal"],
+                      "lru_met": goal["lru_below_ideal"] <= GOAL_LRU_GAP}}
+
+
+# -- (b) throughput ----------------------------------------------------------------
+
+# The job: 8 tables of 250 k rows, 128-wide rows (MLPerf DLRM's width), a
+# global batch of 1,024 with 16 ids per sample and table (multi-hot, pooled):
+# 16,384 lookups per table and step. Zipf 1.05, plain SGD (DLRM's reference
+# optimizer; Adagrad's sums would travel with every cached row too). Small
+# MLPs, so the step is mostly the embedding rows: their lookups, traffic and
+# updates.
+THROUGHPUT_JOB = ["--tables", "8", "--rows", "250000", "--dim", "128", "--batch-size", "1024",
+                  "--ids-per-table", "16", "--bottom", "64", "--top", "64", "--zipf", "1.05",
+                  "--optimizer", "sgd"]
+# What is compared: LRU caches of 20 % of each table; no caching (every lookup
+# to the servers: the baseline); and the whole table cached (no misses once
+# warm: the most any cache can buy here, so what bounds the speedup).
+VARIANTS = {"lru_20_percent": ["--policy", "lru", "--cache-fraction", "0.2"],
+            "none": ["--policy", "none"],
+            "whole_table_cached": ["--policy", "lru", "--cache-fraction", "1.0"]}
+CACHED, UNCACHED, CEILING = VARIANTS
+THROUGHPUT_WORKERS = 1
+THROUGHPUT_SERVERS = 2
+# Steps before timing starts (the 20 % caches are full after ~10 steps) and
+# steps timed.
+WARMUP_STEPS = 30
+MEASURED_STEPS = 60
+QUICK_WARMUP_STEPS = 15
+QUICK_MEASURED_STEPS = 20
+GOAL_SPEEDUP = 3.0
+# Bounds one launched job (start, data, steps, shutdown) on 2 cores.
+RUN_TIMEOUT_S = 900
+BENCH_PREFIX = "BENCH "
+
+
+def run_job(args: argparse.Namespace) -> None:
+    """Runs inside `splitrun launch`: every process runs this. Worker 0 prints
+    one line BENCH {...}: when each step ended, and the cache counters."""
+    from splitrun.runtime.job import Job
+    from splitrun.splitter.cache_mode import EmbeddingCacheMode
+
+    job_args = recsys_cache.parser().parse_args(args.job_args)
+    torch.set_num_threads(job_args.threads)
+    job = Job.from_env()
+    _, program, spec, _ = recsys_cache.build(job_args, job.cluster.num_workers)
+    batches = []
+    if job.is_worker:
+        hidden = recsys_cache.HiddenModel.build(spec)
+        batches = recsys_cache.global_batches(spec, hidden, job_args.batch_size, job_args.steps)
+    # No final state: the whole tables' dump is no part of a training step.
+    trainer = job.start(program, EmbeddingCacheMode(), gather_state=False)
+    stamps = [time.perf_counter()]
+    for _ in trainer.run(trainer.shard(batches)):
+        stamps.append(time.perf_counter())
+    trainer.finish()
+    if job.is_driver:
+        counters = trainer.cache_counters.values()
+        print(BENCH_PREFIX + json.dumps({
+            "stamps": stamps,
+            "hits": sum(c["hits"] for c in counters),
+            "unique_ids": sum(c["unique_ids"] for c in counters),
+            "bytes_pulled": sum(c["bytes_pulled"] for c in counters),
+            "bytes_pushed": sum(c["bytes_pushed"] for c in counters)}), flush=True)
+
+
+def launch(variant: str, steps: int) -> dict:
+    command = [sys.executable, "-m", "splitrun.launcher", "--log-level", "WARNING", "launch",
+               "--workers", str(THROUGHPUT_WORKERS), "--servers", str(THROUGHPUT_SERVERS),
+               "--device", "cpu", str(HERE), "--job", "--",
+               *THROUGHPUT_JOB, *VARIANTS[variant], "--steps", str(steps)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    for line in out.stdout.splitlines():
+        if BENCH_PREFIX in line:
+            return json.loads(line.split(BENCH_PREFIX, 1)[1])
+    raise RuntimeError(f"the {variant} job failed ({out.returncode}):\n"
+                       f"{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
+
+
+def samples_per_s(stamps: list[float], first_step: int, batch_size: int) -> float:
+    """Global samples per second over the steps from `first_step` on."""
+    return (len(stamps) - 1 - first_step) * batch_size / (stamps[-1] - stamps[first_step])
+
+
+def summarize(measured: list[dict], warmup: int, steps: int, batch_size: int) -> dict:
+    """Medians over the runs of one variant."""
+    steady = [samples_per_s(r["stamps"], warmup, batch_size) for r in measured]
+    whole = [samples_per_s(r["stamps"], 0, batch_size) for r in measured]
+    median = statistics.median
+    return {"samples_per_s": round(median(steady), 1),
+            "step_ms": round(1e3 * batch_size / median(steady), 1),
+            "samples_per_s_whole_run": round(median(whole), 1),
+            "runs_samples_per_s": [round(s, 1) for s in steady],
+            "hit_rate_per_unique_id_whole_run": round(median(
+                r["hits"] / r["unique_ids"] for r in measured), 4),
+            "mb_pulled_per_step": round(median(r["bytes_pulled"] for r in measured)
+                                        / steps / 1e6, 2),
+            "mb_pushed_per_step": round(median(r["bytes_pushed"] for r in measured)
+                                        / steps / 1e6, 2)}
+
+
+def throughput(quick: bool, repeats: int) -> dict:
+    warmup = QUICK_WARMUP_STEPS if quick else WARMUP_STEPS
+    steps = warmup + (QUICK_MEASURED_STEPS if quick else MEASURED_STEPS)
+    batch_size = int(THROUGHPUT_JOB[THROUGHPUT_JOB.index("--batch-size") + 1])
+    runs: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
+    for _ in range(repeats):  # interleaved, so drift hits every variant alike
+        for variant in VARIANTS:
+            runs[variant].append(launch(variant, steps))
+    results = {v: summarize(r, warmup, steps, batch_size) for v, r in runs.items()}
+    speedup = results[CACHED]["samples_per_s"] / results[UNCACHED]["samples_per_s"]
+    return {"job": " ".join(THROUGHPUT_JOB), "variants": {v: " ".join(a) for v, a in
+                                                          VARIANTS.items()},
+            "workers": THROUGHPUT_WORKERS, "servers": THROUGHPUT_SERVERS, "steps": steps,
+            "timed_after_step": warmup, "repeats": repeats, "results": results,
+            "speedup": round(speedup, 3),
+            "speedup_whole_run": round(results[CACHED]["samples_per_s_whole_run"]
+                                       / results[UNCACHED]["samples_per_s_whole_run"], 3),
+            "speedup_ceiling_whole_table_cached": round(
+                results[CEILING]["samples_per_s"] / results[UNCACHED]["samples_per_s"], 3),
+            "goal_speedup_at_least": GOAL_SPEEDUP, "goal_met": speedup >= GOAL_SPEEDUP}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short runs, one repeat")
+    parser.add_argument("--repeats", type=int, default=3, help="throughput runs per policy")
+    parser.add_argument("--part", choices=["hit_rates", "throughput"],
+                        help="run only this part")
+    parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("job_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.job:
+        args.job_args = [a for a in args.job_args if a != "--"]
+        run_job(args)
+        return
+    torch.set_num_threads(1)  # see recsys_cache.DEFAULT_THREADS
+    started = time.perf_counter()
+    report = {"benchmark": "embedding_cache", "quick": args.quick,
+              "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                          "torch": torch.__version__}}
+    if args.part in (None, "hit_rates"):
+        report["hit_rates"] = hit_rates(args.quick)
+    if args.part in (None, "throughput"):
+        report["throughput"] = throughput(args.quick, 1 if args.quick else args.repeats)
+    report["total_s"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

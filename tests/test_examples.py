@@ -1,0 +1,41 @@
+"""The examples the README points at, run through the real launcher with small
+settings: each trains and reports what it promises."""
+
+import json
+import re
+
+import pytest
+from cluster import JOB_TIMEOUT_S, REPO, splitrun
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = REPO / "examples"
+
+
+def test_ps_train_reaches_its_accuracy():
+    proc = splitrun("launch", "--workers", 2, "--servers", 2, EXAMPLES / "ps_train.py",
+                    "--epochs", 6, "--min-accuracy", 0.9)
+    assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
+    accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)", proc.output()).group(1))
+    assert accuracy >= 0.9
+
+
+def test_pipeline_split_equals_the_unsplit_step():
+    proc = splitrun("launch", "--workers", 3, EXAMPLES / "pipeline_split.py", "--steps", 15)
+    assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
+    assert "final parameters identical to the unsplit run: True" in proc.output()
+
+
+def test_recsys_cache_learns_and_caches():
+    proc = splitrun("launch", "--workers", 2, "--servers", 2, EXAMPLES / "recsys_cache.py",
+                    "--tables", 3, "--rows", 20000, "--steps", 60, "--batch-size", 512,
+                    "--cache-fraction", 0.1, "--policy", "lfu", "--eval-samples", 20000,
+                    "--json")
+    assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
+    line = next(l for l in proc.lines if "RESULT " in l)
+    result = json.loads(line.split("RESULT ", 1)[1])
+    # Better than predicting the click rate, short of the labels' own model.
+    assert result["log_loss"] < result["base_rate_entropy"]
+    assert 0.6 < result["auc"] < result["hidden_model_auc"]
+    for table in result["cache"].values():
+        assert table["evictions"] > 0 and 0.2 < table["hit_rate"] < 1
