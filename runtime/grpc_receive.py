@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from splitrun.splitter.errors import LabelError
 from splitrun.splitter.labels import Label
 
 from .codec import (
+    _IS_LITTLE_ENDIAN,
     MessageBuffer,
     MessageLayout,
     TensorSpec,
@@ -51,7 +51,6 @@ logger = logging.getLogger(__name__)
 # Messages above this are checked against the mailbox for duplicates before
 # their data is received, not only after.
 _EARLY_DUPLICATE_CHECK_BYTES = 1 << 20
-_IS_LITTLE_ENDIAN = sys.byteorder == "little"
 # Bounds the checked envelopes a receiver remembers (about one per channel).
 _MAX_KNOWN_ENVELOPES = 4096
 
