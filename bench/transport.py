@@ -167,8 +167,8 @@ class _Splitrun:
     def __init__(self, role: str, conn, sizes: list[int]) -> None:
         import torch
 
-        from splitrun.runtime.grpc_transport import ExpectedChannel, GrpcSettings, GrpcTransport
-        from splitrun.runtime.transport import MessageKey
+        from splitrun.runtime.transport.grpc.transport import ExpectedChannel, GrpcSettings, GrpcTransport
+        from splitrun.runtime.transport.protocol import MessageKey
         from splitrun.splitter.labels import Label
         self.torch, self.MessageKey = torch, MessageKey
         self.me, self.peer = (Label.worker(0), Label.worker(1)) if role == "a" else \

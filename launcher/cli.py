@@ -12,7 +12,7 @@ import sys
 import time
 
 from splitrun.runtime.job import ENV
-from splitrun.runtime.scheduler import Scheduler, SchedulerSettings
+from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
 from splitrun.splitter.labels import Label, Role
 
 from .supervisor import Supervisor

@@ -11,12 +11,12 @@ from .errors import (
     TransportError,
 )
 from .executor import ChannelStats, Executor, ExecutorStats
-from .grpc_transport import ExpectedChannel, GrpcSettings, GrpcTransport, expected_channels
+from .transport.grpc.transport import ExpectedChannel, GrpcSettings, GrpcTransport, expected_channels
 from .job import Job, JobSettings, Trainer
-from .loopback import LoopbackHub, LoopbackTransport
-from .mailbox import Mailbox
+from .transport.loopback import LoopbackHub, LoopbackTransport
+from .transport.mailbox import Mailbox
 from .threaded import ThreadedRun, run_threaded
-from .transport import MessageKey, Transport
+from .transport.protocol import MessageKey, Transport
 
 __all__ = [
     "ClusterError",

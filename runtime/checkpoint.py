@@ -21,7 +21,7 @@ from splitrun.splitter.labels import Label
 from splitrun.splitter.program import InputKind, Program
 
 from .errors import SplitrunError
-from .transport import OUT_OF_PLAN
+from .transport.protocol import OUT_OF_PLAN
 
 __all__ = ["CONTROL_CHANNEL", "SAVE", "save_channel", "final_state_channel",
            "to_checkpoint", "from_checkpoint", "write_checkpoint", "read_checkpoint"]

@@ -22,7 +22,7 @@ from splitrun.splitter.plan import OpKind, SplitPlan
 from splitrun.splitter.program import Program
 
 from .errors import MessageRejected, SplitrunError, StepFailed
-from .transport import MessageKey, Transport
+from .transport.protocol import MessageKey, Transport
 
 __all__ = ["Executor", "ExecutorStats", "ChannelStats"]
 

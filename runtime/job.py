@@ -30,15 +30,16 @@ from splitrun.splitter.modes import Mode
 from splitrun.splitter.plan import ModeKind, SplitPlan
 from splitrun.splitter.program import Program
 
-from . import checkpoint, embedding_protocol
-from .cache_runtime import CacheParts, attach_cache
+from . import checkpoint
+from .embedding import protocol as embedding_protocol
+from .embedding.attach import CacheParts, attach_cache
 from .data import shard_batches
 from .errors import ClusterError, JobFinished, PeerFailed, SplitrunError
 from .executor import Executor
-from .grpc_transport import ExpectedChannel, GrpcTransport, expected_channels
-from .membership import Heartbeat, SchedulerClient
+from .transport.grpc.transport import ExpectedChannel, GrpcTransport, expected_channels
+from .cluster.membership import Heartbeat, SchedulerClient
 from .progress import Progress
-from .transport import MessageKey
+from .transport.protocol import MessageKey
 
 __all__ = ["Job", "Trainer", "JobSettings", "ENV"]
 

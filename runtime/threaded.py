@@ -17,11 +17,11 @@ from splitrun.splitter.labels import Label, Role
 from splitrun.splitter.plan import ModeKind, SplitPlan
 from splitrun.splitter.program import Program
 
-from .cache_runtime import attach_cache
+from .embedding.attach import attach_cache
 from .data import shard_batch
 from .errors import PeerFailed, SplitrunError
 from .executor import Executor, ExecutorStats
-from .loopback import LoopbackHub
+from .transport.loopback import LoopbackHub
 
 __all__ = ["run_threaded", "ThreadedRun"]
 

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitrun.runtime import codec
-from splitrun.runtime.codec import (
+from splitrun.runtime.transport import codec
+from splitrun.runtime.transport.codec import (
     DTYPES,
     BufferPool,
     EnvelopeWriter,
@@ -25,8 +25,8 @@ from splitrun.runtime.codec import (
     split_step,
 )
 from splitrun.runtime.errors import MessageRejected, TransportError
-from splitrun.runtime.transport import MessageKey
-from splitrun.runtime.wire import splitrun_pb2
+from splitrun.runtime.transport.protocol import MessageKey
+from splitrun.runtime.transport.wire import splitrun_pb2
 
 SHAPES = [(), (0,), (7,), (3, 5), (2, 0, 3)]
 

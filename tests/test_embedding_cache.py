@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from cache_models import ROWS, TinyRecommender, click_batches, feeds, make
 
 from splitrun.runtime import LoopbackHub, run_threaded
-from splitrun.runtime.embedding_client import EmbeddingClient
-from splitrun.runtime.embedding_protocol import PREFIX
-from splitrun.runtime.embedding_store import EmbeddingStore
+from splitrun.runtime.embedding.client import EmbeddingClient
+from splitrun.runtime.embedding.protocol import PREFIX
+from splitrun.runtime.embedding.store import EmbeddingStore
 from splitrun.runtime.errors import SplitrunError
-from splitrun.runtime.row_cache import RowCache
+from splitrun.runtime.embedding.row_cache import RowCache
 from splitrun.splitter import (
     Cluster,
     Label,

@@ -20,14 +20,14 @@ import torch
 from models import TiedBigramLM, lm_loss, markov_batches
 
 from splitrun.runtime import Executor, MessageKey, RecvTimeout, TransportError
-from splitrun.runtime.grpc_transport import (
+from splitrun.runtime.transport.grpc.transport import (
     ExpectedChannel,
     GrpcSettings,
     GrpcTransport,
     _SendQueue,
     expected_channels,
 )
-from splitrun.runtime.wire import splitrun_pb2
+from splitrun.runtime.transport.wire import splitrun_pb2
 from splitrun.splitter import Cluster, Label, capture, optim, split
 from splitrun.splitter.synthetic import random_batches, random_program
 
@@ -199,7 +199,7 @@ def test_send_queue_blocks_at_its_bound_and_lets_an_oversized_message_go_alone()
 BIG_SENDER = textwrap.dedent("""
     import hashlib, sys, torch
     from splitrun.runtime import MessageKey
-    from splitrun.runtime.grpc_transport import GrpcSettings, GrpcTransport
+    from splitrun.runtime.transport.grpc.transport import GrpcSettings, GrpcTransport
     from splitrun.splitter import Label
     address, incarnation, token = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
@@ -502,7 +502,7 @@ def test_bad_requests_are_refused_and_leave_the_job_alone(server, case, caplog):
     transport, channel = server
     kwargs, code, details = BAD_REQUESTS[case]
     request = kwargs.get("request", chunk())
-    with caplog.at_level(logging.WARNING, logger="splitrun.runtime.grpc_receive"):
+    with caplog.at_level(logging.WARNING, logger="splitrun.runtime.transport.grpc.receive"):
         with pytest.raises(grpc.RpcError) as raised:
             deliver(channel, request, token=kwargs.get("token", TOKEN))
     assert raised.value.code() == code, raised.value.details()

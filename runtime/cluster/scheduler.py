@@ -23,9 +23,9 @@ import grpc
 
 from splitrun.splitter.labels import Label, Role
 
-from .grpc_service import TOKEN_METADATA_KEY
-from .wire import splitrun_pb2 as pb
-from .wire import splitrun_pb2_grpc as pb_grpc
+from ..transport.grpc.service import TOKEN_METADATA_KEY
+from ..transport.wire import splitrun_pb2 as pb
+from ..transport.wire import splitrun_pb2_grpc as pb_grpc
 
 __all__ = ["SchedulerSettings", "Scheduler", "TOKEN_METADATA_KEY"]
 

@@ -23,16 +23,16 @@ from splitrun.splitter.labels import Label
 from splitrun.splitter.plan import SplitPlan
 from splitrun.splitter.program import Program
 
-from .codec import (
+from ..codec import (
     DEFAULT_MAX_MESSAGE_BYTES,
     BufferPool,
     EnvelopeWriter,
     encode,
     frame_message,
 )
-from .errors import TransportError
-from .grpc_receive import _ChannelRule, _compile_rule, _server_options, _Servicer
-from .grpc_send import (
+from ...errors import TransportError
+from .receive import _ChannelRule, _compile_rule, _server_options, _Servicer
+from .send import (
     _JOIN_GRACE_S,
     _channel_options,
     _Outgoing,
@@ -40,10 +40,10 @@ from .grpc_send import (
     _SendQueue,  # noqa: F401 - re-exported: tests import it from here
     _stage,
 )
-from .grpc_service import _PING, TOKEN_METADATA_KEY
-from .mailbox import Mailbox
-from .transport import MessageKey
-from .wire import splitrun_pb2
+from .service import _PING, TOKEN_METADATA_KEY
+from ..mailbox import Mailbox
+from ..protocol import MessageKey
+from ..wire import splitrun_pb2
 
 __all__ = ["GrpcTransport", "GrpcSettings", "ExpectedChannel", "expected_channels",
            "TOKEN_METADATA_KEY"]

@@ -35,10 +35,10 @@ from splitrun.splitter.cache_mode import (
 from splitrun.splitter.labels import Cluster, Label
 from splitrun.splitter.sparse_optim import IN_PLACE
 
-from .embedding_protocol import Op, header, reply_channel, request_channel
+from .protocol import Op, header, reply_channel, request_channel
 from .row_cache import BatchPlan, RowCache
-from .row_sharding import RowSharding
-from .transport import MessageKey, Transport
+from .sharding import RowSharding
+from ..transport.protocol import MessageKey, Transport
 
 __all__ = ["EmbeddingClient"]
 

@@ -1,6 +1,6 @@
-"""Regenerate `runtime/wire/` from `proto/splitrun.proto` (`make proto`).
+"""Regenerate `runtime/transport/wire/` from `proto/splitrun.proto` (`make proto`).
 
-    python -m splitrun.runtime.wire.generate [--out DIR]
+    python -m splitrun.runtime.transport.wire.generate [--out DIR]
 
 grpc_tools writes `import splitrun_pb2`; the package needs a relative import,
 so the generated gRPC module is patched after generation.
@@ -17,8 +17,8 @@ GENERATED = ("splitrun_pb2.py", "splitrun_pb2.pyi", "splitrun_pb2_grpc.py")
 
 
 def _repo_root() -> pathlib.Path:
-    # Works from the source tree (editable install): runtime/wire -> repo root.
-    return WIRE.parents[1]
+    # Works from the source tree (editable install): runtime/transport/wire -> repo root.
+    return WIRE.parents[2]
 
 
 def generate(out_dir: pathlib.Path, proto_dir: pathlib.Path | None = None) -> list[pathlib.Path]:

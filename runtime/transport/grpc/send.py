@@ -28,13 +28,13 @@ import torch
 
 from splitrun.splitter.labels import Label
 
-from .codec import EncodedTensors, frame_message
-from .errors import TransportError
-from .grpc_service import _DELIVER_STREAM, DELIVERED_METADATA_KEY, TOKEN_METADATA_KEY
-from .transport import MessageKey
+from ..codec import EncodedTensors, frame_message
+from ...errors import TransportError
+from .service import _DELIVER_STREAM, DELIVERED_METADATA_KEY, TOKEN_METADATA_KEY
+from ..protocol import MessageKey
 
 if TYPE_CHECKING:
-    from .grpc_transport import GrpcSettings, GrpcTransport
+    from .transport import GrpcSettings, GrpcTransport
 
 # Internal to `GrpcTransport`, which imports what it needs from here.
 __all__: list[str] = []

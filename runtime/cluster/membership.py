@@ -15,10 +15,10 @@ import grpc
 
 from splitrun.splitter.labels import Cluster, Label, Role
 
-from .errors import ClusterError
-from .grpc_service import TOKEN_METADATA_KEY
-from .wire import splitrun_pb2 as pb
-from .wire import splitrun_pb2_grpc as pb_grpc
+from ..errors import ClusterError
+from ..transport.grpc.service import TOKEN_METADATA_KEY
+from ..transport.wire import splitrun_pb2 as pb
+from ..transport.wire import splitrun_pb2_grpc as pb_grpc
 
 __all__ = ["Registration", "SchedulerClient", "Heartbeat"]
 

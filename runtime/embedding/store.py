@@ -22,10 +22,10 @@ from splitrun.splitter.cache_mode import CachedTable
 from splitrun.splitter.labels import Cluster, Label
 from splitrun.splitter.sparse_optim import IN_PLACE
 
-from .embedding_protocol import Op, read_header, reply_channel
-from .errors import SplitrunError
-from .row_sharding import RowSharding
-from .transport import MessageKey, Transport
+from .protocol import Op, read_header, reply_channel
+from ..errors import SplitrunError
+from .sharding import RowSharding
+from ..transport.protocol import MessageKey, Transport
 
 __all__ = ["EmbeddingStore"]
 

@@ -33,8 +33,8 @@ from types import MappingProxyType
 import torch
 from google.protobuf.message import DecodeError
 
-from .errors import MessageRejected, TransportError
-from .transport import MessageKey
+from ..errors import MessageRejected, TransportError
+from .protocol import MessageKey
 from .wire import splitrun_pb2
 
 __all__ = [

@@ -4,7 +4,7 @@ method paths and the keys of the call metadata.
 
 from __future__ import annotations
 
-from .wire import splitrun_pb2
+from ..wire import splitrun_pb2
 
 __all__ = ["TOKEN_METADATA_KEY", "DELIVERED_METADATA_KEY"]
 

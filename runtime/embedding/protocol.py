@@ -23,7 +23,7 @@ import torch
 
 from splitrun.splitter.labels import Label
 
-from .transport import OUT_OF_PLAN
+from ..transport.protocol import OUT_OF_PLAN
 
 __all__ = ["Op", "request_channel", "reply_channel", "header", "read_header"]
 

@@ -14,7 +14,7 @@ import torch
 from splitrun.splitter.labels import Label
 
 from .mailbox import Mailbox
-from .transport import MessageKey
+from .protocol import MessageKey
 
 __all__ = ["LoopbackHub", "LoopbackTransport"]
 

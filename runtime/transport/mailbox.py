@@ -10,8 +10,8 @@ import torch
 
 from splitrun.splitter.labels import Label
 
-from .errors import JobFinished, MessageRejected, RecvTimeout
-from .transport import MessageKey
+from ..errors import JobFinished, MessageRejected, RecvTimeout
+from .protocol import MessageKey
 
 __all__ = ["Mailbox"]
 

@@ -16,7 +16,7 @@ import torch
 
 from splitrun.splitter.cache_mode import CachedTable, EvictionPolicy
 
-from .errors import SplitrunError
+from ..errors import SplitrunError
 
 __all__ = ["RowCache", "BatchPlan", "TableCounters"]
 

@@ -23,7 +23,7 @@ import torch
 from splitrun.splitter.errors import LabelError
 from splitrun.splitter.labels import Label
 
-from .codec import (
+from ..codec import (
     _IS_LITTLE_ENDIAN,
     MessageBuffer,
     MessageLayout,
@@ -35,13 +35,13 @@ from .codec import (
     specs_from_envelope,
     split_step,
 )
-from .errors import MessageRejected
-from .grpc_service import _SERVICE, DELIVERED_METADATA_KEY, TOKEN_METADATA_KEY
-from .transport import MessageKey
-from .wire import splitrun_pb2
+from ...errors import MessageRejected
+from .service import _SERVICE, DELIVERED_METADATA_KEY, TOKEN_METADATA_KEY
+from ..protocol import MessageKey
+from ..wire import splitrun_pb2
 
 if TYPE_CHECKING:
-    from .grpc_transport import ExpectedChannel, GrpcSettings, GrpcTransport
+    from .transport import ExpectedChannel, GrpcSettings, GrpcTransport
 
 # Internal to `GrpcTransport`, which imports what it needs from here.
 __all__: list[str] = []

@@ -12,10 +12,10 @@ import torch
 from splitrun.splitter.labels import Label, Role
 from splitrun.splitter.plan import SplitPlan
 
-from .embedding_client import EmbeddingClient
-from .embedding_protocol import PREFIX
-from .embedding_store import EmbeddingStore
-from .transport import Transport
+from .client import EmbeddingClient
+from .protocol import PREFIX
+from .store import EmbeddingStore
+from ..transport.protocol import Transport
 
 __all__ = ["CacheParts", "attach_cache"]
 
