@@ -26,7 +26,7 @@ from models import TiedBigramLM, lm_loss, markov_batches  # noqa: E402
 
 from splitrun.runtime import Job, run_threaded  # noqa: E402
 from splitrun.runtime.job import ENV  # noqa: E402
-from splitrun.splitter import Cluster, Program, capture, optim, split  # noqa: E402
+from splitrun.splitter import Cluster, Program, capture, optim, split_program  # noqa: E402
 
 
 def build(num_workers: int, steps: int, lr: float):
@@ -74,11 +74,11 @@ def run_launched(args) -> int:
 
 def run_local(args) -> int:
     program, batches = build(args.workers, args.steps, args.lr)
-    plan = split(program, Cluster(num_workers=args.workers))
-    plan.lint(program)
-    print(plan.summary())
+    split_prog = split_program(program, Cluster(num_workers=args.workers))
+    split_prog.lint()
+    print(split_prog.plan.summary())
     started = time.perf_counter()
-    run = run_threaded(plan, args.steps,
+    run = run_threaded(split_prog, args.steps,
                        lambda s: {"batch.0": batches[s][0], "batch.1": batches[s][1]})
     losses = [h["loss"].item() for h in run.history]
     return compare(program, batches, losses, run.state, time.perf_counter() - started)

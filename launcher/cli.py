@@ -9,12 +9,15 @@ import os
 import secrets
 import signal
 import sys
+import tempfile
 import time
 
-from splitrun.runtime.job import ENV
 from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
+from splitrun.runtime.env import ENV
+from splitrun.splitter.errors import SplitrunError
 from splitrun.splitter.labels import Label, Role
 
+from .render import render_plan
 from .supervisor import Supervisor
 
 __all__ = ["main"]
@@ -94,6 +97,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="seconds without a heartbeat before a process counts as lost")
     launch.add_argument("--recv-timeout", type=float, default=None,
                         help="seconds a receive inside a step waits for its message")
+    launch.add_argument("--threads-per-process", type=int, default=None, metavar="N",
+                        help="intra-op threads of each process (default: this machine's "
+                             "cores divided by the processes started here, at least 1); "
+                             "OMP_NUM_THREADS/MKL_NUM_THREADS set by you win")
     _add_script_args(launch)
 
     plan = commands.add_parser(
@@ -118,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="interface this process's tensor server binds")
     join.add_argument("--advertise", default=None,
                       help="name peers use to reach this process (default: --host)")
+    join.add_argument("--threads-per-process", type=int, default=None, metavar="N",
+                      help="intra-op threads of this process (default: torch's, or "
+                           "OMP_NUM_THREADS)")
     _add_script_args(join)
 
     scheduler = commands.add_parser(
@@ -137,33 +147,68 @@ def _new_incarnation() -> int:
     return time.time_ns() & ((1 << 62) - 1)
 
 
+def _script_argv(args, *, die_with_launcher: bool) -> list[str]:
+    """The command of a process running the user's script: through the
+    bootstrap, which sets the process up before the script runs."""
+    parent = ["--parent-pid", str(os.getpid())] if die_with_launcher else []
+    return [sys.executable, "-m", "splitrun.launcher.bootstrap", *parent, args.script,
+            *args.script_args]
+
+
+def thread_budget(requested: int | None, num_local_processes: int) -> int:
+    """Intra-op threads per process: as asked, else the cores shared out among
+    the processes on this machine. torch's default (every core in every
+    process) oversubscribes the machine as soon as two processes compute."""
+    if requested is not None:
+        if requested < 1:
+            raise SplitrunError(f"--threads-per-process must be >= 1, got {requested}")
+        return requested
+    return max(1, (os.cpu_count() or 1) // max(1, num_local_processes))
+
+
+def _thread_env(threads: int) -> dict[str, str]:
+    env = {ENV.THREADS: str(threads)}
+    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        if variable not in os.environ:
+            env[variable] = str(threads)
+    return env
+
+
 def _child_env(args, address: str, token: str, label: Label) -> dict[str, str]:
     env = dict(os.environ)
+    env.update(_thread_env(thread_budget(args.threads_per_process,
+                                         args.workers + args.servers)))
     env.update({ENV.SCHEDULER: address, ENV.TOKEN: token, ENV.ROLE: label.role.value,
                 ENV.RANK: str(label.rank), ENV.DEVICE: args.device, ENV.HOST: args.host,
                 ENV.LOG_LEVEL: args.log_level, ENV.HEARTBEAT_TIMEOUT_S: str(args.heartbeat_timeout),
-                ENV.LAUNCHER_PID: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
+                "PYTHONUNBUFFERED": "1"})
     if args.recv_timeout is not None:
         env[ENV.RECV_TIMEOUT_S] = str(args.recv_timeout)
     return env
 
 
 def _launch(args) -> int:
+    try:
+        thread_budget(args.threads_per_process, 1)
+    except SplitrunError as exc:
+        print(f"splitrun: {exc}", file=sys.stderr)
+        return 2
     token = secrets.token_hex(16)
     scheduler = Scheduler(SchedulerSettings(args.workers, args.servers, token,
                                             _new_incarnation(),
                                             heartbeat_timeout_s=args.heartbeat_timeout))
     address = scheduler.start(args.host, 0)
     supervisor = Supervisor()
+    threads = thread_budget(args.threads_per_process, args.workers + args.servers)
     supervisor.say(f"scheduler at {address}; starting {args.workers} workers and "
-                   f"{args.servers} servers running {args.script}")
+                   f"{args.servers} servers running {args.script} ({threads} threads each)")
     previous = {sig: signal.signal(sig, lambda *_: supervisor.interrupt())
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         labels = ([Label(r, Role.WORKER) for r in range(args.workers)]
                   + [Label(r, Role.SERVER) for r in range(args.servers)])
         for label in labels:
-            supervisor.spawn(label, [sys.executable, args.script, *args.script_args],
+            supervisor.spawn(label, _script_argv(args, die_with_launcher=True),
                              _child_env(args, address, token, label))
         outcome = supervisor.run(external_failure=lambda: scheduler.failure,
                                  step_of=scheduler.member_step)
@@ -176,19 +221,33 @@ def _launch(args) -> int:
 
 
 def _plan(args) -> int:
-    env = dict(os.environ)
-    env.update({ENV.PLAN_OUT: args.out, ENV.NUM_WORKERS: str(args.workers),
-                ENV.NUM_SERVERS: str(args.servers), ENV.LOG_LEVEL: args.log_level})
-    env.pop(ENV.SCHEDULER, None)
+    """Run the script once as worker 0 in plan mode: it writes the plan's text
+    form and stops at `job.start()`; then render it as `--out` asks."""
     supervisor = Supervisor()
-    supervisor.spawn(Label.worker(0), [sys.executable, args.script, *args.script_args], env)
-    outcome = supervisor.run()
-    if outcome.exit_code == 0 and not os.path.exists(args.out):
-        supervisor.say(f"{args.script} exited without writing a plan; does it call "
-                       f"Job.from_env() and job.start(program)?")
-        return 1
-    supervisor.say(f"plan written to {args.out}" if outcome.exit_code == 0 else outcome.summary)
-    return outcome.exit_code
+    with tempfile.TemporaryDirectory(prefix="splitrun-plan-") as scratch:
+        text_path = os.path.join(scratch, "plan.txt")
+        env = dict(os.environ)
+        env.update({ENV.PLAN_OUT: text_path, ENV.NUM_WORKERS: str(args.workers),
+                    ENV.NUM_SERVERS: str(args.servers), ENV.LOG_LEVEL: args.log_level,
+                    "PYTHONUNBUFFERED": "1"})
+        env.pop(ENV.SCHEDULER, None)
+        supervisor.spawn(Label.worker(0), _script_argv(args, die_with_launcher=True), env)
+        outcome = supervisor.run()
+        if outcome.exit_code != 0:
+            supervisor.say(outcome.summary)
+            return outcome.exit_code
+        if not os.path.exists(text_path):
+            supervisor.say(f"{args.script} exited without writing a plan; does it call "
+                           f"Job.from_env() and job.start(program)?")
+            return 1
+        with open(text_path) as text:
+            try:
+                plan = render_plan(text.read(), args.out)
+            except SplitrunError as exc:
+                supervisor.say(str(exc))
+                return 1
+    supervisor.say(f"plan written to {args.out}\n{plan.summary()}")
+    return 0
 
 
 def _join(args) -> int:
@@ -199,7 +258,9 @@ def _join(args) -> int:
         env[ENV.RANK] = str(args.rank)
     if args.advertise:
         env[ENV.ADVERTISE] = args.advertise
-    argv = [sys.executable, args.script, *args.script_args]
+    if args.threads_per_process is not None:
+        env.update(_thread_env(thread_budget(args.threads_per_process, 1)))
+    argv = _script_argv(args, die_with_launcher=False)
     os.execvpe(argv[0], argv, env)  # this process becomes the job's process
     return 1  # not reached
 

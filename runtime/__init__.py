@@ -1,6 +1,8 @@
 """Everything that happens while processes run: transports, mailbox, executor."""
 
 from .errors import (
+    CacheError,
+    CheckpointError,
     ClusterError,
     JobFinished,
     MessageRejected,
@@ -12,13 +14,16 @@ from .errors import (
 )
 from .executor import ChannelStats, Executor, ExecutorStats
 from .transport.grpc.transport import ExpectedChannel, GrpcSettings, GrpcTransport, expected_channels
-from .job import Job, JobSettings, Trainer
+from .job import Job, JobSettings, PlanWritten, Trainer
+from .process import ProcessRuntime
 from .transport.loopback import LoopbackHub, LoopbackTransport
 from .transport.mailbox import Mailbox
 from .threaded import ThreadedRun, run_threaded
 from .transport.protocol import MessageKey, Transport
 
 __all__ = [
+    "CacheError",
+    "CheckpointError",
     "ClusterError",
     "JobFinished",
     "MessageRejected",
@@ -36,6 +41,8 @@ __all__ = [
     "expected_channels",
     "Job",
     "JobSettings",
+    "PlanWritten",
+    "ProcessRuntime",
     "Trainer",
     "LoopbackHub",
     "LoopbackTransport",

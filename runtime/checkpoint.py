@@ -20,7 +20,7 @@ import torch
 from splitrun.splitter.labels import Label
 from splitrun.splitter.program import InputKind, Program
 
-from .errors import SplitrunError
+from .errors import CheckpointError
 from .transport.protocol import OUT_OF_PLAN
 
 __all__ = ["CONTROL_CHANNEL", "SAVE", "save_channel", "final_state_channel",
@@ -45,22 +45,20 @@ def to_checkpoint(program: Program, state: Mapping[str, torch.Tensor], step: int
                   info: Mapping[str, object] | None = None) -> dict:
     keys = [spec.key for spec in program.inputs
             if spec.kind in (InputKind.PARAM, InputKind.BUFFER)]
-    # Cached tables are not inputs of an embedding-cache plan's program.
-    keys += [table.key for table in program.extras.get("cache_tables", ())]
+    # Cached tables are not inputs of an embedding-cache split's program.
+    keys += [key for key in program.cached_tables if key not in keys]
     model = {key: state[key].detach().cpu() for key in keys}
     groups, opt_state, index = [], {}, 0
-    for group in program.extras.get("param_groups", []):
-        settings = {k: v for k, v in group.items()
-                    if k not in ("params", "state_names", "optimizer")}
+    for group in program.param_groups:
         indices = []
-        for name in group["params"]:
-            entry = {s: state[f"{name}.{s}"].detach().cpu() for s in group["state_names"]}
-            if group["optimizer"] in ("Adam", "AdamW", "Adagrad"):
+        for name in group.params:
+            entry = {s: state[f"{name}.{s}"].detach().cpu() for s in group.state_names}
+            if group.has_step_count:
                 entry["step"] = torch.tensor(float(step))
             opt_state[index] = entry
             indices.append(index)
             index += 1
-        groups.append({**settings, "params": indices})
+        groups.append({**group.settings, "params": indices})
     return {"model": model, "optimizer": {"state": opt_state, "param_groups": groups},
             "step": step, "splitrun": dict(info or {})}
 
@@ -70,28 +68,28 @@ def from_checkpoint(program: Program, checkpoint: Mapping) -> tuple[dict[str, to
     try:
         model, optimizer, step = checkpoint["model"], checkpoint["optimizer"], checkpoint["step"]
     except (KeyError, TypeError):
-        raise SplitrunError("not a splitrun checkpoint: expected keys 'model', 'optimizer' "
+        raise CheckpointError("not a splitrun checkpoint: expected keys 'model', 'optimizer' "
                             "and 'step'") from None
     state = dict(program.initial_state)
     missing = [s.key for s in program.inputs
                if s.kind in (InputKind.PARAM, InputKind.BUFFER) and s.key not in model]
     if missing:
-        raise SplitrunError(f"the checkpoint lacks {', '.join(missing[:5])}"
+        raise CheckpointError(f"the checkpoint lacks {', '.join(missing[:5])}"
                             f"{' ...' if len(missing) > 5 else ''}; was it saved from this model?")
     for spec in program.inputs:
         if spec.kind in (InputKind.PARAM, InputKind.BUFFER):
             value = model[spec.key]
             if value.shape != state[spec.key].shape:
-                raise SplitrunError(f"checkpoint {spec.key!r} has shape {list(value.shape)}, "
+                raise CheckpointError(f"checkpoint {spec.key!r} has shape {list(value.shape)}, "
                                     f"the model {list(state[spec.key].shape)}")
             state[spec.key] = value
     index = 0
-    for group in program.extras.get("param_groups", []):
-        for name in group["params"]:
+    for group in program.param_groups:
+        for name in group.params:
             entry = optimizer["state"].get(index, optimizer["state"].get(str(index), {}))
-            for state_name in group["state_names"]:
+            for state_name in group.state_names:
                 if state_name not in entry:
-                    raise SplitrunError(f"the checkpoint has no {state_name!r} for {name!r}; "
+                    raise CheckpointError(f"the checkpoint has no {state_name!r} for {name!r}; "
                                         f"was it saved with the same optimizer?")
                 state[f"{name}.{state_name}"] = entry[state_name]
             index += 1

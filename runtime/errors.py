@@ -1,4 +1,8 @@
-"""Errors raised while processes run. All derive from `SplitrunError`."""
+"""Errors raised while processes run. All derive from `SplitrunError`.
+
+`JobFinished` is the one exception here that is not an error: it is how a
+process that serves steps learns that the workers finished.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ __all__ = [
     "PeerFailed",
     "StepFailed",
     "ClusterError",
+    "CacheError",
+    "CheckpointError",
     "JobFinished",
 ]
 
@@ -38,12 +44,23 @@ class StepFailed(SplitrunError):
 
 
 class ClusterError(SplitrunError):
-    """Membership went wrong: registration refused, plan mismatch, lost process."""
+    """Membership went wrong: registration refused, plan mismatch, lost process,
+    an address that cannot be bound."""
 
 
-class JobFinished(SplitrunError):
-    """Not a failure: the workers finished, so the step being waited for will
-    never run. Ends a server's serving loop."""
+class CacheError(SplitrunError):
+    """An embedding table or cache that cannot be served as asked (too many
+    rows, an id outside its table, a cache too small for one batch)."""
+
+
+class CheckpointError(SplitrunError):
+    """A checkpoint that cannot be read into this job's model."""
+
+
+class JobFinished(Exception):  # noqa: N818 - a signal, named for what happened
+    """Not an error: the workers finished after `num_steps` steps, so the step
+    a serving process waits for will never run. It ends a server's serving
+    loop and is never reported as a failure."""
 
     def __init__(self, num_steps: int) -> None:
         super().__init__(f"the workers finished after {num_steps} steps")

@@ -112,15 +112,14 @@ def _binder(args, kwargs):
 class Executor:
     """Runs `label`'s subgraph of `plan`. Call `load_state`, then `run_step`."""
 
-    def __init__(self, plan: SplitPlan, label: Label, transport: Transport, *,
-                 program: Program | None = None, device: str | torch.device = "cpu",
-                 incarnation: int = 0, recv_timeout_s: float = 60.0,
+    def __init__(self, plan: SplitPlan, program: Program, label: Label, transport: Transport, *,
+                 device: str | torch.device = "cpu", incarnation: int = 0,
+                 recv_timeout_s: float = 60.0,
                  bindings: Mapping[Callable, Callable] | None = None) -> None:
-        """`bindings` implement marker ops of the graph with runtime objects
+        """`program`: the one the plan's node names refer to (`SplitProgram.program`).
+        `bindings` implement marker ops of the graph with runtime objects
         (the embedding cache binds `cached_lookup` and `cached_update`)."""
-        self.program = program or plan.program
-        if self.program is None:
-            raise SplitrunError("the executor needs the program the plan was split from")
+        self.program = program
         self.plan = plan
         self.label = label
         self.proc = plan.process(label)

@@ -14,58 +14,34 @@ report that they finished.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from splitrun.splitter.graph_splitter import split
+from splitrun.splitter.graph_splitter import SplitProgram, split_program
 from splitrun.splitter.labels import Cluster, Label, Role
 from splitrun.splitter.modes import Mode
 from splitrun.splitter.plan import ModeKind, SplitPlan
 from splitrun.splitter.program import Program
 
 from . import checkpoint
-from .embedding import protocol as embedding_protocol
-from .embedding.attach import CacheParts, attach_cache
-from .data import shard_batches
-from .errors import ClusterError, JobFinished, PeerFailed, SplitrunError
-from .executor import Executor
-from .transport.grpc.transport import ExpectedChannel, GrpcTransport, expected_channels
 from .cluster.membership import Heartbeat, SchedulerClient
+from .data import shard_batches
+from .embedding import protocol as embedding_protocol
+from .embedding.attach import cached_tables_of
+from .env import ENV, ProcessEnvironment
+from .errors import ClusterError, JobFinished, PeerFailed, SplitrunError
+from .process import ProcessRuntime
 from .progress import Progress
+from .transport.grpc.transport import ExpectedChannel, GrpcTransport, expected_channels
 from .transport.protocol import MessageKey
 
-__all__ = ["Job", "Trainer", "JobSettings", "ENV"]
+__all__ = ["Job", "Trainer", "JobSettings", "ENV", "PlanWritten"]
 
 logger = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-
-
-class ENV:
-    """Environment variables `splitrun launch` and `splitrun join` set."""
-
-    SCHEDULER = "SPLITRUN_SCHEDULER"      # host:port of the scheduler
-    TOKEN = "SPLITRUN_TOKEN"              # the job's secret; every call carries it
-    ROLE = "SPLITRUN_ROLE"                # worker | server
-    RANK = "SPLITRUN_RANK"                # optional: the rank to ask for
-    DEVICE = "SPLITRUN_DEVICE"            # cpu | cuda | auto
-    HOST = "SPLITRUN_HOST"                # interface this process's tensor server binds
-    ADVERTISE = "SPLITRUN_ADVERTISE"      # name peers use to reach it (default: HOST)
-    RECV_TIMEOUT_S = "SPLITRUN_RECV_TIMEOUT_S"
-    IDLE_TIMEOUT_S = "SPLITRUN_IDLE_TIMEOUT_S"
-    HEARTBEAT_TIMEOUT_S = "SPLITRUN_HEARTBEAT_TIMEOUT_S"
-    LOG_LEVEL = "SPLITRUN_LOG_LEVEL"
-    PLAN_OUT = "SPLITRUN_PLAN_OUT"        # `splitrun plan`: write the plan here and exit
-    NUM_WORKERS = "SPLITRUN_NUM_WORKERS"  # cluster size for `splitrun plan`
-    NUM_SERVERS = "SPLITRUN_NUM_SERVERS"
-    LAUNCHER_PID = "SPLITRUN_LAUNCHER_PID"  # die with this process (set by launch)
 
 
 @dataclass(frozen=True)
@@ -84,49 +60,34 @@ class JobSettings:
     finish_timeout_s: float = 120.0
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> JobSettings:
-        def number(key: str, default: float) -> float:
-            text = environ.get(key)
-            try:
-                return default if text is None else float(text)
-            except ValueError:
-                raise ClusterError(f"{key}={text!r} is not a number of seconds") from None
-        return cls(recv_timeout_s=number(ENV.RECV_TIMEOUT_S, cls.recv_timeout_s),
-                   idle_timeout_s=number(ENV.IDLE_TIMEOUT_S, cls.idle_timeout_s),
-                   heartbeat_timeout_s=number(ENV.HEARTBEAT_TIMEOUT_S, cls.heartbeat_timeout_s))
+    def from_environment(cls, env: ProcessEnvironment) -> JobSettings:
+        def given(value: float | None, default: float) -> float:
+            return default if value is None else value
+        return cls(recv_timeout_s=given(env.recv_timeout_s, cls.recv_timeout_s),
+                   idle_timeout_s=given(env.idle_timeout_s, cls.idle_timeout_s),
+                   heartbeat_timeout_s=given(env.heartbeat_timeout_s, cls.heartbeat_timeout_s))
 
 
-def _pick_device(text: str) -> torch.device:
+class PlanWritten(BaseException):  # noqa: N818 - a signal, named for what happened
+    """Not an error: under `splitrun plan`, `Job.start()` wrote the plan and the
+    script has nothing more to do. Like `SystemExit` it is not an `Exception`
+    (a script's `except Exception` does not catch it); the launcher's bootstrap
+    ends the process with status 0 on it."""
+
+
+def pick_device(text: str) -> torch.device:
+    """`auto`: CUDA where there is a device, else the CPU."""
     if text in ("", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(text)
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ClusterError(f"{ENV.DEVICE}={text!r} is not a device; use cpu, cuda, "
+                           f"cuda:N or auto") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ClusterError(f"{ENV.DEVICE}={text} but this machine has no CUDA device; "
                            f"launch with --device cpu")
     return device
-
-
-def _die_with_launcher(environ: Mapping[str, str]) -> None:
-    """Under `splitrun launch`, make the kernel kill this process if the
-    launcher dies (Linux), so no process outlives it."""
-    pid = environ.get(ENV.LAUNCHER_PID)
-    if not pid or not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        return  # the heartbeat timeout stops an orphan instead
-    if os.getppid() != int(pid):
-        raise ClusterError(f"the launcher (pid {pid}) is gone; not starting")
-
-
-def _configure_logging(environ: Mapping[str, str]) -> None:
-    """The launcher asks its children to log at a level; set it up once."""
-    level = environ.get(ENV.LOG_LEVEL)
-    if level and not logging.getLogger().handlers:
-        logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                            format="%(levelname)s %(name)s: %(message)s")
 
 
 class Job:
@@ -156,41 +117,28 @@ class Job:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Job:
         """Join the job `splitrun launch` or `splitrun join` started this process in."""
-        environ = os.environ if environ is None else environ
-        _configure_logging(environ)
-        _die_with_launcher(environ)
-        settings = JobSettings.from_env(environ)
-        device = _pick_device(environ.get(ENV.DEVICE, "auto"))
-        if environ.get(ENV.PLAN_OUT):
-            cluster = Cluster(int(environ.get(ENV.NUM_WORKERS, "1")),
-                              int(environ.get(ENV.NUM_SERVERS, "0")))
-            return cls(Label.worker(0), cluster, device, settings,
-                       plan_out=environ[ENV.PLAN_OUT])
-        address = environ.get(ENV.SCHEDULER)
-        if not address:
-            raise ClusterError(
-                f"{ENV.SCHEDULER} is not set: this script joins a splitrun job; start it "
-                f"with `splitrun launch --workers N {sys.argv[0]}` or `splitrun join "
-                f"--scheduler HOST:PORT {sys.argv[0]}`")
-        role = Role.parse(environ.get(ENV.ROLE, "worker"))
-        rank_text = environ.get(ENV.RANK, "")
-        rank = int(rank_text) if rank_text not in ("", "-1") else None
-        token = environ.get(ENV.TOKEN, "")
-        host = environ.get(ENV.HOST, "127.0.0.1")
-        advertise = environ.get(ENV.ADVERTISE) or host
-        client = SchedulerClient(address, token)
+        env = ProcessEnvironment.parse(os.environ if environ is None else environ)
+        if env.threads is not None:
+            torch.set_num_threads(env.threads)
+        settings = JobSettings.from_environment(env)
+        device = pick_device(env.device)
+        if env.plan_out is not None:
+            return cls(Label.worker(0), env.plan_cluster, device, settings,
+                       plan_out=env.plan_out)
+        client = SchedulerClient(env.scheduler, env.token)
         # The tensor server starts before registering: its address is part of
         # the registration. Its label is provisional until the scheduler assigns
         # the rank.
-        provisional = Label(rank or 0, role)
-        transport = GrpcTransport(provisional, token=token, incarnation=0, host=host, port=0)
+        provisional = Label(env.rank or 0, env.role)
+        transport = GrpcTransport(provisional, token=env.token, incarnation=0, host=env.host,
+                                  port=0)
         bound = transport.start()
         port = bound.rsplit(":", 1)[1]
-        registration = client.register(role, rank, f"{advertise}:{port}")
+        registration = client.register(env.role, env.rank, f"{env.advertise}:{port}")
         transport.set_identity(registration.label, registration.incarnation)
-        logger.info("joined as %s of %s (incarnation %d, device %s)",
+        logger.info("joined as %s of %s (incarnation %d, device %s, %d threads)",
                     registration.label.describe(), registration.cluster,
-                    registration.incarnation, device)
+                    registration.incarnation, device, torch.get_num_threads())
         return cls(registration.label, registration.cluster, device, settings,
                    client=client, transport=transport, incarnation=registration.incarnation,
                    heartbeat_interval_s=registration.heartbeat_interval_s)
@@ -227,6 +175,11 @@ class Job:
         if self.transport is not None:
             self.transport.finish_at(num_steps)
 
+    def report_progress(self, steps_done: int) -> None:
+        """Tell the scheduler (with the next heartbeat) how far this process got."""
+        if self._heartbeat is not None:
+            self._heartbeat.report_step(steps_done)
+
     # -- running --
 
     def start(self, program: Program, mode: Mode | None = None, *,
@@ -240,39 +193,37 @@ class Job:
         checkpoint written by `Trainer.save` (any number of servers) to start
         from; training continues at its step.
         """
-        plan = split(program, self.cluster, mode)
-        plan.lint()
+        split = split_program(program, self.cluster, mode)
+        split.lint()
         if self.plan_out is not None:
-            _write_plan(plan, self.plan_out)
-            raise SystemExit(0)
+            with open(self.plan_out, "w") as out:
+                out.write(split.plan.to_text())
+            logger.info("plan written to %s\n%s", self.plan_out, split.plan.summary())
+            raise PlanWritten()
+        plan = split.plan
         summary = plan.summary().splitlines()[0]
         self.client.submit_plan(self.label, plan.fingerprint, summary)
         peers = self.client.wait_for_peers(self.label, self.settings.register_timeout_s)
         self.transport.set_peers({label: address for label, address in peers.items()
                                   if label != self.label})
-        expected = expected_channels(plan, plan.program, self.label)
-        expected.update(_control_channels(plan, plan.program or program, self.label))
-        expected.update(_embedding_channels(plan, self.label))
+        expected = expected_channels(plan, split.program, self.label)
+        expected.update(_control_channels(plan, split.program, self.label))
+        expected.update(_embedding_channels(split, self.label))
         state, first_step = program.initial_state, 0
         if resume is not None:
             state, first_step = checkpoint.from_checkpoint(
                 program, checkpoint.read_checkpoint(resume))
             logger.info("[%s] resuming from %s at step %d", self.label.describe(), resume,
                         first_step)
-        # The embedding store must take its requests before any can arrive,
-        # i.e. before `expect` lets the plan's messages in.
-        caches = attach_cache(plan, self.label, self.transport, self.incarnation, state=state,
-                              device=self.device, first_step=first_step,
-                              timeout_s=self.settings.recv_timeout_s)
+        process = ProcessRuntime(split, self.label, self.transport,
+                                 incarnation=self.incarnation, device=self.device, state=state,
+                                 first_step=first_step,
+                                 recv_timeout_s=self.settings.recv_timeout_s)
+        # The plan's messages are let in only now that the process is assembled.
         self.transport.expect(expected)
-        executor = Executor(plan, self.label, self.transport, program=plan.program,
-                            device=self.device, incarnation=self.incarnation,
-                            recv_timeout_s=self.settings.recv_timeout_s,
-                            bindings=caches.bindings)
-        executor.load_state(state)
         logger.info("[%s] plan %s: %s", self.label.describe(), plan.fingerprint, summary)
-        return Trainer(self, plan, plan.program, executor, gather_state=gather_state,
-                       num_steps=num_steps, first_step=first_step, caches=caches)
+        return Trainer(self, split, process, gather_state=gather_state, num_steps=num_steps,
+                       first_step=first_step)
 
     def report_failure(self, error: BaseException) -> None:
         if self.client is None or isinstance(error, (PeerFailed, JobFinished)):
@@ -295,44 +246,35 @@ class Job:
 class Trainer:
     """Runs this process's share of the split step."""
 
-    def __init__(self, job: Job, plan: SplitPlan, program: Program, executor: Executor, *,
-                 gather_state: bool, num_steps: int | None, first_step: int = 0,
-                 caches: CacheParts | None = None) -> None:
+    def __init__(self, job: Job, split: SplitProgram, process: ProcessRuntime, *,
+                 gather_state: bool, num_steps: int | None, first_step: int = 0) -> None:
         self.job = job
-        self.plan = plan
-        self.program = program
-        self.executor = executor
+        self.split = split
+        self.process = process
         self.gather_state = gather_state
         self.steps_done = first_step
         self.final_state: dict[str, torch.Tensor] | None = None
-        self.caches = caches or CacheParts()
         self._progress = Progress(num_steps, enabled=job.is_driver)
         self._finished = False
 
     @property
+    def plan(self) -> SplitPlan:
+        return self.split.plan
+
+    @property
+    def program(self) -> Program:
+        """The program this process runs (the mode's rewrite of the captured one)."""
+        return self.split.program
+
+    @property
     def stats(self):
-        return self.executor.stats
+        return self.process.stats
 
     @property
     def cache_counters(self) -> dict[str, dict]:
         """Embedding-cache mode: per table, lookups, unique ids, hits, misses,
         evictions and bytes pulled and pushed (totals and the last step's)."""
-        client = self.caches.client
-        return {} if client is None else client.counters
-
-    def _feeds(self, batch) -> dict[str, torch.Tensor]:
-        if isinstance(batch, Mapping):
-            feeds = dict(batch)
-        elif isinstance(batch, torch.Tensor):
-            feeds = {"batch.0": batch}
-        elif isinstance(batch, Sequence):
-            feeds = {f"batch.{i}": t for i, t in enumerate(batch)}
-        else:
-            raise SplitrunError(
-                f"step() takes the batch as a tensor, a sequence of tensors or a dict "
-                f"of feeds, got {type(batch).__name__}")
-        feeds.update(self.program.hparams(self.steps_done))
-        return feeds
+        return self.process.cache_counters
 
     def run(self, batches):
         """Step through `batches`, yielding each step's outputs; each step also
@@ -352,23 +294,21 @@ class Trainer:
             raise SplitrunError(
                 f"[{self.job.label.describe()}] servers do not run the training loop; "
                 f"call trainer.finish() on servers (it serves steps until the workers "
-                f"finish), or loop over job.shard(batches), which is empty on servers")
+                f"finish), or loop over trainer.shard(batches), which is empty on servers")
         if self._finished:
             raise SplitrunError("step() after finish()")
-        client = self.caches.client
-        if client is not None:
-            client.step = self.steps_done
-            client.next_feeds = None if next_batch is None else self._feeds(next_batch)
         try:
-            outputs = self.executor.run_step(self.steps_done, self._feeds(batch))
+            outputs = self.process.run_step(
+                self.steps_done, _feeds_of(batch),
+                None if next_batch is None else _feeds_of(next_batch))
         except BaseException as exc:
             self.job.report_failure(exc)
             raise
         self.steps_done += 1
-        if self.job._heartbeat is not None:
-            self.job._heartbeat.step = self.steps_done
+        self.job.report_progress(self.steps_done)
         loss = outputs.get("loss")
-        extra = "" if client is None else f"hit rate {client.hit_rate():.3f}"
+        hit_rate = self.process.cache_hit_rate()
+        extra = "" if hit_rate is None else f"hit rate {hit_rate:.3f}"
         self._progress.update(self.steps_done - 1, None if loss is None else loss.item(), extra)
         return outputs
 
@@ -385,9 +325,11 @@ class Trainer:
     def save(self, path: str | os.PathLike) -> None:
         """Write a checkpoint of the whole job's state after the steps done so
         far. Every worker calls it at the same point of its loop; servers answer
-        between steps; worker 0 writes the file."""
+        between steps; worker 0 writes the file. (Servers, which have no loop,
+        must not call it.)"""
         if not self.job.is_worker:
-            raise SplitrunError("save() is called by the workers; servers answer it")
+            raise SplitrunError("save() is called by the workers; servers answer it between "
+                                "steps (guard it with `if job.is_worker:`)")
         job, step = self.job, self.steps_done
         if not job.is_driver:
             self._send_state(checkpoint.save_channel(job.label), step)
@@ -398,8 +340,7 @@ class Trainer:
                 job.transport.send(proc.label, MessageKey(job.incarnation, step,
                                                           checkpoint.CONTROL_CHANNEL), command)
         state = self._collect_state(checkpoint.save_channel, step)
-        if self.caches.client is not None:  # dirty rows go back, then the tables come
-            state.update(self.caches.client.dump(step))
+        state.update(self.process.dump_tables(step))  # dirty rows go back, then the tables
         info = {"cluster": str(job.cluster), "plan": self.plan.fingerprint}
         checkpoint.write_checkpoint(checkpoint.to_checkpoint(self.program, state, step, info),
                                     path)
@@ -407,15 +348,15 @@ class Trainer:
                     path)
 
     def _send_state(self, channel: str, step: int) -> None:
-        keys = self.plan.process(self.job.label).state
+        keys = self.process.state_keys
         if keys:
-            tensors = [self.executor.state[k].detach().cpu() for k in keys]
+            tensors = [self.process.state[k].detach().cpu() for k in keys]
             self.job.transport.send(Label.worker(0), MessageKey(self.job.incarnation, step,
                                                                channel), tensors)
 
     def _collect_state(self, channel_of, step: int) -> dict[str, torch.Tensor]:
         """Worker 0: its own state and every other owner's, sent on `channel_of(owner)`."""
-        state = {k: v.detach().cpu() for k, v in self.executor.state.items()}
+        state = {k: v.detach().cpu() for k, v in self.process.state.items()}
         for proc in self.plan.processes:
             if proc.label == self.job.label or not proc.state:
                 continue
@@ -439,17 +380,16 @@ class Trainer:
         settings = self.job.settings
         while True:
             try:
-                self.executor.run_step(self.steps_done, {},
-                                       first_recv_timeout_s=settings.idle_timeout_s,
-                                       control=(checkpoint.CONTROL_CHANNEL, self._on_control))
+                self.process.serve_step(self.steps_done,
+                                        first_recv_timeout_s=settings.idle_timeout_s,
+                                        control=(checkpoint.CONTROL_CHANNEL, self._on_control))
             except JobFinished:
                 return
             except BaseException as exc:
                 self.job.report_failure(exc)
                 raise
             self.steps_done += 1
-            if self.job._heartbeat is not None:
-                self.job._heartbeat.step = self.steps_done
+            self.job.report_progress(self.steps_done)
 
     def finish(self) -> dict[str, torch.Tensor] | None:
         """End training on this process and leave the job.
@@ -480,7 +420,7 @@ class Trainer:
             raise
         finally:
             elapsed = self._progress.close()
-            stats = self.executor.stats
+            stats = self.process.stats
             logger.info("[%s] %d steps in %.2f s; sent %d B in %d messages, received %d B; "
                         "waited %.2f s in receives", job.label.describe(), self.steps_done,
                         elapsed, stats.bytes_sent, stats.messages_sent, stats.bytes_received,
@@ -488,21 +428,32 @@ class Trainer:
             for table, counters in self.cache_counters.items():
                 logger.info("[%s] cache %s: %s", job.label.describe(), table,
                             {k: v for k, v in counters.items() if k != "last_step"})
-            self.caches.close()
+            self.process.close()
             job.close()
         return self.final_state
 
     def _gather_state(self) -> None:
-        client = self.caches.client
         if self.job.is_driver:
             self.final_state = self._collect_state(checkpoint.final_state_channel,
                                                    self.steps_done)
-            if client is not None:
-                self.final_state.update(client.dump(self.steps_done))
+            self.final_state.update(self.process.dump_tables(self.steps_done))
         else:
             self._send_state(checkpoint.final_state_channel(self.job.label), self.steps_done)
-            if client is not None:
-                client.drain_prefetch()
+            self.process.drain_prefetch()
+
+
+def _feeds_of(batch) -> dict[str, torch.Tensor]:
+    """A batch as feeds: a dict as given, a tensor as `batch.0`, a sequence as
+    `batch.0`, `batch.1`, ... (the names capture gives the batch inputs)."""
+    if isinstance(batch, Mapping):
+        return dict(batch)
+    if isinstance(batch, torch.Tensor):
+        return {"batch.0": batch}
+    if isinstance(batch, Sequence):
+        return {f"batch.{i}": t for i, t in enumerate(batch)}
+    raise SplitrunError(
+        f"step() takes the batch as a tensor, a sequence of tensors or a dict "
+        f"of feeds, got {type(batch).__name__}")
 
 
 def _control_channels(plan: SplitPlan, program: Program, me: Label
@@ -527,33 +478,14 @@ def _control_channels(plan: SplitPlan, program: Program, me: Label
     return channels
 
 
-def _embedding_channels(plan: SplitPlan, me: Label) -> dict[str, ExpectedChannel]:
+def _embedding_channels(split: SplitProgram, me: Label) -> dict[str, ExpectedChannel]:
     """Embedding-cache mode: workers' requests to servers and the replies; their
     sizes change every step, so only the sender is checked."""
-    if not (plan.program.extras or {}).get("cache_tables"):
+    if cached_tables_of(split) is None:
         return {}
+    labels = split.plan.labels
     if me.role is Role.WORKER:
         return {embedding_protocol.reply_channel(server): ExpectedChannel(server, None)
-                for server in plan.labels if server.role is Role.SERVER}
+                for server in labels if server.role is Role.SERVER}
     return {embedding_protocol.request_channel(worker): ExpectedChannel(worker, None)
-            for worker in plan.labels if worker.role is Role.WORKER}
-
-
-def _write_plan(plan: SplitPlan, path: str) -> None:
-    """`splitrun plan`: the plan as DOT, SVG (with graphviz) or text, by suffix."""
-    import shutil
-    import subprocess
-
-    if path.endswith(".svg"):
-        dot = shutil.which("dot")
-        if dot is None:
-            raise ClusterError("writing .svg needs graphviz's `dot` on PATH; write .dot instead")
-        subprocess.run([dot, "-Tsvg", "-o", path], input=plan.to_dot(), text=True,
-                       check=True, timeout=120)
-    elif path.endswith(".txt"):
-        with open(path, "w") as out:
-            out.write(plan.to_text())
-    else:
-        with open(path, "w") as out:
-            out.write(plan.to_dot())
-    logger.info("plan written to %s\n%s", path, plan.summary())
+            for worker in labels if worker.role is Role.WORKER}

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label, Role
-from splitrun.splitter.plan import ModeKind, SplitPlan
-from splitrun.splitter.program import Program
+from splitrun.splitter.plan import ModeKind
 
-from .embedding.attach import attach_cache
 from .data import shard_batch
 from .errors import PeerFailed, SplitrunError
-from .executor import Executor, ExecutorStats
+from .executor import ExecutorStats
+from .process import ProcessRuntime
 from .transport.loopback import LoopbackHub
 
 __all__ = ["run_threaded", "ThreadedRun"]
@@ -38,73 +38,57 @@ class ThreadedRun:
     cache_counters: dict[Label, dict] = field(default_factory=dict)  # per worker, per table
 
 
-def run_threaded(plan: SplitPlan, num_steps: int,
+def run_threaded(split: SplitProgram, num_steps: int,
                  batches: Callable[[int], Mapping[str, torch.Tensor]], *,
-                 state: Mapping[str, torch.Tensor] | None = None,
-                 program: Program | None = None, recv_timeout_s: float = 30.0,
+                 state: Mapping[str, torch.Tensor] | None = None, recv_timeout_s: float = 30.0,
                  device: str = "cpu") -> ThreadedRun:
-    """Train `num_steps` steps of the split program; `batches(step)` gives the
-    global batch's feeds, the program's optimizer the hyperparameters.
+    """Train `num_steps` steps of `split` (from `split_program`); `batches(step)`
+    gives the global batch's feeds, the program's optimizer the hyperparameters.
 
-    In parameter-server mode each worker gets its shard of the global batch,
-    as `Trainer.shard` gives it in a real job.
+    In parameter-server and embedding-cache modes each worker gets its shard of
+    the global batch, as `Trainer.shard` gives it in a real job.
     """
-    program = program or plan.program
-    state = program.initial_state if state is None else state
+    plan = split.plan
     hub = LoopbackHub(plan.labels)
-    caches = {label: attach_cache(plan, label, hub.transport(label), 0, state=state,
-                                  device=device, timeout_s=recv_timeout_s)
-              for label in plan.labels}
-    executors = {label: Executor(plan, label, hub.transport(label), program=program,
-                                 device=device, recv_timeout_s=recv_timeout_s,
-                                 bindings=caches[label].bindings)
+    processes = {label: ProcessRuntime(split, label, hub.transport(label), device=device,
+                                       state=state, recv_timeout_s=recv_timeout_s)
                  for label in plan.labels}
-    for executor in executors.values():
-        executor.load_state(state)
     dumped: dict[str, torch.Tensor] = {}
     history: list[dict[str, torch.Tensor]] = [{} for _ in range(num_steps)]
     failures: list[tuple[Label, BaseException]] = []
     lock = threading.Lock()
-
     sharded = plan.mode in (ModeKind.PARAMETER_SERVER, ModeKind.EMBEDDING_CACHE)
 
-    def feeds_for(label: Label, step: int) -> dict[str, torch.Tensor]:
-        if label.role is not Role.WORKER:
-            return program.hparams(step)
+    def batch_for(label: Label, step: int) -> Mapping[str, torch.Tensor] | None:
+        if label.role is not Role.WORKER or step >= num_steps:
+            return None
         batch = batches(step)
-        if sharded:
-            batch = shard_batch(batch, label.rank, plan.cluster.num_workers)
-        return {**batch, **program.hparams(step)}
+        return shard_batch(batch, label.rank, plan.cluster.num_workers) if sharded else batch
 
-    def work(label: Label, executor: Executor) -> None:
-        client = caches[label].client
+    def work(label: Label, process: ProcessRuntime) -> None:
         try:
             for step in range(num_steps):
-                feeds = feeds_for(label, step)
-                if client is not None:
-                    client.step = step
-                    client.next_feeds = feeds_for(label, step + 1) if step + 1 < num_steps \
-                        else None
-                outputs = executor.run_step(step, feeds)
+                outputs = process.run_step(step, batch_for(label, step),
+                                           next_batch=batch_for(label, step + 1))
                 with lock:
                     history[step].update(outputs)
-            if client is not None and label == Label.worker(0):
-                dumped.update(client.dump(num_steps))  # the whole tables, from the servers
+            if label == Label.worker(0):
+                dumped.update(process.dump_tables(num_steps))  # the whole tables
         except BaseException as exc:  # noqa: BLE001 - reported to the caller below
             with lock:
                 failures.append((label, exc))
             if not isinstance(exc, PeerFailed):
                 hub.abort(PeerFailed(f"stopped because {label.describe()} failed: {exc}"))
 
-    threads = [threading.Thread(target=work, args=(label, ex), name=f"splitrun-{label}",
+    threads = [threading.Thread(target=work, args=(label, process), name=f"splitrun-{label}",
                                 daemon=True)
-               for label, ex in executors.items()]
+               for label, process in processes.items()]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=num_steps * recv_timeout_s + _JOIN_GRACE_S)
-    for parts in caches.values():
-        parts.close()
+    for process in processes.values():
+        process.close()
     stuck = [t.name for t in threads if t.is_alive()]
     if stuck:
         raise SplitrunError(f"threads {', '.join(stuck)} did not finish; a step hangs")
@@ -112,9 +96,9 @@ def run_threaded(plan: SplitPlan, num_steps: int,
         original = [f for f in failures if not isinstance(f[1], PeerFailed)] or failures
         raise original[0][1]
     final_state: dict[str, torch.Tensor] = dict(dumped)
-    for executor in executors.values():
-        final_state.update(executor.state)
-    counters = {label: parts.client.counters for label, parts in caches.items()
-                if parts.client is not None}
-    return ThreadedRun(history, final_state, {l: e.stats for l, e in executors.items()},
-                       counters)
+    for process in processes.values():
+        final_state.update(process.state)
+    counters = {label: process.cache_counters for label, process in processes.items()
+                if process.has_cache}
+    return ThreadedRun(history, final_state,
+                       {label: process.stats for label, process in processes.items()}, counters)

@@ -4,10 +4,10 @@ functional optimizers, the GraphSplitter and its modes, and the SplitPlan."""
 from . import optim
 from .capture import capture
 from .errors import CaptureError, LabelError, PlanError, PlanParseError, SplitrunError
-from .graph_splitter import GraphSplitter, split
+from .graph_splitter import GraphSplitter, SplitProgram, split, split_program
 from .labels import ANY_SERVER, Cluster, Label, Role, place, placement_of, region
-from .modes import GeneralMode, Mode
-from .ps_mode import ParameterServerMode
+from .modes import GeneralMode, Mode, ModeArtifacts
+from .ps_mode import ParameterServerMode, ServerAssignment
 from .plan import (
     Channel,
     ChannelKind,
@@ -19,7 +19,7 @@ from .plan import (
     ProcessPlan,
     SplitPlan,
 )
-from .program import InputKind, InputSpec, OutputKind, OutputSpec, Program
+from .program import InputKind, InputSpec, OutputKind, OutputSpec, ParamGroup, Program
 
 __all__ = [
     "optim",
@@ -30,7 +30,9 @@ __all__ = [
     "PlanError",
     "PlanParseError",
     "GraphSplitter",
+    "SplitProgram",
     "split",
+    "split_program",
     "ANY_SERVER",
     "Cluster",
     "Label",
@@ -40,7 +42,9 @@ __all__ = [
     "region",
     "Mode",
     "GeneralMode",
+    "ModeArtifacts",
     "ParameterServerMode",
+    "ServerAssignment",
     "Channel",
     "ChannelKind",
     "ControlEdge",
@@ -54,5 +58,6 @@ __all__ = [
     "InputSpec",
     "OutputKind",
     "OutputSpec",
+    "ParamGroup",
     "Program",
 ]

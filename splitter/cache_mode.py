@@ -19,114 +19,54 @@ parameter-server mode) and a cached row is refreshed once older than
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
-from torch import fx, nn
+from torch import fx
 
-from .errors import CaptureError, PlanError
+from .cached_tables import (
+    CachedTable,
+    CacheSettings,
+    EvictionPolicy,
+    cached_lookup,
+    cached_update,
+    place_embedding_cache,
+)
+from .errors import PlanError
 from .labels import Cluster
 from .plan import ModeKind
 from .program import InputKind, OutputKind, Program
-from .ps_mode import ParameterServerMode
+from .ps_mode import ParameterServerMode, ServerAssignment
 from .sparse_optim import ROW_WISE_UPDATES, sparse_adagrad, sparse_sgd
 
-__all__ = ["EvictionPolicy", "CacheSettings", "CachedTable", "place_embedding_cache",
-           "cache_settings_of", "cached_lookup", "cached_update", "EmbeddingCacheMode"]
-
-_CACHE_ATTR = "_splitrun_cache"
 _aten = torch.ops.aten
 
+# The table marks and types live in cached_tables; re-exported here, where
+# users of this mode look for them.
+__all__ = ["EmbeddingCacheMode", "CacheArtifacts", "EvictionPolicy", "CacheSettings",
+           "CachedTable", "place_embedding_cache"]
 
-class EvictionPolicy(Enum):
-    LRU = "lru"   # evict the rows used longest ago
-    LFU = "lfu"   # evict the rows looked up least often (counted over the whole run)
-    # No caching: every batch pulls all its rows and every gradient goes to the
-    # servers (plain parameter-server lookups); cache_rows is the batch buffer.
-    NONE = "none"
-
-
-@dataclass(frozen=True)
-class CacheSettings:
-    cache_rows: int
-    policy: EvictionPolicy = EvictionPolicy.LRU
-    # With several workers: a cached row is re-read from its server once it
-    # is older than this many steps (0: every step, exactly parameter-server mode).
-    max_staleness: int = 0
-
-    def write_back(self, num_workers: int) -> bool:
-        """One worker caching rows owns them while cached: updates stay in the
-        cache until the row goes back. Otherwise gradients go to the servers."""
-        return num_workers == 1 and self.policy is not EvictionPolicy.NONE
-
-    def __post_init__(self) -> None:
-        if self.cache_rows < 1:
-            raise CaptureError(f"cache_rows must be >= 1, got {self.cache_rows}")
-        if self.max_staleness < 0:
-            raise CaptureError(f"max_staleness must be >= 0, got {self.max_staleness}")
-
-
-@dataclass(frozen=True)
-class CachedTable:
-    """One cached table as the runtime sees it."""
-
-    key: str                      # the table's parameter name, e.g. "tables.0.weight"
-    num_rows: int
-    dim: int
-    dtype: torch.dtype
-    settings: CacheSettings
-    optimizer: str                # "sgd" or "adagrad"
-    optimizer_settings: dict      # keyword settings of the row-wise update
-    state_names: tuple[str, ...]  # per-row optimizer state ("sum" for Adagrad)
-    ids_feed: str | None          # the batch input its ids come from, for prefetch
-
-
-def place_embedding_cache(modules, *, cache_rows: int, policy: EvictionPolicy | str = "lru",
-                          max_staleness: int = 0):
-    """Keep these `nn.Embedding` tables on the servers and cache `cache_rows`
-    rows of each on every worker. `modules`: one embedding, or an iterable of
-    them (an `nn.ModuleList` of tables)."""
-    settings = CacheSettings(cache_rows, EvictionPolicy(policy) if isinstance(policy, str)
-                             else policy, max_staleness)
-    tables = [modules] if isinstance(modules, nn.Module) and not isinstance(
-        modules, (nn.ModuleList, nn.ModuleDict)) else list(
-        modules.values() if isinstance(modules, nn.ModuleDict) else modules)
-    for table in tables:
-        if not isinstance(table, nn.Embedding):
-            raise CaptureError(f"place_embedding_cache takes nn.Embedding tables, got "
-                               f"{type(table).__name__}")
-        if table.padding_idx is not None or table.max_norm is not None:
-            raise CaptureError("cached tables cannot use padding_idx or max_norm")
-        setattr(table, _CACHE_ATTR, settings)
-    return modules
-
-
-def cache_settings_of(module: nn.Module) -> CacheSettings | None:
-    return getattr(module, _CACHE_ATTR, None)
-
-
-def cached_lookup(ids: torch.Tensor, *, table: str) -> torch.Tensor:
-    """Rows of `table` for `ids`, from the worker's cache (bound by the runtime)."""
-    raise PlanError(f"cached_lookup of table {table!r} ran without an embedding cache; "
-                    f"run the program through splitrun's runtime in embedding-cache mode")
-
-
-def cached_update(indices: torch.Tensor, values: torch.Tensor, lr: torch.Tensor,
-                  step: torch.Tensor, *, table: str) -> None:
-    """Hands `table`'s sparse gradient to the worker's cache (bound by the runtime)."""
-    raise PlanError(f"cached_update of table {table!r} ran without an embedding cache")
-
-
-CACHE_OPS = frozenset({cached_lookup, cached_update})
 _ROW_WISE = {sparse_sgd: "sgd", sparse_adagrad: "adagrad"}
+
+
+@dataclass(frozen=True)
+class CacheArtifacts(ServerAssignment):
+    """Parameter-server facts for the dense parameters, plus the cached tables
+    (taken out of the graph) and their starting values (with their row-wise
+    optimizer state), which the servers load unless a checkpoint gives others."""
+
+    tables: tuple[CachedTable, ...] = ()
+    initial: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 class EmbeddingCacheMode(ParameterServerMode):
     kind = ModeKind.EMBEDDING_CACHE
 
-    def prebuild(self, program: Program, cluster: Cluster) -> Program:
-        cached = program.extras.get("cached_tables")
+    def prebuild(self, program: Program, cluster: Cluster
+                 ) -> tuple[Program, CacheArtifacts]:
+        cached = program.cached_tables
         if not cached:
             raise PlanError("embedding-cache mode found no cached table; mark tables with "
                             "place_embedding_cache(model.tables, cache_rows=...) before capture")
@@ -148,12 +88,15 @@ class EmbeddingCacheMode(ParameterServerMode):
         initial = {k: v for k, v in program.initial_state.items() if k not in removed_inputs}
         # The tables start on the servers from these (or from a checkpoint).
         tables_initial = {k: program.initial_state[k] for k in removed_inputs}
-        extras = dict(program.extras, cache_tables=tables, cache_initial=tables_initial)
-        rewritten = Program(
-            fx.GraphModule(program.graph_module, graph, class_name="EmbeddingCacheStep"),
-            tuple(s for s in program.inputs if s.key not in removed_inputs),
-            tuple(spec for spec, _ in outputs), initial, program.hparams_fn, extras)
-        return super().prebuild(rewritten, cluster)
+        rewritten = dataclasses.replace(
+            program,
+            graph_module=fx.GraphModule(program.graph_module, graph,
+                                        class_name="EmbeddingCacheStep"),
+            inputs=tuple(s for s in program.inputs if s.key not in removed_inputs),
+            outputs=tuple(spec for spec, _ in outputs), initial_state=initial)
+        rewritten, servers = super().prebuild(rewritten, cluster)
+        return rewritten, CacheArtifacts(servers.owner, servers.slots, tuple(tables),
+                                         tables_initial)
 
     def _take_table(self, program, graph, nodes, key, settings) -> CachedTable:
         spec = program.input_for_key(key)

@@ -32,7 +32,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.nn.utils.stateless import _reparametrize_module
 
 from . import optim
-from .cache_mode import cache_settings_of
+from .cached_tables import cache_settings_of
 from .errors import CaptureError
 from .sparse_optim import ROW_WISE_UPDATES, sparse_update_for
 from .labels import LABEL_ANNOTATION, MODULE_ANNOTATION, placement_of
@@ -41,6 +41,7 @@ from .program import (
     InputSpec,
     OutputKind,
     OutputSpec,
+    ParamGroup,
     Program,
     node_annotation,
     set_node_annotation,
@@ -103,15 +104,15 @@ def capture(model: nn.Module, loss_fn: LossFn,
         initial_state[name] = tensor.detach().clone()
     # The gradient of every trainable parameter: modes that move the update
     # elsewhere (parameter server) find it through these.
-    extras = {"grad_of": {name: node.name for name, node in builder.grads.items()
-                          if name not in builder.sparse_grads},
-              "sparse_grad_of": {name: (i.name, v.name)
-                                 for name, (i, v) in builder.sparse_grads.items()},
-              "param_groups": groups.describe(trainable),
-              "cached_tables": {key: cache_settings_of(module) for key, module in cached.items()}}
     return Program(gm, program_inputs, program_outputs, initial_state,
                    hparams_fn=groups.hparams if optimizer is not None else None,
-                   extras=extras)
+                   grads={name: node.name for name, node in builder.grads.items()
+                          if name not in builder.sparse_grads},
+                   sparse_grads={name: (i.name, v.name)
+                                 for name, (i, v) in builder.sparse_grads.items()},
+                   param_groups=groups.describe(trainable),
+                   cached_tables={key: cache_settings_of(module)
+                                  for key, module in cached.items()})
 
 
 # -- inputs -----------------------------------------------------------------
@@ -203,18 +204,15 @@ class _Groups:
     def lr_key(index: int) -> str:
         return "lr" if index == 0 else f"lr.{index}"
 
-    def describe(self, trainable: list[str]) -> list[dict]:
+    def describe(self, trainable: list[str]) -> tuple[ParamGroup, ...]:
         """Each param group's optimizer, settings and parameters (in the order
         of `trainable`), for checkpoints in torch's optimizer format."""
-        groups = []
-        for index, functional in enumerate(self.functional):
-            settings = {k: v for k, v in vars(functional).items()
-                        if not k.startswith("_") and k != "state_names"}
-            groups.append({"optimizer": type(functional).__name__,
-                           "state_names": list(functional.state_names),
-                           "params": [n for n in trainable if self.param_group.get(n) == index],
-                           **settings})
-        return groups
+        return tuple(
+            ParamGroup(type(functional).__name__, tuple(functional.state_names),
+                       tuple(n for n in trainable if self.param_group.get(n) == index),
+                       {k: v for k, v in vars(functional).items()
+                        if not k.startswith("_") and k != "state_names"})
+            for index, functional in enumerate(self.functional))
 
     def hparams(self, step: int) -> dict[str, torch.Tensor]:
         feeds = {}

@@ -21,13 +21,14 @@ import gc
 import logging
 import operator
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from torch import fx
 
 from .errors import PlanError
 from .labels import Cluster, Label, Role
-from .modes import STEP_START, ChannelDraft, Edge, GeneralMode, Mode
+from .modes import STEP_START, ChannelDraft, Edge, GeneralMode, Mode, ModeArtifacts
 from .plan import (
     Channel,
     ChannelKind,
@@ -40,7 +41,7 @@ from .plan import (
 from .program import InputKind, OutputKind, Program
 from .resolve import resolve_labels
 
-__all__ = ["GraphSplitter", "split"]
+__all__ = ["GraphSplitter", "SplitProgram", "split", "split_program"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,21 @@ logger = logging.getLogger(__name__)
 _RECV, _RUN, _SEND = 0, 1, 2
 _CONTROL_POS = STEP_START - 1
 _EVENT_ORDER = operator.itemgetter(0, 1, 2)  # (position, kind, channel name)
+
+
+@dataclass(frozen=True)
+class SplitProgram:
+    """A split ready to run: the plan (plain data), the program its node names
+    refer to (the mode's rewrite of the captured one), and the mode's typed
+    artifacts (None in general mode)."""
+
+    plan: SplitPlan
+    program: Program
+    artifacts: ModeArtifacts | None = None
+
+    def lint(self) -> None:
+        """The plan's invariants, dataflow included (see `SplitPlan.lint`)."""
+        self.plan.lint(self.program)
 
 
 class GraphSplitter:
@@ -61,19 +77,24 @@ class GraphSplitter:
         self.source = program
 
     def split(self) -> SplitPlan:
+        """The plan alone (plain data: print it, draw it, compare it)."""
+        return self.split_program().plan
+
+    def split_program(self) -> SplitProgram:
+        """The plan with the program and artifacts the runtime runs it with."""
         # Splitting allocates many small objects next to a large graph; the
         # cyclic collector would rescan that graph again and again (40% of the
         # time at 100k nodes). Nothing here makes cycles that need it.
         with _gc_paused():
-            plan = self._split()
-        for proc in plan.processes:
+            result = self._split()
+        for proc in result.plan.processes:
             if proc.is_idle:
                 logger.warning("%s holds no part of the step; it will idle",
                                proc.label.describe())
-        return plan
+        return result
 
-    def _split(self) -> SplitPlan:
-        program = self.mode.prebuild(self.source, self.cluster)
+    def _split(self) -> SplitProgram:
+        program, artifacts = self.mode.prebuild(self.source, self.cluster)
         labels = resolve_labels(program, self.cluster, self.mode)
         scan = _Scan(program, labels, self.mode, self.cluster)
         drafts = self.mode.fuse(scan.edges, self.cluster)
@@ -82,8 +103,8 @@ class GraphSplitter:
         processes = self._processes(program, scan, channels, drafts)
         data_syncs = tuple(DataSync(key, src, dst, name) for key, src, dst, name in sync_pairs)
         plan = SplitPlan(self.mode.kind, self.cluster, processes, tuple(channels),
-                         data_syncs, program=program)
-        return self.mode.postbuild(plan, program)
+                         data_syncs)
+        return SplitProgram(self.mode.postbuild(plan, program, artifacts), program, artifacts)
 
     def _control_drafts(self, runs, drafts) -> list[ChannelDraft]:
         """A per-step trigger for every busy process nothing else feeds."""
@@ -265,5 +286,12 @@ def _name_channels(drafts: list[ChannelDraft]):
 
 
 def split(program: Program, cluster: Cluster | None = None, mode: Mode | None = None) -> SplitPlan:
-    """`GraphSplitter(program, cluster, mode).split()`."""
+    """`GraphSplitter(program, cluster, mode).split()`: the plan alone."""
     return GraphSplitter(program, cluster, mode).split()
+
+
+def split_program(program: Program, cluster: Cluster | None = None,
+                  mode: Mode | None = None) -> SplitProgram:
+    """`GraphSplitter(program, cluster, mode).split_program()`: the plan with the
+    program and artifacts to run it (what `run_threaded` and the runtime take)."""
+    return GraphSplitter(program, cluster, mode).split_program()

@@ -14,7 +14,8 @@ from .labels import Cluster, Label
 from .plan import ChannelKind, ModeKind, SplitPlan
 from .program import OutputKind, OutputSpec, Program
 
-__all__ = ["Edge", "ChannelDraft", "Mode", "GeneralMode", "fuse_by_source_segment"]
+__all__ = ["Edge", "ChannelDraft", "ModeArtifacts", "Mode", "GeneralMode",
+           "fuse_by_source_segment"]
 
 STEP_START = -1  # position of values that exist before the step runs (state, feeds)
 # Step-start values up to this size piggyback on a later message (see fuse).
@@ -46,6 +47,12 @@ class ChannelDraft:
     recv_pos: int = STEP_START
 
 
+@dataclass(frozen=True)
+class ModeArtifacts:
+    """Base of the typed facts a mode's prebuild hands the runtime beside the
+    rewritten program (which server owns what, which tables are cached)."""
+
+
 class Mode:
     """Base mode: exact label match, fusion by source segment."""
 
@@ -58,8 +65,11 @@ class Mode:
         """Why this mode cannot run an op on `label`, or None if it can."""
         return None
 
-    def prebuild(self, program: Program, cluster: Cluster) -> Program:
-        return program
+    def prebuild(self, program: Program, cluster: Cluster
+                 ) -> tuple[Program, ModeArtifacts | None]:
+        """The program to split (rewritten if the mode adds or relabels nodes)
+        and the mode's artifacts for the runtime."""
+        return program, None
 
     def output_home(self, spec: OutputSpec, producer: Label, cluster: Cluster) -> Label:
         """Where an output is delivered: the loss goes to the default process
@@ -71,7 +81,8 @@ class Mode:
     def fuse(self, edges: list[Edge], cluster: Cluster) -> list[ChannelDraft]:
         return fuse_by_source_segment(edges)
 
-    def postbuild(self, plan: SplitPlan, program: Program) -> SplitPlan:
+    def postbuild(self, plan: SplitPlan, program: Program,
+                  artifacts: ModeArtifacts | None) -> SplitPlan:
         return plan
 
 

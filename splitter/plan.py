@@ -3,13 +3,13 @@
 A plan is plain data. It names graph nodes by their fx names and state by its
 keys, so every process that computes it from the same script gets the same
 plan, and its text form (`to_text` / `from_text`, in `plan_text.py`) prints and
-parses back to an equal plan.
+parses back to an equal plan. The program those names refer to travels beside
+it, in a `SplitProgram` (see `graph_splitter.split_program`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
@@ -123,9 +123,6 @@ class SplitPlan:
     processes: tuple[ProcessPlan, ...]
     channels: tuple[Channel, ...]
     data_syncs: tuple[DataSync, ...] = ()
-    # The program the plan's node names refer to (after the mode's prebuild);
-    # None for a plan parsed from text.
-    program: object = field(default=None, compare=False, repr=False)
     _index: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -208,14 +205,10 @@ class SplitPlan:
 
         Always: channel names are unique, every channel has exactly one send (on
         its source) and one receive (on its destination), and the schedules
-        cannot deadlock (checked by running them abstractly). With a program
-        (by default the one the plan was split from): no process reads a value
-        it neither computes, receives nor holds, and every send carries values
-        its process has.
+        cannot deadlock (checked by running them abstractly). With `program`
+        (the one the plan's node names refer to: `SplitProgram.program`): no
+        process reads a value it neither computes, receives nor holds, and every
+        send carries values its process has.
         """
         from .plan_check import check_plan
-        check_plan(self, program if program is not None else self.program)
-
-
-def sorted_labels(labels: Iterable[Label]) -> list[Label]:
-    return sorted(set(labels), key=Label.sort_key)
+        check_plan(self, program)

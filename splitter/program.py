@@ -14,6 +14,7 @@ from enum import Enum
 import torch
 from torch import fx
 
+from .cached_tables import CacheSettings
 from .errors import PlanError
 from .labels import LABEL_ANNOTATION, MODULE_ANNOTATION
 
@@ -22,6 +23,7 @@ __all__ = [
     "OutputKind",
     "InputSpec",
     "OutputSpec",
+    "ParamGroup",
     "Program",
     "node_annotation",
     "set_node_annotation",
@@ -60,6 +62,22 @@ class OutputSpec:
     key: str         # "loss", "grad.l1.weight", or the state key it updates
 
 
+@dataclass(frozen=True)
+class ParamGroup:
+    """One optimizer param group as torch's optimizer `state_dict` describes it:
+    checkpoints are written and read in that format."""
+
+    optimizer: str                  # "SGD", "Adam", "AdamW" or "Adagrad"
+    state_names: tuple[str, ...]    # per-parameter state: "exp_avg", "sum", ...
+    params: tuple[str, ...]         # parameter names, in capture order
+    settings: Mapping[str, object]  # lr, betas, weight_decay, ... (torch's group keys)
+
+    @property
+    def has_step_count(self) -> bool:
+        """torch keeps a per-parameter "step" in these optimizers' state."""
+        return self.optimizer in ("Adam", "AdamW", "Adagrad")
+
+
 def node_annotation(node: fx.Node, key: str = LABEL_ANNOTATION) -> str | None:
     """An annotation `torch.fx.traceback.annotate` (or splitrun) left on `node`."""
     custom = node.meta.get("custom")
@@ -77,8 +95,10 @@ class Program:
     """One training step as one graph, ready to split.
 
     `hparams_fn(step)` returns the hyperparameter feeds for a 0-based step
-    (learning rates read live, so schedules work). `param_groups` maps each
-    learning-rate key to the parameters it drives.
+    (learning rates read live, so schedules work). The facts capture records
+    for modes and checkpoints: each trainable parameter's gradient node
+    (`grads`; `sparse_grads` for sparse embeddings), the optimizer's param
+    groups, and the tables marked for embedding caching.
     """
 
     graph_module: fx.GraphModule
@@ -86,8 +106,13 @@ class Program:
     outputs: tuple[OutputSpec, ...]
     initial_state: dict[str, torch.Tensor] = field(default_factory=dict)
     hparams_fn: Callable[[int], dict[str, torch.Tensor]] | None = None
-    # Extra facts a mode may need (sparse gradients, server placement hints).
-    extras: dict[str, object] = field(default_factory=dict)
+    # parameter -> name of the node computing its (dense) gradient
+    grads: dict[str, str] = field(default_factory=dict)
+    # parameter -> names of the (indices, values) nodes of its sparse gradient
+    sparse_grads: dict[str, tuple[str, str]] = field(default_factory=dict)
+    param_groups: tuple[ParamGroup, ...] = ()
+    # table parameter -> its cache settings (see `place_embedding_cache`)
+    cached_tables: dict[str, CacheSettings] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         returned = [getattr(n, "name", None) for n in self.graph.output_node().args[0]]
@@ -110,12 +135,6 @@ class Program:
     def input_for_key(self, key: str) -> InputSpec:
         return self._by_key[key]
 
-    def state_keys(self) -> list[str]:
-        return [s.key for s in self.inputs if s.kind.is_state]
-
-    def feed_keys(self) -> list[str]:
-        return [s.key for s in self.inputs if not s.kind.is_state]
-
     def state_output(self, key: str) -> OutputSpec | None:
         return self._state_output.get(key)
 
@@ -124,9 +143,6 @@ class Program:
 
     def module_of(self, node: fx.Node) -> str | None:
         return node_annotation(node, MODULE_ANNOTATION)
-
-    def explicit_label(self, node: fx.Node) -> str | None:
-        return node_annotation(node, LABEL_ANNOTATION)
 
     # -- running the unsplit step (the reference every split is compared to) --
 

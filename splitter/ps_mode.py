@@ -21,17 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import fx
 
 from .errors import PlanError
 from .labels import ANY_SERVER, MODULE_ANNOTATION, Cluster, Label, Role
-from .modes import ChannelDraft, Edge, Mode
+from .modes import ChannelDraft, Edge, Mode, ModeArtifacts
 from .plan import Channel, ChannelKind, DataSync, Instruction, ModeKind, OpKind, SplitPlan
 from .program import InputKind, OutputKind, OutputSpec, Program, node_annotation, set_node_annotation
 
-__all__ = ["ParameterServerMode", "gradient_slot", "assign_servers"]
+__all__ = ["ParameterServerMode", "ServerAssignment", "gradient_slot", "assign_servers"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,16 @@ def assign_servers(sizes: dict[str, int], pinned: dict[str, int], num_servers: i
     return owner
 
 
+@dataclass(frozen=True)
+class ServerAssignment(ModeArtifacts):
+    """Which server owns each trainable parameter, and, per server-side
+    gradient node, the names of its per-worker receive slots (in worker order;
+    empty with one worker)."""
+
+    owner: Mapping[str, int]
+    slots: Mapping[str, tuple[str, ...]]
+
+
 class ParameterServerMode(Mode):
     kind = ModeKind.PARAMETER_SERVER
 
@@ -77,7 +89,8 @@ class ParameterServerMode(Mode):
 
     # -- prebuild --
 
-    def prebuild(self, program: Program, cluster: Cluster) -> Program:
+    def prebuild(self, program: Program, cluster: Cluster
+                 ) -> tuple[Program, ServerAssignment]:
         if cluster.num_servers < 1:
             raise PlanError("parameter-server mode needs at least one server; launch with "
                             "--servers 1 or more")
@@ -92,8 +105,7 @@ class ParameterServerMode(Mode):
             slots = self._accumulate(program, graph, nodes, owner, cluster.num_workers)
         graph.output(returned)
         gm = fx.GraphModule(program.graph_module, graph, class_name="ParameterServerStep")
-        extras = dict(program.extras, ps_slots=slots, ps_owner=owner)
-        return dataclasses.replace(program, graph_module=gm, extras=extras)
+        return dataclasses.replace(program, graph_module=gm), ServerAssignment(owner, slots)
 
     def _owners(self, program: Program, nodes, cluster: Cluster) -> dict[str, int]:
         sizes, pinned = {}, {}
@@ -139,16 +151,16 @@ class ParameterServerMode(Mode):
                     # ops run on the workers.
                     set_node_annotation(node, worker)
 
-    def _accumulate(self, program, graph, nodes, owner, num_workers) -> dict[str, list[str]]:
+    def _accumulate(self, program, graph, nodes, owner, num_workers
+                    ) -> dict[str, tuple[str, ...]]:
         """Per server-side gradient, W slots (one per worker) and their mean:
         dense gradients are summed in worker order, then divided by W; sparse
         ones have their indices and values concatenated, the values divided by W."""
-        grad_of = program.extras.get("grad_of")
-        sparse_of = program.extras.get("sparse_grad_of", {})
-        if grad_of is None:
+        grad_of, sparse_of = program.grads, program.sparse_grads
+        if not grad_of and not sparse_of:
             raise PlanError("parameter-server mode needs a program from splitrun's capture "
                             "(it records each parameter's gradient)")
-        slots: dict[str, list[str]] = {}
+        slots: dict[str, tuple[str, ...]] = {}
         for param, server in owner.items():
             where = (str(Label.server(server)), f"accumulate.{param}")
             grads = ([nodes[name] for name in sparse_of[param]] if param in sparse_of
@@ -162,7 +174,7 @@ class ParameterServerMode(Mode):
                     worker_slots = [_new_node(graph, gradient_slot, (grad, rank),
                                               grad.meta.get("val"), where)
                                     for rank in range(num_workers)]
-                    slots[grad.name] = [slot.name for slot in worker_slots]
+                    slots[grad.name] = tuple(slot.name for slot in worker_slots)
                     if param in sparse_of:
                         mean = _concat(graph, worker_slots, where)
                         if grad is grads[1]:  # values, not indices
@@ -208,13 +220,14 @@ class ParameterServerMode(Mode):
 
     # -- postbuild --
 
-    def postbuild(self, plan: SplitPlan, program: Program) -> SplitPlan:
+    def postbuild(self, plan: SplitPlan, program: Program,
+                  artifacts: ServerAssignment) -> SplitPlan:
         num_workers = plan.cluster.num_workers
         if num_workers == 1:
             return plan  # the template is the only worker: nothing to replicate
         template = Label.worker(0)
         sizes = {n.name: _nbytes(n) for n in program.graph.nodes}
-        slot_of = {grad: names for grad, names in program.extras.get("ps_slots", {}).items()}
+        slot_of = artifacts.slots
         slot_names = {name for names in slot_of.values() for name in names}
         hparams = {s.node for s in program.inputs if s.kind is InputKind.HPARAM}
 
@@ -262,8 +275,7 @@ class ParameterServerMode(Mode):
 
         syncs = tuple(DataSync(s.key, s.owner, Label.worker(rank), copies[s.channel][rank].name)
                       for s in plan.data_syncs for rank in range(num_workers))
-        return SplitPlan(plan.mode, plan.cluster, tuple(processes), tuple(channels), syncs,
-                         program=program)
+        return SplitPlan(plan.mode, plan.cluster, tuple(processes), tuple(channels), syncs)
 
 
 def _new_node(graph: fx.Graph, target, args, value, where: tuple[str, str]) -> fx.Node:

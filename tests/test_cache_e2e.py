@@ -10,7 +10,7 @@ sys.path.insert(0, str(SCRIPTS.parent))
 from cache_models import feeds, make  # noqa: E402
 
 from splitrun.runtime import run_threaded  # noqa: E402
-from splitrun.splitter import Cluster, ParameterServerMode, split  # noqa: E402
+from splitrun.splitter import Cluster, ParameterServerMode, split_program  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +40,8 @@ def test_one_worker_two_servers_equal_whole_tables(tmp_path):
 def test_two_workers_equal_parameter_server_mode(tmp_path):
     result, _ = launch(tmp_path, "run", 2, 2, "--steps", 20, "--policy", "lfu")
     program, batches = make("adagrad", 2, 20, cache_rows=None, sparse_tables=True)
-    plan = split(program, Cluster(2, 2), ParameterServerMode())
-    expected = run_threaded(plan, 20, feeds(batches)).state
+    split_prog = split_program(program, Cluster(2, 2), ParameterServerMode())
+    expected = run_threaded(split_prog, 20, feeds(batches)).state
     for key, value in expected.items():
         assert torch.equal(result["state"][key], value), key
 

@@ -18,6 +18,7 @@ from splitrun.runtime.embedding.store import EmbeddingStore
 from splitrun.runtime.errors import SplitrunError
 from splitrun.runtime.embedding.row_cache import RowCache
 from splitrun.splitter import (
+    split_program,
     Cluster,
     Label,
     ParameterServerMode,
@@ -39,9 +40,9 @@ NUM_STEPS = 25
 
 def cached_run(optimizer, num_workers, num_servers, steps=NUM_STEPS, **options):
     program, batches = make(optimizer, num_workers, steps, **options)
-    plan = split(program, Cluster(num_workers, num_servers), EmbeddingCacheMode())
-    plan.lint()
-    return run_threaded(plan, steps, feeds(batches), recv_timeout_s=30), batches
+    split_prog = split_program(program, Cluster(num_workers, num_servers), EmbeddingCacheMode())
+    split_prog.lint()
+    return run_threaded(split_prog, steps, feeds(batches), recv_timeout_s=30), batches
 
 
 def whole_table_run(optimizer, steps=NUM_STEPS):
@@ -52,8 +53,8 @@ def whole_table_run(optimizer, steps=NUM_STEPS):
 def ps_run(optimizer, num_workers, num_servers, steps=NUM_STEPS, **options):
     program, batches = make(optimizer, num_workers, steps, cache_rows=None, sparse_tables=True,
                             **options)
-    plan = split(program, Cluster(num_workers, num_servers), ParameterServerMode())
-    return run_threaded(plan, steps, feeds(batches), recv_timeout_s=30).state
+    split_prog = split_program(program, Cluster(num_workers, num_servers), ParameterServerMode())
+    return run_threaded(split_prog, steps, feeds(batches), recv_timeout_s=30).state
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])

@@ -15,7 +15,7 @@ from splitrun.runtime import (
     RecvTimeout,
     run_threaded,
 )
-from splitrun.splitter import Cluster, Label, OpKind, split
+from splitrun.splitter import Cluster, Label, OpKind, split_program
 from splitrun.splitter.synthetic import random_batches, random_program
 
 W0, W1 = Label.worker(0), Label.worker(1)
@@ -25,15 +25,16 @@ W0, W1 = Label.worker(0), Label.worker(1)
 def two_worker_plan():
     cluster = Cluster(num_workers=2)
     program = random_program(30, cluster.labels(), seed=3, run_length=3.0)
-    plan = split(program, cluster)
-    assert any(c.dst == W1 for c in plan.channels)
-    return plan, program
+    split_prog = split_program(program, cluster)
+    assert any(c.dst == W1 for c in split_prog.plan.channels)
+    return split_prog.plan, split_prog
 
 
 def test_receive_whose_peer_never_sends_names_channel_peer_and_step(two_worker_plan):
-    plan, program = two_worker_plan
+    plan, split_prog = two_worker_plan
+    program = split_prog.program
     hub = LoopbackHub(plan.labels)
-    executor = Executor(plan, W1, hub.transport(W1), recv_timeout_s=0.3)
+    executor = Executor(plan, split_prog.program, W1, hub.transport(W1), recv_timeout_s=0.3)
     executor.load_state(program.initial_state)
     first_recv = next(i.target for i in plan.process(W1).schedule if i.kind is OpKind.RECV)
     batch = random_batches(program, 1)[0]
@@ -45,7 +46,8 @@ def test_receive_whose_peer_never_sends_names_channel_peer_and_step(two_worker_p
 
 
 def test_a_failing_process_stops_the_others_with_its_name(two_worker_plan):
-    plan, program = two_worker_plan
+    plan, split_prog = two_worker_plan
+    program = split_prog.program
     batches = random_batches(program, 3)
 
     def feeds(step):
@@ -55,7 +57,7 @@ def test_a_failing_process_stops_the_others_with_its_name(two_worker_plan):
 
     started = time.monotonic()
     with pytest.raises(Exception, match=r"step 1: feed 'batch\.\d' is missing"):
-        run_threaded(plan, 3, feeds, recv_timeout_s=30)
+        run_threaded(split_prog, 3, feeds, recv_timeout_s=30)
     assert time.monotonic() - started < 10, "peers must stop at once, not at their deadline"
 
 
@@ -77,9 +79,10 @@ def test_mailbox_refuses_stale_incarnation_and_duplicates():
 
 
 def test_wrong_shape_in_a_message_is_rejected(two_worker_plan):
-    plan, program = two_worker_plan
+    plan, split_prog = two_worker_plan
+    program = split_prog.program
     hub = LoopbackHub(plan.labels)
-    executor = Executor(plan, W1, hub.transport(W1), recv_timeout_s=5)
+    executor = Executor(plan, split_prog.program, W1, hub.transport(W1), recv_timeout_s=5)
     executor.load_state(program.initial_state)
     schedule = plan.process(W1).schedule
     first_recv = next(i.target for i in schedule if i.kind is OpKind.RECV)

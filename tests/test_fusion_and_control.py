@@ -7,6 +7,7 @@ from torch import fx
 
 from splitrun.runtime import run_threaded
 from splitrun.splitter import (
+    split_program,
     ChannelKind,
     Cluster,
     InputKind,
@@ -28,12 +29,13 @@ def test_channels_carry_several_tensors_and_messages_match_channels():
     torch.manual_seed(0)
     data = markov_batches(NUM_STEPS, batch=8)
     program = capture(TiedBigramLM(num_workers=3), lm_loss, optim.Adam(lr=0.01), data[0])
-    plan = split(program, Cluster(num_workers=3))
+    split_prog = split_program(program, Cluster(num_workers=3))
+    plan = split_prog.plan
     values_crossing = sum(len(c.values) for c in plan.channels)
     assert any(len(c.values) >= 3 for c in plan.channels)
     assert len(plan.channels) < values_crossing, "fusion must put several tensors in a message"
 
-    run = run_threaded(plan, NUM_STEPS, lambda s: {"batch.0": data[s][0], "batch.1": data[s][1]})
+    run = run_threaded(split_prog, NUM_STEPS, lambda s: {"batch.0": data[s][0], "batch.1": data[s][1]})
     sent = sum(stats.messages_sent for stats in run.stats.values())
     assert sent == NUM_STEPS * len(plan.channels)
     received = sum(c.messages for stats in run.stats.values() for c in stats.received.values())
@@ -72,7 +74,8 @@ def _producer_only_program():
 
 def test_process_without_inbound_data_gets_a_control_edge():
     program = _producer_only_program()
-    plan = split(program, Cluster(num_workers=2))
+    split_prog = split_program(program, Cluster(num_workers=2))
+    plan = split_prog.plan
     plan.lint(program)
     control = plan.control_edges
     assert [(str(e.src), str(e.dst)) for e in control] == [("w0", "w1")]
@@ -83,7 +86,7 @@ def test_process_without_inbound_data_gets_a_control_edge():
 
     batches = [{"batch.0": torch.full((3,), float(s))} for s in range(NUM_STEPS)]
     expected, state = program.train_unsplit(NUM_STEPS, batches.__getitem__)
-    run = run_threaded(plan, NUM_STEPS, batches.__getitem__, recv_timeout_s=10)
+    run = run_threaded(split_prog, NUM_STEPS, batches.__getitem__, recv_timeout_s=10)
     assert [h["loss"] for h in run.history] == [h["loss"] for h in expected]
     assert torch.equal(run.state["w"], state["w"])
     assert run.stats[Label.worker(1)].received[control[0].channel].messages == NUM_STEPS

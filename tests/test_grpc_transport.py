@@ -252,7 +252,7 @@ def run_over_grpc(plan, program, num_steps, feeds):
                                        settings=SETTINGS)
                   for label in plan.labels}
     connect(*transports.values())
-    executors = {label: Executor(plan, label, transports[label], program=program,
+    executors = {label: Executor(plan, program, label, transports[label],
                                  incarnation=INCARNATION, recv_timeout_s=RECV_TIMEOUT_S)
                  for label in plan.labels}
     history = [{} for _ in range(num_steps)]

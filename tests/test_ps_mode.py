@@ -23,7 +23,7 @@ from splitrun.splitter import (
     optim,
     place,
     region,
-    split,
+    split_program,
 )
 from splitrun.splitter.labels import MODULE_ANNOTATION
 from splitrun.splitter.ps_mode import assign_servers, gradient_slot
@@ -34,17 +34,18 @@ TOLERANCE = 1e-5
 
 def train_both(kind, optimizer, num_workers, num_servers, num_steps=NUM_STEPS):
     program, full, batches = make(kind, optimizer, num_workers, num_steps)
-    plan = split(program, Cluster(num_workers, num_servers), ParameterServerMode())
-    plan.lint(plan.program)
-    run = run_threaded(plan, num_steps, feeds(batches), recv_timeout_s=30)
+    split_prog = split_program(program, Cluster(num_workers, num_servers),
+                               ParameterServerMode())
+    split_prog.lint()
+    run = run_threaded(split_prog, num_steps, feeds(batches), recv_timeout_s=30)
     _, expected = full.train_unsplit(num_steps, feeds(batches))
-    return plan, run, expected, program
+    return split_prog, run, expected, program
 
 
 @pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam", "adagrad"])
 @pytest.mark.parametrize("num_workers, num_servers", [(2, 1), (2, 2)])
 def test_dense_equals_single_process_on_the_global_batch(optimizer, num_workers, num_servers):
-    plan, run, expected, program = train_both("dense", optimizer, num_workers, num_servers)
+    _, run, expected, program = train_both("dense", optimizer, num_workers, num_servers)
     assert run.state.keys() == expected.keys()
     for key, value in expected.items():
         torch.testing.assert_close(run.state[key], value, rtol=0, atol=TOLERANCE)
@@ -54,18 +55,18 @@ def test_dense_equals_single_process_on_the_global_batch(optimizer, num_workers,
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
 def test_sparse_embedding_through_the_sparse_path(optimizer):
-    plan, run, expected, program = train_both("sparse", optimizer, 2, 2)
-    update_targets = {n.target.__name__ for n in plan.program.graph.nodes
+    split_prog, run, expected, program = train_both("sparse", optimizer, 2, 2)
+    update_targets = {n.target.__name__ for n in split_prog.program.graph.nodes
                       if n.op == "call_function" and hasattr(n.target, "__name__")}
     assert f"sparse_{optimizer}" in update_targets, "the table must get a row-wise update"
-    assert any(n.target is torch.ops.aten.cat.default for n in plan.program.graph.nodes)
+    assert any(n.target is torch.ops.aten.cat.default for n in split_prog.program.graph.nodes)
     for key, value in expected.items():
         torch.testing.assert_close(run.state[key], value, rtol=0, atol=TOLERANCE)
 
 
 def test_one_worker_needs_no_accumulation():
-    plan, run, expected, _ = train_both("dense", "adam", 1, 2)
-    assert not any(n.target is gradient_slot for n in plan.program.graph.nodes)
+    split_prog, run, expected, _ = train_both("dense", "adam", 1, 2)
+    assert not any(n.target is gradient_slot for n in split_prog.program.graph.nodes)
     for key, value in expected.items():
         torch.testing.assert_close(run.state[key], value, rtol=0, atol=TOLERANCE)
 
@@ -73,9 +74,11 @@ def test_one_worker_needs_no_accumulation():
 def test_server_has_a_slot_per_worker_and_an_accumulation_per_gradient():
     num_workers, num_servers = 3, 2
     program, _, _ = make("dense", "adam", num_workers, 1)
-    plan = split(program, Cluster(num_workers, num_servers), ParameterServerMode())
-    owner = plan.program.extras["ps_owner"]
-    nodes = {n.name: n for n in plan.program.graph.nodes}
+    split_prog = split_program(program, Cluster(num_workers, num_servers),
+                               ParameterServerMode())
+    plan, servers = split_prog.plan, split_prog.artifacts
+    owner = servers.owner
+    nodes = {n.name: n for n in split_prog.program.graph.nodes}
     for rank in range(num_servers):
         server = plan.process(Label.server(rank))
         params = [p for p, s in owner.items() if s == rank]
@@ -83,8 +86,8 @@ def test_server_has_a_slot_per_worker_and_an_accumulation_per_gradient():
         receives = [i.target for i in server.schedule if i.kind is OpKind.RECV]
         assert receives == [f"w{r}->s{rank}#0" for r in range(num_workers)]
         for param in params:
-            grad = plan.program.extras["grad_of"][param]
-            slots = plan.program.extras["ps_slots"][grad]
+            grad = program.grads[param]
+            slots = servers.slots[grad]
             assert len(slots) == num_workers
             for worker, slot in enumerate(slots):
                 channel = plan.channel(f"w{worker}->s{rank}#0")
@@ -98,7 +101,8 @@ def test_server_has_a_slot_per_worker_and_an_accumulation_per_gradient():
 
 def test_one_message_per_worker_server_pair_per_direction_per_step():
     num_workers, num_servers, steps = 2, 2, 3
-    plan, run, _, _ = train_both("dense", "sgd_momentum", num_workers, num_servers, steps)
+    split_prog, run, _, _ = train_both("dense", "sgd_momentum", num_workers, num_servers, steps)
+    plan = split_prog.plan
     assert plan.messages_per_step() == 2 * num_workers * num_servers
     for worker in range(num_workers):
         stats = run.stats[Label.worker(worker)]
@@ -123,15 +127,15 @@ def test_parameters_are_balanced_by_bytes_or_pinned():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     place(model[1], role="server", rank=1)
     program = capture(model, lambda m, x: m(x).sum(), optim.SGD(lr=0.1), torch.randn(2, 4))
-    plan = split(program, Cluster(1, 2), ParameterServerMode())
-    assert plan.program.extras["ps_owner"]["1.weight"] == 1
-    assert "1.weight" in plan.process(Label.server(1)).state
+    split_prog = split_program(program, Cluster(1, 2), ParameterServerMode())
+    assert split_prog.artifacts.owner["1.weight"] == 1
+    assert "1.weight" in split_prog.plan.process(Label.server(1)).state
 
 
 def test_bad_parameter_server_setups_name_the_problem():
     program, _, _ = make("dense", "adam", 2, 1)
     with pytest.raises(PlanError, match=r"needs at least one server; launch with --servers"):
-        split(program, Cluster(2, 0), ParameterServerMode())
+        split_program(program, Cluster(2, 0), ParameterServerMode())
 
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
@@ -142,13 +146,13 @@ def test_bad_parameter_server_setups_name_the_problem():
     program = capture(model, loss_on_worker_1, optim.SGD(lr=0.1), torch.randn(2, 4))
     with pytest.raises(PlanError, match=r"placed on worker 1: in parameter-server mode every "
                                         r"worker runs the same worker subgraph"):
-        split(program, Cluster(2, 1), ParameterServerMode())
+        split_program(program, Cluster(2, 1), ParameterServerMode())
 
     place(model, role="server", rank=3)
     program = capture(model, lambda m, x: m(x).sum(), optim.SGD(lr=0.1), torch.randn(2, 4))
     with pytest.raises(PlanError, match=r"parameter 'weight' is placed on server 3, but the "
                                         r"cluster has 2 servers"):
-        split(program, Cluster(2, 2), ParameterServerMode())
+        split_program(program, Cluster(2, 2), ParameterServerMode())
 
     with pytest.raises(Exception, match=r"has 5 rows, which 2 workers cannot share evenly"):
         shard_batch((torch.zeros(5, 3),), 0, 2)

@@ -12,7 +12,7 @@ from models import TiedBigramLM, lm_loss, markov_batches
 from torch import nn
 
 from splitrun.runtime import run_threaded
-from splitrun.splitter import Cluster, capture, optim, place, split
+from splitrun.splitter import Cluster, capture, optim, place, split, split_program
 
 NUM_STEPS = 10
 
@@ -70,14 +70,15 @@ CASES = {"pipeline_mlp": mlp_case, "tied_lm": lm_case}
 def test_split_equals_unsplit(case, num_workers, optimizer):
     model, loss_fn, data = CASES[case](num_workers)
     program = capture(model, loss_fn, OPTIMIZERS[optimizer](), data[0], return_grads=True)
-    plan = split(program, Cluster(num_workers=num_workers))
+    split_prog = split_program(program, Cluster(num_workers=num_workers))
+    plan = split_prog.plan
     plan.lint(program)
     busy = [p for p in plan.processes if p.num_ops]
     assert len(busy) == num_workers, "every worker must hold part of the step"
 
     feeds = lambda step: {"batch.0": data[step][0], "batch.1": data[step][1]}  # noqa: E731
     expected_history, expected_state = program.train_unsplit(NUM_STEPS, feeds)
-    run = run_threaded(plan, NUM_STEPS, feeds, recv_timeout_s=30)
+    run = run_threaded(split_prog, NUM_STEPS, feeds, recv_timeout_s=30)
 
     for step in range(NUM_STEPS):
         assert run.history[step].keys() == expected_history[step].keys()

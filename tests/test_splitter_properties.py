@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from splitrun.runtime import run_threaded
-from splitrun.splitter import Cluster, OpKind, split
+from splitrun.splitter import Cluster, OpKind, split, split_program
 from splitrun.splitter.synthetic import random_batches, random_program
 
 NUM_STEPS = 3
@@ -24,7 +24,8 @@ def test_random_split_computes_what_the_graph_computes(cluster, seed, num_nodes,
                                                        num_state):
     program = random_program(num_nodes, cluster.labels(), seed=seed, run_length=run_length,
                              num_state=num_state)
-    plan = split(program, cluster)
+    split_prog = split_program(program, cluster)
+    plan = split_prog.plan
     plan.lint(program)
 
     # Every send is matched by exactly one receive of the same tensor list.
@@ -49,7 +50,7 @@ def test_random_split_computes_what_the_graph_computes(cluster, seed, num_nodes,
     # The split run finishes (no deadlock) and equals the unsplit run exactly.
     batches = random_batches(program, NUM_STEPS, seed=seed)
     expected_history, expected_state = program.train_unsplit(NUM_STEPS, batches.__getitem__)
-    run = run_threaded(plan, NUM_STEPS, batches.__getitem__, recv_timeout_s=RECV_TIMEOUT_S)
+    run = run_threaded(split_prog, NUM_STEPS, batches.__getitem__, recv_timeout_s=RECV_TIMEOUT_S)
     for step in range(NUM_STEPS):
         assert run.history[step].keys() == expected_history[step].keys()
         for key, value in expected_history[step].items():

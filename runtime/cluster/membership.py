@@ -125,13 +125,18 @@ class Heartbeat:
         self._lost_after_s = lost_after_s
         self._on_failed = on_failed
         self._on_finished = on_finished
-        self.step = 0
+        self._step = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"splitrun-heartbeat-{label}")
 
     def start(self) -> None:
         self._thread.start()
+
+    def report_step(self, step: int) -> None:
+        """The steps this process has completed: the next heartbeat carries it
+        (the scheduler names the step when this process fails or stalls)."""
+        self._step = step
 
     def stop(self) -> None:
         self._stop.set()
@@ -142,7 +147,7 @@ class Heartbeat:
         finished_told = False
         while not self._stop.wait(self._interval_s):
             try:
-                status = self._client.heartbeat(self._label, self.step,
+                status = self._client.heartbeat(self._label, self._step,
                                                 timeout_s=max(self._interval_s * 4, 2.0))
             except ClusterError as exc:
                 silent = time.monotonic() - last_ok

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import socket
 import threading
 import time
 from concurrent import futures
@@ -23,6 +22,7 @@ import grpc
 
 from splitrun.splitter.labels import Label, Role
 
+from ..errors import ClusterError
 from ..transport.grpc.service import TOKEN_METADATA_KEY
 from ..transport.wire import splitrun_pb2 as pb
 from ..transport.wire import splitrun_pb2_grpc as pb_grpc
@@ -98,9 +98,13 @@ class Scheduler(pb_grpc.SchedulerServicer):
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers,
                                                               thread_name_prefix="scheduler"))
         pb_grpc.add_SchedulerServicer_to_server(self, self._server)
-        bound = self._server.add_insecure_port(f"{host}:{port}")
+        try:
+            bound = self._server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:  # grpcio raises where older versions returned 0
+            bound = 0
         if bound == 0:
-            raise OSError(f"scheduler could not bind {host}:{port}")
+            raise ClusterError(f"the scheduler cannot listen on {host}:{port}; is the port "
+                               f"taken? (port 0 picks a free one)")
         self._server.start()
         self.address = f"{host}:{bound}"
         self._monitor = threading.Thread(target=self._watch_heartbeats, daemon=True,
@@ -377,7 +381,3 @@ class Scheduler(pb_grpc.SchedulerServicer):
                                    f"{member.host}) sent no heartbeat for {silent:.1f} s "
                                    f"(last at step {member.step}); it died or hangs")
                         break
-
-
-def default_host_name() -> str:
-    return socket.gethostname()

@@ -2,11 +2,11 @@
 row caches and client, the messages between them, and the glue that attaches
 them to one process."""
 
-from .attach import CacheParts, attach_cache
+from .attach import CacheParts, attach_cache, cached_tables_of
 from .client import EmbeddingClient
 from .row_cache import RowCache
 from .sharding import RowSharding
 from .store import EmbeddingStore
 
-__all__ = ["CacheParts", "attach_cache", "EmbeddingClient", "RowCache", "RowSharding",
+__all__ = ["CacheParts", "attach_cache", "cached_tables_of", "EmbeddingClient", "RowCache", "RowSharding",
            "EmbeddingStore"]

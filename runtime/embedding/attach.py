@@ -1,4 +1,4 @@
-"""Attach embedding caching to one process of an embedding-cache plan: a
+"""Attach embedding caching to one process of an embedding-cache split: a
 worker gets an `EmbeddingClient` (and the executor bindings for the graph's
 cache ops), a server an `EmbeddingStore` serving its slices of the tables."""
 
@@ -9,15 +9,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitrun.splitter.cache_mode import CacheArtifacts
+from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label, Role
-from splitrun.splitter.plan import SplitPlan
 
+from ..transport.protocol import Transport
 from .client import EmbeddingClient
 from .protocol import PREFIX
 from .store import EmbeddingStore
-from ..transport.protocol import Transport
 
-__all__ = ["CacheParts", "attach_cache"]
+__all__ = ["CacheParts", "attach_cache", "cached_tables_of"]
 
 
 @dataclass
@@ -31,22 +32,28 @@ class CacheParts:
             self.store.stop()
 
 
-def attach_cache(plan: SplitPlan, label: Label, transport: Transport, incarnation: int, *,
+def cached_tables_of(split: SplitProgram) -> CacheArtifacts | None:
+    """The split's cached tables, or None when it caches none."""
+    artifacts = split.artifacts
+    return artifacts if isinstance(artifacts, CacheArtifacts) and artifacts.tables else None
+
+
+def attach_cache(split: SplitProgram, label: Label, transport: Transport, incarnation: int, *,
                  state: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
                  first_step: int = 0, timeout_s: float = 120.0) -> CacheParts:
     """`state`: where a checkpoint's tables are (whole); without them the
     tables start from their values at capture."""
-    extras = plan.program.extras if plan.program is not None else {}
-    tables = extras.get("cache_tables")
-    if not tables:
+    cache = cached_tables_of(split)
+    if cache is None:
         return CacheParts()
-    initial = extras["cache_initial"]
-    state = {key: state.get(key, value) for key, value in initial.items()}
+    tables = list(cache.tables)
+    state = {key: state.get(key, value) for key, value in cache.initial.items()}
+    cluster = split.plan.cluster
     if label.role is Role.WORKER:
-        client = EmbeddingClient(tables, label, plan.cluster, transport, incarnation,
+        client = EmbeddingClient(tables, label, cluster, transport, incarnation,
                                  device=device, timeout_s=timeout_s, first_step=first_step)
         return CacheParts(client=client, bindings=client.bindings())
-    store = EmbeddingStore(tables, label, plan.cluster, transport, incarnation, state,
+    store = EmbeddingStore(tables, label, cluster, transport, incarnation, state,
                            first_step=first_step)
     transport.route(PREFIX, store.on_message)
     store.start()

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 
 import torch
 
-from splitrun.splitter.cache_mode import (
+from splitrun.splitter.cached_tables import (
     CachedTable,
     EvictionPolicy,
     cached_lookup,
@@ -64,12 +64,18 @@ class EmbeddingClient:
         self.index = {t.key: i for i, t in enumerate(tables)}
         self.sharding = {t.key: RowSharding(t.num_rows, cluster.num_servers) for t in tables}
         self.servers = [Label.server(k) for k in range(cluster.num_servers)]
-        self.step = first_step
-        self.next_feeds: Mapping[str, torch.Tensor] | None = None
+        self._step = first_step
+        self._next_feeds: Mapping[str, torch.Tensor] | None = None
         self._plans: dict[str, BatchPlan] = {}
         self._prefetched: dict[str, list[tuple[Label, int, torch.Tensor]]] = {}
         self._prefetch_fresh: dict[int, int] = {}  # request seq -> step its rows are fresh for
         self._seq = itertools.count()
+
+    def begin_step(self, step: int, next_feeds: Mapping[str, torch.Tensor] | None) -> None:
+        """The step about to run, and the next step's feeds if known: the
+        lookups of this step then prefetch the rows the next one misses."""
+        self._step = step
+        self._next_feeds = next_feeds
 
     def bindings(self) -> dict:
         return {cached_lookup: self.lookup, cached_update: self.update}
@@ -109,7 +115,7 @@ class EmbeddingClient:
     def lookup(self, ids: torch.Tensor, *, table: str) -> torch.Tensor:
         cache = self.caches[table]
         settings = cache.table.settings
-        plan = cache.plan(ids, self.step, write_back=self.write_back[table],
+        plan = cache.plan(ids, self._step, write_back=self.write_back[table],
                           max_staleness=settings.max_staleness)
         pushed = self._write_back(table, plan.evicted_ids, plan.evicted_rows, plan.evicted_state)
         pulled = self._pull(table, plan)
@@ -140,7 +146,7 @@ class EmbeddingClient:
         for server in self.servers:  # every server hears from every worker each step
             mask = owner == server.rank
             tensors = [ids[mask], values[mask], lr.cpu(), step.cpu()]
-            self._request(server, Op.GRADS, table, self.step, tensors)
+            self._request(server, Op.GRADS, table, self._step, tensors)
             pushed += _nbytes(tensors[:2])
         cache.counters.bytes_pushed += pushed
         cache.counters.last_step["bytes_pushed"] = pushed
@@ -166,17 +172,17 @@ class EmbeddingClient:
             keep = torch.ones_like(ids, dtype=torch.bool)
             keep[position] = False
             ids, slots = ids[keep], slots[keep]
-        requests = [(server, mask, self._request(server, Op.PULL, table, self.step, [ids[mask]]))
+        requests = [(server, mask, self._request(server, Op.PULL, table, self._step, [ids[mask]]))
                     for server, mask in self._by_server(table, ids)]
         for server, mask, seq in requests:
             reply = self._reply(server, seq)
             pulled += _nbytes(reply)
             state = dict(zip(cache.table.state_names, reply[1:]))
-            cache.install(slots[mask], reply[0], state, fresh_for=self.step)
+            cache.install(slots[mask], reply[0], state, fresh_for=self._step)
         return pulled
 
     def _fresh_of(self, seq: int) -> int:
-        return self._prefetch_fresh.pop(seq, self.step)
+        return self._prefetch_fresh.pop(seq, self._step)
 
     def _prefetch(self, table: str) -> None:
         """Ask now for the next batch's missing rows of `table`, so the reply
@@ -184,19 +190,19 @@ class EmbeddingClient:
         allowed: one worker (its cache holds the only writes), or staleness >= 1."""
         cache = self.caches[table]
         feed = cache.table.ids_feed
-        if self.next_feeds is None or feed is None or feed not in self.next_feeds:
+        if self._next_feeds is None or feed is None or feed not in self._next_feeds:
             return
         settings = cache.table.settings
         if not self.write_back[table] and (settings.max_staleness < 1
                                            or settings.policy is EvictionPolicy.NONE):
             return
-        ids = torch.unique(self.next_feeds[feed].reshape(-1).to("cpu", torch.int64))
+        ids = torch.unique(self._next_feeds[feed].reshape(-1).to("cpu", torch.int64))
         cache.check_ids(ids)
         ids = ids[cache.slot_of_id[ids] < 0]
         requests = []
         for server, mask in self._by_server(table, ids):
-            seq = self._request(server, Op.PULL, table, self.step, [ids[mask]])
-            self._prefetch_fresh[seq] = self.step
+            seq = self._request(server, Op.PULL, table, self._step, [ids[mask]])
+            self._prefetch_fresh[seq] = self._step
             requests.append((server, seq, ids[mask]))
         self._prefetched[table] = requests
 
@@ -209,7 +215,7 @@ class EmbeddingClient:
         for server, mask in self._by_server(table, ids):
             tensors = [ids[mask], rows[mask.to(rows.device)].cpu(),
                        *(state[n][mask.to(rows.device)].cpu() for n in names)]
-            self._request(server, Op.PUSH, table, self.step, tensors)
+            self._request(server, Op.PUSH, table, self._step, tensors)
             pushed += _nbytes(tensors)
         return pushed
 

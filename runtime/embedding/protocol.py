@@ -23,6 +23,7 @@ import torch
 
 from splitrun.splitter.labels import Label
 
+from ..errors import MessageRejected
 from ..transport.protocol import OUT_OF_PLAN
 
 __all__ = ["Op", "request_channel", "reply_channel", "header", "read_header"]
@@ -52,7 +53,11 @@ def header(op: Op, table: int, step: int) -> torch.Tensor:
 
 def read_header(tensor: torch.Tensor) -> tuple[Op, int, int]:
     if tensor.dtype != torch.int64 or tensor.shape != (3,):
-        raise ValueError(f"an embedding request header is int64[3], got "
+        raise MessageRejected(f"an embedding request header is int64[3], got "
                          f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}")
     op, table, step = (int(v) for v in tensor)
-    return Op(op), table, step
+    try:
+        return Op(op), table, step
+    except ValueError:
+        raise MessageRejected(f"unknown embedding request op {op}; known: "
+                              f"{', '.join(o.name for o in Op)}") from None

@@ -1,6 +1,6 @@
 """A worker's cache of one table's hot rows: the rows (and their per-row
 optimizer state) in slots on the worker's device, an id -> slot map, and the
-eviction policy. It only decides and stores; `embedding_client.py` talks to
+eviction policy. It only decides and stores; `client.py` talks to
 the servers.
 
 All bookkeeping is vectorized over a batch's unique ids: `slot_of_id` is a
@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitrun.splitter.cache_mode import CachedTable, EvictionPolicy
+from splitrun.splitter.cached_tables import CachedTable, EvictionPolicy
 
-from ..errors import SplitrunError
+from ..errors import CacheError
 
 __all__ = ["RowCache", "BatchPlan", "TableCounters"]
 
@@ -118,7 +118,7 @@ class RowCache:
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= self.table.num_rows:
             bad = low if low < 0 else high
-            raise SplitrunError(
+            raise CacheError(
                 f"table {self.table.key!r} has {self.table.num_rows} rows (ids 0-"
                 f"{self.table.num_rows - 1}) but the batch looks up id {bad}")
 
@@ -135,7 +135,7 @@ class RowCache:
         unique_ids, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True,
                                                    return_counts=True)
         if unique_ids.numel() > self.capacity:
-            raise SplitrunError(
+            raise CacheError(
                 f"table {self.table.key!r}: this batch looks up {unique_ids.numel()} distinct "
                 f"ids but the cache holds {self.capacity} rows; cache_rows must be at least "
                 f"{unique_ids.numel()} (place_embedding_cache(..., cache_rows=...))")
@@ -203,7 +203,7 @@ class RowCache:
     def slots_of(self, ids: torch.Tensor) -> torch.Tensor:
         slots = self.slot_of_id[ids.reshape(-1).to("cpu", torch.int64)]
         if bool((slots < 0).any()):
-            raise SplitrunError(f"table {self.table.key!r}: a gradient for rows that are not "
+            raise CacheError(f"table {self.table.key!r}: a gradient for rows that are not "
                                 f"cached (the lookup and the update disagree)")
         return slots
 

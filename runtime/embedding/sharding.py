@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from ..errors import CacheError
+
 __all__ = ["RowSharding"]
 
 # A large odd constant (2^64 / golden ratio, truncated): consecutive ids land
@@ -22,7 +24,8 @@ _OFFSET = 0x5851F42D
 class RowSharding:
     def __init__(self, num_rows: int, num_servers: int) -> None:
         if num_rows >= 1 << 31:
-            raise ValueError(f"tables up to 2^31 rows are supported, got {num_rows}")
+            raise CacheError(f"tables up to 2^31 rows are supported, got {num_rows}; split the "
+                             f"table into several")
         self.num_rows = num_rows
         self.num_servers = num_servers
         multiplier = _MULTIPLIER % num_rows or 1

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitrun.splitter.cache_mode import CachedTable
+from splitrun.splitter.cached_tables import CachedTable
 from splitrun.splitter.labels import Cluster, Label
 from splitrun.splitter.sparse_optim import IN_PLACE
 
 from .protocol import Op, read_header, reply_channel
-from ..errors import SplitrunError
+from ..errors import MessageRejected, SplitrunError
 from .sharding import RowSharding
 from ..transport.protocol import MessageKey, Transport
 
@@ -103,6 +103,9 @@ class EmbeddingStore:
 
     def _handle(self, key: MessageKey, src: Label, tensors: list[torch.Tensor]) -> None:
         op, index, step = read_header(tensors[0])
+        if not 0 <= index < len(self.shards):
+            raise MessageRejected(f"{self._tag} embedding request from {src.describe()} names "
+                                  f"table {index}; this job caches {len(self.shards)} tables")
         shard = self.shards[index]
         if op is Op.PUSH:
             ids, rows, *state = tensors[1:]
@@ -121,7 +124,7 @@ class EmbeddingStore:
             else:
                 self._parked.append((key, src, tensors))
         else:
-            raise SplitrunError(f"unknown embedding request {op}")
+            raise MessageRejected(f"unknown embedding request {op}")
 
     def _ready(self, shard: _Shard, op: Op, step: int) -> bool:
         """With several workers, a pull fresh for `step` (or a dump after

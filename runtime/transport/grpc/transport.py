@@ -112,13 +112,10 @@ class ExpectedChannel:
         object.__setattr__(self, "tensors", normal)
 
 
-def expected_channels(plan: SplitPlan, program: Program | None, label: Label
+def expected_channels(plan: SplitPlan, program: Program, label: Label
                       ) -> dict[str, ExpectedChannel]:
     """What `label` may receive under `plan`: from `plan.recv_channels(label)`
     and the dtype/shape each value has in the program's graph."""
-    program = program or plan.program
-    if program is None:
-        raise TransportError("expected_channels needs the program the plan was split from")
     nodes = {node.name: node for node in program.graph.nodes}
     out = {}
     for channel in plan.recv_channels(label):

@@ -1,0 +1,75 @@
+"""What every process the launcher starts runs first:
+
+    python -m splitrun.launcher.bootstrap [--parent-pid PID] SCRIPT [ARGS...]
+
+It sets the process up before the user's script runs (and before anything
+imports torch): on Linux the kernel kills it when the launcher (PID) dies;
+logging goes to stderr at the launcher's level; then SCRIPT runs as
+`__main__`, as `python SCRIPT ARGS...` would run it. Under `splitrun plan` the
+script ends at `Job.start()` with `PlanWritten`, which exits 0 here.
+
+Only the standard library is imported before the script runs, so the
+die-with-launcher setting is in place within milliseconds of the start.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import runpy
+import signal
+import sys
+
+__all__ = ["main"]
+
+_PR_SET_PDEATHSIG = 1
+# The same variable `splitrun.runtime.env.ENV.LOG_LEVEL` names; not imported
+# from there, because importing splitrun.runtime imports torch.
+_LOG_LEVEL_VARIABLE = "SPLITRUN_LOG_LEVEL"
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux);
+    exit at once if the parent is already gone."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass  # the heartbeat timeout stops an orphan instead
+    if os.getppid() != parent_pid:
+        sys.stderr.write(f"splitrun: the launcher (pid {parent_pid}) is gone; not starting\n")
+        raise SystemExit(1)
+
+
+def configure_logging(level: str | None) -> None:
+    if level and not logging.getLogger().handlers:
+        logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                            format="%(levelname)s %(name)s: %(message)s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) >= 2 and argv[0] == "--parent-pid":
+        die_with_parent(int(argv[1]))
+        argv = argv[2:]
+    if not argv:
+        sys.stderr.write("usage: python -m splitrun.launcher.bootstrap "
+                         "[--parent-pid PID] SCRIPT [ARGS...]\n")
+        raise SystemExit(2)
+    configure_logging(os.environ.get(_LOG_LEVEL_VARIABLE))
+    script = argv[0]
+    sys.argv = argv
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except BaseException as exc:
+        job = sys.modules.get("splitrun.runtime.job")  # imported by the script if it ran a job
+        if job is not None and isinstance(exc, job.PlanWritten):
+            raise SystemExit(0) from None
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The environment contract between a launcher and the processes it starts.
+
+`splitrun launch` and `splitrun join` set these variables; `Job.from_env()`
+reads them through `ProcessEnvironment.parse`. Nothing else in splitrun reads
+the environment, so this module is the whole contract.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from splitrun.splitter.errors import LabelError
+from splitrun.splitter.labels import Cluster, Role
+
+from .errors import ClusterError
+
+__all__ = ["ENV", "ProcessEnvironment"]
+
+
+class ENV:
+    """Environment variables `splitrun launch` and `splitrun join` set."""
+
+    SCHEDULER = "SPLITRUN_SCHEDULER"      # host:port of the scheduler
+    TOKEN = "SPLITRUN_TOKEN"              # the job's secret; every call carries it
+    ROLE = "SPLITRUN_ROLE"                # worker | server
+    RANK = "SPLITRUN_RANK"                # optional: the rank to ask for
+    DEVICE = "SPLITRUN_DEVICE"            # cpu | cuda | auto
+    HOST = "SPLITRUN_HOST"                # interface this process's tensor server binds
+    ADVERTISE = "SPLITRUN_ADVERTISE"      # name peers use to reach it (default: HOST)
+    RECV_TIMEOUT_S = "SPLITRUN_RECV_TIMEOUT_S"
+    IDLE_TIMEOUT_S = "SPLITRUN_IDLE_TIMEOUT_S"
+    HEARTBEAT_TIMEOUT_S = "SPLITRUN_HEARTBEAT_TIMEOUT_S"
+    THREADS = "SPLITRUN_THREADS"          # intra-op threads (torch.set_num_threads)
+    LOG_LEVEL = "SPLITRUN_LOG_LEVEL"      # read by the launcher's bootstrap
+    PLAN_OUT = "SPLITRUN_PLAN_OUT"        # `splitrun plan`: write the plan's text form here
+    NUM_WORKERS = "SPLITRUN_NUM_WORKERS"  # cluster size for `splitrun plan`
+    NUM_SERVERS = "SPLITRUN_NUM_SERVERS"
+
+
+@dataclass(frozen=True)
+class ProcessEnvironment:
+    """What a launcher told this process, parsed and checked."""
+
+    scheduler: str | None          # None in plan mode
+    token: str
+    role: Role
+    rank: int | None               # None: the scheduler picks the next free rank
+    device: str                    # "auto", "cpu", "cuda", "cuda:1", ...
+    host: str
+    advertise: str
+    recv_timeout_s: float | None
+    idle_timeout_s: float | None
+    heartbeat_timeout_s: float | None
+    plan_out: str | None
+    plan_cluster: Cluster          # the cluster `splitrun plan` splits for
+    threads: int | None            # intra-op threads the launcher budgeted, if any
+
+    @classmethod
+    def parse(cls, environ: Mapping[str, str]) -> ProcessEnvironment:
+        plan_out = environ.get(ENV.PLAN_OUT) or None
+        scheduler = environ.get(ENV.SCHEDULER) or None
+        if plan_out is None and scheduler is None:
+            raise ClusterError(
+                f"{ENV.SCHEDULER} is not set: this script joins a splitrun job; start it "
+                f"with `splitrun launch --workers N {sys.argv[0]}` or `splitrun join "
+                f"--scheduler HOST:PORT {sys.argv[0]}`")
+        try:
+            role = Role.parse(environ.get(ENV.ROLE, "worker"))
+        except LabelError as exc:
+            raise ClusterError(f"{ENV.ROLE}: {exc}") from None
+        host = environ.get(ENV.HOST, "127.0.0.1")
+        rank = _integer(environ, ENV.RANK)
+        return cls(
+            scheduler=scheduler, token=environ.get(ENV.TOKEN, ""), role=role,
+            rank=None if rank is None or rank < 0 else rank,
+            device=environ.get(ENV.DEVICE, "auto") or "auto", host=host,
+            advertise=environ.get(ENV.ADVERTISE) or host,
+            recv_timeout_s=_seconds(environ, ENV.RECV_TIMEOUT_S),
+            idle_timeout_s=_seconds(environ, ENV.IDLE_TIMEOUT_S),
+            heartbeat_timeout_s=_seconds(environ, ENV.HEARTBEAT_TIMEOUT_S),
+            plan_out=plan_out,
+            plan_cluster=Cluster(_integer(environ, ENV.NUM_WORKERS) or 1,
+                                 _integer(environ, ENV.NUM_SERVERS) or 0),
+            threads=_integer(environ, ENV.THREADS))
+
+
+def _integer(environ: Mapping[str, str], key: str) -> int | None:
+    text = environ.get(key, "")
+    if text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ClusterError(f"{key}={text!r} is not an integer") from None
+
+
+def _seconds(environ: Mapping[str, str], key: str) -> float | None:
+    text = environ.get(key, "")
+    if text == "":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ClusterError(f"{key}={text!r} is not a number of seconds") from None

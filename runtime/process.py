@@ -1,0 +1,127 @@
+"""One process's share of a split program, ready to run steps.
+
+`ProcessRuntime` assembles a process once: it attaches the embedding cache
+(a worker's row cache, a server's table store) where the split caches tables,
+builds the executor with the cache's bindings and loads the state the process
+owns. Real processes (`Job`/`Trainer`) and threads (`run_threaded`) both drive
+one through its methods, so there is one way a process is put together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from splitrun.splitter.graph_splitter import SplitProgram
+from splitrun.splitter.labels import Label, Role
+
+from .embedding.attach import attach_cache
+from .executor import Executor, ExecutorStats
+from .transport.protocol import Transport
+
+__all__ = ["ProcessRuntime"]
+
+Feeds = Mapping[str, torch.Tensor]
+
+
+class ProcessRuntime:
+    """`label`'s share of `split`, over `transport`.
+
+    `state`: where the state starts (a full or partial dict: the initial state
+    or a checkpoint's); each process takes what it owns. `first_step`: the step
+    a resumed job continues at.
+    """
+
+    def __init__(self, split: SplitProgram, label: Label, transport: Transport, *,
+                 incarnation: int = 0, device: str | torch.device = "cpu",
+                 state: Mapping[str, torch.Tensor] | None = None, first_step: int = 0,
+                 recv_timeout_s: float = 120.0) -> None:
+        self.split = split
+        self.label = label
+        state = split.program.initial_state if state is None else state
+        # The embedding store must take requests before any can arrive, so
+        # it is attached before the executor (and before the caller lets the
+        # plan's messages in).
+        self._cache = attach_cache(split, label, transport, incarnation, state=state,
+                                   device=device, first_step=first_step,
+                                   timeout_s=recv_timeout_s)
+        self.executor = Executor(split.plan, split.program, label, transport, device=device,
+                                 incarnation=incarnation, recv_timeout_s=recv_timeout_s,
+                                 bindings=self._cache.bindings)
+        self.executor.load_state(state)
+
+    # -- steps --
+
+    def feeds(self, step: int, batch: Feeds | None) -> dict[str, torch.Tensor]:
+        """The feeds of `step`: this process's batch (None for servers) and the
+        step's hyperparameters (learning rates, step count)."""
+        return {**(batch or {}), **self.split.program.hparams(step)}
+
+    def run_step(self, step: int, batch: Feeds | None,
+                 next_batch: Feeds | None = None) -> dict[str, torch.Tensor]:
+        """Run this process's subgraph for `step`; the outputs delivered here.
+        `next_batch` lets an embedding cache prefetch the next step's rows."""
+        client = self._cache.client
+        if client is not None:
+            client.begin_step(step, None if next_batch is None
+                              else self.feeds(step + 1, next_batch))
+        return self.executor.run_step(step, self.feeds(step, batch))
+
+    def serve_step(self, step: int, *, first_recv_timeout_s: float,
+                   control: tuple[str, Callable] | None = None) -> dict[str, torch.Tensor]:
+        """A serving process's step: like `run_step`, but its first receive may
+        wait `first_recv_timeout_s` (the workers may spend a while between
+        steps) and hands `control` messages to their handler meanwhile. Raises
+        `JobFinished` when the workers finished before this step."""
+        return self.executor.run_step(step, self.feeds(step, None),
+                                      first_recv_timeout_s=first_recv_timeout_s,
+                                      control=control)
+
+    # -- state --
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """The state this process owns, as of the last step."""
+        return self.executor.state
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        return self.split.plan.process(self.label).state
+
+    @property
+    def stats(self) -> ExecutorStats:
+        return self.executor.stats
+
+    @property
+    def has_cache(self) -> bool:
+        return self._cache.client is not None
+
+    @property
+    def cache_counters(self) -> dict[str, dict]:
+        """Per cached table: lookups, unique ids, hits, misses, evictions and
+        bytes pulled and pushed (totals and the last step's); empty without a cache."""
+        client = self._cache.client
+        return {} if client is None else client.counters
+
+    def cache_hit_rate(self) -> float | None:
+        client = self._cache.client
+        return None if client is None else client.hit_rate()
+
+    def dump_tables(self, steps_done: int) -> dict[str, torch.Tensor]:
+        """Worker 0 of an embedding-cache split: every cached table and its row
+        state, whole, from the servers (dirty rows written back first)."""
+        client = self._cache.client
+        return {} if client is None else client.dump(steps_done)
+
+    def drain_prefetch(self) -> None:
+        """Take the replies of prefetches no step will use (the last batch's)."""
+        if self._cache.client is not None:
+            self._cache.client.drain_prefetch()
+
+    @property
+    def is_worker(self) -> bool:
+        return self.label.role is Role.WORKER
+
+    def close(self) -> None:
+        self._cache.close()

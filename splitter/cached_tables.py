@@ -1,0 +1,104 @@
+"""Cached embedding tables as the splitter describes them: which tables are
+marked (`place_embedding_cache`), their settings, what the runtime needs to
+know of each (`CachedTable`), and the marker ops a cached lookup and update
+become in the graph (`cached_lookup`, `cached_update`), bound by the runtime.
+
+Capture reads the marks; `EmbeddingCacheMode` rewrites the graph. Neither
+depends on the other: both import this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import nn
+
+from .errors import CaptureError, PlanError
+
+__all__ = ["EvictionPolicy", "CacheSettings", "CachedTable", "place_embedding_cache",
+           "cache_settings_of", "cached_lookup", "cached_update", "CACHE_OPS"]
+
+# The attribute place_embedding_cache sets on a marked table.
+_CACHE_ATTR = "_splitrun_cache"
+class EvictionPolicy(Enum):
+    LRU = "lru"   # evict the rows used longest ago
+    LFU = "lfu"   # evict the rows looked up least often (counted over the whole run)
+    # No caching: every batch pulls all its rows and every gradient goes to the
+    # servers (plain parameter-server lookups); cache_rows is the batch buffer.
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    cache_rows: int
+    policy: EvictionPolicy = EvictionPolicy.LRU
+    # With several workers: a cached row is re-read from its server once it
+    # is older than this many steps (0: every step, exactly parameter-server mode).
+    max_staleness: int = 0
+
+    def write_back(self, num_workers: int) -> bool:
+        """One worker caching rows owns them while cached: updates stay in the
+        cache until the row goes back. Otherwise gradients go to the servers."""
+        return num_workers == 1 and self.policy is not EvictionPolicy.NONE
+
+    def __post_init__(self) -> None:
+        if self.cache_rows < 1:
+            raise CaptureError(f"cache_rows must be >= 1, got {self.cache_rows}")
+        if self.max_staleness < 0:
+            raise CaptureError(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+
+@dataclass(frozen=True)
+class CachedTable:
+    """One cached table as the runtime sees it."""
+
+    key: str                      # the table's parameter name, e.g. "tables.0.weight"
+    num_rows: int
+    dim: int
+    dtype: torch.dtype
+    settings: CacheSettings
+    optimizer: str                # "sgd" or "adagrad"
+    optimizer_settings: dict      # keyword settings of the row-wise update
+    state_names: tuple[str, ...]  # per-row optimizer state ("sum" for Adagrad)
+    ids_feed: str | None          # the batch input its ids come from, for prefetch
+
+
+def place_embedding_cache(modules, *, cache_rows: int, policy: EvictionPolicy | str = "lru",
+                          max_staleness: int = 0):
+    """Keep these `nn.Embedding` tables on the servers and cache `cache_rows`
+    rows of each on every worker. `modules`: one embedding, or an iterable of
+    them (an `nn.ModuleList` of tables)."""
+    settings = CacheSettings(cache_rows, EvictionPolicy(policy) if isinstance(policy, str)
+                             else policy, max_staleness)
+    tables = [modules] if isinstance(modules, nn.Module) and not isinstance(
+        modules, (nn.ModuleList, nn.ModuleDict)) else list(
+        modules.values() if isinstance(modules, nn.ModuleDict) else modules)
+    for table in tables:
+        if not isinstance(table, nn.Embedding):
+            raise CaptureError(f"place_embedding_cache takes nn.Embedding tables, got "
+                               f"{type(table).__name__}")
+        if table.padding_idx is not None or table.max_norm is not None:
+            raise CaptureError("cached tables cannot use padding_idx or max_norm")
+        setattr(table, _CACHE_ATTR, settings)
+    return modules
+
+
+def cache_settings_of(module: nn.Module) -> CacheSettings | None:
+    return getattr(module, _CACHE_ATTR, None)
+
+
+def cached_lookup(ids: torch.Tensor, *, table: str) -> torch.Tensor:
+    """Rows of `table` for `ids`, from the worker's cache (bound by the runtime)."""
+    raise PlanError(f"cached_lookup of table {table!r} ran without an embedding cache; "
+                    f"run the program through splitrun's runtime in embedding-cache mode")
+
+
+def cached_update(indices: torch.Tensor, values: torch.Tensor, lr: torch.Tensor,
+                  step: torch.Tensor, *, table: str) -> None:
+    """Hands `table`'s sparse gradient to the worker's cache (bound by the runtime)."""
+    raise PlanError(f"cached_update of table {table!r} ran without an embedding cache")
+
+
+CACHE_OPS = frozenset({cached_lookup, cached_update})

@@ -1,0 +1,38 @@
+"""The launcher's thread budget: every process it starts runs with the
+intra-op thread count it was given (torch's default, every core in every
+process, oversubscribes a machine as soon as two processes compute)."""
+
+import os
+import re
+import sys
+
+import pytest
+from cluster import JOB_TIMEOUT_S, SCRIPTS, Proc
+
+from splitrun.launcher.cli import thread_budget
+from splitrun.splitter.errors import SplitrunError
+
+
+def test_the_default_shares_the_cores_among_local_processes():
+    cores = os.cpu_count() or 1
+    assert thread_budget(None, 1) == cores
+    assert thread_budget(None, cores * 4) == 1, "never below one thread"
+    assert thread_budget(3, 100) == 3, "an explicit budget wins"
+    with pytest.raises(SplitrunError, match="--threads-per-process must be >= 1, got 0"):
+        thread_budget(0, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("requested, expected", [(None, None), ("2", 2)])
+def test_every_process_runs_with_its_budget(tmp_path, requested, expected):
+    extra = [] if requested is None else ["--threads-per-process", requested]
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    proc = Proc([sys.executable, "-m", "splitrun.launcher", "launch", "--workers", 2,
+                 "--servers", 1, *extra, SCRIPTS / "ps_job.py", "--steps", 3,
+                 "--out", tmp_path / "out.pt"], env=env)
+    assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
+    budget = expected if expected is not None else thread_budget(None, 3)
+    assert f"({budget} threads each)" in proc.output()
+    reported = dict(re.findall(r"\[(\w+ \d)\].*joined as .*, (\d+) threads\)", proc.output()))
+    assert reported == {"worker 0": str(budget), "worker 1": str(budget),
+                        "server 0": str(budget)}, proc.output()
