@@ -156,13 +156,17 @@ def _script_argv(args, *, die_with_launcher: bool) -> list[str]:
 
 
 def thread_budget(requested: int | None, num_local_processes: int) -> int:
-    """Intra-op threads per process: as asked, else the cores shared out among
-    the processes on this machine. torch's default (every core in every
-    process) oversubscribes the machine as soon as two processes compute."""
+    """Intra-op threads per process: as asked, else OMP_NUM_THREADS where the
+    user set it, else the cores shared out among the processes on this
+    machine. torch's default (every core in every process) oversubscribes the
+    machine as soon as two processes compute."""
     if requested is not None:
         if requested < 1:
             raise SplitrunError(f"--threads-per-process must be >= 1, got {requested}")
         return requested
+    user = os.environ.get("OMP_NUM_THREADS", "")
+    if user.isdigit() and int(user) >= 1:
+        return int(user)
     return max(1, (os.cpu_count() or 1) // max(1, num_local_processes))
 
 

@@ -13,13 +13,16 @@ from splitrun.launcher.cli import thread_budget
 from splitrun.splitter.errors import SplitrunError
 
 
-def test_the_default_shares_the_cores_among_local_processes():
+def test_the_default_shares_the_cores_among_local_processes(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = os.cpu_count() or 1
     assert thread_budget(None, 1) == cores
     assert thread_budget(None, cores * 4) == 1, "never below one thread"
     assert thread_budget(3, 100) == 3, "an explicit budget wins"
     with pytest.raises(SplitrunError, match="--threads-per-process must be >= 1, got 0"):
         thread_budget(0, 1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert thread_budget(None, 100) == 3, "the user's OMP_NUM_THREADS wins over the default"
 
 
 @pytest.mark.slow
@@ -31,7 +34,8 @@ def test_every_process_runs_with_its_budget(tmp_path, requested, expected):
                  "--servers", 1, *extra, SCRIPTS / "ps_job.py", "--steps", 3,
                  "--out", tmp_path / "out.pt"], env=env)
     assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
-    budget = expected if expected is not None else thread_budget(None, 3)
+    cores = os.cpu_count() or 1
+    budget = expected if expected is not None else max(1, cores // 3)
     assert f"({budget} threads each)" in proc.output()
     reported = dict(re.findall(r"\[(\w+ \d)\].*joined as .*, (\d+) threads\)", proc.output()))
     assert reported == {"worker 0": str(budget), "worker 1": str(budget),
