@@ -194,7 +194,8 @@ class _Groups:
     def __init__(self) -> None:
         self.functional: list[optim.Optimizer] = []
         self.param_group: dict[str, int] = {}
-        self._torch: torch.optim.Optimizer | None = None
+        # The torch optimizer the groups were read from (its lrs are read live).
+        self.torch_optimizer: torch.optim.Optimizer | None = None
 
     def for_param(self, name: str) -> optim.Optimizer | None:
         index = self.param_group.get(name)
@@ -216,12 +217,14 @@ class _Groups:
 
     def hparams(self, step: int) -> dict[str, torch.Tensor]:
         feeds = {}
-        if self._torch is not None:
+        if self.torch_optimizer is not None:
             # The update runs in the graph, so the torch optimizer's step() is
             # never called; tell its LR scheduler that steps do happen.
-            self._torch._opt_called = True
+            self.torch_optimizer._opt_called = True
         for index, functional in enumerate(self.functional):
-            lr = functional.lr if self._torch is None else self._torch.param_groups[index]["lr"]
+            torch_optimizer = self.torch_optimizer
+            lr = (functional.lr if torch_optimizer is None
+                  else torch_optimizer.param_groups[index]["lr"])
             feeds[self.lr_key(index)] = torch.tensor(float(lr), dtype=optim.HPARAM_DTYPE)
         feeds["step"] = torch.tensor(float(step + 1), dtype=optim.HPARAM_DTYPE)
         return feeds
@@ -240,7 +243,7 @@ def _optimizer_groups(optimizer, params: dict[str, nn.Parameter]) -> _Groups:
             f"optimizer must be a torch.optim optimizer or one of "
             f"splitrun.splitter.optim's, got {type(optimizer).__name__}")
     name_of = {id(p): name for name, p in params.items()}
-    groups._torch = optimizer
+    groups.torch_optimizer = optimizer
     for index, (functional, group_params) in enumerate(optim.from_torch(optimizer)):
         groups.functional.append(functional)
         for p in group_params:

@@ -214,7 +214,7 @@ class _Scan:
                 current, segment = dst, segment + 1
             info[node] = (dst, pos, segment)
             runs[dst].append((pos, _RUN, "", Instruction(run, node.name)))
-            for value in node._input_nodes:  # all_input_nodes without the list copy
+            for value in node.all_input_nodes:
                 src, src_pos, src_segment = info[value]
                 if src is None and dst.role is Role.SERVER and value.op == "placeholder":
                     src = driver
@@ -258,7 +258,7 @@ def _name_channels(drafts: list[ChannelDraft]):
     control channels are `src->dst#c`. Sorts `drafts` in place to match."""
     # Two drafts of one pair never share a send position (one per source
     # segment, one at step start, one control), so this order is total.
-    drafts.sort(key=lambda d: (d.src._key, d.dst._key, d.kind is ChannelKind.CONTROL,
+    drafts.sort(key=lambda d: (d.src.sort_key(), d.dst.sort_key(), d.kind is ChannelKind.CONTROL,
                                d.send_pos, d.recv_pos))
     counter: dict[tuple[Label, Label], int] = defaultdict(int)
     channels: list[Channel] = []

@@ -1,9 +1,9 @@
 """Shared test setup: the example models live in examples/.
 
-Every process of the suite computes with one intra-op thread: the tests
-compare launched jobs with references computed here bit for bit, and a
-different thread count sums in a different order. The launcher takes a
-user's OMP_NUM_THREADS as its thread budget, so its children match.
+Launched jobs are compared with references computed in this process bit for
+bit, and a different intra-op thread count sums in a different order. The
+launcher takes a user's OMP_NUM_THREADS as its thread budget, so setting it
+to this process's count makes every child compute as this process does.
 """
 
 import os
@@ -12,9 +12,7 @@ import sys
 
 import torch
 
-os.environ["OMP_NUM_THREADS"] = "1"
-os.environ["MKL_NUM_THREADS"] = "1"
-torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
