@@ -167,20 +167,21 @@ class _Splitrun:
     def __init__(self, role: str, conn, sizes: list[int]) -> None:
         import torch
 
-        from splitrun.runtime.transport.grpc.transport import ExpectedChannel, GrpcSettings, GrpcTransport
+        from splitrun.runtime.transport import ChannelContract
+        from splitrun.runtime.transport.grpc import GrpcSettings, GrpcTransport
         from splitrun.runtime.transport.protocol import MessageKey
         from splitrun.splitter.labels import Label
         self.torch, self.MessageKey = torch, MessageKey
         self.me, self.peer = (Label.worker(0), Label.worker(1)) if role == "a" else \
             (Label.worker(1), Label.worker(0))
         if role == "a":
-            expected = {"ack": ExpectedChannel(self.peer, ((torch.uint8, (1,)),))}
+            expected = {"ack": ChannelContract(self.peer, ((torch.uint8, (1,)),))}
         else:
-            expected = {f"data{size}": ExpectedChannel(self.peer, ((torch.uint8, (size,)),))
+            expected = {f"data{size}": ChannelContract(self.peer, ((torch.uint8, (size,)),))
                         for size in sizes}
         settings = GrpcSettings() if self.chunk_bytes is None else \
             GrpcSettings(chunk_bytes=self.chunk_bytes)
-        self.transport = GrpcTransport(self.me, token=TOKEN, incarnation=1, expected=expected,
+        self.transport = GrpcTransport(self.me, token=TOKEN, incarnation=1, contracts=expected,
                                        settings=settings)
         conn.send(self.transport.start())
         self.transport.set_peers({self.peer: conn.recv()})

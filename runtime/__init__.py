@@ -3,6 +3,7 @@
 from .errors import (
     CacheError,
     CheckpointError,
+    ChannelMismatch,
     ClusterError,
     JobFinished,
     MessageRejected,
@@ -11,9 +12,12 @@ from .errors import (
     SplitrunError,
     StepFailed,
     TransportError,
+    UnknownChannel,
+    WrongSender,
 )
 from .executor import ChannelStats, Executor, ExecutorStats
-from .transport.grpc.transport import ExpectedChannel, GrpcSettings, GrpcTransport, expected_channels
+from .transport.contract import ChannelContract, check_message, receive_contracts
+from .transport.grpc import GrpcSettings, GrpcTransport
 from .job import Job, JobSettings, PlanWritten, Trainer
 from .process import ProcessRuntime
 from .transport.loopback import LoopbackHub, LoopbackTransport
@@ -27,6 +31,9 @@ __all__ = [
     "ClusterError",
     "JobFinished",
     "MessageRejected",
+    "ChannelMismatch",
+    "UnknownChannel",
+    "WrongSender",
     "PeerFailed",
     "RecvTimeout",
     "SplitrunError",
@@ -35,10 +42,11 @@ __all__ = [
     "ChannelStats",
     "Executor",
     "ExecutorStats",
-    "ExpectedChannel",
+    "ChannelContract",
+    "check_message",
+    "receive_contracts",
     "GrpcSettings",
     "GrpcTransport",
-    "expected_channels",
     "Job",
     "JobSettings",
     "PlanWritten",

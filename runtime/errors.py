@@ -13,6 +13,9 @@ __all__ = [
     "TransportError",
     "RecvTimeout",
     "MessageRejected",
+    "ChannelMismatch",
+    "UnknownChannel",
+    "WrongSender",
     "PeerFailed",
     "StepFailed",
     "ClusterError",
@@ -33,6 +36,19 @@ class RecvTimeout(TransportError):
 class MessageRejected(TransportError):
     """A message that does not match what the plan expects (channel, incarnation,
     dtype, shape, byte count, token)."""
+
+
+class ChannelMismatch(MessageRejected):
+    """A message whose tensors break its channel's receive contract: another
+    count, dtype or shape than the plan says."""
+
+
+class UnknownChannel(ChannelMismatch):
+    """A message on a channel this process does not receive."""
+
+
+class WrongSender(ChannelMismatch):
+    """A message from another process than its channel's sender."""
 
 
 class PeerFailed(SplitrunError):

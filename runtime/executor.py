@@ -2,7 +2,8 @@
 
 Local ops run on the process's device; a SEND hands tensors to the transport
 (never blocking on the receiver); a RECV waits on the mailbox with a deadline
-and checks each tensor's dtype and shape against the plan. Values are freed
+(the transport checked the message against its channel's receive contract
+when it arrived). Values are freed
 after their last use, as `torch.fx.Interpreter` does.
 """
 
@@ -22,6 +23,7 @@ from splitrun.splitter.plan import OpKind, SplitPlan
 from splitrun.splitter.program import Program
 
 from .errors import MessageRejected, SplitrunError, StepFailed
+from .transport.dtypes import nbytes_of
 from .transport.protocol import MessageKey, Transport
 
 __all__ = ["Executor", "ExecutorStats", "ChannelStats"]
@@ -73,14 +75,6 @@ class _Ref:
 
     def __init__(self, name: str) -> None:
         self.name = name
-
-
-def _tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _describe_meta(dtype, shape) -> str:
-    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
 
 
 def _binder(args, kwargs):
@@ -164,18 +158,9 @@ class Executor:
                 if instr.kind is OpKind.SEND:
                     ops.append((OpKind.SEND, channel.name, channel.dst, channel.values))
                 else:
-                    expected = [self._expected_meta(v) for v in channel.values]
-                    ops.append((OpKind.RECV, channel.name, channel.src,
-                                (channel.recv_names, expected)))
+                    ops.append((OpKind.RECV, channel.name, channel.src, channel.recv_names))
         self._ops = ops
         self._free_after = self._last_uses(ops)
-
-    def _expected_meta(self, name: str):
-        node = self._nodes.get(name)
-        value = None if node is None else node.meta.get("val")
-        if isinstance(value, torch.Tensor):
-            return value.dtype, tuple(value.shape)
-        return None
 
     def _last_uses(self, ops) -> list[list[str]]:
         keep = set(self._output_nodes.values()) | set(self._state_updates.values())
@@ -243,7 +228,7 @@ class Executor:
                 self.transport.send(target, MessageKey(self.incarnation, step, name), tensors)
                 counter = self.stats.sent[name]
                 counter.messages += 1
-                counter.bytes += _tensor_bytes(tensors)
+                counter.bytes += nbytes_of(tensors)
             else:
                 timeout, between_steps = self.recv_timeout_s, None
                 if first_recv_timeout_s is not None:
@@ -262,8 +247,7 @@ class Executor:
         self.stats.step_s += time.perf_counter() - started
         return outputs
 
-    def _receive(self, step, channel, src, payload, env, timeout_s, control) -> None:
-        recv_names, expected = payload
+    def _receive(self, step, channel, src, recv_names, env, timeout_s, control) -> None:
         key = MessageKey(self.incarnation, step, channel)
         waited = time.perf_counter()
         if control is None:
@@ -275,17 +259,11 @@ class Executor:
             raise MessageRejected(
                 f"{self._tag} step {step}: channel {channel!r} from {src.describe()} "
                 f"carried {len(tensors)} tensors, the plan expects {len(recv_names)}")
-        for name, tensor, meta in zip(recv_names, tensors, expected):
-            if meta is not None and (tensor.dtype, tuple(tensor.shape)) != meta:
-                raise MessageRejected(
-                    f"{self._tag} step {step}: channel {channel!r} from {src.describe()}: "
-                    f"{name} expected {_describe_meta(*meta)}, got "
-                    f"{_describe_meta(tensor.dtype, tensor.shape)}; the sender's step "
-                    f"differs from the plan (same script and batch shapes on every process?)")
+        for name, tensor in zip(recv_names, tensors):
             env[name] = tensor if tensor.device == self.device else tensor.to(self.device)
         counter = self.stats.received[channel]
         counter.messages += 1
-        counter.bytes += _tensor_bytes(tensors)
+        counter.bytes += nbytes_of(tensors)
 
     def abort(self, error: BaseException) -> None:
         self.transport.abort(error)

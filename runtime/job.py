@@ -30,13 +30,12 @@ from splitrun.splitter.program import Program
 from . import checkpoint
 from .cluster.membership import Heartbeat, SchedulerClient
 from .data import shard_batches
-from .embedding import protocol as embedding_protocol
-from .embedding.attach import cached_tables_of
 from .env import ENV, ProcessEnvironment
 from .errors import ClusterError, JobFinished, PeerFailed, SplitrunError
 from .process import ProcessRuntime
 from .progress import Progress
-from .transport.grpc.transport import ExpectedChannel, GrpcTransport, expected_channels
+from .transport.contract import ChannelContract, receive_contracts
+from .transport.grpc import GrpcTransport
 from .transport.protocol import MessageKey
 
 __all__ = ["Job", "Trainer", "JobSettings", "ENV", "PlanWritten"]
@@ -206,9 +205,7 @@ class Job:
         peers = self.client.wait_for_peers(self.label, self.settings.register_timeout_s)
         self.transport.set_peers({label: address for label, address in peers.items()
                                   if label != self.label})
-        expected = expected_channels(plan, split.program, self.label)
-        expected.update(_control_channels(plan, split.program, self.label))
-        expected.update(_embedding_channels(split, self.label))
+        self.transport.register(_control_channels(plan, split.program, self.label))
         state, first_step = program.initial_state, 0
         if resume is not None:
             state, first_step = checkpoint.from_checkpoint(
@@ -220,7 +217,7 @@ class Job:
                                  first_step=first_step,
                                  recv_timeout_s=self.settings.recv_timeout_s)
         # The plan's messages are let in only now that the process is assembled.
-        self.transport.expect(expected)
+        self.transport.expect(receive_contracts(plan, split.program, self.label))
         logger.info("[%s] plan %s: %s", self.label.describe(), plan.fingerprint, summary)
         return Trainer(self, split, process, gather_state=gather_state, num_steps=num_steps,
                        first_step=first_step)
@@ -457,35 +454,21 @@ def _feeds_of(batch) -> dict[str, torch.Tensor]:
 
 
 def _control_channels(plan: SplitPlan, program: Program, me: Label
-                      ) -> dict[str, ExpectedChannel]:
+                      ) -> dict[str, ChannelContract]:
     """Channels outside the step's plan: worker 0 receives every owner's state
     (for saves and at finish); serving processes receive worker 0's commands."""
-    channels: dict[str, ExpectedChannel] = {}
+    channels: dict[str, ChannelContract] = {}
     if me == Label.worker(0):
-        nodes = {n.name: n for n in program.graph.nodes}
         for proc in plan.processes:
             if proc.label == me or not proc.state:
                 continue
-            metas = []
-            for key in proc.state:
-                value = nodes[program.input_for_key(key).node].meta["val"]
-                metas.append((value.dtype, tuple(value.shape)))
+            contract = ChannelContract.of_values(
+                proc.label, program, [program.input_for_key(key).node for key in proc.state])
             for channel in (checkpoint.save_channel, checkpoint.final_state_channel):
-                channels[channel(proc.label)] = ExpectedChannel(proc.label, tuple(metas))
+                channels[channel(proc.label)] = contract
     elif me.role is Role.SERVER:
-        channels[checkpoint.CONTROL_CHANNEL] = ExpectedChannel(
+        channels[checkpoint.CONTROL_CHANNEL] = ChannelContract(
             Label.worker(0), ((torch.int64, ()),))
     return channels
 
 
-def _embedding_channels(split: SplitProgram, me: Label) -> dict[str, ExpectedChannel]:
-    """Embedding-cache mode: workers' requests to servers and the replies; their
-    sizes change every step, so only the sender is checked."""
-    if cached_tables_of(split) is None:
-        return {}
-    labels = split.plan.labels
-    if me.role is Role.WORKER:
-        return {embedding_protocol.reply_channel(server): ExpectedChannel(server, None)
-                for server in labels if server.role is Role.SERVER}
-    return {embedding_protocol.request_channel(worker): ExpectedChannel(worker, None)
-            for worker in labels if worker.role is Role.WORKER}

@@ -21,6 +21,7 @@ from .data import shard_batch
 from .errors import PeerFailed, SplitrunError
 from .executor import ExecutorStats
 from .process import ProcessRuntime
+from .transport.contract import receive_contracts
 from .transport.loopback import LoopbackHub
 
 __all__ = ["run_threaded", "ThreadedRun"]
@@ -53,6 +54,8 @@ def run_threaded(split: SplitProgram, num_steps: int,
     processes = {label: ProcessRuntime(split, label, hub.transport(label), device=device,
                                        state=state, recv_timeout_s=recv_timeout_s)
                  for label in plan.labels}
+    for label in plan.labels:  # every message is checked against its contract
+        hub.transport(label).expect(receive_contracts(plan, split.program, label))
     dumped: dict[str, torch.Tensor] = {}
     history: list[dict[str, torch.Tensor]] = [{} for _ in range(num_steps)]
     failures: list[tuple[Label, BaseException]] = []

@@ -1,4 +1,4 @@
-"""The codec: tensors to envelope + bytes and back, bit for bit; hostile
+"""The codec (dtypes, buffers, framing): tensors to envelope + bytes and back, bit for bit; hostile
 envelopes refused before anything is allocated; Chunk framing equal to
 protobuf's own; receive buffers recycled only when nobody holds them."""
 
@@ -7,16 +7,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitrun.runtime.transport import codec
-from splitrun.runtime.transport.codec import (
-    DTYPES,
+from splitrun.runtime.transport.buffers import (
     BufferPool,
-    EnvelopeWriter,
     MessageBuffer,
-    TensorSpec,
     byte_view,
     decode,
     encode,
+)
+from splitrun.runtime.transport.dtypes import DTYPES, TensorSpec
+from splitrun.runtime.transport.framing import (
+    EnvelopeWriter,
     frame_message,
     is_step_free,
     parse_chunk,
@@ -247,4 +247,4 @@ def test_byte_view_is_zero_copy_for_contiguous_tensors():
     view = byte_view(tensor)
     tensor[0] = 7
     assert view[0] == 7 and view.nbytes == 40
-    assert codec.encode([tensor]).views[0].tobytes() == view.tobytes()
+    assert encode([tensor]).views[0].tobytes() == view.tobytes()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from splitrun.runtime import (
+    ChannelMismatch,
     Executor,
     LoopbackHub,
     Mailbox,
@@ -13,6 +14,7 @@ from splitrun.runtime import (
     MessageRejected,
     PeerFailed,
     RecvTimeout,
+    receive_contracts,
     run_threaded,
 )
 from splitrun.splitter import Cluster, Label, OpKind, split_program
@@ -82,13 +84,13 @@ def test_wrong_shape_in_a_message_is_rejected(two_worker_plan):
     plan, split_prog = two_worker_plan
     program = split_prog.program
     hub = LoopbackHub(plan.labels)
-    executor = Executor(plan, split_prog.program, W1, hub.transport(W1), recv_timeout_s=5)
-    executor.load_state(program.initial_state)
+    hub.transport(W1).expect(receive_contracts(plan, program, W1))
     schedule = plan.process(W1).schedule
     first_recv = next(i.target for i in schedule if i.kind is OpKind.RECV)
     channel = plan.channel(first_recv)
     wrong = [torch.zeros(7, dtype=torch.float64) for _ in channel.values]
-    hub.mailboxes[W1].put(MessageKey(0, 0, first_recv), channel.src, wrong)
-    with pytest.raises(MessageRejected, match=rf"channel '{first_recv}' from worker 0: .* "
-                                              r"expected float32\[4\], got float64\[7\]"):
-        executor.run_step(0, random_batches(program, 1)[0])
+    with pytest.raises(ChannelMismatch, match=rf"\[worker 1\] refused channel '{first_recv}' "
+                                              rf"step 0 from 'w0': tensor 0 expected "
+                                              r"float32\[4\], got float64\[7\]"):
+        hub.transport(channel.src).send(W1, MessageKey(0, 0, first_recv), wrong)
+    assert hub.transport(W1).pending() == [], "a refused message never reaches the mailbox"

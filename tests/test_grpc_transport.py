@@ -19,14 +19,11 @@ import pytest
 import torch
 from models import TiedBigramLM, lm_loss, markov_batches
 
-from splitrun.runtime import Executor, MessageKey, RecvTimeout, TransportError
-from splitrun.runtime.transport.grpc.transport import (
-    ExpectedChannel,
-    GrpcSettings,
-    GrpcTransport,
-    _SendQueue,
-    expected_channels,
-)
+from splitrun.runtime import Executor, Mailbox, MessageKey, RecvTimeout, TransportError
+from splitrun.runtime.transport import ChannelContract, receive_contracts
+from splitrun.runtime.transport.dtypes import TensorSpec
+from splitrun.runtime.transport.grpc import GrpcSettings, GrpcTransport
+from splitrun.runtime.transport.grpc.send import SendQueue
 from splitrun.runtime.transport.wire import splitrun_pb2
 from splitrun.splitter import Cluster, Label, capture, optim, split
 from splitrun.splitter.synthetic import random_batches, random_program
@@ -81,17 +78,17 @@ def close_all(*transports: GrpcTransport) -> None:
 def pair():
     """Worker 0 and worker 1, each expecting what the tests below send it."""
     expected_w1 = {
-        "w0->w1#0": ExpectedChannel(W0, FLOAT_2x3),
-        "mixed": ExpectedChannel(W0, ((torch.bool, (5,)), (torch.bfloat16, ()),
+        "w0->w1#0": ChannelContract(W0, FLOAT_2x3),
+        "mixed": ChannelContract(W0, ((torch.bool, (5,)), (torch.bfloat16, ()),
                                       (torch.int64, (0, 4)), (torch.complex64, (3,)))),
-        "big": ExpectedChannel(W0, ((torch.float32, (1 << 18,)),)),
-        "open": ExpectedChannel(W0, (None,)),
-        "control": ExpectedChannel(W0, ()),
+        "big": ChannelContract(W0, ((torch.float32, (1 << 18,)),)),
+        "open": ChannelContract(W0, (None,)),
+        "control": ChannelContract(W0, ()),
     }
-    expected_w0 = {"w1->w0#0": ExpectedChannel(W1, FLOAT_2x3)}
-    a = GrpcTransport(W0, token=TOKEN, incarnation=INCARNATION, expected=expected_w0,
+    expected_w0 = {"w1->w0#0": ChannelContract(W1, FLOAT_2x3)}
+    a = GrpcTransport(W0, token=TOKEN, incarnation=INCARNATION, contracts=expected_w0,
                       settings=SETTINGS)
-    b = GrpcTransport(W1, token=TOKEN, incarnation=INCARNATION, expected=expected_w1,
+    b = GrpcTransport(W1, token=TOKEN, incarnation=INCARNATION, contracts=expected_w1,
                       settings=SETTINGS)
     connect(a, b)
     yield a, b
@@ -134,7 +131,7 @@ def test_a_message_larger_than_a_chunk_streams_in_pieces():
     settings = GrpcSettings(chunk_bytes=64 << 10, stream_idle_s=0.2, connect_timeout_s=2.0)
     a = GrpcTransport(W0, token=TOKEN, incarnation=INCARNATION, settings=settings)
     b = GrpcTransport(W1, token=TOKEN, incarnation=INCARNATION, settings=settings,
-                      expected={"big": ExpectedChannel(W0, ((torch.float32, (1 << 18,)),))})
+                      contracts={"big": ChannelContract(W0, ((torch.float32, (1 << 18,)),))})
     connect(a, b)
     try:
         for step in range(2):
@@ -159,7 +156,7 @@ def test_a_full_queue_holds_the_sender_back_and_drops_nothing():
                             stream_idle_s=0.2, connect_timeout_s=2.0)
     a = GrpcTransport(W0, token=TOKEN, incarnation=INCARNATION, settings=settings)
     b = GrpcTransport(W1, token=TOKEN, incarnation=INCARNATION, settings=settings,
-                      expected={"big": ExpectedChannel(W0, ((torch.float32, (1 << 18,)),))})
+                      contracts={"big": ChannelContract(W0, ((torch.float32, (1 << 18,)),))})
     connect(a, b)
     try:
         sent = [torch.full((1 << 18,), float(step)) for step in range(12)]  # 12 MiB, 48x the bound
@@ -177,7 +174,7 @@ def test_send_queue_blocks_at_its_bound_and_lets_an_oversized_message_go_alone()
     class Item:
         def __init__(self, nbytes):
             self.nbytes = nbytes
-    queue = _SendQueue(max_bytes=100)
+    queue = SendQueue(max_bytes=100)
     first, second = Item(60), Item(60)
     assert queue.put(first, timeout_s=1)
     assert not queue.put(second, timeout_s=0.05), "over the bound: held back"
@@ -199,7 +196,7 @@ def test_send_queue_blocks_at_its_bound_and_lets_an_oversized_message_go_alone()
 BIG_SENDER = textwrap.dedent("""
     import hashlib, sys, torch
     from splitrun.runtime import MessageKey
-    from splitrun.runtime.transport.grpc.transport import GrpcSettings, GrpcTransport
+    from splitrun.runtime.transport.grpc import GrpcSettings, GrpcTransport
     from splitrun.splitter import Label
     address, incarnation, token = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
@@ -220,9 +217,9 @@ BIG_SENDER = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_a_one_gib_tensor_crosses_from_another_process_intact():
-    expected = {"big": ExpectedChannel(W0, ((torch.int64, (1 << 27,)),)),
-                "digest": ExpectedChannel(W0, ((torch.uint8, (16,)),))}
-    receiver = GrpcTransport(W1, token=TOKEN, incarnation=INCARNATION, expected=expected,
+    expected = {"big": ChannelContract(W0, ((torch.int64, (1 << 27,)),)),
+                "digest": ChannelContract(W0, ((torch.uint8, (16,)),))}
+    receiver = GrpcTransport(W1, token=TOKEN, incarnation=INCARNATION, contracts=expected,
                              settings=SETTINGS)
     address = receiver.start()
     sender = subprocess.Popen([sys.executable, "-c", BIG_SENDER, address, str(INCARNATION), TOKEN],
@@ -248,7 +245,7 @@ def test_a_one_gib_tensor_crosses_from_another_process_intact():
 def run_over_grpc(plan, program, num_steps, feeds):
     """run_threaded's loop, with a GrpcTransport per process instead of loopback."""
     transports = {label: GrpcTransport(label, token=TOKEN, incarnation=INCARNATION,
-                                       expected=expected_channels(plan, program, label),
+                                       contracts=receive_contracts(plan, program, label),
                                        settings=SETTINGS)
                   for label in plan.labels}
     connect(*transports.values())
@@ -319,15 +316,15 @@ def test_a_captured_model_trains_like_the_unsplit_step():
     assert_same_training(program, plan, 3, feeds)
 
 
-def test_expected_channels_come_from_the_plan_and_the_graph():
+def test_receive_contracts_come_from_the_plan_and_the_graph():
     program = random_program(30, [W0, W1], seed=3, run_length=3.0, shape=(2, 5))
     plan = split(program, Cluster(num_workers=2))
-    expected = expected_channels(plan, program, W1)
+    expected = receive_contracts(plan, program, W1)
     assert set(expected) == {c.name for c in plan.recv_channels(W1)} and expected
     for channel in plan.recv_channels(W1):
         assert expected[channel.name].src == channel.src
-        assert all(meta == (torch.float32, (2, 5)) for meta in expected[channel.name].tensors
-                   if meta is not None)
+        assert all(spec == TensorSpec(torch.float32, (2, 5))
+                   for spec in expected[channel.name].tensors if spec is not None)
 
 
 # -- waits that end with errors naming the peer -------------------------------------------
@@ -367,12 +364,12 @@ def test_a_refused_message_fails_the_sender_with_the_receivers_reason(pair):
                              r"INVALID_ARGUMENT: \[worker 1\] refused .* tensor 0 "
                              r"expected float32\[2, 3\], got float64\[2, 3\]"):
         a.flush(RECV_TIMEOUT_S)
-    assert b._mailbox.pending() == [], "the refused message never reached the mailbox"
+    assert b.pending() == [], "the refused message never reached the mailbox"
     # The receiver is undisturbed: worker 1 still sends, and worker 0's server
     # still takes messages even though its own sending failed.
     b.send(W0, key(0, "w1->w0#0"), [torch.ones(2, 3)])
     b.flush(RECV_TIMEOUT_S)
-    assert a._mailbox.pending() == [key(0, "w1->w0#0")]
+    assert a.pending() == [key(0, "w1->w0#0")]
     with pytest.raises(TransportError, match="INVALID_ARGUMENT"):
         a.recv(W1, key(0, "w1->w0#0"), RECV_TIMEOUT_S)  # the failure stays raised
     a.close()  # already reported: close adds nothing
@@ -383,7 +380,7 @@ def test_flush_confirms_delivery_and_close_is_idempotent(pair):
     for step in range(5):
         a.send(W1, key(step), [torch.full((2, 3), float(step))])
     a.flush(RECV_TIMEOUT_S)
-    assert b._mailbox.pending() == [key(step) for step in range(5)], \
+    assert b.pending() == [key(step) for step in range(5)], \
         "every message is delivered before flush returns"
     a.close()
     a.close()
@@ -396,7 +393,7 @@ def test_a_process_takes_its_identity_after_its_server_is_up():
     peer = GrpcTransport(W0, token=TOKEN, incarnation=INCARNATION, settings=SETTINGS)
     connect_to = provisional.start()
     provisional.set_identity(W2, INCARNATION)
-    provisional.expect({"w0->w2#0": ExpectedChannel(W0, FLOAT_2x3)})
+    provisional.expect({"w0->w2#0": ChannelContract(W0, FLOAT_2x3)})
     peer.start()
     peer.set_peers({W2: connect_to})
     try:
@@ -424,8 +421,8 @@ def test_cuda_tensors_go_through_pinned_host_memory(pair):
 def server():
     """Worker 1's transport alone, and a raw gRPC channel to it."""
     transport = GrpcTransport(W1, token=TOKEN, incarnation=INCARNATION, settings=SETTINGS,
-                              expected={"w0->w1#0": ExpectedChannel(W0, FLOAT_2x3),
-                                        "open": ExpectedChannel(W0, (None,))})
+                              contracts={"w0->w1#0": ChannelContract(W0, FLOAT_2x3),
+                                        "open": ChannelContract(W0, (None,))})
     address = transport.start()
     channel = grpc.insecure_channel(address)
     grpc.channel_ready_future(channel).result(timeout=CALL_TIMEOUT_S)
@@ -509,7 +506,7 @@ def test_bad_requests_are_refused_and_leave_the_job_alone(server, case, caplog):
     assert re.search(details, raised.value.details()), raised.value.details()
     assert any("[worker 1] refused" in r.getMessage() and r.levelno == logging.WARNING
                for r in caplog.records), "every refusal is logged"
-    assert transport._mailbox.pending() == [], "a refused message never reaches the mailbox"
+    assert transport.pending() == [], "a refused message never reaches the mailbox"
     # The process is undisturbed: a good message still goes through.
     deliver(channel, chunk(step=5, data=torch.arange(6.0).numpy().tobytes()))
     (got,) = transport.recv(W0, key(5), RECV_TIMEOUT_S)
@@ -543,7 +540,7 @@ def test_broken_streams_are_refused(server):
         deliver_stream(channel, [chunk(step=3), chunk(step=4, src="w2")])
     assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert dict(raised.value.trailing_metadata())["splitrun-delivered"] == "1"
-    assert transport._mailbox.pending() == [key(3)]
+    assert transport.pending() == [key(3)]
 
 
 def test_a_failure_inside_the_server_reaches_the_sender_as_internal(server, monkeypatch):
@@ -551,7 +548,7 @@ def test_a_failure_inside_the_server_reaches_the_sender_as_internal(server, monk
 
     def broken_put(*args):
         raise RuntimeError("disk on fire")
-    monkeypatch.setattr(transport._mailbox, "put", broken_put)
+    monkeypatch.setattr(Mailbox, "put", broken_put)
     with pytest.raises(grpc.RpcError) as raised:
         deliver(channel, chunk(step=1))
     assert raised.value.code() == grpc.StatusCode.INTERNAL

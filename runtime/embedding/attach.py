@@ -12,10 +12,12 @@ import torch
 from splitrun.splitter.cache_mode import CacheArtifacts
 from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label, Role
+from splitrun.splitter.plan import SplitPlan
 
+from ..transport.contract import ChannelContract
 from ..transport.protocol import Transport
 from .client import EmbeddingClient
-from .protocol import PREFIX
+from .protocol import PREFIX, reply_channel, request_channel
 from .store import EmbeddingStore
 
 __all__ = ["CacheParts", "attach_cache", "cached_tables_of"]
@@ -49,6 +51,7 @@ def attach_cache(split: SplitProgram, label: Label, transport: Transport, incarn
     tables = list(cache.tables)
     state = {key: state.get(key, value) for key, value in cache.initial.items()}
     cluster = split.plan.cluster
+    transport.register(_receive_contracts(split.plan, label))
     if label.role is Role.WORKER:
         client = EmbeddingClient(tables, label, cluster, transport, incarnation,
                                  device=device, timeout_s=timeout_s, first_step=first_step)
@@ -58,3 +61,13 @@ def attach_cache(split: SplitProgram, label: Label, transport: Transport, incarn
     transport.route(PREFIX, store.on_message)
     store.start()
     return CacheParts(store=store)
+
+
+def _receive_contracts(plan: SplitPlan, label: Label) -> dict[str, ChannelContract]:
+    """Workers receive the servers' replies, servers the workers' requests; their
+    sizes change every message, so only the sender is checked."""
+    if label.role is Role.WORKER:
+        return {reply_channel(server): ChannelContract(server, None)
+                for server in plan.labels if server.role is Role.SERVER}
+    return {request_channel(worker): ChannelContract(worker, None)
+            for worker in plan.labels if worker.role is Role.WORKER}

@@ -38,15 +38,12 @@ from splitrun.splitter.sparse_optim import IN_PLACE
 from .protocol import Op, header, reply_channel, request_channel
 from .row_cache import BatchPlan, RowCache
 from .sharding import RowSharding
+from ..transport.dtypes import nbytes_of
 from ..transport.protocol import MessageKey, Transport
 
 __all__ = ["EmbeddingClient"]
 
 logger = logging.getLogger(__name__)
-
-
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class EmbeddingClient:
@@ -147,7 +144,7 @@ class EmbeddingClient:
             mask = owner == server.rank
             tensors = [ids[mask], values[mask], lr.cpu(), step.cpu()]
             self._request(server, Op.GRADS, table, self._step, tensors)
-            pushed += _nbytes(tensors[:2])
+            pushed += nbytes_of(tensors[:2])
         cache.counters.bytes_pushed += pushed
         cache.counters.last_step["bytes_pushed"] = pushed
 
@@ -161,7 +158,7 @@ class EmbeddingClient:
         pulled = 0
         for server, seq, prefetched_ids in self._prefetched.pop(table, []):
             reply = self._reply(server, seq)
-            pulled += _nbytes(reply)
+            pulled += nbytes_of(reply)
             wanted = torch.isin(prefetched_ids, ids)
             if not bool(wanted.any()):
                 continue
@@ -176,7 +173,7 @@ class EmbeddingClient:
                     for server, mask in self._by_server(table, ids)]
         for server, mask, seq in requests:
             reply = self._reply(server, seq)
-            pulled += _nbytes(reply)
+            pulled += nbytes_of(reply)
             state = dict(zip(cache.table.state_names, reply[1:]))
             cache.install(slots[mask], reply[0], state, fresh_for=self._step)
         return pulled
@@ -216,7 +213,7 @@ class EmbeddingClient:
             tensors = [ids[mask], rows[mask.to(rows.device)].cpu(),
                        *(state[n][mask.to(rows.device)].cpu() for n in names)]
             self._request(server, Op.PUSH, table, self._step, tensors)
-            pushed += _nbytes(tensors)
+            pushed += nbytes_of(tensors)
         return pushed
 
     # -- end of training, checkpoints --

@@ -2,28 +2,33 @@
 
 For testing the splitter without sockets: each process of the plan is a
 thread, and a send drops the tensors straight into the receiver's mailbox.
-Never a stand-in where real processes are asked for.
+Once a receiver has its contracts (`expect`), every message is checked
+against them as the gRPC transport checks it, and a mismatch is raised in the
+sender. Never a stand-in where real processes are asked for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
 from splitrun.splitter.labels import Label
 
+from .contract import ChannelContract, ReceiveContracts, check_message, find_contract
+from .keys import MessageKey
 from .mailbox import Mailbox
-from .protocol import MessageKey
 
 __all__ = ["LoopbackHub", "LoopbackTransport"]
 
 
 class LoopbackHub:
-    """The shared mailboxes of all in-process peers."""
+    """The shared mailboxes and receive contracts of all in-process peers."""
 
     def __init__(self, labels: Iterable[Label], incarnation: int = 0) -> None:
+        labels = list(labels)
         self.mailboxes = {label: Mailbox(label, incarnation) for label in labels}
+        self.contracts = {label: ReceiveContracts() for label in labels}
 
     def transport(self, label: Label) -> LoopbackTransport:
         return LoopbackTransport(self, label)
@@ -39,6 +44,10 @@ class LoopbackTransport:
         self.label = label
 
     def send(self, dst: Label, key: MessageKey, tensors: Sequence[torch.Tensor]) -> None:
+        table = self.hub.contracts[dst].table
+        if table is not None:
+            contract = find_contract(table, key, str(self.label), receiver=dst)
+            check_message(contract, key, self.label, tensors, receiver=dst)
         # The split program is functional (no op writes its inputs), so the
         # receiver may share the sender's tensors.
         self.hub.mailboxes[dst].put(key, self.label, tensors)
@@ -46,6 +55,16 @@ class LoopbackTransport:
     def recv(self, src: Label, key: MessageKey, timeout_s: float,
              control=None) -> list[torch.Tensor]:
         return self.hub.mailboxes[self.label].take(key, src, timeout_s, control)
+
+    def expect(self, contracts: Mapping[str, ChannelContract]) -> None:
+        self.hub.contracts[self.label].expect(contracts)
+
+    def register(self, contracts: Mapping[str, ChannelContract]) -> None:
+        self.hub.contracts[self.label].register(contracts)
+
+    def pending(self) -> list[MessageKey]:
+        """The keys of messages delivered here and not received yet."""
+        return self.hub.mailboxes[self.label].pending()
 
     def abort(self, error: BaseException) -> None:
         self.hub.mailboxes[self.label].abort(error)

@@ -11,7 +11,7 @@ import torch
 from splitrun.splitter.labels import Label
 
 from ..errors import JobFinished, MessageRejected, RecvTimeout
-from .protocol import MessageKey
+from .keys import MessageKey
 
 __all__ = ["Mailbox"]
 
@@ -117,12 +117,11 @@ class Mailbox:
             self._finished_at = num_steps
             self._cond.notify_all()
 
+    def holds(self, key: MessageKey) -> bool:
+        """True if a message under `key` is here, not taken yet."""
+        return key in self._messages
+
     def pending(self) -> list[MessageKey]:
+        """The keys of messages here and not taken yet, by step and channel."""
         with self._cond:
             return sorted(self._messages, key=lambda k: (k.step, k.channel))
-
-    def drop_steps_before(self, step: int) -> None:
-        with self._cond:
-            for key in [k for k in self._messages if k.step < step]:
-                del self._messages[key]
-

@@ -7,36 +7,17 @@ what makes a split program deadlock-free.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
 
 from splitrun.splitter.labels import Label
 
+from .contract import ChannelContract
+from .keys import OUT_OF_PLAN, MessageKey
+
 __all__ = ["MessageKey", "Transport", "OUT_OF_PLAN"]
-
-# Channels that are not part of the step's plan (control, state for
-# checkpoints) start with this; only plan channels end when the job finishes.
-OUT_OF_PLAN = "@"
-
-
-@dataclass(frozen=True, slots=True)
-class MessageKey:
-    """Identifies one message: a restarted peer has a new incarnation, so its
-    stale messages are refused instead of mixed in."""
-
-    incarnation: int
-    step: int
-    channel: str
-
-    def __str__(self) -> str:
-        return f"channel {self.channel!r} step {self.step} (incarnation {self.incarnation})"
-
-    @property
-    def is_in_plan(self) -> bool:
-        return not self.channel.startswith(OUT_OF_PLAN)
 
 
 class Transport(Protocol):
@@ -63,6 +44,14 @@ class Transport(Protocol):
     def route(self, prefix: str,
               handler: Callable[[MessageKey, Label, list[torch.Tensor]], None]) -> None:
         """Hand incoming messages on channels starting with `prefix` to `handler`."""
+
+    def expect(self, contracts: Mapping[str, ChannelContract]) -> None:
+        """The contracts of this process's plan channels (see `receive_contracts`);
+        from now on every message is checked against its channel's contract."""
+
+    def register(self, contracts: Mapping[str, ChannelContract]) -> None:
+        """Contracts of channels outside the plan, registered by their owners
+        before their messages can arrive."""
 
     def close(self) -> None:
         """Release resources; pending sends are flushed or reported."""

@@ -1,5 +1,6 @@
 """The `Transport` protocol over gRPC between processes."""
 
-from .transport import ExpectedChannel, GrpcSettings, GrpcTransport, expected_channels
+from .endpoint import GrpcSettings
+from .transport import GrpcTransport
 
-__all__ = ["ExpectedChannel", "GrpcSettings", "GrpcTransport", "expected_channels"]
+__all__ = ["GrpcSettings", "GrpcTransport"]

@@ -1,9 +1,10 @@
 """The receiving side of `GrpcTransport`: the `TensorService` server, which
-checks incoming messages against the plan and puts them in the mailbox.
+checks incoming messages against their receive contracts and puts them in
+the mailbox.
 
-Every call must carry the job's token; every message is checked against what
-this process's plan expects (channel, sender, incarnation, dtypes, shapes, byte
-counts) before a byte is buffered, and a refused message gets a gRPC status
+Every call must carry the job's token; every message is checked (its
+incarnation, its envelope's byte counts, and its channel's contract: sender,
+dtypes, shapes) before a byte is buffered, and a refused message gets a gRPC status
 naming what was expected and what came, is logged, and never reaches the
 mailbox.
 """
@@ -13,38 +14,27 @@ from __future__ import annotations
 import hmac
 import logging
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
-import torch
 
 from splitrun.splitter.errors import LabelError
 from splitrun.splitter.labels import Label
 
-from ..codec import (
-    _IS_LITTLE_ENDIAN,
-    MessageBuffer,
-    MessageLayout,
-    TensorSpec,
-    dtype_name,
-    is_step_free,
-    parse_chunk,
-    parse_envelope,
-    specs_from_envelope,
-    split_step,
-)
-from ...errors import MessageRejected
-from .service import _SERVICE, DELIVERED_METADATA_KEY, TOKEN_METADATA_KEY
-from ..protocol import MessageKey
+from ...errors import ChannelMismatch, MessageRejected, UnknownChannel, WrongSender
+from ..buffers import MessageBuffer, MessageLayout
+from ..contract import ChannelContract, check_message, find_contract, refusal_prefix
+from ..dtypes import IS_LITTLE_ENDIAN, dtype_name
+from ..framing import is_step_free, parse_chunk, parse_envelope, specs_from_envelope, split_step
+from ..keys import MessageKey
+from ..mailbox import Mailbox
 from ..wire import splitrun_pb2
+from .endpoint import CurrentEndpoint, Endpoint, GrpcSettings
+from .service import DELIVERED_METADATA_KEY, SERVICE_NAME, TOKEN_METADATA_KEY
 
-if TYPE_CHECKING:
-    from .transport import ExpectedChannel, GrpcSettings, GrpcTransport
-
-# Internal to `GrpcTransport`, which imports what it needs from here.
-__all__: list[str] = []
+# The parts `GrpcTransport` is built from.
+__all__ = ["TensorServicer", "server_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,26 +47,21 @@ _MAX_KNOWN_ENVELOPES = 4096
 
 @dataclass(frozen=True, slots=True)
 class _ChannelRule:
-    """An `ExpectedChannel` compiled for the receive path: a message whose
-    envelope matches `wire_metas` needs no further checks, and its buffer
-    layout is computed once."""
+    """A `ChannelContract` compiled for the receive path: a message whose
+    envelope matches `wire_metas` (and comes from `src_text`) meets the
+    contract, and its buffer layout is computed once."""
 
-    expected: ExpectedChannel
+    contract: ChannelContract
     src_text: str
     wire_metas: list[tuple[str, tuple[int, ...]]] | None  # None: some shape is dynamic
     layout: MessageLayout | None
 
 
-def _compile_rule(expected: ExpectedChannel) -> _ChannelRule:
-    if expected.tensors is None or any(meta is None for meta in expected.tensors):
-        return _ChannelRule(expected, str(expected.src), None, None)
-    specs = [TensorSpec(dtype, tuple(shape)) for dtype, shape in expected.tensors]
-    wire_metas = [(dtype_name(spec.dtype), spec.shape) for spec in specs]
-    return _ChannelRule(expected, str(expected.src), wire_metas, MessageLayout(specs))
-
-
-def _describe_meta(meta: tuple[torch.dtype, tuple[int, ...]] | None) -> str:
-    return "any tensor" if meta is None else str(TensorSpec(meta[0], meta[1]))
+def _compile_rule(contract: ChannelContract) -> _ChannelRule:
+    if not contract.is_static:
+        return _ChannelRule(contract, str(contract.src), None, None)
+    wire_metas = [(dtype_name(spec.dtype), spec.shape) for spec in contract.tensors]
+    return _ChannelRule(contract, str(contract.src), wire_metas, MessageLayout(contract.tensors))
 
 
 class _Refusal(Exception):
@@ -88,160 +73,162 @@ class _Refusal(Exception):
         self.details = details
 
 
+# The status each kind of broken contract is refused with.
+_MISMATCH_CODES = {UnknownChannel: grpc.StatusCode.NOT_FOUND,
+                   WrongSender: grpc.StatusCode.PERMISSION_DENIED}
+
+
 @dataclass(eq=False, slots=True)
 class _Incoming:
     key: MessageKey
     src: Label
     buffer: MessageBuffer
+    mailbox: Mailbox  # the endpoint's, when the message came
 
 
 class _Receiver:
-    """Checks incoming messages against the plan and puts them in the mailbox.
+    """Checks incoming messages against their receive contracts and puts them
+    in the mailbox.
 
-    An envelope that passed the checks is remembered without its step (see
-    `EnvelopeWriter`): the next step's envelope of the same channel is then
-    recognised by its bytes, without parsing or checking it again.
+    The fast path is the contract compiled (`_ChannelRule`): an envelope equal
+    to it meets the contract; any other envelope gets the full check
+    (`check_message`). An envelope that passed is remembered without its step
+    (see `EnvelopeWriter`): the next step's envelope of the same channel is
+    then recognised by its bytes, without parsing or checking it again.
     """
 
-    def __init__(self, transport: GrpcTransport) -> None:
-        self._transport = transport
+    def __init__(self, current: CurrentEndpoint) -> None:
+        self._current = current
         # Keys whose data is on the wire; dict operations are atomic, so two
         # streams carrying the same key cannot both pass.
         self._inflight: dict[MessageKey, object] = {}
+        # Compiled rules and remembered envelopes, valid for one endpoint and
+        # one contract table; forgotten when either is replaced.
+        self._valid_for: tuple[Endpoint, Mapping[str, ChannelContract]] | None = None
+        self._rules: dict[str, _ChannelRule] = {}
         self._known: dict[bytes, tuple[_ChannelRule, MessageLayout, int, str]] = {}
-        self._known_rules: dict[str, _ChannelRule] | None = None
 
-    @property
-    def _tag(self) -> str:
-        return self._transport._tag
+    def _table(self, endpoint: Endpoint) -> Mapping[str, ChannelContract] | None:
+        """The contract table, waiting for `expect` if a message came first."""
+        contracts = endpoint.contracts
+        table = contracts.table
+        if table is None:
+            table = contracts.wait(endpoint.settings.expect_timeout_s)
+        valid_for = self._valid_for
+        if valid_for is None or valid_for[0] is not endpoint or valid_for[1] is not table:
+            self._valid_for = (endpoint, table)
+            self._rules = {}
+            self._known = {}
+        return table
 
-    def _refuse(self, code: grpc.StatusCode, where: str, why: str) -> _Refusal:
-        return _Refusal(code, f"{self._tag} refused {where}: {why}")
+    def _rule(self, table: Mapping[str, ChannelContract], channel: str) -> _ChannelRule | None:
+        rule = self._rules.get(channel)
+        if rule is None:
+            contract = table.get(channel)
+            if contract is None:
+                return None
+            rule = self._rules[channel] = _compile_rule(contract)
+        return rule
 
     def begin(self, raw: memoryview, peer: str) -> _Incoming:
         """Check a serialized envelope and reserve a buffer for its message."""
-        transport = self._transport
+        endpoint = self._current.endpoint
+        table = self._table(endpoint)
         split = split_step(raw)
-        if split is not None and self._known_rules is transport._rules:
+        if split is not None:
             # A bytes key: hashing a memoryview hashes the whole chunk under it.
             known = self._known.get(split[1].tobytes())
             if known is not None:
                 rule, layout, incarnation, channel = known
-                return self._reserve(MessageKey(incarnation, split[0], channel), rule, layout,
-                                     peer)
+                return self._reserve(endpoint, MessageKey(incarnation, split[0], channel),
+                                     rule, layout, peer)
         try:
             envelope = parse_envelope(raw)
         except MessageRejected as exc:
             raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"{self._tag} refused a message from {peer}: {exc}") from None
-        rules = transport._rules if transport._rules is not None else transport._wait_rules()
-        rule = rules.get(envelope.channel) if rules is not None else None
+                           f"{endpoint.tag} refused a message from {peer}: {exc}") from None
+        rule = self._rule(table, envelope.channel) if table is not None else None
         if (rule is not None and rule.wire_metas is not None
-                and envelope.incarnation == transport.incarnation
+                and envelope.incarnation == endpoint.incarnation
                 and envelope.src == rule.src_text
                 and envelope.total_bytes == rule.layout.total_bytes
-                and envelope.little_endian == _IS_LITTLE_ENDIAN
+                and envelope.little_endian == IS_LITTLE_ENDIAN
                 and [(m.dtype, tuple(m.shape)) for m in envelope.tensors] == rule.wire_metas):
-            layout = rule.layout  # exactly what the plan expects
+            layout = rule.layout  # exactly what the contract says
         else:
-            layout = self._check(envelope, peer, rules)
-            rule = rules[envelope.channel]
+            layout = self._check(endpoint, table, envelope, peer)
+            rule = self._rule(table, envelope.channel)
         if split is not None and split[0] == envelope.step and is_step_free(split[1]):
-            if self._known_rules is not rules or len(self._known) >= _MAX_KNOWN_ENVELOPES:
+            if len(self._known) >= _MAX_KNOWN_ENVELOPES:
                 self._known = {}
-                self._known_rules = rules
             self._known[split[1].tobytes()] = (rule, layout, envelope.incarnation,
                                                envelope.channel)
-        return self._reserve(MessageKey(envelope.incarnation, envelope.step, envelope.channel),
+        return self._reserve(endpoint,
+                             MessageKey(envelope.incarnation, envelope.step, envelope.channel),
                              rule, layout, peer)
 
-    def _reserve(self, key: MessageKey, rule: _ChannelRule, layout: MessageLayout,
-                 peer: str) -> _Incoming:
+    def _reserve(self, endpoint: Endpoint, key: MessageKey, rule: _ChannelRule,
+                 layout: MessageLayout, peer: str) -> _Incoming:
         """Claim `key` for this message and allocate its buffer."""
-        src = rule.expected.src
+        src = rule.contract.src
+        mailbox = endpoint.mailbox
         marker = object()
         if (self._inflight.setdefault(key, marker) is not marker
-                or (layout.total_bytes > _EARLY_DUPLICATE_CHECK_BYTES
-                    and key in self._transport._mailbox.pending())):
+                or (layout.total_bytes > _EARLY_DUPLICATE_CHECK_BYTES and mailbox.holds(key))):
             if self._inflight.get(key) is marker:
                 del self._inflight[key]
             raise _Refusal(
                 grpc.StatusCode.ALREADY_EXISTS,
-                f"{self._tag} refused a second message for {key} from {src.describe()} "
+                f"{endpoint.tag} refused a second message for {key} from {src.describe()} "
                 f"({peer}): the first is already here or on its way; each is sent once")
         try:
-            buffer = MessageBuffer(layout, self._transport._pool)
+            buffer = MessageBuffer(layout, endpoint.pool)
         except (MemoryError, RuntimeError) as exc:
             self._release(key)
-            raise self._refuse(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"{key} from {src.describe()} ({peer})",
-                               f"cannot allocate {layout.buffer_bytes} bytes: {exc}") from None
-        return _Incoming(key, src, buffer)
+            raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{endpoint.tag} refused {key} from {src.describe()} ({peer}): "
+                           f"cannot allocate {layout.buffer_bytes} bytes: {exc}") from None
+        return _Incoming(key, src, buffer, mailbox)
 
-    @staticmethod
-    def _where(envelope: splitrun_pb2.Envelope, peer: str) -> str:
-        return (f"channel {envelope.channel[:200]!r} step {envelope.step} from "
-                f"{envelope.src[:40]!r} ({peer})")
-
-    def _check(self, envelope: splitrun_pb2.Envelope, peer: str,
-               rules: dict[str, _ChannelRule] | None) -> MessageLayout:
+    def _check(self, endpoint: Endpoint, table: Mapping[str, ChannelContract] | None,
+               envelope: splitrun_pb2.Envelope, peer: str) -> MessageLayout:
         """The full check of an envelope the fast path did not pass: refuse it
         with the precise reason, or return the layout of a channel whose
-        shapes the plan leaves open."""
-        transport = self._transport
-        where = self._where(envelope, peer)
-        if envelope.incarnation != transport.incarnation:
-            raise self._refuse(
-                grpc.StatusCode.FAILED_PRECONDITION, where,
-                f"incarnation {envelope.incarnation}, but the job's incarnation is "
-                f"{transport.incarnation}; the sender belongs to "
-                f"{'a previous' if envelope.incarnation < transport.incarnation else 'a newer'} "
-                f"run of the job")
-        if rules is None:
-            raise self._refuse(
-                grpc.StatusCode.FAILED_PRECONDITION, where,
-                f"this process has no plan yet (expect() not called within "
-                f"{transport.settings.expect_timeout_s:g} s)")
-        rule = rules.get(envelope.channel)
-        if rule is None:
-            known = ", ".join(sorted(rules)[:8]) or "none"
-            raise self._refuse(
-                grpc.StatusCode.NOT_FOUND, where,
-                f"no such channel into this process (it receives {known}"
-                f"{', ...' if len(rules) > 8 else ''}); the sender's plan differs from "
-                f"this one: same script and cluster on every process?")
-        try:
-            src = Label.parse(envelope.src)
-        except LabelError as exc:
-            raise self._refuse(grpc.StatusCode.INVALID_ARGUMENT, where, str(exc)) from None
-        if src is not rule.expected.src:
-            raise self._refuse(
-                grpc.StatusCode.PERMISSION_DENIED, where,
-                f"this channel comes from {rule.expected.src.describe()}, the envelope "
-                f"says {src.describe()}")
-        try:
-            specs = specs_from_envelope(envelope, max_bytes=transport.settings.max_message_bytes)
-        except MessageRejected as exc:
-            raise self._refuse(grpc.StatusCode.INVALID_ARGUMENT, where, str(exc)) from None
-        self._check_specs(where, specs, rule.expected)
-        return MessageLayout(specs)
+        shapes the contract leaves open."""
+        key = MessageKey(envelope.incarnation, envelope.step, envelope.channel)
+        where = refusal_prefix(endpoint.label, key, envelope.src, peer)
 
-    def _check_specs(self, where: str, specs: Sequence[TensorSpec],
-                     expected: ExpectedChannel) -> None:
-        if expected.tensors is None:
-            return  # a dynamic channel: its messages change size every time
-        if len(specs) != len(expected.tensors):
-            raise self._refuse(
-                grpc.StatusCode.INVALID_ARGUMENT, where,
-                f"expected {len(expected.tensors)} tensors, got {len(specs)}; the "
-                f"sender's plan differs from this one")
-        for index, (spec, meta) in enumerate(zip(specs, expected.tensors)):
-            if meta is not None and (spec.dtype, spec.shape) != meta:
-                raise self._refuse(
-                    grpc.StatusCode.INVALID_ARGUMENT, where,
-                    f"tensor {index} expected {_describe_meta(meta)}, got {spec}; the "
-                    f"sender's step differs from the plan (same script and batch shapes "
-                    f"on every process? autocast changing dtypes?)")
+        def refuse(code: grpc.StatusCode, why: str) -> _Refusal:
+            return _Refusal(code, f"{where}: {why}")
+
+        if envelope.incarnation != endpoint.incarnation:
+            raise refuse(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"incarnation {envelope.incarnation}, but the job's incarnation is "
+                f"{endpoint.incarnation}; the sender belongs to "
+                f"{'a previous' if envelope.incarnation < endpoint.incarnation else 'a newer'} "
+                f"run of the job")
+        if table is None:
+            raise refuse(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this process has no plan yet (expect() not called within "
+                f"{endpoint.settings.expect_timeout_s:g} s)")
+        try:
+            contract = find_contract(table, key, envelope.src, receiver=endpoint.label,
+                                     via=peer)
+            try:
+                src = Label.parse(envelope.src)
+            except LabelError as exc:
+                raise refuse(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            specs = specs_from_envelope(envelope,
+                                        max_bytes=endpoint.settings.max_message_bytes)
+            check_message(contract, key, src, specs, receiver=endpoint.label, via=peer)
+        except ChannelMismatch as exc:  # says where itself
+            raise _Refusal(_MISMATCH_CODES.get(type(exc), grpc.StatusCode.INVALID_ARGUMENT),
+                           str(exc)) from None
+        except MessageRejected as exc:  # the envelope's own checks
+            raise refuse(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        return MessageLayout(specs)
 
     def finish(self, incoming: _Incoming, peer: str) -> None:
         """Hand a complete message to the mailbox."""
@@ -249,12 +236,12 @@ class _Receiver:
         try:
             # The incarnation was checked, so the mailbox refuses only a
             # duplicate that arrived while this one was on the wire.
-            self._transport._mailbox.put(key, incoming.src, incoming.buffer.tensors())
+            incoming.mailbox.put(key, incoming.src, incoming.buffer.tensors())
         except MessageRejected as exc:  # already names this process, key and sender
             raise _Refusal(grpc.StatusCode.ALREADY_EXISTS, f"{exc} ({peer})") from None
         finally:
             self._inflight.pop(key, None)
-        logger.debug("%s received %s from %s", self._tag, key, incoming.src)
+        logger.debug("%s received %s from %s", self._current.endpoint.tag, key, incoming.src)
 
     def _release(self, key: MessageKey) -> None:
         self._inflight.pop(key, None)
@@ -265,21 +252,20 @@ class _Receiver:
             self._release(incoming.key)
 
 
-class _Servicer:
+class TensorServicer:
     """The TensorService handlers: raw bytes in, parsed and checked here, so bad
     bytes get INVALID_ARGUMENT with a reason instead of gRPC's generic error."""
 
-    def __init__(self, transport: GrpcTransport) -> None:
-        self._transport = transport
-        self._receiver = _Receiver(transport)
-        self._token = transport._token.encode()
+    def __init__(self, current: CurrentEndpoint) -> None:
+        self._current = current
+        self._receiver = _Receiver(current)
 
     @property
     def _tag(self) -> str:
-        return self._transport._tag
+        return self._current.endpoint.tag
 
     def handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(_SERVICE, {
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
             "Deliver": grpc.unary_unary_rpc_method_handler(self.deliver),
             "DeliverStream": grpc.stream_unary_rpc_method_handler(self.deliver_stream),
             "Ping": grpc.unary_unary_rpc_method_handler(self.ping),
@@ -295,7 +281,8 @@ class _Servicer:
                   if key == TOKEN_METADATA_KEY]
         if not tokens:
             why = f"no {TOKEN_METADATA_KEY!r} in the call metadata"
-        elif not hmac.compare_digest(str(tokens[0]).encode(), self._token):
+        elif not hmac.compare_digest(str(tokens[0]).encode(),
+                                     self._current.endpoint.token.encode()):
             why = "the job token is wrong"
         else:
             return
@@ -379,10 +366,10 @@ class _Servicer:
 
     def ping(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         self._check_token(context)
-        return splitrun_pb2.PingReply(label=str(self._transport.label)).SerializeToString()
+        return splitrun_pb2.PingReply(label=str(self._current.endpoint.label)).SerializeToString()
 
 
-def _server_options(settings: GrpcSettings) -> list[tuple[str, int]]:
+def server_options(settings: GrpcSettings) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", settings.max_request_bytes),
         ("grpc.max_send_message_length", settings.max_request_bytes),

@@ -21,23 +21,22 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
 from splitrun.splitter.labels import Label
 
-from ..codec import EncodedTensors, frame_message
 from ...errors import TransportError
-from .service import _DELIVER_STREAM, DELIVERED_METADATA_KEY, TOKEN_METADATA_KEY
-from ..protocol import MessageKey
+from ..buffers import EncodedTensors, encode
+from ..framing import CHUNK_OVERHEAD, EnvelopeWriter, frame_message
+from ..keys import MessageKey
+from .endpoint import Endpoint, GrpcSettings
+from .service import DELIVER_STREAM_METHOD, DELIVERED_METADATA_KEY
 
-if TYPE_CHECKING:
-    from .transport import GrpcSettings, GrpcTransport
-
-# Internal to `GrpcTransport`, which imports what it needs from here.
-__all__: list[str] = []
+# The parts `GrpcTransport` is built from.
+__all__ = ["JOIN_GRACE_S", "Outgoing", "SendQueue", "PeerSender", "outgoing",
+           "channel_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +48,15 @@ _IDLE_POLL_S = 1.0
 # Backoff between attempts to reach a peer that is not up yet.
 _RETRY_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
 # Bounds the last joins of close() after its own deadline passed.
-_JOIN_GRACE_S = 2.0
+JOIN_GRACE_S = 2.0
+# CPU messages up to this size are framed (copied) in send() itself: cheaper
+# than framing them later on gRPC's thread, and the caller's tensors are free
+# again at once.
+_FRAME_AT_SEND_BYTES = 64 << 10
 
 
 @dataclass(eq=False, slots=True)
-class _Outgoing:
+class Outgoing:
     """A queued message: either already framed (`chunk`, small CPU messages,
     copied at send time) or framed when its turn comes (`encoded` views)."""
 
@@ -65,7 +68,7 @@ class _Outgoing:
     ready: tuple = ()  # CUDA events to wait on before the bytes may be read
 
 
-class _SendQueue:
+class SendQueue:
     """A FIFO bounded in bytes. `put` blocks while the queue is over its bound
     (a message larger than the bound goes when the queue is empty); the head
     stays queued until its last byte is handed to gRPC, then `pop` frees it.
@@ -77,7 +80,7 @@ class _SendQueue:
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._items: deque[_Outgoing] = deque()
+        self._items: deque[Outgoing] = deque()
         self._bytes = 0
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)
@@ -86,7 +89,7 @@ class _SendQueue:
         self._is_closed = False
         self._error: BaseException | None = None
 
-    def put(self, item: _Outgoing, timeout_s: float) -> bool:
+    def put(self, item: Outgoing, timeout_s: float) -> bool:
         """Queue `item`; False if the bound held it back for `timeout_s`."""
         with self._lock:
             if self._bytes and self._bytes + item.nbytes > self.max_bytes:
@@ -112,7 +115,7 @@ class _SendQueue:
         return True
 
     def peek(self, timeout_s: float, stop: Callable[[], bool] = lambda: False,
-             end_when_empty: Callable[[], bool] = lambda: False) -> _Outgoing | None:
+             end_when_empty: Callable[[], bool] = lambda: False) -> Outgoing | None:
         """The head, waiting up to `timeout_s`; None when failed or stopped, when
         closed (or `end_when_empty`) and empty, or when nothing came in time."""
         deadline = None
@@ -136,7 +139,7 @@ class _SendQueue:
             except queue.Empty:
                 return None
 
-    def pop(self, item: _Outgoing) -> None:
+    def pop(self, item: Outgoing) -> None:
         with self._lock:
             if self._items and self._items[0] is item:
                 self._items.popleft()
@@ -152,7 +155,7 @@ class _SendQueue:
         """Make a waiting `peek` look again (at its predicates, too)."""
         self._signal.put(None)
 
-    def fail(self, error: BaseException) -> list[_Outgoing]:
+    def fail(self, error: BaseException) -> list[Outgoing]:
         """Refuse further puts with `error`; return the messages dropped."""
         with self._lock:
             self._error = error
@@ -181,25 +184,25 @@ class _StreamState:
     generator (run by gRPC's thread) share it."""
 
     sent: list[MessageKey] = field(default_factory=list)  # fully handed to gRPC, in order
-    current: _Outgoing | None = None                      # being handed over
+    current: Outgoing | None = None                      # being handed over
     error: BaseException | None = None                     # raised inside the generator
     ended: threading.Event = field(default_factory=threading.Event)
 
 
-class _PeerSender:
+class PeerSender:
     """One peer's queue, and the thread that carries it over one stream at a time."""
 
-    def __init__(self, transport: GrpcTransport, peer: Label, address: str) -> None:
+    def __init__(self, endpoint: Endpoint, peer: Label, address: str) -> None:
         self.peer = peer
         self.address = address
-        self._transport = transport
-        self._settings = transport.settings
-        self._tag = transport._tag
-        self._metadata = ((TOKEN_METADATA_KEY, transport._token),)
-        self._channel = grpc.insecure_channel(address, options=_channel_options(self._settings))
+        self._settings = endpoint.settings
+        self._tag = endpoint.tag
+        self._metadata = endpoint.metadata
+        self._on_fatal = endpoint.on_fatal
+        self._channel = grpc.insecure_channel(address, options=channel_options(self._settings))
         self._stream = self._channel.stream_unary(
-            _DELIVER_STREAM, request_serializer=None, response_deserializer=None)
-        self._queue = _SendQueue(self._settings.max_queued_bytes)
+            DELIVER_STREAM_METHOD, request_serializer=None, response_deserializer=None)
+        self._queue = SendQueue(self._settings.max_queued_bytes)
         self._stop = threading.Event()
         # The stream call or connect wait in progress, so close() can cancel it.
         self._future: grpc.Future | None = None
@@ -212,12 +215,12 @@ class _PeerSender:
         self._num_flushing = 0
         self._error: TransportError | None = None
         self._thread = threading.Thread(
-            target=self._run, name=f"splitrun-send-{transport.label}->{peer}", daemon=True)
+            target=self._run, name=f"splitrun-send-{endpoint.label}->{peer}", daemon=True)
         self._thread.start()
 
     # -- called by the transport --
 
-    def put(self, message: _Outgoing) -> None:
+    def put(self, message: Outgoing) -> None:
         if not self._queue.put(message, self._settings.send_timeout_s):
             raise TransportError(
                 f"{self._tag} send {message.key} to {self.peer.describe()}: blocked for "
@@ -270,7 +273,7 @@ class _PeerSender:
         if future is not None:
             future.cancel()
         self._queue.fail(TransportError(f"{self._tag} transport closed"))
-        self._thread.join(_JOIN_GRACE_S)
+        self._thread.join(JOIN_GRACE_S)
         return TransportError(
             f"{self._tag} could not flush {left} messages to {self.peer.describe()} at "
             f"{self.address} within close_timeout_s={self._settings.close_timeout_s:g} s")
@@ -310,9 +313,9 @@ class _PeerSender:
         if dropped and not self._stop.is_set():
             logger.error("%s dropping %d queued messages to %s: %s", self._tag, len(dropped),
                          self.peer.describe(), error)
-        self._transport._fatal(error)
+        self._on_fatal(error)
 
-    def _connect(self, head: _Outgoing, since: float) -> None:
+    def _connect(self, head: Outgoing, since: float) -> None:
         """Wait until the peer accepts connections, up to the connect deadline."""
         remaining = since + self._settings.connect_timeout_s - time.monotonic()
         ready = grpc.channel_ready_future(self._channel)
@@ -340,7 +343,7 @@ class _PeerSender:
                                      metadata=self._metadata)
         self._future = future
         try:
-            future.result(timeout=deadline_s + _JOIN_GRACE_S)
+            future.result(timeout=deadline_s + JOIN_GRACE_S)
             status, details, trailing = grpc.StatusCode.OK, "", future.trailing_metadata()
         except grpc.FutureCancelledError:
             status, details, trailing = grpc.StatusCode.CANCELLED, "cancelled at close", None
@@ -431,6 +434,29 @@ class _PeerSender:
             raise
 
 
+def outgoing(endpoint: Endpoint, envelopes: EnvelopeWriter, dst: Label, key: MessageKey,
+             tensors: Sequence[torch.Tensor]) -> Outgoing:
+    """`tensors` as a queued message for `dst`: staged to host memory, encoded,
+    and framed at once when small."""
+    settings = endpoint.settings
+    staged, events = _stage(tensors)
+    encoded = encode(staged)
+    header = envelopes.serialize(key, encoded)
+    room = settings.max_request_bytes - settings.chunk_bytes - CHUNK_OVERHEAD
+    if len(header) > room:
+        raise TransportError(
+            f"{endpoint.tag} send {key}: the envelope of {len(encoded.tensors)} tensors "
+            f"takes {len(header)} bytes, more than the {room} that max_request_bytes "
+            f"leaves beside a chunk; fuse fewer values per channel or raise it")
+    nbytes = encoded.total_bytes + len(header)
+    logger.debug("%s queued %s for %s (%d bytes)", endpoint.tag, key, dst, encoded.total_bytes)
+    if not events and encoded.total_bytes <= _FRAME_AT_SEND_BYTES:
+        (chunk,) = frame_message(header, encoded.views, encoded.total_bytes,
+                                 settings.chunk_bytes)
+        return Outgoing(key, nbytes, chunk=chunk)
+    return Outgoing(key, nbytes, envelope=header, encoded=encoded, ready=events)
+
+
 def _delivered_count(trailing) -> int | None:
     for key, value in trailing or ():
         if key == DELIVERED_METADATA_KEY:
@@ -441,7 +467,7 @@ def _delivered_count(trailing) -> int | None:
     return None
 
 
-def _channel_options(settings: GrpcSettings) -> list[tuple[str, int]]:
+def channel_options(settings: GrpcSettings) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", settings.max_request_bytes),
         ("grpc.max_receive_message_length", settings.max_request_bytes),

@@ -1,134 +1,41 @@
 """`GrpcTransport`: the `Transport` protocol over real gRPC between processes.
 
-This module is its public face: `GrpcTransport`, its `GrpcSettings`, and the
-`ExpectedChannel`s it checks incoming messages against. The receiving side
-(the `TensorService` server and its checks) lives in `grpc_receive`, the
-sending side (per-peer queues, streams, retries) in `grpc_send`, and the
-names both ends of a call share in `grpc_service`.
+This module is its public face. The transport builds one frozen `Endpoint`
+(`endpoint`) and hands it to its parts, which know nothing of the transport:
+the receiving side (the `TensorService` server and its checks, `receive`),
+the sending side (per-peer queues, streams, retries, `send`); the names both
+ends of a call share are in `service`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent import futures
-from dataclasses import dataclass
 
 import grpc
 import torch
 
 from splitrun.splitter.labels import Label
-from splitrun.splitter.plan import SplitPlan
-from splitrun.splitter.program import Program
 
-from ..codec import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    BufferPool,
-    EnvelopeWriter,
-    encode,
-    frame_message,
-)
 from ...errors import TransportError
-from .receive import _ChannelRule, _compile_rule, _server_options, _Servicer
-from .send import (
-    _JOIN_GRACE_S,
-    _channel_options,
-    _Outgoing,
-    _PeerSender,
-    _SendQueue,  # noqa: F401 - re-exported: tests import it from here
-    _stage,
-)
-from .service import _PING, TOKEN_METADATA_KEY
+from ..buffers import BufferPool
+from ..contract import ChannelContract, ReceiveContracts
+from ..framing import CHUNK_OVERHEAD, EnvelopeWriter
+from ..keys import MessageKey
 from ..mailbox import Mailbox
-from ..protocol import MessageKey
 from ..wire import splitrun_pb2
+from .endpoint import CurrentEndpoint, Endpoint, GrpcSettings
+from .receive import TensorServicer, server_options
+from .send import JOIN_GRACE_S, PeerSender, channel_options, outgoing
+from .service import PING_METHOD
 
-__all__ = ["GrpcTransport", "GrpcSettings", "ExpectedChannel", "expected_channels",
-           "TOKEN_METADATA_KEY"]
+__all__ = ["GrpcTransport", "GrpcSettings"]
 
 logger = logging.getLogger(__name__)
-
-# Room for a Chunk's framing besides its data and envelope.
-_CHUNK_OVERHEAD = 64
-# CPU messages up to this size are framed (copied) in send() itself: cheaper
-# than framing them later on gRPC's thread, and the caller's tensors are free
-# again at once.
-_FRAME_AT_SEND_BYTES = 64 << 10
-
-
-@dataclass(frozen=True, slots=True)
-class GrpcSettings:
-    """Tuning and limits of a `GrpcTransport`; every process of a job should use
-    the same values."""
-
-    # Data per Chunk of a message: 1 MiB measured best on loopback (smaller
-    # costs per-chunk overhead, larger stalls the pipeline between copies).
-    chunk_bytes: int = 1 << 20
-    # Per peer: bytes queued (not yet on the wire) before send() blocks.
-    max_queued_bytes: int = 256 << 20
-    # Envelopes declaring more than this are refused before any allocation.
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    # gRPC's limit on one Chunk (data plus envelope), both ways.
-    max_request_bytes: int = 16 << 20
-    # Bounds reaching a peer that is not up yet (and noticing one that is gone).
-    connect_timeout_s: float = 30.0
-    # Bounds a send() blocked on a full queue: the peer does not drain it.
-    send_timeout_s: float = 300.0
-    # Bounds close(): flushing queued sends, then stopping the server.
-    close_timeout_s: float = 30.0
-    # An idle stream ends after this: it confirms what it carried and frees
-    # the peer's server thread (so a closing peer need not wait longer).
-    stream_idle_s: float = 1.0
-    # A stream starts no new message after this long; its gRPC deadline is
-    # this plus message_timeout_s, the bound on one message's transfer.
-    stream_max_s: float = 600.0
-    message_timeout_s: float = 600.0
-    # Bounds a receiving server's wait for expect() when a message arrives first.
-    expect_timeout_s: float = 30.0
-    # Concurrent calls this process serves (one per sending peer, plus pings).
-    max_server_threads: int = 64
-    # Receive buffers kept for reuse, in bytes.
-    pool_bytes: int = 1 << 30
-
-
-@dataclass(frozen=True, slots=True)
-class ExpectedChannel:
-    """A channel this process receives: from whom, and its tensors' dtype and
-    shape (None for a value the plan has no static dtype/shape for)."""
-
-    src: Label
-    # None: a dynamic channel (any number of tensors of any dtype and shape,
-    # e.g. embedding-cache requests); only the sender is checked.
-    tensors: tuple[tuple[torch.dtype, tuple[int, ...]] | None, ...] | None
-
-    def __post_init__(self) -> None:
-        if self.tensors is None:
-            return
-        # Shapes compare as tuples of ints, whatever sequence the caller gave.
-        normal = tuple(None if meta is None else (meta[0], tuple(int(d) for d in meta[1]))
-                       for meta in self.tensors)
-        object.__setattr__(self, "tensors", normal)
-
-
-def expected_channels(plan: SplitPlan, program: Program, label: Label
-                      ) -> dict[str, ExpectedChannel]:
-    """What `label` may receive under `plan`: from `plan.recv_channels(label)`
-    and the dtype/shape each value has in the program's graph."""
-    nodes = {node.name: node for node in program.graph.nodes}
-    out = {}
-    for channel in plan.recv_channels(label):
-        metas = []
-        for value in channel.values:
-            node = nodes.get(value)
-            meta = None if node is None else node.meta.get("val")
-            if isinstance(meta, torch.Tensor) and all(isinstance(d, int) for d in meta.shape):
-                metas.append((meta.dtype, tuple(int(d) for d in meta.shape)))
-            else:
-                metas.append(None)
-        out[channel.name] = ExpectedChannel(channel.src, tuple(metas))
-    return out
 
 
 def _format_address(host: str, port: int) -> str:
@@ -140,7 +47,7 @@ class GrpcTransport:
     to each peer.
 
         transport = GrpcTransport(label, token=token, incarnation=inc,
-                                  expected=expected_channels(plan, program, label))
+                                  contracts=receive_contracts(plan, program, label))
         address = transport.start()          # tell the peers (scheduler)
         transport.set_peers({peer: address_of_peer, ...})
         ... Executor(plan, label, transport, incarnation=inc) ...
@@ -151,27 +58,22 @@ class GrpcTransport:
     """
 
     def __init__(self, label: Label, *, token: str, incarnation: int, host: str = "127.0.0.1",
-                 port: int = 0, expected: Mapping[str, ExpectedChannel] | None = None,
+                 port: int = 0, contracts: Mapping[str, ChannelContract] | None = None,
                  settings: GrpcSettings | None = None) -> None:
-        self.label = label
-        self.incarnation = incarnation
         self.settings = settings or GrpcSettings()
-        if self.settings.chunk_bytes + _CHUNK_OVERHEAD >= self.settings.max_request_bytes:
+        if self.settings.chunk_bytes + CHUNK_OVERHEAD >= self.settings.max_request_bytes:
             raise TransportError(
                 f"chunk_bytes {self.settings.chunk_bytes} must leave room for the "
                 f"envelope below max_request_bytes {self.settings.max_request_bytes}")
         self.host = host
         self.port = port
         self.address: str | None = None
-        self._tag = f"[{label.describe()}]"
-        self._token = token
+        self._current = CurrentEndpoint(Endpoint(
+            label, incarnation, token, self.settings, Mailbox(label, incarnation),
+            BufferPool(self.settings.pool_bytes), ReceiveContracts(), self._fail))
         self._envelopes = EnvelopeWriter(str(label))
-        self._mailbox = Mailbox(label, incarnation)
-        self._pool = BufferPool(self.settings.pool_bytes)
-        self._rules: dict[str, _ChannelRule] | None = None
-        self._rules_set = threading.Event()
-        if expected is not None:
-            self.expect(expected)
+        if contracts is not None:
+            self.expect(contracts)
         self._peers: dict[Label, str] = {}
         self._senders: dict[Label, _PeerSender] = {}
         self._lock = threading.Lock()
@@ -187,6 +89,14 @@ class GrpcTransport:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
+    @property
+    def label(self) -> Label:
+        return self._current.endpoint.label
+
+    @property
+    def incarnation(self) -> int:
+        return self._current.endpoint.incarnation
+
     # -- setup --
 
     def start(self) -> str:
@@ -197,9 +107,9 @@ class GrpcTransport:
         self._server_pool = futures.ThreadPoolExecutor(
             max_workers=settings.max_server_threads,
             thread_name_prefix=f"splitrun-recv-{self.label}")
-        server = grpc.server(self._server_pool, options=_server_options(settings),
+        server = grpc.server(self._server_pool, options=server_options(settings),
                              maximum_concurrent_rpcs=settings.max_server_threads)
-        server.add_generic_rpc_handlers((_Servicer(self).handler(),))
+        server.add_generic_rpc_handlers((TensorServicer(self._current).handler(),))
         wanted = _format_address(self.host, self.port)
         try:
             port = server.add_insecure_port(wanted)
@@ -239,22 +149,24 @@ class GrpcTransport:
                 raise TransportError(
                     f"{self._tag} set_identity({label}, {incarnation}) after messages were "
                     f"sent; a process's identity is fixed once it talks to peers")
-            self.label = label
-            self.incarnation = incarnation
-            self._tag = f"[{label.describe()}]"
             self._envelopes = EnvelopeWriter(str(label))
-            self._mailbox = Mailbox(label, incarnation)
-            if self._rules is not None:
-                self._rules = dict(self._rules)  # forget envelopes checked before
+            self._current.endpoint = dataclasses.replace(
+                self._endpoint, label=label, incarnation=incarnation,
+                mailbox=Mailbox(label, incarnation))
 
-    def expect(self, expected: Mapping[str, ExpectedChannel]) -> None:
-        """The channels this process may receive (see `expected_channels`)."""
-        self._rules = {name: _compile_rule(channel) for name, channel in expected.items()}
-        self._rules_set.set()
+    def expect(self, contracts: Mapping[str, ChannelContract]) -> None:
+        """The contracts of this process's plan channels (see `receive_contracts`);
+        messages that arrived first were waiting for them."""
+        self._endpoint.contracts.expect(contracts)
 
-    def _wait_rules(self) -> dict[str, _ChannelRule] | None:
-        self._rules_set.wait(self.settings.expect_timeout_s)
-        return self._rules
+    def register(self, contracts: Mapping[str, ChannelContract]) -> None:
+        """Contracts of channels outside the plan, registered by their owners."""
+        self._endpoint.contracts.register(contracts)
+
+    def pending(self) -> list[MessageKey]:
+        """The keys of messages received and not taken by `recv` yet (for tests
+        and diagnostics), by step and channel."""
+        return self._endpoint.mailbox.pending()
 
     # -- the Transport protocol --
 
@@ -264,25 +176,7 @@ class GrpcTransport:
         if self._is_closed:
             raise TransportError(
                 f"{self._tag} send {key} to {dst.describe()}: the transport is closed")
-        staged, events = _stage(tensors)
-        encoded = encode(staged)
-        header = self._envelopes.serialize(key, encoded)
-        room = self.settings.max_request_bytes - self.settings.chunk_bytes - _CHUNK_OVERHEAD
-        if len(header) > room:
-            raise TransportError(
-                f"{self._tag} send {key}: the envelope of {len(encoded.tensors)} tensors "
-                f"takes {len(header)} bytes, more than the {room} that max_request_bytes "
-                f"leaves beside a chunk; fuse fewer values per channel or raise it")
-        nbytes = encoded.total_bytes + len(header)
-        if not events and encoded.total_bytes <= _FRAME_AT_SEND_BYTES:
-            (chunk,) = frame_message(header, encoded.views, encoded.total_bytes,
-                                     self.settings.chunk_bytes)
-            message = _Outgoing(key, nbytes, chunk=chunk)
-        else:
-            message = _Outgoing(key, nbytes, envelope=header, encoded=encoded, ready=events)
-        self._sender(dst).put(message)
-        logger.debug("%s queued %s for %s (%d bytes)", self._tag, key, dst,
-                     encoded.total_bytes)
+        self._sender(dst).put(outgoing(self._endpoint, self._envelopes, dst, key, tensors))
 
     def recv(self, src: Label, key: MessageKey, timeout_s: float,
              control=None) -> list[torch.Tensor]:
@@ -290,7 +184,7 @@ class GrpcTransport:
         deadline. While waiting, a message under `control`'s key goes to its handler."""
         self._raise_if_failed()
         try:
-            return self._mailbox.take(key, src, timeout_s, control)
+            return self._endpoint.mailbox.take(key, src, timeout_s, control)
         except TransportError as exc:
             if exc is self._error:
                 self._error_raised = True
@@ -298,15 +192,15 @@ class GrpcTransport:
 
     def abort(self, error: BaseException) -> None:
         """Wake every pending receive of this process with `error`."""
-        self._mailbox.abort(error)
+        self._endpoint.mailbox.abort(error)
 
     def finish_at(self, num_steps: int) -> None:
         """Receives for steps >= `num_steps` end with `JobFinished`."""
-        self._mailbox.finish_at(num_steps)
+        self._endpoint.mailbox.finish_at(num_steps)
 
     def route(self, prefix: str, handler) -> None:
         """Hand incoming messages on channels starting with `prefix` to `handler`."""
-        self._mailbox.route(prefix, handler)
+        self._endpoint.mailbox.route(prefix, handler)
 
     def flush(self, timeout_s: float) -> None:
         """Wait until every message queued so far is confirmed delivered."""
@@ -325,10 +219,11 @@ class GrpcTransport:
     def ping(self, dst: Label, timeout_s: float = 5.0) -> str:
         """The label `dst`'s server answers with; `TransportError` if it does not."""
         address = self._address_of(dst)
-        with grpc.insecure_channel(address, options=_channel_options(self.settings)) as channel:
-            call = channel.unary_unary(_PING, request_serializer=None, response_deserializer=None)
+        with grpc.insecure_channel(address, options=channel_options(self.settings)) as channel:
+            call = channel.unary_unary(PING_METHOD, request_serializer=None,
+                                       response_deserializer=None)
             try:
-                raw = call(b"", timeout=timeout_s, metadata=((TOKEN_METADATA_KEY, self._token),),
+                raw = call(b"", timeout=timeout_s, metadata=self._endpoint.metadata,
                            wait_for_ready=True)
             except grpc.RpcError as err:
                 raise TransportError(
@@ -353,9 +248,9 @@ class GrpcTransport:
         if self._server is not None:
             # Grace lets peers' streams to us confirm what they carried.
             grace = max(deadline - time.monotonic(), 0.0)
-            self._server.stop(grace).wait(grace + _JOIN_GRACE_S)
+            self._server.stop(grace).wait(grace + JOIN_GRACE_S)
             self._server_pool.shutdown(wait=False)
-        self._pool.clear()
+        self._endpoint.pool.clear()
         logger.info("%s transport closed", self._tag)
         if problems:
             self._error_raised = True
@@ -365,6 +260,14 @@ class GrpcTransport:
             raise self._error
 
     # -- internals --
+
+    @property
+    def _endpoint(self) -> Endpoint:
+        return self._current.endpoint
+
+    @property
+    def _tag(self) -> str:
+        return self._current.endpoint.tag
 
     def _address_of(self, peer: Label) -> str:
         address = self._peers.get(peer)
@@ -380,7 +283,7 @@ class GrpcTransport:
             with self._lock:
                 sender = self._senders.get(peer)
                 if sender is None:
-                    sender = _PeerSender(self, peer, self._address_of(peer))
+                    sender = PeerSender(self._endpoint, peer, self._address_of(peer))
                     self._senders[peer] = sender
         return sender
 
@@ -389,10 +292,11 @@ class GrpcTransport:
             self._error_raised = True
             raise self._error
 
-    def _fatal(self, error: TransportError) -> None:
-        """Remember the first failure and wake every receive with it."""
+    def _fail(self, error: TransportError) -> None:
+        """A sender's fatal error: remember the first failure and wake every
+        receive with it."""
         with self._lock:
             if self._error is None:
                 self._error = error
                 logger.error("%s", error)
-        self._mailbox.abort(self._error)
+        self._endpoint.mailbox.abort(self._error)
