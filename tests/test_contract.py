@@ -22,7 +22,6 @@ from splitrun.runtime.transport import (
     ReceiveContracts,
     check_message,
     find_contract,
-    receive_contracts,
 )
 from splitrun.runtime.transport.dtypes import TensorSpec
 from splitrun.splitter import Cluster, Label, split

@@ -23,7 +23,7 @@ from splitrun.runtime import Executor, Mailbox, MessageKey, RecvTimeout, Transpo
 from splitrun.runtime.transport import ChannelContract, receive_contracts
 from splitrun.runtime.transport.dtypes import TensorSpec
 from splitrun.runtime.transport.grpc import GrpcSettings, GrpcTransport
-from splitrun.runtime.transport.grpc.send import SendQueue
+from splitrun.runtime.transport.grpc.outgoing import SendQueue
 from splitrun.runtime.transport.wire import splitrun_pb2
 from splitrun.splitter import Cluster, Label, capture, optim, split
 from splitrun.splitter.synthetic import random_batches, random_program

@@ -181,17 +181,19 @@ class BufferPool:
             buffer = torch.empty(nbytes, dtype=torch.uint8)
             self.num_allocated += 1
             self._make_room(nbytes)
-            if self._pooled_bytes() + nbytes <= self.max_bytes:
+            if self.pooled_bytes + nbytes <= self.max_bytes:
                 self._buffers.append(buffer)
             return buffer[:nbytes]
 
-    def _pooled_bytes(self) -> int:
+    @property
+    def pooled_bytes(self) -> int:
+        """The bytes of the buffers the pool holds, in use or free."""
         return sum(buffer.numel() for buffer in self._buffers)
 
     def _make_room(self, nbytes: int) -> None:
         """Drop free buffers, largest first, until `nbytes` more fits."""
         for buffer in sorted(self._buffers, key=lambda b: -b.numel()):
-            if self._pooled_bytes() + nbytes <= self.max_bytes:
+            if self.pooled_bytes + nbytes <= self.max_bytes:
                 return
             if self._is_free(buffer):
                 self._buffers = [b for b in self._buffers if b is not buffer]

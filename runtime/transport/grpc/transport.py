@@ -30,7 +30,8 @@ from ..mailbox import Mailbox
 from ..wire import splitrun_pb2
 from .endpoint import CurrentEndpoint, Endpoint, GrpcSettings
 from .receive import TensorServicer, server_options
-from .send import JOIN_GRACE_S, PeerSender, channel_options, outgoing
+from .outgoing import outgoing
+from .send import JOIN_GRACE_S, PeerSender, channel_options
 from .service import PING_METHOD
 
 __all__ = ["GrpcTransport", "GrpcSettings"]
@@ -75,7 +76,7 @@ class GrpcTransport:
         if contracts is not None:
             self.expect(contracts)
         self._peers: dict[Label, str] = {}
-        self._senders: dict[Label, _PeerSender] = {}
+        self._senders: dict[Label, PeerSender] = {}
         self._lock = threading.Lock()
         self._error: TransportError | None = None
         self._error_raised = False
@@ -277,7 +278,7 @@ class GrpcTransport:
                 f"{self._tag} no address for {peer.describe()}; set_peers() knows {known}")
         return address
 
-    def _sender(self, peer: Label) -> _PeerSender:
+    def _sender(self, peer: Label) -> PeerSender:
         sender = self._senders.get(peer)
         if sender is None:
             with self._lock:
