@@ -70,8 +70,9 @@ class GrpcTransport:
         self.port = port
         self.address: str | None = None
         self._current = CurrentEndpoint(Endpoint(
-            label, incarnation, token, self.settings, Mailbox(label, incarnation),
-            BufferPool(self.settings.pool_bytes), ReceiveContracts(), self._fail))
+            label=label, incarnation=incarnation, token=token, settings=self.settings,
+            mailbox=Mailbox(label, incarnation), pool=BufferPool(self.settings.pool_bytes),
+            contracts=ReceiveContracts(), on_fatal=self._fail))
         self._envelopes = EnvelopeWriter(str(label))
         if contracts is not None:
             self.expect(contracts)
