@@ -24,7 +24,7 @@ from splitrun.runtime.transport import (
     find_contract,
 )
 from splitrun.runtime.transport.dtypes import TensorSpec
-from splitrun.splitter import Cluster, Label, split
+from splitrun.splitter import Cluster, Label, split_program
 from splitrun.splitter.synthetic import random_batches, random_program
 
 W0, W1, W2 = Label.worker(0), Label.worker(1), Label.worker(2)
@@ -152,11 +152,11 @@ def test_loopback_without_contracts_checks_nothing():
 
 def test_run_threaded_refuses_a_batch_of_another_dtype_than_the_plans():
     program = random_program(30, [W0, W1], seed=3, run_length=3.0, shape=(4,))
-    plan = split(program, Cluster(num_workers=2))
+    split = split_program(program, Cluster(num_workers=2))
     batches = random_batches(program, 2)
-    run_threaded(plan, 2, lambda step: batches[step])  # the captured shapes: fine
+    run_threaded(split, 2, lambda step: batches[step])  # the captured shapes: fine
     doubles = {name: value.double() for name, value in batches[0].items()}
     with pytest.raises(ChannelMismatch, match=r"refused channel '\w+->\w+#\d+' step 0 from "
                                               r"'w\d': tensor \d+ expected float32\[4\], got "
                                               r"float64\[4\]"):
-        run_threaded(plan, 1, lambda step: doubles)
+        run_threaded(split, 1, lambda step: doubles)
