@@ -1,0 +1,207 @@
+"""The shared-memory ring between two real processes: this test process at one
+end, tests/scripts/ring_peer.py at the other."""
+
+import hashlib
+import os
+import signal
+import stat
+import sys
+
+import pytest
+import torch
+from cluster import SCRIPTS, Proc, pid_alive
+
+sys.path.insert(0, str(SCRIPTS))
+from ring_peer import ordered_message  # noqa: E402
+
+from splitrun.runtime.errors import RecvTimeout
+from splitrun.runtime.shm_ring import (
+    SHM_DIR,
+    RingClosed,
+    RingError,
+    RingPeerGone,
+    RingReader,
+    RingSettings,
+    RingWriter,
+    new_job_prefix,
+    remove_job_segments,
+    ring_paths,
+)
+
+PEER = SCRIPTS / "ring_peer.py"
+# Bounds a child's start-up (an interpreter importing torch) and its sends.
+START_S = 120.0
+# Bounds one receive: the child sends as soon as it is attached.
+RECV_S = 120.0
+SMALL_RING = 64 << 10
+
+
+@pytest.fixture
+def prefix():
+    prefix = new_job_prefix()
+    yield prefix
+    left = [name for name in os.listdir(SHM_DIR) if name.startswith(prefix)]
+    remove_job_segments(prefix)
+    assert not left, f"files of the job left in {SHM_DIR}: {left}"
+
+
+def producer(prefix, capacity, *args, hold=False):
+    env = dict(os.environ, SPLITRUN_TEST_HOLD="1" if hold else "0")
+    proc = Proc([sys.executable, PEER, "produce", prefix, "w7-s0", capacity, *args], env=env)
+    proc.wait_for("created", START_S)
+    return proc
+
+
+def attach(prefix):
+    return RingReader.attach(prefix, "w7-s0", owner="server 0", peer="worker 7",
+                             timeout_s=START_S)
+
+
+def killed(proc):
+    os.kill(proc.process.pid, signal.SIGKILL)
+    proc.process.wait(timeout=30)
+    assert not pid_alive(proc.process.pid)
+
+
+def test_messages_arrive_in_order_through_a_small_ring(prefix):
+    proc = producer(prefix, SMALL_RING, "ordered", 300)
+    try:
+        reader = attach(prefix)
+        for index in range(300):
+            header, payload = reader.recv(RECV_S)
+            want_header, want_payload = ordered_message(index)
+            assert header == want_header
+            assert payload == want_payload, f"payload of message {index} differs"
+        with pytest.raises(RingClosed, match="worker 7 closed the ring after 300 messages"):
+            reader.recv_header(RECV_S)
+        reader.close()
+        assert proc.wait(START_S) == 0, proc.output()
+    finally:
+        proc.kill()
+
+
+def test_message_larger_than_the_ring_streams_through_it(prefix):
+    nbytes = 5 << 20  # 80 times the ring
+    proc = producer(prefix, SMALL_RING, "big", nbytes)
+    try:
+        reader = attach(prefix)
+        header, size = reader.recv_header(RECV_S)
+        assert (header, size) == (b"big", nbytes)
+        buffer = bytearray(size)
+        reader.recv_payload_into(memoryview(buffer), RECV_S)
+        want = bytes(range(256)) * (nbytes // 256)
+        assert hashlib.sha256(buffer).digest() == hashlib.sha256(want).digest()
+        reader.close()
+        assert proc.wait(START_S) == 0, proc.output()
+    finally:
+        proc.kill()
+
+
+@pytest.mark.slow
+def test_a_1_gib_tensor(prefix):
+    numel = (1 << 30) // 4
+    proc = producer(prefix, 64 << 20, "int32", numel)
+    try:
+        reader = attach(prefix)
+        header, size = reader.recv_header(RECV_S)
+        assert (header, size) == (b"int32", 1 << 30)
+        received = torch.empty(numel, dtype=torch.int32)
+        reader.recv_payload_into(memoryview(received.numpy()).cast("B"), RECV_S)
+        reader.close()
+        step = 1 << 24
+        for start in range(0, numel, step):  # every element at its place
+            expected = torch.arange(start, min(start + step, numel), dtype=torch.int32)
+            assert torch.equal(received[start:start + step], expected), f"differs at {start}"
+        assert proc.wait(START_S) == 0, proc.output()
+    finally:
+        proc.kill()
+
+
+def test_files_are_private_and_gone_once_attached(prefix):
+    proc = producer(prefix, SMALL_RING, "idle", hold=True)
+    try:
+        ring_path, socket_path = ring_paths(prefix, "w7-s0")
+        for path in (ring_path, socket_path):
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+        reader = attach(prefix)
+        proc.wait_for("sent", START_S)  # the producer saw the attach and unlinked
+        assert not [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+        reader.close()
+    finally:
+        proc.kill()
+
+
+def test_dead_producer_is_named(prefix):
+    proc = producer(prefix, SMALL_RING, "ordered", 3, hold=True)
+    try:
+        reader = attach(prefix)
+        proc.wait_for("sent", START_S)
+        killed(proc)
+        for index in range(3):  # what it sent before dying is still read
+            assert reader.recv(RECV_S)[0] == ordered_message(index)[0]
+        with pytest.raises(RingPeerGone, match=r"\[server 0\] ring from worker 7: worker 7 "
+                                               r"dropped its end .* after 3 messages"):
+            reader.recv_header(RECV_S)
+        reader.close()
+    finally:
+        proc.kill()
+
+
+def test_producer_dying_mid_message_is_named(prefix):
+    proc = producer(prefix, SMALL_RING, "big", 10 << 20, hold=True)
+    try:
+        reader = attach(prefix)
+        assert reader.recv_header(RECV_S)[1] == 10 << 20
+        killed(proc)  # blocked on the full ring, in the middle of the payload
+        with pytest.raises(RingPeerGone, match="worker 7 dropped its end of the ring in the "
+                                               "middle of a message"):
+            reader.recv_payload_into(memoryview(bytearray(10 << 20)), RECV_S)
+        reader.close()
+    finally:
+        proc.kill()
+
+
+def test_dead_consumer_is_named(prefix):
+    writer = RingWriter(prefix, "s0-w3", owner="server 0", peer="worker 3",
+                        settings=RingSettings(capacity_bytes=SMALL_RING))
+    env = dict(os.environ, SPLITRUN_TEST_HOLD="1")
+    proc = Proc([sys.executable, PEER, "consume", prefix, "s0-w3"], env=env)
+    try:
+        writer.wait_attached(START_S)
+        proc.wait_for("attached", START_S)
+        writer.send(b"one", [memoryview(b"x" * 100)], RECV_S)
+        killed(proc)
+        with pytest.raises(RingPeerGone, match=r"\[server 0\] ring to worker 3: worker 3 "
+                                               r"dropped its end .* after 1 messages"):
+            writer.send(b"two", [memoryview(bytes(1 << 20))], RECV_S)
+    finally:
+        writer.close()
+        proc.kill()
+
+
+def test_killed_producer_before_attach_leaves_files_that_the_prefix_removes(prefix):
+    proc = producer(prefix, SMALL_RING, "idle", hold=True)
+    killed(proc)
+    ring_path, socket_path = ring_paths(prefix, "w7-s0")
+    assert os.path.exists(ring_path) and os.path.exists(socket_path)
+    assert sorted(remove_job_segments(prefix)) == sorted([ring_path, socket_path])
+
+
+def test_receive_deadline_and_bad_names(prefix):
+    writer = RingWriter(prefix, "w0-s0", owner="worker 0", peer="server 0",
+                        settings=RingSettings(capacity_bytes=SMALL_RING))
+    try:
+        reader = RingReader.attach(prefix, "w0-s0", owner="server 0", peer="worker 0")
+        writer.wait_attached(START_S)
+        with pytest.raises(RecvTimeout, match="no data from worker 0 within the deadline"):
+            reader.recv_header(0.05)
+        reader.close()
+    finally:
+        writer.close()
+    with pytest.raises(RingError, match="did not appear within"):
+        RingReader.attach(prefix, "w9-s9", owner="server 0", peer="worker 9", timeout_s=0.05)
+    for bad in ("", "/dev/shm/", "splitrun-", "splitrun-zz-"):
+        with pytest.raises(RingError, match="refusing to create or remove"):
+            remove_job_segments(bad)
+    with pytest.raises(RingError, match="ring name"):
+        ring_paths(prefix, "../etc")
