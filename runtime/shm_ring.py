@@ -201,13 +201,12 @@ class _Positions:
         (None or <= 0: do not wait); True if any came."""
         if self.is_eof:
             return False
-        if timeout_s is not None and timeout_s > 0:
-            if not self._poller.poll(timeout_s * 1000):
-                return False
         try:
             n = self._sock.recv_into(self._view[self._pending:], 0, socket.MSG_DONTWAIT)
         except BlockingIOError:
-            return False
+            if timeout_s is None or timeout_s <= 0 or not self._poller.poll(timeout_s * 1000):
+                return False
+            return self.read(None)
         except OSError:
             self.is_eof = True
             return False
@@ -232,7 +231,11 @@ class _Segment:
 
     def __init__(self, fd: int, capacity: int) -> None:
         self.capacity = capacity
-        self._map = mmap.mmap(fd, _HEADER_PAGE + capacity, mmap.MAP_SHARED,
+        # Populated: the page tables are filled now, not by a fault on each
+        # page's first touch (measured: a 1 MiB message walking through fresh
+        # pages of a 64 MiB ring ran 4x slower than over mapped ones).
+        self._map = mmap.mmap(fd, _HEADER_PAGE + capacity,
+                              mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                               mmap.PROT_READ | mmap.PROT_WRITE)
         self._view = memoryview(self._map)
         self.data = self._view[_HEADER_PAGE:]
@@ -275,7 +278,15 @@ class RingWriter:
         fd = os.open(self.ring_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.fchmod(fd, 0o600)
-            os.ftruncate(fd, _HEADER_PAGE + self.capacity)
+            # Allocated now: a full /dev/shm fails here, with a message, rather
+            # than with SIGBUS on a later write into the mapping.
+            try:
+                os.posix_fallocate(fd, 0, _HEADER_PAGE + self.capacity)
+            except OSError as exc:
+                raise RingError(
+                    f"{self._tag}: cannot allocate {_HEADER_PAGE + self.capacity} bytes "
+                    f"for {self.ring_path}: {exc.strerror}; is {directory} full? (a "
+                    f"smaller RingSettings.capacity_bytes needs less)") from None
             self._segment = _Segment(fd, self.capacity)
         except BaseException:
             os.close(fd)
@@ -347,13 +358,28 @@ class RingWriter:
                 raise RingError(f"{self._tag}: send after close")
             if self._conn is None:
                 self.wait_attached(max(deadline - time.monotonic(), 0.0))
+            views = [view if view.format == "B" and view.ndim == 1 else view.cast("B")
+                     for view in views]
             payload_bytes = sum(view.nbytes for view in views)
-            prefix = _FRAME.pack(_FRAME_MAGIC, len(header), payload_bytes)
-            self._write(memoryview(prefix), deadline)
-            self._write(memoryview(header), deadline)
-            for view in views:
-                self._write(view if view.format == "B" and view.ndim == 1
-                            else view.cast("B"), deadline)
+            total = _FRAME.size + len(header) + payload_bytes
+            start = self._head % self.capacity
+            if (total <= self.capacity - (self._head - self._tails.last)
+                    and start + total <= self.capacity and total <= self.capacity // 4):
+                # The common small message: room for all of it without wrapping.
+                data = self._segment.data
+                _FRAME.pack_into(data, start, _FRAME_MAGIC, len(header), payload_bytes)
+                at = start + _FRAME.size
+                data[at:at + len(header)] = header
+                at += len(header)
+                for view in views:
+                    data[at:at + view.nbytes] = view
+                    at += view.nbytes
+                self._head += total
+            else:
+                self._write(memoryview(_FRAME.pack(_FRAME_MAGIC, len(header), payload_bytes)
+                                       + header), deadline)
+                for view in views:
+                    self._write(view, deadline)
             self._publish(deadline)
             self._num_sent += 1
 
@@ -523,17 +549,29 @@ class RingReader:
             if self._payload_left:
                 raise RingError(f"{self._tag}: recv_header with {self._payload_left} payload "
                                 f"bytes of the previous message unread")
-            self._read_into(memoryview(self._prefix), deadline, is_start=True)
-            magic, header_bytes, payload_bytes = _FRAME.unpack(self._prefix)
+            available = self._wait_available(_FRAME.size, deadline, is_start=True)
+            data, start = self._segment.data, self._tail % self.capacity
+            if start + _FRAME.size <= self.capacity:
+                magic, header_bytes, payload_bytes = _FRAME.unpack_from(data, start)
+                self._consume(_FRAME.size)
+            else:
+                self._read_into(memoryview(self._prefix), deadline)
+                magic, header_bytes, payload_bytes = _FRAME.unpack(self._prefix)
             if magic != _FRAME_MAGIC or header_bytes > _MAX_HEADER_BYTES:
                 raise RingError(f"{self._tag}: broken frame after {self._num_received} "
                                 f"messages (magic {magic:#x}, header {header_bytes} bytes)")
-            header = bytearray(header_bytes)
-            self._read_into(memoryview(header), deadline)
+            start = self._tail % self.capacity
+            if available - _FRAME.size >= header_bytes and start + header_bytes <= self.capacity:
+                header = bytes(data[start:start + header_bytes])
+                self._consume(header_bytes)
+            else:
+                buffer = bytearray(header_bytes)
+                self._read_into(memoryview(buffer), deadline)
+                header = bytes(buffer)
             self._payload_left = payload_bytes
             if not payload_bytes:
                 self._num_received += 1
-            return bytes(header), payload_bytes
+            return header, payload_bytes
 
     def recv_payload_into(self, dst: memoryview, timeout_s: float) -> None:
         """Copy the current message's payload into `dst` (exactly its size)."""
