@@ -13,7 +13,10 @@ need a job split across "machines" with a real (shaped) network between them.
     # veth pair) are removed.
 
 Each end's egress is shaped with a token bucket (`tbf`) at the same rate, so
-the link is symmetric. `netem` (delay, loss) is not used: not every kernel
+the link is symmetric. Each host also gets its own /dev/shm (a directory under
+the machine's, bind-mounted over /dev/shm for every process started through
+it): processes on one simulated host can share memory, processes on the two
+hosts cannot, as on two machines. `netem` (delay, loss) is not used: not every kernel
 has it; `tbf` is in every one we run on.
 
 Needs root (CAP_NET_ADMIN); `require_root()` raises `HostsError` saying so.
@@ -33,6 +36,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,6 +63,7 @@ _STOP_GRACE_S = 3.0
 # Subnets are drawn from here (a /30 each); namespaced, so they cannot clash with
 # the machine's own routes, but one that the root namespace uses is avoided anyway.
 _POOL = ipaddress.ip_network("10.200.0.0/14")
+_SHM_ROOT = "/dev/shm"
 _NAME_PATTERN = re.compile(rf"^{re.escape(NAMESPACE_PREFIX)}(\d+)-[0-9a-f]+-[ab]$")
 
 
@@ -119,6 +124,11 @@ def _kill_namespace_processes(namespace: str) -> list[int]:
 def _delete_namespace(namespace: str) -> None:
     _kill_namespace_processes(namespace)
     _run(["ip", "netns", "delete", namespace], check=False)
+    shutil.rmtree(_shm_dir_of(namespace), ignore_errors=True)
+
+
+def _shm_dir_of(namespace: str) -> str:
+    return os.path.join(_SHM_ROOT, namespace)
 
 
 def remove_stale() -> list[str]:
@@ -130,6 +140,11 @@ def remove_stale() -> list[str]:
         if match and not _pid_alive(int(match.group(1))):
             _delete_namespace(namespace)
             removed.append(namespace)
+    for entry in os.listdir(_SHM_ROOT) if os.path.isdir(_SHM_ROOT) else []:
+        match = _NAME_PATTERN.match(entry)
+        if match and not _pid_alive(int(match.group(1))):
+            shutil.rmtree(os.path.join(_SHM_ROOT, entry), ignore_errors=True)
+            removed.append(os.path.join(_SHM_ROOT, entry))
     if removed:
         logger.warning("removed stale namespaces of dead runs: %s", ", ".join(removed))
     return removed
@@ -161,12 +176,19 @@ class Host:
     namespace: str
     device: str
     address: str
+    # This host's /dev/shm (None: the machine's, shared with the other host).
+    shm_dir: str | None = None
     _procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
 
     def argv(self, argv: Sequence[str]) -> list[str]:
-        """`argv` run inside this host's namespace (`ip netns exec` execs it, so
-        the pid is the command's own)."""
-        return ["ip", "netns", "exec", self.namespace, *map(str, argv)]
+        """`argv` run inside this host's namespace, with this host's /dev/shm
+        (`ip netns exec` and the `sh` in between exec it, so the pid is the
+        command's own; the bind mount is private to the command's mount namespace)."""
+        argv = [str(arg) for arg in argv]
+        if self.shm_dir is None:
+            return ["ip", "netns", "exec", self.namespace, *argv]
+        return ["ip", "netns", "exec", self.namespace, "sh", "-c",
+                'mount --bind "$0" /dev/shm && exec "$@"', self.shm_dir, *argv]
 
     def run(self, argv: Sequence[str], timeout_s: float = _COMMAND_TIMEOUT_S,
             check: bool = True) -> subprocess.CompletedProcess:
@@ -225,8 +247,10 @@ class TwoHosts:
         return self.a, self.b
 
     def describe(self) -> dict:
-        return {"a": {"namespace": self.a.namespace, "address": self.a.address},
-                "b": {"namespace": self.b.namespace, "address": self.b.address},
+        return {"a": {"namespace": self.a.namespace, "address": self.a.address,
+                      "shm_dir": self.a.shm_dir},
+                "b": {"namespace": self.b.namespace, "address": self.b.address,
+                      "shm_dir": self.b.shm_dir},
                 "rate_mbit": self.rate_mbit, "subnet": self.subnet}
 
 
@@ -243,9 +267,11 @@ def _tbf_args(rate_mbit: float) -> list[str]:
 
 
 @contextlib.contextmanager
-def two_hosts(rate_mbit: float = 1000.0, *, mtu: int = 1500) -> Iterator[TwoHosts]:
+def two_hosts(rate_mbit: float = 1000.0, *, mtu: int = 1500,
+              private_shm: bool = True) -> Iterator[TwoHosts]:
     """Create the two hosts, yield them, and remove them (processes first) at
-    exit, whatever happens inside the block."""
+    exit, whatever happens inside the block. `private_shm`: each host gets its
+    own /dev/shm (as two machines have)."""
     require_root()
     if rate_mbit <= 0:
         raise HostsError(f"rate_mbit must be positive, got {rate_mbit}")
@@ -254,15 +280,20 @@ def two_hosts(rate_mbit: float = 1000.0, *, mtu: int = 1500) -> Iterator[TwoHost
     subnet = _pick_subnet()
     first, second = list(subnet.hosts())
     veth = f"{_VETH_PREFIX}{secrets.token_hex(4)}"  # 11 characters, + a/b
+    names = (f"{NAMESPACE_PREFIX}{tag}-a", f"{NAMESPACE_PREFIX}{tag}-b")
+    shm_dirs = [_shm_dir_of(name) if private_shm else None for name in names]
     hosts = TwoHosts(
-        a=Host(f"{NAMESPACE_PREFIX}{tag}-a", f"{veth}a", str(first)),
-        b=Host(f"{NAMESPACE_PREFIX}{tag}-b", f"{veth}b", str(second)),
+        a=Host(names[0], f"{veth}a", str(first), shm_dirs[0]),
+        b=Host(names[1], f"{veth}b", str(second), shm_dirs[1]),
         rate_mbit=rate_mbit, subnet=str(subnet))
     created: list[str] = []
     try:
         for host in hosts.hosts:
             _run(["ip", "netns", "add", host.namespace])
             created.append(host.namespace)
+            if host.shm_dir is not None:
+                os.mkdir(host.shm_dir, 0o1777)
+                os.chmod(host.shm_dir, 0o1777)  # like /dev/shm itself
         _run(["ip", "link", "add", hosts.a.device, "mtu", str(mtu), "type", "veth",
               "peer", "name", hosts.b.device, "mtu", str(mtu)])
         for host in hosts.hosts:

@@ -77,6 +77,20 @@ def test_link_carries_traffic_both_ways_and_is_shaped():
         assert rate_mbit < 2 * 50, f"{rate_mbit:.0f} Mbit/s through a 50 Mbit/s link"
 
 
+def test_each_host_has_its_own_dev_shm():
+    """Processes of one simulated host share /dev/shm, the two hosts do not (so a
+    same-host transport cannot take a short cut across the link)."""
+    require_root()
+    with two_hosts() as hosts:
+        name = f"probe-{os.getpid()}"
+        hosts.a.run(["sh", "-c", f"echo from-a > /dev/shm/{name}"])
+        assert hosts.a.run(["cat", f"/dev/shm/{name}"]).stdout == "from-a\n"
+        assert hosts.b.run(["ls", "/dev/shm"]).stdout.split() == []
+        assert not os.path.exists(f"/dev/shm/{name}")
+        shm_dirs = [host.shm_dir for host in hosts.hosts]
+    assert not any(os.path.exists(path) for path in shm_dirs)
+
+
 def test_exit_removes_namespaces_links_and_processes():
     require_root()
     with pytest.raises(RuntimeError, match="boom"):
