@@ -15,7 +15,7 @@ sys.path.insert(0, str(SCRIPTS))
 from ring_peer import ordered_message  # noqa: E402
 
 from splitrun.runtime.errors import RecvTimeout
-from splitrun.runtime.shm_ring import (
+from splitrun.runtime.transport.shm_ring import (
     SHM_DIR,
     RingClosed,
     RingError,

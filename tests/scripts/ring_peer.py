@@ -17,8 +17,8 @@ import threading
 
 import torch
 
-from splitrun.runtime.codec import byte_view
-from splitrun.runtime.shm_ring import RingReader, RingSettings, RingWriter
+from splitrun.runtime.transport.codec import byte_view
+from splitrun.runtime.transport.shm_ring import RingReader, RingSettings, RingWriter
 
 # Bounds each send: the test reads promptly.
 SEND_TIMEOUT_S = 120.0

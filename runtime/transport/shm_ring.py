@@ -41,7 +41,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import RecvTimeout, TransportError
+from ..errors import RecvTimeout, TransportError
 
 __all__ = [
     "SHM_DIR",
