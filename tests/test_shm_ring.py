@@ -174,6 +174,8 @@ def test_dead_consumer_is_named(prefix):
         with pytest.raises(RingPeerGone, match=r"\[server 0\] ring to worker 3: worker 3 "
                                                r"dropped its end .* after 1 messages"):
             writer.send(b"two", [memoryview(bytes(1 << 20))], RECV_S)
+        with pytest.raises(RingError, match="unusable after an earlier failure"):
+            writer.send(b"three", [], RECV_S)
     finally:
         writer.close()
         proc.kill()
@@ -195,6 +197,9 @@ def test_receive_deadline_and_bad_names(prefix):
         writer.wait_attached(START_S)
         with pytest.raises(RecvTimeout, match="no data from worker 0 within the deadline"):
             reader.recv_header(0.05)
+        # The consumer does not read: a message larger than the ring cannot go in.
+        with pytest.raises(RingError, match="no room in the ring .* server 0 does not read"):
+            writer.send(b"big", [memoryview(bytes(2 * SMALL_RING))], 0.05)
         reader.close()
     finally:
         writer.close()

@@ -74,6 +74,8 @@ _CLOSED = (1 << 64) - 1                 # the producer's last record: closed in 
 # A header (the transport's envelope) larger than this is refused as corrupt.
 _MAX_HEADER_BYTES = 16 << 20
 _SMALLEST_RING = 64 << 10
+# Bounds close()'s wait to tell a consumer that does not read its socket.
+_CLOSE_NOTICE_S = 1.0
 
 
 class RingError(TransportError):
@@ -275,6 +277,7 @@ class RingWriter:
         self._conn: socket.socket | None = None
         self._tails: _Positions | None = None
         self._is_closed = False
+        self._broken: BaseException | None = None
         fd = os.open(self.ring_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.fchmod(fd, 0o600)
@@ -356,32 +359,45 @@ class RingWriter:
         with self._lock:
             if self._is_closed:
                 raise RingError(f"{self._tag}: send after close")
+            if self._broken is not None:
+                raise RingError(f"{self._tag}: the ring is unusable after an earlier "
+                                f"failure: {self._broken}")
             if self._conn is None:
                 self.wait_attached(max(deadline - time.monotonic(), 0.0))
-            views = [view if view.format == "B" and view.ndim == 1 else view.cast("B")
-                     for view in views]
-            payload_bytes = sum(view.nbytes for view in views)
-            total = _FRAME.size + len(header) + payload_bytes
-            start = self._head % self.capacity
-            if (total <= self.capacity - (self._head - self._tails.last)
-                    and start + total <= self.capacity and total <= self.capacity // 4):
-                # The common small message: room for all of it without wrapping.
-                data = self._segment.data
-                _FRAME.pack_into(data, start, _FRAME_MAGIC, len(header), payload_bytes)
-                at = start + _FRAME.size
-                data[at:at + len(header)] = header
-                at += len(header)
-                for view in views:
-                    data[at:at + view.nbytes] = view
-                    at += view.nbytes
-                self._head += total
-            else:
-                self._write(memoryview(_FRAME.pack(_FRAME_MAGIC, len(header), payload_bytes)
-                                       + header), deadline)
-                for view in views:
-                    self._write(view, deadline)
-            self._publish(deadline)
+            try:
+                self._send_frame(header, views, deadline)
+            except BaseException as exc:
+                # A frame cut short leaves the stream unreadable: no more sends.
+                self._broken = exc
+                raise
             self._num_sent += 1
+
+    def _send_frame(self, header: bytes, views: Sequence[memoryview], deadline: float) -> None:
+        """Copy one frame in: in one go when it fits without wrapping, else
+        streamed in pieces as the consumer makes room."""
+        views = [view if view.format == "B" and view.ndim == 1 else view.cast("B")
+                 for view in views]
+        payload_bytes = sum(view.nbytes for view in views)
+        total = _FRAME.size + len(header) + payload_bytes
+        start = self._head % self.capacity
+        if (total <= self.capacity - (self._head - self._tails.last)
+                and start + total <= self.capacity and total <= self.capacity // 4):
+            # The common small message: room for all of it without wrapping.
+            data = self._segment.data
+            _FRAME.pack_into(data, start, _FRAME_MAGIC, len(header), payload_bytes)
+            at = start + _FRAME.size
+            data[at:at + len(header)] = header
+            at += len(header)
+            for view in views:
+                data[at:at + view.nbytes] = view
+                at += view.nbytes
+            self._head += total
+        else:
+            self._write(memoryview(_FRAME.pack(_FRAME_MAGIC, len(header), payload_bytes)
+                                   + header), deadline)
+            for view in views:
+                self._write(view, deadline)
+        self._publish(deadline)
 
     def _write(self, view: memoryview, deadline: float) -> None:
         data, capacity = self._segment.data, self.capacity
@@ -439,7 +455,7 @@ class RingWriter:
             self._is_closed = True
             if self._conn is not None:
                 try:
-                    _send_record(self._conn, _CLOSED, time.monotonic() + 1.0)
+                    _send_record(self._conn, _CLOSED, time.monotonic() + _CLOSE_NOTICE_S)
                 except OSError:
                     pass  # the consumer is gone or stuck; closing anyway
                 self._conn.close()
