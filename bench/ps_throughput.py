@@ -13,12 +13,21 @@ negligible), same global batch, same optimizer (SGD with momentum). Prints JSON:
 steps/s and samples/s of each (median of --repeats runs) and splitrun's ratio
 to the RPC baseline (goal: >= 2x).
 
+With --two-hosts RATE_MBIT ... (root), the distributed runs also go across
+two simulated hosts (bench/hosts.py: network namespaces joined by a veth
+shaped to each rate): the server (and splitrun's scheduler, or the RPC
+rendezvous) on host a, both workers on host b. splitrun is started with
+`splitrun scheduler` / `splitrun join` as on two machines; TensorPipe talks TCP
+between the namespaces (its shared-memory channels need one namespace).
+
     python bench/ps_throughput.py [--steps 40] [--repeats 3] [--quick]
+                                  [--two-hosts 1000 10000 [--two-hosts-only]]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -38,6 +47,11 @@ GOAL_RATIO = 2.0
 # Bounds one whole measured run (start, warm-up, steps, shutdown) on 2 cores.
 RUN_TIMEOUT_S = 900
 WARMUP_STEPS = 3
+# Bounds the standalone scheduler's start on a simulated host.
+SCHEDULER_START_S = 120
+# The RPC rendezvous port on host a: its namespace is fresh and private to
+# this run, so no other program can hold the port.
+RPC_RENDEZVOUS_PORT = 29500
 
 
 def model(width: int) -> nn.Module:
@@ -168,6 +182,15 @@ def _the_tutorial_server(width: int) -> _TutorialServer:
         return _TUTORIAL
 
 
+def _report(results, steps_per_s: float) -> None:
+    """Hand trainer 1's speed to the parent: its queue, or stdout when it was
+    started as a command (on a simulated host)."""
+    if results is None:
+        print("BENCH " + json.dumps({"steps_per_s": steps_per_s}), flush=True)
+    else:
+        results.put(steps_per_s)
+
+
 def _call(method, rref, *args):
     return method(rref.local_value(), *args)
 
@@ -193,13 +216,14 @@ def _tutorial_trainer(rank: int, world: int, args, results) -> None:
             dist_autograd.backward(context, [loss])
             optimizer.step(context)
     if rank == 1:
-        results.put(args.steps / (time.perf_counter() - started))
+        _report(results, args.steps / (time.perf_counter() - started))
 
 
-def _rpc_process(rank: int, world: int, port: int, args, results, tutorial: bool) -> None:
+def _rpc_process(rank: int, world: int, init_method: str, args, results, tutorial: bool
+                 ) -> None:
     from torch.distributed import rpc
     torch.set_num_threads(1)
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
+    options = rpc.TensorPipeRpcBackendOptions(init_method=init_method,
                                               rpc_timeout=RUN_TIMEOUT_S)
     name = "ps" if rank == 0 else f"trainer{rank}"
     rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=options)
@@ -223,7 +247,7 @@ def _rpc_process(rank: int, world: int, port: int, args, results, tutorial: bool
                 for p, value in zip(net.parameters(), new):
                     p.copy_(value)
         if rank == 1:
-            results.put(args.steps / (time.perf_counter() - started))
+            _report(results, args.steps / (time.perf_counter() - started))
     rpc.shutdown()
 
 
@@ -234,7 +258,8 @@ def run_rpc(args, tutorial: bool) -> float:
     world = 3  # one server, two trainers
     port = _free_port()
     processes = [context.Process(target=_rpc_process,
-                                 args=(rank, world, port, args, results, tutorial))
+                                 args=(rank, world, f"tcp://127.0.0.1:{port}", args, results,
+                                       tutorial))
                  for rank in range(world)]
     for process in processes:
         process.start()
@@ -276,16 +301,132 @@ def run_splitrun_job(args) -> None:
               flush=True)
 
 
+def _job_args(args) -> list[str]:
+    return [str(HERE), "--job", "--steps", str(args.steps), "--width", str(args.width),
+            "--batch-size", str(args.batch_size)]
+
+
 def run_splitrun(args) -> float:
     command = [sys.executable, "-m", "splitrun.launcher", "--log-level", "WARNING",
-               "launch", "--workers", "2", "--servers", "1", "--device", "cpu", str(HERE),
-               "--job", "--steps", str(args.steps), "--width", str(args.width),
-               "--batch-size", str(args.batch_size)]
+               "launch", "--workers", "2", "--servers", "1", "--device", "cpu",
+               *_job_args(args)]
     out = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     for line in out.stdout.splitlines():
         if "BENCH " in line:
             return json.loads(line.split("BENCH ", 1)[1])["steps_per_s"]
     raise RuntimeError(f"splitrun run failed ({out.returncode}):\n{out.stdout[-4000:]}")
+
+
+# -- across two simulated hosts ----------------------------------------------
+
+def _bench_line(path: pathlib.Path) -> float:
+    for line in path.read_text(errors="replace").splitlines():
+        if "BENCH " in line:
+            return json.loads(line.split("BENCH ", 1)[1])["steps_per_s"]
+    raise RuntimeError(f"no BENCH line in {path}:\n{path.read_text(errors='replace')[-4000:]}")
+
+
+def _wait_all(processes, logs: list[pathlib.Path], what: str) -> None:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    for process, log in zip(processes, logs):
+        try:
+            code = process.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{what}: {log.name} did not finish in {RUN_TIMEOUT_S} s") from None
+        if code != 0:
+            raise RuntimeError(f"{what}: {log.name} exited {code}:\n"
+                               f"{log.read_text(errors='replace')[-4000:]}")
+
+
+def _splitrun_two_hosts(args, hosts, workdir: pathlib.Path) -> float:
+    """Scheduler and server on host a, the two workers on host b."""
+    import re
+    a, b = hosts.a, hosts.b
+    launcher = [sys.executable, "-m", "splitrun.launcher", "--log-level", "WARNING"]
+    scheduler_log = workdir / "scheduler.log"
+    with open(scheduler_log, "w") as out:
+        scheduler = a.popen([*launcher, "scheduler", "--workers", "2", "--servers", "1",
+                             "--host", a.address], stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + SCHEDULER_START_S
+    match = None
+    while match is None:
+        match = re.search(r"scheduler at (\S+) token (\S+)", scheduler_log.read_text())
+        if match is None:
+            if scheduler.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the scheduler did not start:\n{scheduler_log.read_text()}")
+            time.sleep(0.1)  # polls a log file: there is no event to wait on
+    address, token = match.group(1), match.group(2)
+    processes, logs = [], []
+    for host, role, rank in ((a, "server", 0), (b, "worker", 0), (b, "worker", 1)):
+        log = workdir / f"{role}{rank}.log"
+        with open(log, "w") as out:
+            processes.append(host.popen(
+                [*launcher, "join", "--scheduler", address, "--token", token, "--role", role,
+                 "--rank", str(rank), "--host", host.address, "--device", "cpu",
+                 *_job_args(args)], stdout=out, stderr=subprocess.STDOUT))
+        logs.append(log)
+    _wait_all(processes, logs, "splitrun across two hosts")
+    scheduler.wait(timeout=60)
+    return _bench_line(logs[1])
+
+
+def _rpc_two_hosts(args, hosts, workdir: pathlib.Path, tutorial: bool) -> float:
+    """The RPC server (rank 0, the rendezvous) on host a, trainers 1 and 2 on b."""
+    processes, logs = [], []
+    for host, rank in ((hosts.a, 0), (hosts.b, 1), (hosts.b, 2)):
+        env = dict(os.environ, TP_SOCKET_IFNAME=host.device, GLOO_SOCKET_IFNAME=host.device,
+                   OMP_NUM_THREADS="1")
+        log = workdir / f"rpc{rank}.log"
+        with open(log, "w") as out:
+            processes.append(host.popen(
+                [sys.executable, str(HERE), "--rpc-rank", str(rank),
+                 "--rpc-init", f"tcp://{hosts.a.address}:{RPC_RENDEZVOUS_PORT}",
+                 *(["--rpc-tutorial"] if tutorial else []), "--steps", str(args.steps),
+                 "--width", str(args.width), "--batch-size", str(args.batch_size)],
+                stdout=out, stderr=subprocess.STDOUT, env=env))
+        logs.append(log)
+    _wait_all(processes, logs, f"torch.rpc ({'tutorial' if tutorial else 'batch update'}) "
+                               f"across two hosts")
+    return _bench_line(logs[1])
+
+
+def run_two_hosts(args, rate_mbit: float) -> dict[str, float]:
+    """One run of each distributed kind across two hosts joined at `rate_mbit`."""
+    import tempfile
+
+    sys.path.insert(0, str(HERE.parent))
+    from hosts import two_hosts
+    with contextlib.ExitStack() as stack:
+        workdir = pathlib.Path(stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="splitrun-bench-hosts-")))
+        hosts = stack.enter_context(two_hosts(rate_mbit))
+        return {
+            "torch_rpc_tutorial_ps": _rpc_two_hosts(args, hosts, workdir, tutorial=True),
+            "torch_rpc_batch_update_ps": _rpc_two_hosts(args, hosts, workdir, tutorial=False),
+            "splitrun_ps": _splitrun_two_hosts(args, hosts, workdir),
+        }
+
+
+def _two_hosts_report(args) -> dict:
+    measured = {rate: {"torch_rpc_tutorial_ps": [], "torch_rpc_batch_update_ps": [],
+                       "splitrun_ps": []} for rate in args.two_hosts}
+    for _ in range(args.repeats):  # interleaved, so drift hits all alike
+        for rate in args.two_hosts:
+            for name, value in run_two_hosts(args, rate).items():
+                measured[rate][name].append(value)
+    report = {}
+    for rate, kinds in measured.items():
+        entry = {name: {"steps_per_s": round(statistics.median(runs), 3),
+                        "samples_per_s": round(statistics.median(runs) * args.batch_size, 1),
+                        "runs_steps_per_s": [round(r, 3) for r in runs]}
+                 for name, runs in kinds.items()}
+        speed = {name: r["steps_per_s"] for name, r in entry.items()}
+        entry["splitrun_over_rpc"] = round(speed["splitrun_ps"]
+                                           / speed["torch_rpc_tutorial_ps"], 3)
+        entry["splitrun_over_rpc_batch_update"] = round(
+            speed["splitrun_ps"] / speed["torch_rpc_batch_update_ps"], 3)
+        report[f"{rate:g}_mbit"] = entry
+    return report
 
 
 def main() -> None:
@@ -295,14 +436,32 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1700)
     parser.add_argument("--batch-size", type=int, default=128, help="global batch")
     parser.add_argument("--quick", action="store_true", help="one short run of each")
+    parser.add_argument("--two-hosts", type=float, nargs="+", default=None,
+                        metavar="RATE_MBIT",
+                        help="also run across two simulated hosts at these link rates "
+                             "(needs root)")
+    parser.add_argument("--two-hosts-only", action="store_true",
+                        help="with --two-hosts: skip the single-host runs")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rpc-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--rpc-init", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--rpc-tutorial", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
         run_splitrun_job(args)
         return
+    if args.rpc_rank is not None:  # one process of an RPC run on a simulated host
+        _rpc_process(args.rpc_rank, 3, args.rpc_init, args, None, args.rpc_tutorial)
+        return
     if args.quick:
         args.steps, args.repeats = 10, 1
     params = sum(p.numel() for p in model(args.width).parameters())
+    if args.two_hosts and args.two_hosts_only:
+        print(json.dumps({"benchmark": "ps_throughput", "parameters": params,
+                          "global_batch": args.batch_size, "steps": args.steps,
+                          "repeats": args.repeats, "workers": 2, "servers": 1,
+                          "two_hosts": _two_hosts_report(args)}, indent=2))
+        return
     measured = {"single_process": [], "torch_rpc_tutorial_ps": [],
                 "torch_rpc_batch_update_ps": [], "splitrun_ps": []}
     for _ in range(args.repeats):  # interleaved, so drift hits all alike
@@ -328,6 +487,8 @@ def main() -> None:
         / report["results"]["single_process"]["steps_per_s"], 3)
     report["goal_splitrun_over_rpc_at_least"] = GOAL_RATIO
     report["meets_goal"] = ratio >= GOAL_RATIO
+    if args.two_hosts:
+        report["two_hosts"] = _two_hosts_report(args)
     print(json.dumps(report, indent=2))
 
 
