@@ -6,6 +6,7 @@ import os
 import signal
 import stat
 import sys
+import threading
 
 import pytest
 import torch
@@ -106,12 +107,31 @@ def test_a_1_gib_tensor(prefix):
         header, size = reader.recv_header(RECV_S)
         assert (header, size) == (b"int32", 1 << 30)
         received = torch.empty(numel, dtype=torch.int32)
-        reader.recv_payload_into(memoryview(received.numpy()).cast("B"), RECV_S)
+        reader.recv_payload_into_tensor(received, RECV_S)
         reader.close()
         step = 1 << 24
         for start in range(0, numel, step):  # every element at its place
             expected = torch.arange(start, min(start + step, numel), dtype=torch.int32)
             assert torch.equal(received[start:start + step], expected), f"differs at {start}"
+        assert proc.wait(START_S) == 0, proc.output()
+    finally:
+        proc.kill()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_go_between_device_and_pinned_ring(prefix):
+    numel = 3 << 20  # 12 MiB through a 4 MiB ring
+    proc = producer(prefix, 4 << 20, "cuda", numel)
+    try:
+        reader = attach(prefix)
+        header, size = reader.recv_header(RECV_S)
+        assert (header, size) == (b"cuda", (7 + numel) * 4)
+        received = torch.empty(7 + numel, dtype=torch.float32, device="cuda")
+        reader.recv_payload_into_tensor(received, RECV_S)
+        reader.close()
+        expected = torch.arange(numel, dtype=torch.float32, device="cuda") * 0.5
+        assert torch.equal(received[:7], expected[:7])
+        assert torch.equal(received[7:], expected)
         assert proc.wait(START_S) == 0, proc.output()
     finally:
         proc.kill()
@@ -210,3 +230,40 @@ def test_receive_deadline_and_bad_names(prefix):
             remove_job_segments(bad)
     with pytest.raises(RingError, match="ring name"):
         ring_paths(prefix, "../etc")
+
+
+def test_tensors_of_every_kind_round_trip(prefix):
+    """send_tensors / recv_payload_into_tensor keep every byte (both ends in this
+    process, the consumer on a thread: the byte layout is what is checked here)."""
+    tensors = [torch.randn(3, 5, dtype=torch.bfloat16), torch.tensor(True),
+               torch.empty(0, 4), torch.arange(12.0).reshape(3, 4).t(),  # not contiguous
+               torch.randn(40_000, dtype=torch.float64)]  # 5 times the ring
+    writer = RingWriter(prefix, "w0-s0", owner="worker 0", peer="server 0",
+                        settings=RingSettings(capacity_bytes=SMALL_RING))
+    reader = RingReader.attach(prefix, "w0-s0", owner="server 0", peer="worker 0")
+    received, failures = [], []
+
+    def consume():
+        try:
+            for tensor in tensors:
+                _, size = reader.recv_header(RECV_S)
+                assert size == tensor.numel() * tensor.element_size()
+                out = torch.empty(tensor.shape, dtype=tensor.dtype)
+                reader.recv_payload_into_tensor(out, RECV_S)
+                received.append(out)
+        except BaseException as exc:  # handed to the test thread
+            failures.append(exc)
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    try:
+        writer.wait_attached(START_S)
+        consumer.start()
+        for tensor in tensors:
+            writer.send_tensors(b"t", [tensor], RECV_S)
+        consumer.join(RECV_S)
+        assert not consumer.is_alive() and not failures, failures
+        for got, want in zip(received, tensors, strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+    finally:
+        reader.close()
+        writer.close()

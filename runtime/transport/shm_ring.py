@@ -12,6 +12,11 @@ memory accesses on any CPU, and its end-of-file is how each side learns that
 the other process died. The consumer reports its tail every quarter ring, so
 a stream of small messages costs one record per message, not two.
 
+CUDA tensors (`send_tensors`, `recv_payload_into_tensor`) are copied between
+the device and the ring directly, the ring registered as pinned host memory
+(`cudaHostRegister`) on first use, so the copies are DMA and still one per
+side. (Coded; not run on a device yet.)
+
 Messages. A frame is a 16-byte prefix (magic, header length, payload length),
 the header bytes (the transport's envelope) and the payload. A payload larger
 than the ring streams through it in pieces: the producer copies each piece
@@ -28,6 +33,7 @@ or a surviving process after a SIGKILL).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -40,6 +46,8 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from ..errors import RecvTimeout, TransportError
 
@@ -241,14 +249,50 @@ class _Segment:
                               mmap.PROT_READ | mmap.PROT_WRITE)
         self._view = memoryview(self._map)
         self.data = self._view[_HEADER_PAGE:]
+        anchor = ctypes.c_char.from_buffer(self._map, _HEADER_PAGE)
+        self.address = ctypes.addressof(anchor)
+        del anchor  # no export of the map may outlive close()
+        self._tensor: torch.Tensor | None = None
+        self._is_pinned = False
 
     def write_header(self) -> None:
         _SEGMENT_HEADER.pack_into(self._map, 0, _SEGMENT_MAGIC, _VERSION, self.capacity)
 
+    def tensor(self) -> torch.Tensor:
+        """The data as a flat uint8 tensor over the same memory, pinned for
+        CUDA copies (registered on first use)."""
+        if self._tensor is None:
+            raw = (ctypes.c_char * self.capacity).from_address(self.address)
+            self._tensor = torch.frombuffer(raw, dtype=torch.uint8)
+        if not self._is_pinned:
+            code = torch.cuda.cudart().cudaHostRegister(self.address, self.capacity, 0)
+            if int(code) != 0:
+                raise RingError(f"cudaHostRegister of a {self.capacity}-byte ring failed "
+                                f"(cudaError {int(code)}); is the memlock limit too low?")
+            self._is_pinned = True
+        return self._tensor
+
     def close(self) -> None:
+        if self._is_pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.address)
+            self._is_pinned = False
+        self._tensor = None
         self.data.release()
         self._view.release()
         self._map.close()
+
+
+def _device_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor's data as a flat uint8 tensor (a copy only if it is not
+    contiguous)."""
+    return tensor.detach().contiguous().view(-1).view(torch.uint8)
+
+
+def _host_bytes(tensor: torch.Tensor) -> memoryview:
+    """A CPU tensor's data as a flat byte view (a copy only if it is not
+    contiguous); the view keeps the memory alive."""
+    flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    return memoryview(flat.numpy())
 
 
 class RingWriter:
@@ -372,15 +416,25 @@ class RingWriter:
                 raise
             self._num_sent += 1
 
-    def _send_frame(self, header: bytes, views: Sequence[memoryview], deadline: float) -> None:
+    def send_tensors(self, header: bytes, tensors: Sequence[torch.Tensor],
+                     timeout_s: float) -> None:
+        """`send` of the tensors' bytes, in order: CPU tensors from their own
+        memory, CUDA tensors straight from the device into the pinned ring."""
+        self.send(header, [_device_bytes(t) if t.is_cuda else _host_bytes(t) for t in tensors],
+                  timeout_s)
+
+    def _send_frame(self, header: bytes, views: Sequence[memoryview | torch.Tensor],
+                    deadline: float) -> None:
         """Copy one frame in: in one go when it fits without wrapping, else
-        streamed in pieces as the consumer makes room."""
-        views = [view if view.format == "B" and view.ndim == 1 else view.cast("B")
-                 for view in views]
+        streamed in pieces as the consumer makes room. A source is a byte view
+        or a flat uint8 CUDA tensor."""
+        views = [view if isinstance(view, torch.Tensor) or (view.format == "B" and view.ndim == 1)
+                 else view.cast("B") for view in views]
         payload_bytes = sum(view.nbytes for view in views)
         total = _FRAME.size + len(header) + payload_bytes
         start = self._head % self.capacity
-        if (total <= self.capacity - (self._head - self._tails.last)
+        has_device = any(isinstance(view, torch.Tensor) for view in views)
+        if (not has_device and total <= self.capacity - (self._head - self._tails.last)
                 and start + total <= self.capacity and total <= self.capacity // 4):
             # The common small message: room for all of it without wrapping.
             data = self._segment.data
@@ -399,8 +453,10 @@ class RingWriter:
                 self._write(view, deadline)
         self._publish(deadline)
 
-    def _write(self, view: memoryview, deadline: float) -> None:
-        data, capacity = self._segment.data, self.capacity
+    def _write(self, view: memoryview | torch.Tensor, deadline: float) -> None:
+        capacity = self._segment.capacity
+        is_device = isinstance(view, torch.Tensor)
+        data = self._segment.tensor() if is_device else self._segment.data
         # Publish at least every quarter ring so the consumer starts on a
         # large message while the rest is copied.
         piece = capacity // 4
@@ -413,7 +469,10 @@ class RingWriter:
                 continue
             start = self._head % capacity
             n = min(total - done, free, capacity - start, piece)
-            data[start:start + n] = view[done:done + n]
+            if is_device:
+                data[start:start + n].copy_(view[done:done + n])  # device -> pinned: DMA
+            else:
+                data[start:start + n] = view[done:done + n]
             done += n
             self._head += n
             if n == piece or self._head % piece == 0:
@@ -600,6 +659,25 @@ class RingReader:
             self._payload_left = 0
             self._num_received += 1
 
+    def recv_payload_into_tensor(self, dst: torch.Tensor, timeout_s: float) -> None:
+        """`recv_payload_into` a contiguous tensor of exactly the payload's size:
+        a CPU tensor's memory, or a CUDA tensor straight from the pinned ring."""
+        if not dst.is_contiguous():
+            raise RingError(f"{self._tag}: receiving into a non-contiguous tensor")
+        if not dst.is_cuda:
+            self.recv_payload_into(memoryview(dst.view(-1).view(torch.uint8).numpy()),
+                                   timeout_s)
+            return
+        deadline = time.monotonic() + timeout_s
+        flat = dst.view(-1).view(torch.uint8)
+        with self._lock:
+            if flat.numel() != self._payload_left:
+                raise RingError(f"{self._tag}: payload is {self._payload_left} bytes, the "
+                                f"tensor {flat.numel()}")
+            self._read_into(flat, deadline)
+            self._payload_left = 0
+            self._num_received += 1
+
     def discard_payload(self, timeout_s: float) -> None:
         """Skip the current message's payload (a refused message)."""
         deadline = time.monotonic() + timeout_s
@@ -619,14 +697,22 @@ class RingReader:
             self.recv_payload_into(memoryview(payload), timeout_s)
         return header, payload
 
-    def _read_into(self, dst: memoryview, deadline: float, is_start: bool = False) -> None:
-        data, capacity = self._segment.data, self.capacity
+    def _read_into(self, dst: memoryview | torch.Tensor, deadline: float,
+                   is_start: bool = False) -> None:
+        """Copy the next `dst`'s size of bytes into `dst` (a byte view, or a flat
+        uint8 CUDA tensor)."""
+        capacity = self.capacity
+        is_device = isinstance(dst, torch.Tensor)
+        data = self._segment.tensor() if is_device else self._segment.data
         done, total = 0, dst.nbytes
         while done < total:
             available = self._wait_available(1, deadline, is_start=is_start and done == 0)
             start = self._tail % capacity
             n = min(total - done, available, capacity - start)
-            dst[done:done + n] = data[start:start + n]
+            if is_device:
+                dst[done:done + n].copy_(data[start:start + n])  # pinned -> device: DMA
+            else:
+                dst[done:done + n] = data[start:start + n]
             done += n
             self._consume(n)
 

@@ -5,7 +5,8 @@
 
 `produce` creates the ring, prints "created", and sends: KIND `ordered N`
 (N messages of varying sizes), `big NBYTES` (one message), `int32 NUMEL` (one
-tensor holding arange(NUMEL) as int32), `idle` (nothing). Then it prints
+tensor holding arange(NUMEL) as int32), `cuda NUMEL` (two CUDA tensors:
+arange(7) and arange(NUMEL), float32, times 0.5), `idle` (nothing). Then it prints
 "sent" and closes the ring (what it sent stays readable). With
 SPLITRUN_TEST_HOLD=1 it stays alive instead, for the test to kill it.
 `consume` attaches, prints "attached" and stays alive likewise.
@@ -17,7 +18,6 @@ import threading
 
 import torch
 
-from splitrun.runtime.transport.codec import byte_view
 from splitrun.runtime.transport.shm_ring import RingReader, RingSettings, RingWriter
 
 # Bounds each send: the test reads promptly.
@@ -49,7 +49,10 @@ def produce(prefix, name, capacity, kind, arg=None):
         writer.send(b"big", [memoryview(payload)], SEND_TIMEOUT_S)
     elif kind == "int32":
         tensor = torch.arange(int(arg), dtype=torch.int32)
-        writer.send(b"int32", [byte_view(tensor)], SEND_TIMEOUT_S)
+        writer.send_tensors(b"int32", [tensor], SEND_TIMEOUT_S)
+    elif kind == "cuda":
+        tensor = torch.arange(int(arg), dtype=torch.float32, device="cuda") * 0.5
+        writer.send_tensors(b"cuda", [tensor[:7], tensor], SEND_TIMEOUT_S)
     else:
         writer.wait_attached(SEND_TIMEOUT_S)
     print("sent", flush=True)
