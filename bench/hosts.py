@@ -169,7 +169,7 @@ def _pick_subnet() -> ipaddress.IPv4Network:
     raise HostsError(f"no free /30 in {_POOL} after 64 draws")
 
 
-@dataclass
+@dataclass(eq=False)  # a host is itself: compared and hashed by identity
 class Host:
     """One simulated host: a network namespace with one address on the link."""
 

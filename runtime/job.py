@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +42,34 @@ from .transport.protocol import MessageKey
 __all__ = ["Job", "Trainer", "JobSettings", "ENV", "PlanWritten"]
 
 logger = logging.getLogger(__name__)
+
+
+# Hosts that bind every interface: a peer cannot connect to them.
+_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]"})
+
+
+def _advertised_host(env: ProcessEnvironment) -> str:
+    """The name peers reach this process by: --advertise, else --host, unless
+    that binds every interface (0.0.0.0); then this machine's address on the
+    route to the scheduler, which peers on the scheduler's network can reach."""
+    if env.advertise not in _WILDCARD_HOSTS:
+        return env.advertise
+    host, _, port = env.scheduler.rpartition(":")
+    host = host.strip("[]")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, int(port)))  # picks the route; sends nothing
+            address = probe.getsockname()[0]
+    except (OSError, ValueError) as exc:
+        raise ClusterError(
+            f"this process's tensor server binds {env.host}, which peers cannot connect "
+            f"to, and no route to the scheduler {env.scheduler} gave an address to "
+            f"advertise instead ({exc}); pass --advertise NAME (splitrun join) or "
+            f"{ENV.ADVERTISE}") from None
+    logger.info("binding %s; advertising %s (this host's address towards the scheduler)",
+                env.host, address)
+    return f"[{address}]" if ":" in address else address
 
 
 @dataclass(frozen=True)
@@ -133,7 +162,8 @@ class Job:
                                   port=0)
         bound = transport.start()
         port = bound.rsplit(":", 1)[1]
-        registration = client.register(env.role, env.rank, f"{env.advertise}:{port}")
+        registration = client.register(env.role, env.rank,
+                                       f"{_advertised_host(env)}:{port}")
         transport.set_identity(registration.label, registration.incarnation)
         logger.info("joined as %s of %s (incarnation %d, device %s, %d threads)",
                     registration.label.describe(), registration.cluster,
