@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run run-pipeline run-recsys test test-fast proto bench clean
+.PHONY: venv run run-pipeline run-recsys lint test test-fast proto bench clean
 
 $(STAMP): setup.cfg setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,13 @@ run-pipeline: $(STAMP)
 run-recsys: $(STAMP)
 	$(VENV)/bin/splitrun launch --workers 1 --servers 2 examples/recsys_cache.py --min-auc 0.65
 
-# The whole test suite.
-test: $(STAMP)
+# Static checks: the import contracts in setup.cfg and ruff's rules in ruff.toml.
+lint: $(STAMP)
+	$(VENV)/bin/lint-imports --no-logo
+	$(VENV)/bin/ruff check .
+
+# The static checks, then the whole test suite.
+test: lint
 	$(PY) -m pytest -q
 
 # Without the multi-process end-to-end tests.
@@ -46,4 +51,4 @@ bench: $(STAMP)
 	$(PY) bench/embedding_cache.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) .pytest_cache .hypothesis .import_linter_cache .ruff_cache *.egg-info

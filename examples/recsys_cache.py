@@ -352,7 +352,8 @@ def report(args, job: Job, trainer, spec: DataSpec, cache_rows: list[int], metri
             "tables": spec.num_tables, "dim": args.dim, "batch_size": args.batch_size,
             "policy": args.policy, "zipf": args.zipf, "max_staleness": args.max_staleness,
             "steps": steps, "samples": samples, "train_s": round(train_s, 3),
-            "total_s": round(total_s, 3), "samples_per_s": round(samples / train_s, 1) if train_s > 0 else 0.0,
+            "total_s": round(total_s, 3),
+            "samples_per_s": round(samples / train_s, 1) if train_s > 0 else 0.0,
             **{k: round(v, 5) for k, v in metrics.items()}, "cache": tables}
 
 

@@ -113,8 +113,8 @@ def sparse_update_for(functional) -> tuple[callable, dict]:
     if type(functional) is optim.SGD:
         if functional.momentum or functional.weight_decay:
             raise CaptureError(
-                f"SGD with momentum or weight decay cannot update a sparse embedding row by "
-                f"row; use sparse=False for that embedding, or plain SGD")
+                "SGD with momentum or weight decay cannot update a sparse embedding row by "
+                "row; use sparse=False for that embedding, or plain SGD")
         return sparse_sgd, {"maximize": functional.maximize}
     if type(functional) is optim.Adagrad:
         if functional.weight_decay:

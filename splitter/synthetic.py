@@ -55,7 +55,7 @@ def random_program(num_nodes: int, labels: Sequence[Label], *, seed: int = 0,
         state_nodes.append(node)
 
     label = rng.choice(labels)
-    for index in range(num_nodes):
+    for _ in range(num_nodes):
         if rng.random() > 1.0 - 1.0 / max(run_length, 1.0):
             label = rng.choice(labels)
         # Prefer recent values so the graph is deep, not a flat fan.
@@ -81,7 +81,8 @@ def random_program(num_nodes: int, labels: Sequence[Label], *, seed: int = 0,
     total = loss_terms[0]
     for term in loss_terms[1:]:
         total = with_val(graph.call_function(_aten.add.Tensor, (total, term)))
-    loss = with_val(graph.call_function(_aten.sum.default, (total,)), torch.empty((), device="meta"))
+    loss = with_val(graph.call_function(_aten.sum.default, (total,)),
+                    torch.empty((), device="meta"))
     outputs = [(loss, OutputSpec(loss.name, OutputKind.LOSS, "loss"))]
     # Each state slot's new value mixes it with a computed value, on one owner.
     for index, node in enumerate(state_nodes):
@@ -101,7 +102,8 @@ def random_program(num_nodes: int, labels: Sequence[Label], *, seed: int = 0,
     return Program(gm, tuple(inputs), tuple(spec for _, spec in outputs), initial_state)
 
 
-def random_batches(program: Program, num_steps: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+def random_batches(program: Program, num_steps: int,
+                   seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """Batch feeds for `num_steps` steps of a synthetic program."""
     generator = torch.Generator().manual_seed(seed)
     shapes = {n.name: tuple(n.meta["val"].shape) for n in program.graph.nodes

@@ -165,7 +165,8 @@ class Compacting(nn.Module):
 
 def test_data_dependent_control_flow_names_module_and_op():
     model = nn.Sequential(nn.Linear(4, 4), Gated())
-    with pytest.raises(CaptureError, match=r"module '1' \(Gated\).*_local_scalar_dense.*torch.where"):
+    with pytest.raises(CaptureError,
+                       match=r"module '1' \(Gated\).*_local_scalar_dense.*torch.where"):
         capture(model, lambda m, x: m(x).sum(), optim.SGD(lr=0.1), torch.randn(2, 4))
 
 

@@ -14,9 +14,9 @@ from cache_models import ROWS, TinyRecommender, click_batches, feeds, make
 from splitrun.runtime import LoopbackHub, run_threaded
 from splitrun.runtime.embedding.client import EmbeddingClient
 from splitrun.runtime.embedding.protocol import PREFIX
+from splitrun.runtime.embedding.row_cache import RowCache
 from splitrun.runtime.embedding.store import EmbeddingStore
 from splitrun.runtime.errors import SplitrunError
-from splitrun.runtime.embedding.row_cache import RowCache
 from splitrun.splitter import (
     split_program,
     Cluster,

@@ -32,7 +32,7 @@ def test_recsys_cache_learns_and_caches():
                     "--cache-fraction", 0.1, "--policy", "lfu", "--eval-samples", 20000,
                     "--json")
     assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
-    line = next(l for l in proc.lines if "RESULT " in l)
+    line = next(text for text in proc.lines if "RESULT " in text)
     result = json.loads(line.split("RESULT ", 1)[1])
     # Better than predicting the click rate, short of the labels' own model.
     assert result["log_loss"] < result["base_rate_entropy"]

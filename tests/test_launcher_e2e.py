@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from cluster import JOB_TIMEOUT_S, SCRIPTS, Proc, pid_alive, splitrun
+from cluster import JOB_TIMEOUT_S, SCRIPTS, pid_alive, splitrun
 
 sys.path.insert(0, str(SCRIPTS))
 from train_job import build  # noqa: E402

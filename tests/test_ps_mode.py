@@ -7,7 +7,7 @@ than one full-batch gradient.
 
 import pytest
 import torch
-from ps_models import OPTIMIZERS, feeds, make
+from ps_models import feeds, make
 from torch import nn
 
 from splitrun.runtime import run_threaded
