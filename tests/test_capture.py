@@ -7,7 +7,16 @@ import torch.nn.functional as F
 from models import TiedBigramLM, lm_loss, markov_batches
 from torch import nn
 
-from splitrun.splitter import CaptureError, InputKind, Label, capture, optim, place, region
+from splitrun.splitter import (
+    CaptureError,
+    InputKind,
+    Label,
+    LabelError,
+    capture,
+    optim,
+    place,
+    region,
+)
 from splitrun.splitter.labels import LABEL_ANNOTATION, MODULE_ANNOTATION
 
 
@@ -204,7 +213,7 @@ def test_bad_arguments_name_the_culprit():
 
 
 def test_place_rejects_unknown_role_naming_module():
-    with pytest.raises(Exception, match=r"place\(Linear, role='wroker'.*unknown role 'wroker'"):
+    with pytest.raises(LabelError, match=r"place\(Linear, role='wroker'.*unknown role 'wroker'"):
         place(nn.Linear(2, 2), role="wroker")
-    with pytest.raises(Exception, match=r"rank must be an integer >= 0, got -1"):
+    with pytest.raises(LabelError, match=r"rank must be an integer >= 0, got -1"):
         place(nn.Linear(2, 2), rank=-1)

@@ -18,7 +18,7 @@ from splitrun.runtime.embedding.row_cache import RowCache
 from splitrun.runtime.embedding.store import EmbeddingStore
 from splitrun.runtime.errors import SplitrunError
 from splitrun.splitter import (
-    split_program,
+    CaptureError,
     Cluster,
     Label,
     ParameterServerMode,
@@ -26,6 +26,7 @@ from splitrun.splitter import (
     capture,
     optim,
     split,
+    split_program,
 )
 from splitrun.splitter.cache_mode import (
     CachedTable,
@@ -193,7 +194,7 @@ def test_cached_tables_refuse_what_they_cannot_do():
     with pytest.raises(PlanError, match=r"needs at least one server"):
         split(capture(model, loss, optim.SGD(lr=0.1), batch), Cluster(1, 0),
               EmbeddingCacheMode())
-    with pytest.raises(Exception, match=r"cache_rows must be >= 1"):
+    with pytest.raises(CaptureError, match=r"cache_rows must be >= 1"):
         place_embedding_cache(model.tables, cache_rows=0)
 
 

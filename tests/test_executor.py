@@ -1,7 +1,5 @@
 """Executor and mailbox failure modes: deadlines, dead peers, bad messages."""
 
-import time
-
 import pytest
 import torch
 
@@ -14,6 +12,7 @@ from splitrun.runtime import (
     MessageRejected,
     PeerFailed,
     RecvTimeout,
+    SplitrunError,
     receive_contracts,
     run_threaded,
 )
@@ -32,6 +31,7 @@ def two_worker_plan():
     return split_prog.plan, split_prog
 
 
+@pytest.mark.timeout(60)
 def test_receive_whose_peer_never_sends_names_channel_peer_and_step(two_worker_plan):
     plan, split_prog = two_worker_plan
     program = split_prog.program
@@ -40,13 +40,14 @@ def test_receive_whose_peer_never_sends_names_channel_peer_and_step(two_worker_p
     executor.load_state(program.initial_state)
     first_recv = next(i.target for i in plan.process(W1).schedule if i.kind is OpKind.RECV)
     batch = random_batches(program, 1)[0]
-    started = time.monotonic()
+    # The error names the 0.3 s deadline it expired on; a receive that ignored its
+    # deadline would hang into this test's timeout instead.
     with pytest.raises(RecvTimeout, match=rf"\[worker 1\] receive on channel '{first_recv}' "
                                           r"step 0: no message from worker 0 within 0.3 s"):
         executor.run_step(0, batch)
-    assert time.monotonic() - started < 5
 
 
+@pytest.mark.timeout(60)
 def test_a_failing_process_stops_the_others_with_its_name(two_worker_plan):
     plan, split_prog = two_worker_plan
     program = split_prog.program
@@ -54,13 +55,13 @@ def test_a_failing_process_stops_the_others_with_its_name(two_worker_plan):
 
     def feeds(step):
         if step == 1:
-            return {}  # every process misses its batch at step 1
+            return {}  # the processes fed a batch fail at step 1; worker 1 waits on them
         return batches[step]
 
-    started = time.monotonic()
-    with pytest.raises(Exception, match=r"step 1: feed 'batch\.\d' is missing"):
-        run_threaded(split_prog, 3, feeds, recv_timeout_s=30)
-    assert time.monotonic() - started < 10, "peers must stop at once, not at their deadline"
+    # Receives wait up to an hour: the run can only end within this test's timeout if
+    # the failure aborts the peers' receives, and it ends with the failure itself.
+    with pytest.raises(SplitrunError, match=r"step 1: feed 'batch\.\d' is missing"):
+        run_threaded(split_prog, 3, feeds, recv_timeout_s=3600)
 
 
 def test_abort_wakes_a_waiting_receive_with_the_failure():

@@ -19,6 +19,7 @@ from splitrun.splitter import (
     ParameterServerMode,
     PlanError,
     SplitPlan,
+    SplitrunError,
     capture,
     optim,
     place,
@@ -154,5 +155,5 @@ def test_bad_parameter_server_setups_name_the_problem():
                                         r"cluster has 2 servers"):
         split_program(program, Cluster(2, 2), ParameterServerMode())
 
-    with pytest.raises(Exception, match=r"has 5 rows, which 2 workers cannot share evenly"):
+    with pytest.raises(SplitrunError, match=r"has 5 rows, which 2 workers cannot share evenly"):
         shard_batch((torch.zeros(5, 3),), 0, 2)
