@@ -1,5 +1,6 @@
 """Helpers for tests that start real processes: every wait is bounded, and
-every process a test starts is ended by the test, by its id."""
+every process a test starts is ended by the test, by its id. Tests use them through
+the `local_cluster` fixture (conftest.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
+# The tests' helper modules and the examples' shared models: importable in pytest
+# through `pythonpath` in setup.cfg's [tool:pytest], and in the processes the tests
+# start through PYTHONPATH (set by `child_env`).
+IMPORT_PATH = (REPO / "tests", SCRIPTS, REPO / "examples")
 # Bounds a whole small job (start, a dozen steps, finish) on a loaded 2-core machine.
 JOB_TIMEOUT_S = 180.0
 
@@ -86,10 +91,67 @@ class Proc:
             self.process.wait(timeout=10)
 
 
-def splitrun(*args, env_extra=None) -> Proc:
+def child_env(env_extra=None) -> dict[str, str]:
+    """This process's environment, with IMPORT_PATH in front of PYTHONPATH."""
     env = dict(os.environ)
+    paths = [str(path) for path in IMPORT_PATH]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     env.update(env_extra or {})
-    return Proc([sys.executable, "-m", "splitrun.launcher", *args], env=env)
+    return env
+
+
+def splitrun(*args, env_extra=None, cwd=REPO) -> Proc:
+    """`splitrun ARGS...` as a subprocess. In tests, start it through LocalCluster,
+    which ends it when the test does."""
+    return Proc([sys.executable, "-m", "splitrun.launcher", *args], env=child_env(env_extra),
+                cwd=cwd)
+
+
+class LocalCluster:
+    """The `splitrun` processes one test starts (launch, scheduler, join, plan). Each
+    wait has a deadline; `close()` kills every process still running, by its process
+    group id (each Proc starts a session of its own)."""
+
+    def __init__(self, cwd: pathlib.Path = REPO) -> None:
+        self.cwd = cwd
+        self.procs: list[Proc] = []
+
+    def start(self, *args, env_extra=None) -> Proc:
+        proc = splitrun(*args, env_extra=env_extra, cwd=self.cwd)
+        self.procs.append(proc)
+        return proc
+
+    def launch(self, script, *args, workers: int, servers: int = 0) -> Proc:
+        """`splitrun launch` of `script` on this machine; returns at once."""
+        return self.start("launch", "--workers", workers, "--servers", servers, script, *args)
+
+    def run(self, script, *args, workers: int, servers: int = 0,
+            timeout_s: float = JOB_TIMEOUT_S) -> Proc:
+        """Launch `script` and wait for it to succeed (exit code 0)."""
+        proc = self.launch(script, *args, workers=workers, servers=servers)
+        code = proc.wait(timeout_s)
+        assert code == 0, f"{' '.join(proc.argv)} exited with {code}; output:\n{proc.output()}"
+        return proc
+
+    def scheduler(self, workers: int, servers: int = 0) -> tuple[Proc, str, str]:
+        """A standalone scheduler: the process, its address and its token."""
+        proc = self.start("scheduler", "--workers", workers, "--servers", servers)
+        address, token = proc.wait_for(r"scheduler at (\S+) token (\S+)", 60).groups()
+        return proc, address, token
+
+    def join(self, address: str, token: str, script, *args, role: str = "worker",
+             rank: int | None = None) -> Proc:
+        """One process joining the scheduler at `address`."""
+        options = ["--scheduler", address, "--token", token, "--role", role]
+        if rank is not None:
+            options += ["--rank", rank]
+        return self.start("join", *options, script, *args)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill()
 
 
 def pid_alive(pid: int) -> bool:

@@ -5,33 +5,30 @@ import json
 import re
 
 import pytest
-from cluster import JOB_TIMEOUT_S, REPO, splitrun
+from cluster import REPO
 
 pytestmark = pytest.mark.slow
 
 EXAMPLES = REPO / "examples"
 
 
-def test_ps_train_reaches_its_accuracy():
-    proc = splitrun("launch", "--workers", 2, "--servers", 2, EXAMPLES / "ps_train.py",
-                    "--epochs", 6, "--min-accuracy", 0.9)
-    assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
+def test_ps_train_reaches_its_accuracy(local_cluster):
+    proc = local_cluster.run(EXAMPLES / "ps_train.py", "--epochs", 6, "--min-accuracy", 0.9,
+                             workers=2, servers=2)
     accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)", proc.output()).group(1))
     assert accuracy >= 0.9
 
 
-def test_pipeline_split_equals_the_unsplit_step():
-    proc = splitrun("launch", "--workers", 3, EXAMPLES / "pipeline_split.py", "--steps", 15)
-    assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
+def test_pipeline_split_equals_the_unsplit_step(local_cluster):
+    proc = local_cluster.run(EXAMPLES / "pipeline_split.py", "--steps", 15, workers=3)
     assert "final parameters identical to the unsplit run: True" in proc.output()
 
 
-def test_recsys_cache_learns_and_caches():
-    proc = splitrun("launch", "--workers", 2, "--servers", 2, EXAMPLES / "recsys_cache.py",
-                    "--tables", 3, "--rows", 20000, "--steps", 60, "--batch-size", 512,
-                    "--cache-fraction", 0.1, "--policy", "lfu", "--eval-samples", 20000,
-                    "--json")
-    assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
+def test_recsys_cache_learns_and_caches(local_cluster):
+    proc = local_cluster.run(EXAMPLES / "recsys_cache.py", "--tables", 3, "--rows", 20000,
+                             "--steps", 60, "--batch-size", 512, "--cache-fraction", 0.1,
+                             "--policy", "lfu", "--eval-samples", 20000, "--json",
+                             workers=2, servers=2)
     line = next(text for text in proc.lines if "RESULT " in text)
     result = json.loads(line.split("RESULT ", 1)[1])
     # Better than predicting the click rate, short of the labels' own model.

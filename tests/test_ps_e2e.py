@@ -7,15 +7,11 @@ to 1e-6.
 
 import os
 import signal
-import sys
-import time
 
 import pytest
 import torch
-from cluster import JOB_TIMEOUT_S, SCRIPTS, pid_alive, splitrun
-
-sys.path.insert(0, str(SCRIPTS.parent))
-from ps_models import feeds, make  # noqa: E402
+from cluster import JOB_TIMEOUT_S, SCRIPTS, pid_alive
+from ps_models import feeds, make
 
 pytestmark = pytest.mark.slow
 
@@ -23,12 +19,14 @@ PS_JOB = SCRIPTS / "ps_job.py"
 FAULT_DEADLINE_S = 15.0
 
 
-def launch(tmp_path, name, workers, servers, *args):
-    out = tmp_path / f"{name}.pt"
-    proc = splitrun("launch", "--workers", workers, "--servers", servers, PS_JOB, *args,
-                    "--out", out)
-    assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
-    return torch.load(out)
+@pytest.fixture
+def launch(local_cluster, tmp_path):
+    """Runs PS_JOB through the launcher; returns what worker 0 wrote to --out."""
+    def launch(name, workers, servers, *args):
+        out = tmp_path / f"{name}.pt"
+        local_cluster.run(PS_JOB, *args, "--out", out, workers=workers, servers=servers)
+        return torch.load(out)
+    return launch
 
 
 def single_process(kind, optimizer, steps):
@@ -37,8 +35,8 @@ def single_process(kind, optimizer, steps):
 
 
 @pytest.mark.parametrize("kind, optimizer", [("dense", "adam"), ("sparse", "adagrad")])
-def test_two_workers_two_servers_equal_one_process(tmp_path, kind, optimizer):
-    result = launch(tmp_path, "run", 2, 2, "--kind", kind, "--optimizer", optimizer,
+def test_two_workers_two_servers_equal_one_process(launch, kind, optimizer):
+    result = launch("run", 2, 2, "--kind", kind, "--optimizer", optimizer,
                     "--steps", 20)
     expected = single_process(kind, optimizer, 20)
     assert result["steps"] == 20
@@ -47,50 +45,39 @@ def test_two_workers_two_servers_equal_one_process(tmp_path, kind, optimizer):
         torch.testing.assert_close(result["state"][key], value, rtol=0, atol=1e-5)
 
 
-def test_checkpoint_resumes_with_another_number_of_servers(tmp_path):
+def test_checkpoint_resumes_with_another_number_of_servers(launch, tmp_path):
     checkpoint = tmp_path / "step10.pt"
-    launch(tmp_path, "first", 2, 1, "--steps", 20, "--stop-after", 10, "--save", checkpoint)
+    launch("first", 2, 1, "--steps", 20, "--stop-after", 10, "--save", checkpoint)
     saved = torch.load(checkpoint, weights_only=True)
     assert saved["step"] == 10 and "body.0.weight" in saved["model"]
-    resumed = launch(tmp_path, "resumed", 2, 2, "--steps", 20, "--resume", checkpoint)
-    straight = launch(tmp_path, "straight", 2, 1, "--steps", 20)
+    resumed = launch("resumed", 2, 2, "--steps", 20, "--resume", checkpoint)
+    straight = launch("straight", 2, 1, "--steps", 20)
     assert resumed["steps"] == straight["steps"] == 20
     for key, value in straight["state"].items():
         torch.testing.assert_close(resumed["state"][key], value, rtol=0, atol=1e-6)
 
 
-def test_killed_server_stops_the_job_naming_it(tmp_path):
-    proc = splitrun("launch", "--workers", 2, "--servers", 1, PS_JOB, "--steps", 200000)
-    try:
-        server_pid = int(proc.wait_for(r"started server 0 \(pid (\d+)\)", 60).group(1))
-        worker_pids = [int(proc.wait_for(rf"started worker {r} \(pid (\d+)\)", 60).group(1))
-                       for r in range(2)]
-        proc.wait_for(r"\[worker 0\].*step \d+/200000", JOB_TIMEOUT_S)
-        os.kill(server_pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        code = proc.wait(FAULT_DEADLINE_S + 10)
-        elapsed = time.monotonic() - killed_at
-    finally:
-        proc.kill()
-    assert code != 0 and elapsed < FAULT_DEADLINE_S
+def test_killed_server_stops_the_job_naming_it(local_cluster):
+    proc = local_cluster.launch(PS_JOB, "--steps", 200000, workers=2, servers=1)
+    server_pid = int(proc.wait_for(r"started server 0 \(pid (\d+)\)", 60).group(1))
+    worker_pids = [int(proc.wait_for(rf"started worker {r} \(pid (\d+)\)", 60).group(1))
+                   for r in range(2)]
+    proc.wait_for(r"\[worker 0\].*step \d+/200000", JOB_TIMEOUT_S)
+    os.kill(server_pid, signal.SIGKILL)
+    code = proc.wait(FAULT_DEADLINE_S)  # fails the test if the launcher is still running
+    assert code != 0
     assert f"server 0 (pid {server_pid}) was killed by SIGKILL" in proc.output()
     for pid in (server_pid, *worker_pids):
         assert not pid_alive(pid)
 
 
-def test_worker_with_another_model_is_refused_at_join(tmp_path):
-    scheduler = splitrun("scheduler", "--workers", 1, "--servers", 1)
-    procs = []
-    try:
-        address, token = scheduler.wait_for(r"scheduler at (\S+) token (\S+)", 60).groups()
-        for role, width in (("server", 24), ("worker", 32)):
-            procs.append(splitrun("join", "--scheduler", address, "--token", token, "--role",
-                                  role, PS_JOB, "--steps", 5, "--width", width))
-        codes = [p.wait(JOB_TIMEOUT_S) for p in procs]
-        assert scheduler.wait(30) == 1
-    finally:
-        for proc in (scheduler, *procs):
-            proc.kill()
+def test_worker_with_another_model_is_refused_at_join(local_cluster):
+    scheduler, address, token = local_cluster.scheduler(workers=1, servers=1)
+    procs = [local_cluster.join(address, token, PS_JOB, "--steps", 5, "--width", width,
+                                role=role)
+             for role, width in (("server", 24), ("worker", 32))]
+    codes = [p.wait(JOB_TIMEOUT_S) for p in procs]
+    assert scheduler.wait(30) == 1
     assert codes != [0, 0]
     text = "\n".join(p.output() for p in procs) + scheduler.output()
     assert "plan mismatch" in text

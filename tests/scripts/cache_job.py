@@ -1,22 +1,19 @@
 """An embedding-cache job for the end-to-end tests, run by the real launcher.
 
-    splitrun launch --workers 1 --servers 2 tests/scripts/cache_job.py --steps 20 --out r.pt
+    PYTHONPATH=tests splitrun launch --workers 1 --servers 2 tests/scripts/cache_job.py \
+        --steps 20 --out r.pt
 """
 
 from __future__ import annotations
 
 import argparse
-import pathlib
 import sys
 
 import torch
+from cache_models import make
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from cache_models import make  # noqa: E402
-
-from splitrun.runtime.job import Job  # noqa: E402
-from splitrun.splitter.cache_mode import EmbeddingCacheMode  # noqa: E402
+from splitrun.runtime.job import Job
+from splitrun.splitter.cache_mode import EmbeddingCacheMode
 
 
 def main() -> int:

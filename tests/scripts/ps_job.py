@@ -1,6 +1,7 @@
 """A parameter-server job for the end-to-end tests, run by the real launcher.
 
-    splitrun launch --workers 2 --servers 2 tests/scripts/ps_job.py --steps 20 --out r.pt
+    PYTHONPATH=tests splitrun launch --workers 2 --servers 2 tests/scripts/ps_job.py \
+        --steps 20 --out r.pt
 
 Worker 0 saves the final state gathered from every process to --out. With
 --stop-after N it trains only up to step N (and --save writes a checkpoint
@@ -10,17 +11,13 @@ there); --resume continues from a checkpoint.
 from __future__ import annotations
 
 import argparse
-import pathlib
 import sys
 
 import torch
+from ps_models import make
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from ps_models import make  # noqa: E402
-
-from splitrun.runtime.job import Job  # noqa: E402
-from splitrun.splitter import ParameterServerMode  # noqa: E402
+from splitrun.runtime.job import Job
+from splitrun.splitter import ParameterServerMode
 
 
 def main() -> int:

@@ -1,6 +1,7 @@
 """A training job for the end-to-end tests, run by the real launcher.
 
-    splitrun launch --workers 3 tests/scripts/train_job.py --steps 12 --out result.pt
+    PYTHONPATH=examples splitrun launch --workers 3 tests/scripts/train_job.py \
+        --steps 12 --out result.pt
 
 Worker 0 saves the losses and the final state gathered from every process to
 --out (a file this test suite reads back; nothing from the network is loaded).
@@ -16,13 +17,10 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from models import TiedBigramLM, lm_loss, markov_batches
 from torch import nn
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
-
-from models import TiedBigramLM, lm_loss, markov_batches  # noqa: E402
-
-from splitrun.splitter import capture, optim, place  # noqa: E402
+from splitrun.splitter import capture, optim, place
 
 OPTIMIZERS = {
     "sgd": lambda: optim.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3),
