@@ -7,7 +7,6 @@ from .errors import CaptureError, LabelError, PlanError, PlanParseError, Splitru
 from .graph_splitter import GraphSplitter, SplitProgram, split, split_program
 from .labels import ANY_SERVER, Cluster, Label, Role, place, placement_of, region
 from .modes import GeneralMode, Mode, ModeArtifacts
-from .ps_mode import ParameterServerMode, ServerAssignment
 from .plan import (
     Channel,
     ChannelKind,
@@ -20,6 +19,7 @@ from .plan import (
     SplitPlan,
 )
 from .program import InputKind, InputSpec, OutputKind, OutputSpec, ParamGroup, Program
+from .ps_mode import ParameterServerMode, ServerAssignment
 
 __all__ = [
     "optim",

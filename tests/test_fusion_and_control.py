@@ -7,7 +7,6 @@ from torch import fx
 
 from splitrun.runtime import run_threaded
 from splitrun.splitter import (
-    split_program,
     ChannelKind,
     Cluster,
     InputKind,
@@ -18,7 +17,7 @@ from splitrun.splitter import (
     Program,
     capture,
     optim,
-    split,
+    split_program,
 )
 from splitrun.splitter.program import set_node_annotation
 
@@ -35,7 +34,8 @@ def test_channels_carry_several_tensors_and_messages_match_channels():
     assert any(len(c.values) >= 3 for c in plan.channels)
     assert len(plan.channels) < values_crossing, "fusion must put several tensors in a message"
 
-    run = run_threaded(split_prog, NUM_STEPS, lambda s: {"batch.0": data[s][0], "batch.1": data[s][1]})
+    run = run_threaded(split_prog, NUM_STEPS,
+                       lambda s: {"batch.0": data[s][0], "batch.1": data[s][1]})
     sent = sum(stats.messages_sent for stats in run.stats.values())
     assert sent == NUM_STEPS * len(plan.channels)
     received = sum(c.messages for stats in run.stats.values() for c in stats.received.values())
