@@ -28,15 +28,6 @@ TORCH_PRIVATE = {
 # aten ops whose names start with an underscore (`aten._to_copy`) are public op names.
 ATEN_RECEIVER = re.compile(r"(^|\.)_?aten$")
 
-# Files with private reads across modules that other branches of issue 9 are removing
-# (the gRPC transport's send/receive/transport read each other's state). Delete an
-# entry when its file is clean: the test then holds it to the rule.
-KNOWN_OFFENDERS = {
-    "runtime/transport/grpc/receive.py",
-    "runtime/transport/grpc/send.py",
-    "runtime/transport/grpc/transport.py",
-}
-
 
 def _modules() -> list[pathlib.Path]:
     return sorted(path for room in ROOMS for path in (REPO / room).rglob("*.py")
@@ -83,15 +74,7 @@ def private_reads(path: pathlib.Path, root: pathlib.Path = REPO) -> list[str]:
     return sorted(set(found), key=lambda line: (line.split(":")[0], int(line.split(":")[1])))
 
 
-def _params():
-    for path in _modules():
-        name = str(path.relative_to(REPO))
-        marks = [pytest.mark.xfail(reason="issue 9: being removed on another branch",
-                                   strict=False)] if name in KNOWN_OFFENDERS else []
-        yield pytest.param(path, id=name, marks=marks)
-
-
-@pytest.mark.parametrize("path", list(_params()))
+@pytest.mark.parametrize("path", _modules(), ids=lambda path: str(path.relative_to(REPO)))
 def test_no_module_reads_another_modules_private_names(path):
     found = private_reads(path)
     assert not found, ("private names of another module read here; make them public "
