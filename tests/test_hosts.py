@@ -11,12 +11,10 @@ import re
 import subprocess
 import sys
 
+import hosts as hosts_module
 import pytest
 from cluster import JOB_TIMEOUT_S, REPO, SCRIPTS, Proc, pid_alive
-
-sys.path.insert(0, str(REPO / "bench"))
-import hosts as hosts_module  # noqa: E402
-from hosts import HostsError, list_namespaces, remove_stale, require_root, two_hosts  # noqa: E402
+from hosts import HostsError, list_namespaces, remove_stale, require_root, two_hosts
 
 PROBE = SCRIPTS / "link_probe.py"
 EXAMPLES = REPO / "examples"
