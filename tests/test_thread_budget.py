@@ -7,7 +7,7 @@ import re
 import sys
 
 import pytest
-from cluster import JOB_TIMEOUT_S, SCRIPTS, Proc
+from cluster import JOB_TIMEOUT_S, SCRIPTS, Proc, child_env
 
 from splitrun.launcher.cli import thread_budget
 from splitrun.splitter.errors import SplitrunError
@@ -29,7 +29,8 @@ def test_the_default_shares_the_cores_among_local_processes(monkeypatch):
 @pytest.mark.parametrize("requested, expected", [(None, None), ("2", 2)])
 def test_every_process_runs_with_its_budget(tmp_path, requested, expected):
     extra = [] if requested is None else ["--threads-per-process", requested]
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env = {k: v for k, v in child_env().items()
+           if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     proc = Proc([sys.executable, "-m", "splitrun.launcher", "launch", "--workers", 2,
                  "--servers", 1, *extra, SCRIPTS / "ps_job.py", "--steps", 3,
                  "--out", tmp_path / "out.pt"], env=env)
