@@ -82,8 +82,10 @@ def capture(model: nn.Module, loss_fn: LossFn,
 
     cached = _cached_tables(model)
     with _sparse_gradients(cached.values()):
-        joint = _trace_joint(model, loss_fn, trainable, params, frozen, batch)
-    builder = _StepBuilder(joint, trainable, list(frozen), len(batch), owners)
+        padding = _sparse_padding(model)
+        with _padding_left_to_the_update(model):
+            joint = _trace_joint(model, loss_fn, trainable, params, frozen, batch)
+    builder = _StepBuilder(joint, trainable, list(frozen), len(batch), owners, padding)
     builder.add_inputs(groups if optimizer is not None else None)
     builder.copy_joint()
     if optimizer is not None:
@@ -137,11 +139,26 @@ def _reject_uncapturable_modules(model: nn.Module) -> None:
                 f"module {where} updates its running statistics in place during "
                 f"training; splitrun captures pure steps: use LayerNorm or GroupNorm, "
                 f"BatchNorm with track_running_stats=False, or put the module in eval mode")
-        if isinstance(module, nn.EmbeddingBag) and module.sparse:
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+            _reject_uncapturable_embedding(module, where)
+
+
+def _reject_uncapturable_embedding(module: nn.Embedding | nn.EmbeddingBag, where: str) -> None:
+    if module.max_norm is not None:
+        raise CaptureError(
+            f"module {where} has max_norm={module.max_norm}: it renormalizes the rows it "
+            f"looks up in place during the forward, which a pure captured step cannot do; "
+            f"drop max_norm (clip the rows' norms in the loss, or after training)")
+    sparse = module.sparse or cache_settings_of(module) is not None
+    if isinstance(module, nn.EmbeddingBag) and sparse:
+        if module.mode == "max":
             raise CaptureError(
-                f"module {where} has sparse=True; sparse gradients are supported for "
-                f"nn.Embedding, not EmbeddingBag yet: use nn.Embedding and a sum/mean, "
-                f"or sparse=False")
+                f"module {where} has mode='max' and a sparse gradient; sparse (and cached) "
+                f"EmbeddingBags support modes 'sum' and 'mean': use one of them or sparse=False")
+        if module.scale_grad_by_freq:
+            raise CaptureError(
+                f"module {where} has scale_grad_by_freq=True and a sparse gradient, which "
+                f"splitrun does not support; set scale_grad_by_freq=False or sparse=False")
 
 
 def _state_owners(model: nn.Module) -> dict[str, str]:
@@ -172,6 +189,34 @@ def _cached_tables(model: nn.Module) -> dict[str, nn.Embedding]:
     return {f"{path}.weight" if path else "weight": module
             for path, module in model.named_modules()
             if isinstance(module, nn.Embedding) and cache_settings_of(module) is not None}
+
+
+def _sparse_padding(model: nn.Module) -> dict[str, int]:
+    """The `padding_idx` of every sparse (or cached) embedding and embedding
+    bag, by parameter name: their row-wise updates leave that row alone."""
+    return {f"{path}.weight" if path else "weight": module.padding_idx
+            for path, module in model.named_modules()
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
+            and module.padding_idx is not None}
+
+
+@contextlib.contextmanager
+def _padding_left_to_the_update(model: nn.Module):
+    """Trace sparse `nn.Embedding`s without their `padding_idx`: it changes
+    only the backward (the padding row gets no gradient), and torch's sparse
+    backward drops those rows with a data-dependent shape that one static
+    graph cannot hold. The row-wise update skips the row instead (see
+    `_sparse_padding`). Embedding bags keep it: it changes their forward."""
+    saved = [(module, module.padding_idx) for module in model.modules()
+             if isinstance(module, nn.Embedding) and module.sparse
+             and module.padding_idx is not None]
+    try:
+        for module, _ in saved:
+            module.padding_idx = None
+        yield
+    finally:
+        for module, pad in saved:
+            module.padding_idx = pad
 
 
 @contextlib.contextmanager
@@ -356,6 +401,15 @@ def _capture_error(exc: Exception, where: str) -> CaptureError:
 
 # -- building the step graph --------------------------------------------------
 
+# `mode` of aten._embedding_bag: 0 sum, 1 mean, 2 max.
+_BAG_MEAN = 1
+
+
+def _is_sparse_bag_backward(node: fx.Node) -> bool:
+    """The backward of an EmbeddingBag with sparse=True (its `sparse` argument)."""
+    return (node.op == "call_function"
+            and node.target is _aten._embedding_bag_backward.default and bool(node.args[9]))
+
 def _safe(name: str) -> str:
     return re.sub(r"\W", "_", name)
 
@@ -365,8 +419,9 @@ class _StepBuilder:
     tangent for the loss, and the optimizer updates appended."""
 
     def __init__(self, joint: fx.GraphModule, trainable: list[str], frozen: list[str],
-                 num_batch: int, owners: dict[str, str]) -> None:
+                 num_batch: int, owners: dict[str, str], padding: dict[str, int]) -> None:
         self.joint = joint
+        self.padding = padding
         self.trainable = trainable
         self.frozen = frozen
         self.num_batch = num_batch
@@ -426,6 +481,9 @@ class _StepBuilder:
         for node in self.joint.graph.nodes:
             if node.op in ("placeholder", "output"):
                 continue
+            if _is_sparse_bag_backward(node):
+                self.env[node] = self._bag_sparse_grad(node)
+                continue
             self.env[node] = self.graph.node_copy(node, self._lookup)
             if node is loss_node:
                 self.loss = self.env[node]
@@ -445,6 +503,35 @@ class _StepBuilder:
 
     def _lookup(self, node: fx.Node) -> fx.Node:
         return self.env[node]
+
+    def _bag_sparse_grad(self, node: fx.Node) -> fx.Node:
+        """An `nn.EmbeddingBag(sparse=True)` backward as plain ops: entry i of
+        the bags gets its bag's output gradient (divided by the bag's size in
+        mode mean, times its per-sample weight), as a COO tensor of static
+        shape like nn.Embedding's, so its (indices, values) feed the row-wise
+        update. Padding entries get values too; the update skips that row."""
+        (grad, indices, _offsets, offset2bag, bag_size, _max_indices, num_weights,
+         _scale, mode, _sparse, per_sample_weights, *_padding) = node.args
+        value = node.meta["val"]
+
+        def call(target, *args, **kwargs):
+            new = self.graph.call_function(target, args, kwargs)
+            new.meta = {k: v for k, v in node.meta.items() if k != "val"}
+            return new
+
+        bag_of = self.env[offset2bag]
+        values = call(_aten.index_select.default, self.env[grad], 0, bag_of)
+        if mode == _BAG_MEAN:
+            size = call(_aten.index_select.default, self.env[bag_size], 0, bag_of)
+            size = call(_aten.unsqueeze.default, call(_aten.clamp_min.default, size, 1), 1)
+            values = call(_aten.div.Tensor, values, size)
+        if per_sample_weights is not None:
+            weights = call(_aten.unsqueeze.default, self.env[per_sample_weights], 1)
+            values = call(_aten.mul.Tensor, values, weights)
+        flat = call(_aten.view.default, self.env[indices], [1, -1])
+        return call(_aten._sparse_coo_tensor_with_dims_and_tensors.default, 1, 1,
+                    [num_weights, value.shape[1]], flat, values, dtype=value.dtype,
+                    layout=torch.sparse_coo, device=value.device, pin_memory=None)
 
     def append_updates(self, groups: _Groups, params: dict[str, nn.Parameter]) -> None:
         for name in self.trainable:
@@ -520,6 +607,8 @@ class _StepBuilder:
         """One row-wise update node (its output shapes depend on the data, so it
         is called, not traced) and a getitem per result."""
         update_fn, settings = sparse_update_for(functional)
+        if name in self.padding:
+            settings = {**settings, "padding_idx": self.padding[name]}
         indices, values = self.sparse_grads[name]
         state_names = tuple(state_nodes)
         args = (self.input_nodes[name], indices, values, lr_node, self.input_nodes["step"],

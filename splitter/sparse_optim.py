@@ -9,8 +9,12 @@ is lazy (torch.optim.SparseAdam: moments of untouched rows do not decay).
 They are graph nodes whose output shapes depend on data (`unique`), so they are
 plain functions called by the executor rather than traced aten ops. Each
 returns new tensors: in a plan the old table may still be on its way to a peer.
-The in-place twins (`sparse_sgd_`, `sparse_adagrad_`) serve the embedding
-cache and the servers' table shards, which send only copies of their rows.
+The in-place twins (`sparse_sgd_`, `sparse_adagrad_`, `sparse_adam_`) serve
+the embedding cache and the servers' table shards, which send only copies of
+their rows.
+
+`padding_idx` (an embedding's padding row): that row is left alone, as torch
+leaves it (it gets no gradient, so no update and, for Adam, no moment decay).
 """
 
 from __future__ import annotations
@@ -22,11 +26,16 @@ import torch
 from .errors import CaptureError
 
 __all__ = ["coalesce", "sparse_sgd", "sparse_adagrad", "sparse_adam", "sparse_sgd_",
-           "sparse_adagrad_", "IN_PLACE", "sparse_update_for", "ROW_WISE_UPDATES"]
+           "sparse_adagrad_", "sparse_adam_", "IN_PLACE", "sparse_update_for",
+           "ROW_WISE_UPDATES"]
 
 
-def coalesce(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unique rows (sorted) and the summed values of each."""
+def coalesce(indices: torch.Tensor, values: torch.Tensor,
+             padding_idx: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique rows (sorted, `padding_idx` left out) and the summed values of each."""
+    if padding_idx is not None:
+        keep = indices.reshape(-1) != padding_idx
+        indices, values = indices.reshape(-1)[keep], values.reshape(-1, *values.shape[1:])[keep]
     rows, inverse = torch.unique(indices.reshape(-1), sorted=True, return_inverse=True)
     summed = torch.zeros((rows.numel(), *values.shape[1:]), dtype=values.dtype,
                          device=values.device)
@@ -34,17 +43,18 @@ def coalesce(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor,
     return rows, summed
 
 
-def _sgd_rows(indices, values, lr, maximize):
+def _sgd_rows(indices, values, lr, maximize, padding_idx=None):
     """(rows, what to add to them)."""
-    rows, grad = coalesce(indices, values)
+    rows, grad = coalesce(indices, values, padding_idx)
     grad = -grad if maximize else grad
     return rows, (-lr) * grad
 
 
-def _adagrad_rows(indices, values, lr, step, state_sum, lr_decay, eps, maximize):
+def _adagrad_rows(indices, values, lr, step, state_sum, lr_decay, eps, maximize,
+                  padding_idx=None):
     """(rows, what to add to them, their new sums): the dense Adagrad's ops on
     the touched rows (untouched rows would not move)."""
-    rows, grad = coalesce(indices, values)
+    rows, grad = coalesce(indices, values, padding_idx)
     grad = -grad if maximize else grad
     clr = lr / (1 + (step - 1) * lr_decay)
     row_sum = torch.addcmul(state_sum.index_select(0, rows), grad, grad, value=1)
@@ -52,42 +62,42 @@ def _adagrad_rows(indices, values, lr, step, state_sum, lr_decay, eps, maximize)
     return rows, ((-clr) * grad) / std, row_sum
 
 
-def sparse_sgd(param, indices, values, lr, step, *, maximize: bool = False):
-    rows, delta = _sgd_rows(indices, values, lr, maximize)
+def sparse_sgd(param, indices, values, lr, step, *, maximize: bool = False,
+               padding_idx: int | None = None):
+    rows, delta = _sgd_rows(indices, values, lr, maximize, padding_idx)
     return (param.index_add(0, rows, delta),)
 
 
 def sparse_adagrad(param, indices, values, lr, step, state_sum, *, lr_decay: float = 0.0,
-                   eps: float = 1e-10, maximize: bool = False):
+                   eps: float = 1e-10, maximize: bool = False, padding_idx: int | None = None):
     rows, delta, row_sum = _adagrad_rows(indices, values, lr, step, state_sum, lr_decay, eps,
-                                         maximize)
+                                         maximize, padding_idx)
     return param.index_add(0, rows, delta), state_sum.index_copy(0, rows, row_sum)
 
 
-def sparse_sgd_(param, indices, values, lr, step, *, maximize: bool = False) -> None:
+def sparse_sgd_(param, indices, values, lr, step, *, maximize: bool = False,
+                padding_idx: int | None = None) -> None:
     """`sparse_sgd`, in place: for tables their owner does not send meanwhile."""
-    rows, delta = _sgd_rows(indices, values, lr, maximize)
+    rows, delta = _sgd_rows(indices, values, lr, maximize, padding_idx)
     param.index_add_(0, rows, delta)
 
 
 def sparse_adagrad_(param, indices, values, lr, step, state_sum, *, lr_decay: float = 0.0,
-                    eps: float = 1e-10, maximize: bool = False) -> None:
+                    eps: float = 1e-10, maximize: bool = False,
+                    padding_idx: int | None = None) -> None:
     """`sparse_adagrad`, in place."""
     rows, delta, row_sum = _adagrad_rows(indices, values, lr, step, state_sum, lr_decay, eps,
-                                         maximize)
+                                         maximize, padding_idx)
     param.index_add_(0, rows, delta)
     state_sum.index_copy_(0, rows, row_sum)
 
 
-# The in-place twin of each functional update, for caches and table shards.
-IN_PLACE = {"sgd": sparse_sgd_, "adagrad": sparse_adagrad_}
-
-
-def sparse_adam(param, indices, values, lr, step, exp_avg, exp_avg_sq, *,
-                betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                maximize: bool = False):
+def _adam_rows(indices, values, lr, step, exp_avg, exp_avg_sq, betas, eps, maximize,
+               padding_idx=None):
+    """(rows, what to add to them, their new moments): lazy Adam, as
+    torch.optim.SparseAdam; the bias corrections use the global step count."""
     beta1, beta2 = betas
-    rows, grad = coalesce(indices, values)
+    rows, grad = coalesce(indices, values, padding_idx)
     grad = -grad if maximize else grad
     old_avg = exp_avg.index_select(0, rows)
     old_avg_sq = exp_avg_sq.index_select(0, rows)
@@ -98,8 +108,31 @@ def sparse_adam(param, indices, values, lr, step, exp_avg, exp_avg_sq, *,
     bias_correction2 = 1 - beta2 ** step_value
     step_size = float(lr) * math.sqrt(bias_correction2) / bias_correction1
     update = (avg / (avg_sq.sqrt() + eps)) * -step_size
+    return rows, update, avg, avg_sq
+
+
+def sparse_adam(param, indices, values, lr, step, exp_avg, exp_avg_sq, *,
+                betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                maximize: bool = False, padding_idx: int | None = None):
+    rows, update, avg, avg_sq = _adam_rows(indices, values, lr, step, exp_avg, exp_avg_sq,
+                                           betas, eps, maximize, padding_idx)
     return (param.index_add(0, rows, update), exp_avg.index_copy(0, rows, avg),
             exp_avg_sq.index_copy(0, rows, avg_sq))
+
+
+def sparse_adam_(param, indices, values, lr, step, exp_avg, exp_avg_sq, *,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 maximize: bool = False, padding_idx: int | None = None) -> None:
+    """`sparse_adam`, in place: the same ops on the same rows."""
+    rows, update, avg, avg_sq = _adam_rows(indices, values, lr, step, exp_avg, exp_avg_sq,
+                                           betas, eps, maximize, padding_idx)
+    param.index_add_(0, rows, update)
+    exp_avg.index_copy_(0, rows, avg)
+    exp_avg_sq.index_copy_(0, rows, avg_sq)
+
+
+# The in-place twin of each functional update, for caches and table shards.
+IN_PLACE = {"sgd": sparse_sgd_, "adagrad": sparse_adagrad_, "adam": sparse_adam_}
 
 
 ROW_WISE_UPDATES = frozenset({sparse_sgd, sparse_adagrad, sparse_adam})
