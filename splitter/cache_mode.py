@@ -8,7 +8,7 @@ of the graph: its lookup becomes `cached_lookup(ids, table=...)` and its update
 runtime binds to the worker's row cache. Everything else is parameter-server
 mode: dense parameters on servers, gradients averaged over workers.
 
-Consistency (see runtime/embedding_client.py): with one worker the cache is
+Consistency (see runtime/embedding/client.py): with one worker the cache is
 write-back (updates applied to cached rows, their optimizer state travelling
 with them, dirty rows written back when evicted and at the end), which equals
 training with the whole table in one process. With W >= 2 workers, gradients
@@ -39,7 +39,7 @@ from .labels import Cluster
 from .plan import ModeKind
 from .program import InputKind, OutputKind, Program
 from .ps_mode import ParameterServerMode, ServerAssignment
-from .sparse_optim import ROW_WISE_UPDATES, sparse_adagrad, sparse_sgd
+from .sparse_optim import ROW_WISE_UPDATES, sparse_adagrad, sparse_adam, sparse_sgd
 
 _aten = torch.ops.aten
 
@@ -48,7 +48,9 @@ _aten = torch.ops.aten
 __all__ = ["EmbeddingCacheMode", "CacheArtifacts", "EvictionPolicy", "CacheSettings",
            "CachedTable", "place_embedding_cache"]
 
-_ROW_WISE = {sparse_sgd: "sgd", sparse_adagrad: "adagrad"}
+# The row-wise updates a cached table can take (the keys of sparse_optim.IN_PLACE):
+# their per-row state (Adagrad's sum, Adam's moments) travels with the row.
+_ROW_WISE = {sparse_sgd: "sgd", sparse_adagrad: "adagrad", sparse_adam: "adam"}
 
 
 @dataclass(frozen=True)
@@ -111,8 +113,8 @@ class EmbeddingCacheMode(ParameterServerMode):
             elif user.target in ROW_WISE_UPDATES:
                 raise PlanError(
                     f"cached table {key!r} is trained with {user.target.__name__}; cached "
-                    f"tables support SGD and row-wise Adagrad (their row state travels with "
-                    f"the row); give the table its own optimizer group")
+                    f"tables support SGD, row-wise Adagrad and row-wise (lazy) Adam (their "
+                    f"row state travels with the row); give the table its own optimizer group")
             else:
                 raise PlanError(
                     f"cached table {key!r} is read by {user.name} ({user.target}) besides its "

@@ -59,9 +59,9 @@ class CachedTable:
     dim: int
     dtype: torch.dtype
     settings: CacheSettings
-    optimizer: str                # "sgd" or "adagrad"
+    optimizer: str                # "sgd", "adagrad" or "adam" (sparse_optim.IN_PLACE)
     optimizer_settings: dict      # keyword settings of the row-wise update
-    state_names: tuple[str, ...]  # per-row optimizer state ("sum" for Adagrad)
+    state_names: tuple[str, ...]  # per-row optimizer state ("sum"; "exp_avg", "exp_avg_sq")
     ids_feed: str | None          # the batch input its ids come from, for prefetch
 
 

@@ -15,7 +15,7 @@ DIM = 4
 GLOBAL_BATCH = 16
 LOOKUPS = 3  # ids per sample and table
 
-OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad}
+OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "adam": optim.Adam}
 LR = 0.3
 
 
