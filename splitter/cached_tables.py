@@ -2,6 +2,8 @@
 marked (`place_embedding_cache`), their settings, what the runtime needs to
 know of each (`CachedTable`), and the marker ops a cached lookup and update
 become in the graph (`cached_lookup`, `cached_update`), bound by the runtime.
+An embedding bag's cached lookup also needs `bag_local_table` and
+`bag_local_ids`: plain ops that let the bag run on the looked-up rows.
 
 Capture reads the marks; `EmbeddingCacheMode` rewrites the graph. Neither
 depends on the other: both import this module.
@@ -18,7 +20,8 @@ from torch import nn
 from .errors import CaptureError, PlanError
 
 __all__ = ["EvictionPolicy", "CacheSettings", "CachedTable", "place_embedding_cache",
-           "cache_settings_of", "cached_lookup", "cached_update", "CACHE_OPS"]
+           "cache_settings_of", "cached_lookup", "cached_update", "CACHE_OPS",
+           "bag_local_table", "bag_local_ids"]
 
 # The attribute place_embedding_cache sets on a marked table.
 _CACHE_ATTR = "_splitrun_cache"
@@ -63,24 +66,30 @@ class CachedTable:
     optimizer_settings: dict      # keyword settings of the row-wise update
     state_names: tuple[str, ...]  # per-row optimizer state ("sum"; "exp_avg", "exp_avg_sq")
     ids_feed: str | None          # the batch input its ids come from, for prefetch
+    padding_idx: int | None = None  # a row no gradient updates (the layer's padding_idx)
 
 
 def place_embedding_cache(modules, *, cache_rows: int, policy: EvictionPolicy | str = "lru",
                           max_staleness: int = 0):
-    """Keep these `nn.Embedding` tables on the servers and cache `cache_rows`
-    rows of each on every worker. `modules`: one embedding, or an iterable of
-    them (an `nn.ModuleList` of tables)."""
+    """Keep these `nn.Embedding` or `nn.EmbeddingBag` tables on the servers and
+    cache `cache_rows` rows of each on every worker. `modules`: one table, or
+    an iterable of them (an `nn.ModuleList` of tables). Bags take modes sum
+    and mean; `padding_idx` works (that row is never updated), `max_norm`
+    does not."""
     settings = CacheSettings(cache_rows, EvictionPolicy(policy) if isinstance(policy, str)
                              else policy, max_staleness)
     tables = [modules] if isinstance(modules, nn.Module) and not isinstance(
         modules, (nn.ModuleList, nn.ModuleDict)) else list(
         modules.values() if isinstance(modules, nn.ModuleDict) else modules)
     for table in tables:
-        if not isinstance(table, nn.Embedding):
-            raise CaptureError(f"place_embedding_cache takes nn.Embedding tables, got "
-                               f"{type(table).__name__}")
-        if table.padding_idx is not None or table.max_norm is not None:
-            raise CaptureError("cached tables cannot use padding_idx or max_norm")
+        if not isinstance(table, (nn.Embedding, nn.EmbeddingBag)):
+            raise CaptureError(f"place_embedding_cache takes nn.Embedding or nn.EmbeddingBag "
+                               f"tables, got {type(table).__name__}")
+        if table.max_norm is not None:
+            raise CaptureError(f"a cached {type(table).__name__} cannot use max_norm (it "
+                               f"renormalizes rows in place during the forward); drop it")
+        if isinstance(table, nn.EmbeddingBag) and table.mode == "max":
+            raise CaptureError("a cached EmbeddingBag takes mode 'sum' or 'mean', not 'max'")
         setattr(table, _CACHE_ATTR, settings)
     return modules
 
@@ -102,3 +111,23 @@ def cached_update(indices: torch.Tensor, values: torch.Tensor, lr: torch.Tensor,
 
 
 CACHE_OPS = frozenset({cached_lookup, cached_update})
+
+
+def bag_local_table(rows: torch.Tensor, *, padding_idx: int) -> torch.Tensor:
+    """The rows a cached bag looked up, one per id, as the table the bag runs
+    on; with a padding row (`padding_idx >= 0`) a zero row is appended for
+    the padding ids to point at."""
+    if padding_idx < 0:
+        return rows
+    return torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+
+
+def bag_local_ids(ids: torch.Tensor, *, padding_idx: int) -> torch.Tensor:
+    """Each id's position in `bag_local_table`'s table (id i is row i of the
+    looked-up rows), padding ids pointing at its last row, so the bag still
+    leaves them out of its sums and means."""
+    flat = ids.reshape(-1)
+    local = torch.arange(flat.numel(), device=flat.device, dtype=flat.dtype)
+    if padding_idx < 0:
+        return local
+    return torch.where(flat == padding_idx, flat.numel(), local)

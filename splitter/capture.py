@@ -184,11 +184,12 @@ def _state_owners(model: nn.Module) -> dict[str, str]:
     return owners
 
 
-def _cached_tables(model: nn.Module) -> dict[str, nn.Embedding]:
+def _cached_tables(model: nn.Module) -> dict[str, nn.Embedding | nn.EmbeddingBag]:
     """The tables `place_embedding_cache` marked, by parameter name."""
     return {f"{path}.weight" if path else "weight": module
             for path, module in model.named_modules()
-            if isinstance(module, nn.Embedding) and cache_settings_of(module) is not None}
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+            and cache_settings_of(module) is not None}
 
 
 def _sparse_padding(model: nn.Module) -> dict[str, int]:

@@ -76,3 +76,67 @@ def make(optimizer: str, num_workers: int, num_steps: int, *, cache_rows: int | 
 
 def feeds(batches):
     return lambda step: {f"batch.{i}": t for i, t in enumerate(batches[step])}
+
+
+# -- multi-hot features: cached embedding bags and padding ------------------------
+
+class BagRecommender(nn.Module):
+    """Three cached tables as DLRM-style models use them, all padded with id 0:
+    a sum bag over flat ids with offsets and per-sample weights, a mean bag
+    over fixed-length rows of ids, and a plain embedding."""
+
+    def __init__(self, sparse: bool = False) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList([
+            nn.EmbeddingBag(ROWS, DIM, mode="sum", padding_idx=0, sparse=sparse),
+            nn.EmbeddingBag(ROWS, DIM, mode="mean", padding_idx=0, sparse=sparse),
+            nn.Embedding(ROWS, DIM, padding_idx=0, sparse=sparse)])
+        self.dense = nn.Linear(3, DIM)
+        self.top = nn.Sequential(nn.Linear(DIM * 4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, dense, summed_ids, weights, mean_ids, single_ids):
+        num_bags, length = summed_ids.shape
+        offsets = torch.arange(0, num_bags * length, length)
+        parts = [self.dense(dense),
+                 self.tables[0](summed_ids.reshape(-1), offsets,
+                                per_sample_weights=weights.reshape(-1)),
+                 self.tables[1](mean_ids), self.tables[2](single_ids).sum(1)]
+        return self.top(torch.cat(parts, 1)).squeeze(1)
+
+
+def bag_click_loss(model, dense, summed_ids, weights, mean_ids, single_ids, label):
+    return F.binary_cross_entropy_with_logits(
+        model(dense, summed_ids, weights, mean_ids, single_ids), label)
+
+
+def bag_click_batches(num_steps: int, seed: int = 0, batch: int = GLOBAL_BATCH):
+    """Zipf ids as `click_batches`, about a fifth of them padding (id 0)."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for dense, first, second, label in click_batches(num_steps, seed, batch=batch):
+        padded = []
+        for ids in (first, second, (first + second) % ROWS):
+            ids = ids.clone()
+            ids[torch.rand(ids.shape, generator=generator) < 0.2] = 0
+            padded.append(ids)
+        weights = torch.rand(first.shape, generator=generator)
+        batches.append((dense, padded[0], weights, padded[1], padded[2], label))
+    return batches
+
+
+def make_bags(optimizer: str, num_workers: int, num_steps: int, *,
+              cache_rows: int | None = 48, policy: str = "lru", max_staleness: int = 0,
+              batch: int = GLOBAL_BATCH, lr: float = LR):
+    """As `make`, for `BagRecommender`: cached tables with cache_rows, else
+    sparse whole tables (the one-process and parameter-server references)."""
+    torch.manual_seed(0)
+    model = BagRecommender(sparse=cache_rows is None)
+    place(model, role="server")
+    if cache_rows is not None:
+        place_embedding_cache(model.tables, cache_rows=cache_rows, policy=policy,
+                              max_staleness=max_staleness)
+    batches = bag_click_batches(num_steps, batch=batch)
+    shard = batch // num_workers
+    program = capture(model, bag_click_loss, OPTIMIZERS[optimizer](lr=lr),
+                      tuple(t[:shard] for t in batches[0]))
+    return program, batches

@@ -1,8 +1,12 @@
 """nn.EmbeddingBag (sum and mean, offsets, per-sample weights, padding_idx) and
 nn.Embedding(padding_idx=...) with sparse gradients: captured, they train as
 eager torch does; in parameter-server mode (W=2, S=2) as one process does on the
-global batch (within 1e-5: the mean of two shard gradients sums in another order)."""
+global batch (within 1e-5: the mean of two shard gradients sums in another order).
+Cached (embedding-cache mode): one worker equals the whole tables in one process
+bit for bit, with evictions; two workers without staleness equal parameter-server
+mode bit for bit."""
 
+import cache_models
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,11 +17,13 @@ from splitrun.runtime import run_threaded
 from splitrun.splitter import (
     CaptureError,
     Cluster,
+    Label,
     ParameterServerMode,
     capture,
     optim,
     split_program,
 )
+from splitrun.splitter.cache_mode import EmbeddingCacheMode
 
 NUM_STEPS = 12
 TOLERANCE = 1e-5
@@ -108,3 +114,41 @@ def test_unsupported_embedding_options_are_refused_naming_the_layer():
     with pytest.raises(CaptureError, match=r"module '1' \(EmbeddingBag\) has max_norm"):
         capture(model, lambda m, x: m[1](x).sum(), optim.SGD(lr=0.1), batch)
     assert bag_batches(1)[0][0].shape == (24, 5)
+
+
+# -- embedding-cache mode ----------------------------------------------------------
+
+CACHE_STEPS = 20
+
+
+def _cached_bags(optimizer, num_workers, num_servers, **options):
+    program, batches = cache_models.make_bags(optimizer, num_workers, CACHE_STEPS, **options)
+    split_prog = split_program(program, Cluster(num_workers, num_servers), EmbeddingCacheMode())
+    split_prog.lint()
+    return run_threaded(split_prog, CACHE_STEPS, cache_models.feeds(batches), recv_timeout_s=30)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_cached_bags_with_one_worker_equal_whole_tables_in_one_process(optimizer):
+    run = _cached_bags(optimizer, 1, 2, cache_rows=40)
+    program, batches = cache_models.make_bags(optimizer, 1, CACHE_STEPS, cache_rows=None)
+    _, expected = program.train_unsplit(CACHE_STEPS, cache_models.feeds(batches))
+    assert run.state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(run.state[key], value), f"{key} differs"
+    for index in range(3):
+        table = f"tables.{index}.weight"
+        assert torch.equal(run.state[table][0], program.initial_state[table][0])
+        assert not torch.equal(run.state[table], program.initial_state[table])
+    for table, counters in run.cache_counters[Label.worker(0)].items():
+        assert counters["evictions"] > 0, f"{table}: the cache must really evict"
+
+
+def test_cached_bags_with_two_workers_and_no_staleness_equal_parameter_server_mode():
+    run = _cached_bags("adagrad", 2, 2, cache_rows=40, policy="lfu", max_staleness=0)
+    program, batches = cache_models.make_bags("adagrad", 2, CACHE_STEPS, cache_rows=None)
+    split_prog = split_program(program, Cluster(2, 2), ParameterServerMode())
+    expected = run_threaded(split_prog, CACHE_STEPS, cache_models.feeds(batches),
+                            recv_timeout_s=30).state
+    for key, value in expected.items():
+        assert torch.equal(run.state[key], value), f"{key} differs"

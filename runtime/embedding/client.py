@@ -129,6 +129,10 @@ class EmbeddingClient:
                step: torch.Tensor, *, table: str) -> None:
         cache = self.caches[table]
         ids = indices.reshape(-1).to("cpu", torch.int64)
+        padding_idx = cache.table.padding_idx
+        if padding_idx is not None:  # the padding row gets no update
+            keep = ids != padding_idx
+            ids, values = ids[keep], values.reshape(keep.numel(), -1)[keep.to(values.device)]
         if self.write_back[table]:
             slots = cache.slots_of(ids).to(cache.device)
             # In place: rows leave the cache only as copies (gathers, pushes).
