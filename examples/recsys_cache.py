@@ -1,11 +1,26 @@
 """A DLRM-style click model whose embedding tables live on the servers, each
-worker caching the hot rows (embedding-cache mode), trained on synthetic clicks.
+worker caching the hot rows (embedding-cache mode), trained on click logs in
+the Criteo display-advertising format.
 
     splitrun launch --workers 1 --servers 2 examples/recsys_cache.py
     splitrun launch --workers 2 --servers 2 examples/recsys_cache.py --policy lfu
     splitrun launch --workers 1 --servers 2 examples/recsys_cache.py --rows 1000000 \\
         --steps 400 --save ckpt.pt
     splitrun launch --workers 1 --servers 2 examples/recsys_cache.py --resume ckpt.pt
+    splitrun launch --workers 2 --servers 2 examples/recsys_cache.py --tables 26 \\
+        --data day_0.tsv --eval-data day_1.tsv
+
+The data: `--data FILE` (and `--eval-data FILE` for the held-out scores) is a
+Criteo-format TSV file (label, 13 integer and 26 hexadecimal categorical
+features, missing values allowed); the first `--tables` categorical features
+are hashed into their tables (`splitrun.runtime.datasets`). Each worker reads
+only its own shard of every global batch. Without `--data`, a synthetic file
+of that format is generated (`write_synthetic_criteo`: Zipf categories, clicks
+from a hidden logistic model over the features used) into `--data-dir` (by
+default a directory under the system's temporary directory named after the
+settings, reused by later runs with the same settings), with a held-out file
+and the hidden model's logits for it, so the report can say how close the
+model gets to the labels' own model.
 
 The model: dense features through a bottom MLP; one `nn.Embedding` per
 categorical feature (sum-pooled over its ids); DLRM's interaction (the pairwise
@@ -13,32 +28,46 @@ dot products of the embedding vectors and the bottom MLP's output); a top MLP
 to a click logit. Dense parameters live on the servers, the tables on the
 servers too, hash-sliced, with `cache_rows` rows of each cached on every worker.
 
-The data: each table's ids are drawn from a Zipf law (`--zipf`) over its rows,
-hot ranks mapped to ids by a fixed random permutation (hot ids are not the
-small ones); labels come from a hidden logistic model (fixed random embeddings
-and dense weights), so there is something to learn. Everything is generated
-from fixed seeds: every process builds the same model and batches.
+The in-memory synthetic stream below (`HiddenModel`, `global_batches`), which
+bench/embedding_cache.py drives: each table's ids are drawn from a Zipf law
+(`--zipf`) over its rows, hot ranks mapped to ids by a fixed random
+permutation (hot ids are not the small ones); labels come from a hidden
+logistic model (fixed random embeddings and dense weights). Everything is
+generated from fixed seeds: every process builds the same model and batches.
+This script's own runs read files (above).
 
 Worker 0 reports the held-out log-loss and AUC of the final state (against the
-base rate's entropy and the hidden model's own AUC), the cache hit rate per
-table, samples/s and the time taken. `--json` adds one line `RESULT {...}`.
+base rate's entropy and, for generated data, the hidden model's own AUC), the
+cache hit rate per table, samples/s and the time taken. `--json` adds one line
+`RESULT {...}`.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import itertools
 import json
 import math
+import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from sklearn.metrics import log_loss, roc_auc_score
 from torch import nn
 
+from splitrun.runtime.datasets import (
+    NUM_CATEGORICAL,
+    CriteoFile,
+    CriteoSchema,
+    write_synthetic_criteo,
+)
 from splitrun.runtime.job import Job
 from splitrun.splitter import capture, optim, place
 from splitrun.splitter.cache_mode import EmbeddingCacheMode, place_embedding_cache
@@ -58,12 +87,11 @@ EMBEDDING_INIT_STD = 0.01
 # Seeds: the model, the hidden label model, each table's rank -> id
 # permutation (this seed and the table's index), the training stream (this seed
 # and the step: a run of N steps sees the first N batches of a longer run, so a
-# resumed run continues the same stream) and the held-out stream.
+# resumed run continues the same stream).
 MODEL_SEED = 0
 HIDDEN_SEED = 1
 PERMUTATION_SEED = 2
 TRAIN_SEED = 3
-HELD_OUT_SEED = 4
 # The held-out set is scored in chunks of this many samples.
 EVAL_CHUNK = 16384
 # Intra-op threads per process. The launcher starts W + S processes on one
@@ -75,6 +103,14 @@ DEFAULT_THREADS = 1
 OPTIMIZERS = {"adagrad": optim.Adagrad, "sgd": optim.SGD}
 # Prefix of the machine-readable result line (`--json`).
 RESULT_PREFIX = "RESULT "
+# Generated Criteo-format data: distinct values of the categorical features no
+# table reads (they are written, as the format has them, and skipped), the
+# sample seeds of the training and held-out files (one hidden model: seed 0),
+# and the share of missing fields.
+UNUSED_FEATURE_VALUES = 1000
+TRAIN_FILE_SEED = 1
+HELD_OUT_FILE_SEED = 2
+MISSING_RATE = 0.02
 
 
 @dataclass(frozen=True)
@@ -226,6 +262,55 @@ def example_batch(spec: DataSpec, batch_size: int) -> tuple[torch.Tensor, ...]:
     return (torch.zeros(batch_size, NUM_DENSE), *ids, torch.zeros(batch_size))
 
 
+# -- Criteo-format files ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class DataFiles:
+    train: str
+    held_out: str | None
+    held_out_logits: str | None  # the hidden model's logits of the held-out lines
+
+
+def generated_files(args: argparse.Namespace, spec: DataSpec) -> DataFiles:
+    """Synthetic Criteo-format training and held-out files for these settings,
+    generated once into a directory named after them (every worker may do it
+    at once: each writes the same bytes to its own temporary file and renames
+    it into place, so a reader never sees half a file)."""
+    samples = args.steps * args.batch_size
+    cardinalities = spec.rows + (UNUSED_FEATURE_VALUES,) * (NUM_CATEGORICAL - spec.num_tables)
+    settings = repr((samples, args.eval_samples, cardinalities, args.zipf, MISSING_RATE))
+    key = hashlib.sha1(settings.encode()).hexdigest()[:12]
+    directory = args.data_dir or os.path.join(tempfile.gettempdir(), f"splitrun-recsys-{key}")
+    os.makedirs(directory, exist_ok=True)
+    files = DataFiles(os.path.join(directory, "train.tsv"),
+                      os.path.join(directory, "held_out.tsv"),
+                      os.path.join(directory, "held_out_logits.npy"))
+    if os.path.exists(files.train):  # written last: the others are there
+        return files
+    common = {"cardinalities": cardinalities, "zipf": args.zipf, "missing_rate": MISSING_RATE,
+              "num_informative": spec.num_tables}
+    partial = f".{os.getpid()}.partial"
+    held_out = write_synthetic_criteo(files.held_out + partial, args.eval_samples,
+                                      seed=HELD_OUT_FILE_SEED, keep_logits=True, **common)
+    with open(files.held_out_logits + partial, "wb") as out:
+        np.save(out, held_out.logits)
+    write_synthetic_criteo(files.train + partial, samples, seed=TRAIN_FILE_SEED, **common)
+    for path in (files.held_out_logits, files.held_out, files.train):
+        os.replace(path + partial, path)
+    return files
+
+
+def data_files(args: argparse.Namespace, spec: DataSpec) -> DataFiles:
+    if args.data:
+        return DataFiles(args.data, args.eval_data, None)
+    return generated_files(args, spec)
+
+
+def criteo_source(path: str, spec: DataSpec, batch_size: int, *,
+                  drop_last: bool = True) -> CriteoFile:
+    return CriteoFile(path, CriteoSchema(spec.rows), batch_size, drop_last=drop_last)
+
+
 # -- building the job ----------------------------------------------------------
 
 def table_rows(args: argparse.Namespace) -> tuple[int, ...]:
@@ -300,7 +385,13 @@ def parser() -> argparse.ArgumentParser:
                         help="eviction policy; none: no caching, every lookup to the servers")
     parser.add_argument("--max-staleness", type=int, default=2,
                         help="several workers: re-read a cached row older than this many steps")
-    parser.add_argument("--eval-samples", type=int, default=100_000)
+    parser.add_argument("--data", help="training data: a Criteo-format TSV file (without "
+                                       "it, a synthetic one is generated)")
+    parser.add_argument("--eval-data", help="held-out data in the same format (with --data)")
+    parser.add_argument("--data-dir", help="where generated data goes (default: a directory "
+                                           "under the temporary directory, reused)")
+    parser.add_argument("--eval-samples", type=int, default=100_000,
+                        help="held-out samples generated (without --data)")
     parser.add_argument("--save", help="write a checkpoint here at the end")
     parser.add_argument("--resume", help="start from this checkpoint")
     parser.add_argument("--min-auc", type=float, default=0.0,
@@ -314,24 +405,29 @@ def parser() -> argparse.ArgumentParser:
 
 # -- evaluation and the report ---------------------------------------------------
 
-def evaluate(model: DLRM, spec: DataSpec, hidden: HiddenModel, num_samples: int) -> dict:
+def evaluate(model: DLRM, spec: DataSpec, files: DataFiles) -> dict:
     """Held-out log-loss and AUC of `model`, next to the base rate's entropy
-    (what predicting the click rate alone scores) and the hidden model's AUC
-    (the best any model can do on these labels)."""
-    dense, ids, labels, logits = click_samples(spec, hidden, num_samples, HELD_OUT_SEED)
-    scores = []
+    (what predicting the click rate alone scores) and, for generated data,
+    the hidden model's AUC (the best any model can do on these labels).
+    Empty without held-out data."""
+    if files.held_out is None:
+        return {}
+    scores, labels = [], []
     with torch.no_grad():
-        for start in range(0, num_samples, EVAL_CHUNK):
-            part = slice(start, start + EVAL_CHUNK)
-            scores.append(model(dense[part], *(t[part] for t in ids)))
+        for dense, *ids, label in criteo_source(files.held_out, spec, EVAL_CHUNK,
+                                                drop_last=False):
+            scores.append(model(dense, *ids))
+            labels.append(label)
     probability = torch.sigmoid(torch.cat(scores)).double().numpy()
-    truth = labels.numpy()
-    rate = float(labels.mean())
-    return {"log_loss": log_loss(truth, probability, labels=[0, 1]),
-            "auc": roc_auc_score(truth, probability),
-            "base_rate": rate,
-            "base_rate_entropy": -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate)),
-            "hidden_model_auc": roc_auc_score(truth, logits.numpy())}
+    truth = torch.cat(labels).numpy()
+    rate = float(truth.mean())
+    metrics = {"log_loss": log_loss(truth, probability, labels=[0, 1]),
+               "auc": roc_auc_score(truth, probability),
+               "base_rate": rate,
+               "base_rate_entropy": -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))}
+    if files.held_out_logits is not None:
+        metrics["hidden_model_auc"] = roc_auc_score(truth, np.load(files.held_out_logits))
+    return metrics
 
 
 def report(args, job: Job, trainer, spec: DataSpec, cache_rows: list[int], metrics: dict,
@@ -362,9 +458,14 @@ def print_report(result: dict) -> None:
           f"{result['workers']} workers and {result['servers']} servers in "
           f"{result['train_s']:.1f} s ({result['samples_per_s']:.0f} samples/s; "
           f"{result['total_s']:.1f} s with the final write-back and table dump)")
-    print(f"held-out log-loss {result['log_loss']:.4f} (base rate {result['base_rate']:.3f}: "
-          f"entropy {result['base_rate_entropy']:.4f}), AUC {result['auc']:.4f} "
-          f"(the hidden model's own AUC: {result['hidden_model_auc']:.4f})")
+    if "auc" not in result:
+        print("no held-out data (--eval-data): no held-out scores")
+    else:
+        hidden = ("" if "hidden_model_auc" not in result
+                  else f" (the hidden model's own AUC: {result['hidden_model_auc']:.4f})")
+        print(f"held-out log-loss {result['log_loss']:.4f} (base rate "
+              f"{result['base_rate']:.3f}: entropy {result['base_rate_entropy']:.4f}), AUC "
+              f"{result['auc']:.4f}{hidden}")
     print(f"cache hit rate (unique ids of a worker-0 batch served without a pull), "
           f"policy {result['policy']}:")
     for key, table in result["cache"].items():
@@ -377,17 +478,25 @@ def print_report(result: dict) -> None:
 def main() -> int:
     args = parser().parse_args()
     torch.set_num_threads(args.threads)
+    if args.tables > NUM_CATEGORICAL:
+        raise SystemExit(f"--tables {args.tables}: Criteo-format data has {NUM_CATEGORICAL} "
+                         f"categorical features")
+    if args.ids_per_table != 1:
+        raise SystemExit("--ids-per-table: Criteo-format data has one id per feature and sample")
+    if args.eval_data and not args.data:
+        raise SystemExit("--eval-data goes with --data (generated data has its own)")
     job = Job.from_env()
     model, program, spec, cache_rows = build(args, job.cluster.num_workers)
-    # Servers train on no batch: only workers build the stream.
-    hidden = HiddenModel.build(spec) if job.is_worker else None
-    batches = global_batches(spec, hidden, args.batch_size, args.steps) if job.is_worker else []
+    # Servers train on no batch: only workers read (or generate) the data.
+    files = data_files(args, spec) if job.is_worker else None
+    source = criteo_source(files.train, spec, args.batch_size) if job.is_worker else []
     trainer = job.start(program, EmbeddingCacheMode(), num_steps=args.steps,
                         resume=args.resume)
 
     started = time.perf_counter()
     first = trainer.steps_done
-    for _ in trainer.run(trainer.shard(batches[first:])):
+    # Each worker reads its own shard of every global batch from the file.
+    for _ in trainer.run(itertools.islice(trainer.shard(source), first, args.steps)):
         pass
     train_s = time.perf_counter() - started
     if args.save and job.is_worker:
@@ -398,7 +507,7 @@ def main() -> int:
 
     total_s = time.perf_counter() - started
     model.load_state_dict({k: v for k, v in final_state.items() if k in model.state_dict()})
-    metrics = evaluate(model, spec, hidden, args.eval_samples)
+    metrics = evaluate(model, spec, files)
     result = report(args, job, trainer, spec, cache_rows, metrics, trainer.steps_done - first,
                     train_s, total_s)
     print_report(result)
@@ -406,8 +515,9 @@ def main() -> int:
         print(f"checkpoint written to {args.save}")
     if args.json:
         print(RESULT_PREFIX + json.dumps(result), flush=True)
-    if result["auc"] < args.min_auc:
-        print(f"AUC {result['auc']:.4f} is below --min-auc {args.min_auc}")
+    if result.get("auc", 0.0) < args.min_auc:
+        print(f"AUC {result.get('auc', 'unknown (no held-out data)')} is below --min-auc "
+              f"{args.min_auc}")
         return 1
     return 0
 

@@ -157,3 +157,25 @@ def test_shard_batches_asks_a_sharded_source_and_slices_in_memory_batches(genera
     assert int(got[2].max()) < 60, "only the first two categorical features, hashed into 60"
     batches = [(torch.arange(8).reshape(4, 2),)]
     assert torch.equal(next(iter(shard_batches(batches, 1, 2)))[0], batches[0][0][2:])
+
+
+def test_samples_follow_the_seed_and_labels_the_hidden_seed(tmp_path):
+    """So a training and a held-out file (two seeds, one hidden seed) are two
+    samples of one problem."""
+    common = {"cardinalities": 50, "num_informative": 2, "keep_logits": True}
+    base = write_synthetic_criteo(tmp_path / "a.tsv", 300, seed=1, hidden_seed=5, **common)
+    other_model = write_synthetic_criteo(tmp_path / "b.tsv", 300, seed=1, hidden_seed=6,
+                                         **common)
+    other_samples = write_synthetic_criteo(tmp_path / "c.tsv", 300, seed=2, hidden_seed=5,
+                                           **common)
+    assert base.logits.shape == (300,)
+    features = [[ln.split(b"\t")[1 + NUM_INTEGER:]
+                 for ln in (tmp_path / name).read_bytes().splitlines()]
+                for name in ("a.tsv", "b.tsv", "c.tsv")]
+    assert features[0] == features[1], "the hidden model does not change the categories"
+    assert not np.allclose(base.logits, other_model.logits)
+    assert features[0] != features[2]
+    # Only C1 and C2 are informative: their values and the counts fix the logit.
+    again = write_synthetic_criteo(tmp_path / "d.tsv", 300, seed=1, hidden_seed=5,
+                                   **{**common, "missing_rate": 0.5})
+    assert np.allclose(again.logits, base.logits), "missing fields hide values, not effects"

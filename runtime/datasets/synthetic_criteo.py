@@ -5,10 +5,12 @@ Each categorical feature t draws popularity ranks from a Zipf law over its
 `cardinalities[t]` distinct values; rank r is written as a fixed 8-digit
 hexadecimal token (as the real logs' hashed values look). The integer
 features are log-normal counts (I2 may be negative, as in the real logs).
-Labels come from a hidden logistic model: a random effect per categorical
-value plus a linear effect of the (log) counts, so there is something to
-learn. Fields go missing independently with probability `missing_rate`.
-Everything follows from `seed`.
+Labels come from a hidden logistic model: a random effect per value of the
+first `num_informative` categorical features plus a linear effect of the
+counts, so there is something to learn. Fields go missing independently with
+probability `missing_rate`. The samples follow from `seed`, the hidden model
+from `hidden_seed`: two files with one hidden seed and two sample seeds are a
+training set and a held-out set of the same problem.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -40,6 +42,9 @@ class SyntheticCriteo:
     num_samples: int
     cardinalities: tuple[int, ...]
     click_rate: float
+    # The hidden model's logit of each line (with keep_logits=True): what the
+    # best possible model would score.
+    logits: np.ndarray | None = field(default=None, repr=False, compare=False)
 
 
 def category_token(feature: int, rank: int | np.ndarray) -> np.ndarray:
@@ -59,7 +64,9 @@ def _zipf_ranks(rng: np.random.Generator, cdf: np.ndarray, count: int) -> np.nda
 
 def write_synthetic_criteo(path: str | os.PathLike, num_samples: int, *,
                            cardinalities: Sequence[int] | int = 10_000, zipf: float = 1.05,
-                           missing_rate: float = 0.02, seed: int = 0) -> SyntheticCriteo:
+                           missing_rate: float = 0.02, seed: int = 0, hidden_seed: int = 0,
+                           num_informative: int = NUM_CATEGORICAL,
+                           keep_logits: bool = False) -> SyntheticCriteo:
     """Write `num_samples` lines to `path` (see the module docstring)."""
     if isinstance(cardinalities, int):
         cardinalities = (cardinalities,) * NUM_CATEGORICAL
@@ -69,9 +76,12 @@ def write_synthetic_criteo(path: str | os.PathLike, num_samples: int, *,
                                 f"({NUM_CATEGORICAL}), got {cardinalities}")
     if not 0 <= missing_rate < 1:
         raise CriteoFormatError(f"missing_rate must be in [0, 1), got {missing_rate}")
-    rng = np.random.default_rng(seed)
-    hidden = np.random.default_rng(seed + 1)
-    effects = [hidden.standard_normal(n) for n in cardinalities]
+    if not 1 <= num_informative <= NUM_CATEGORICAL:
+        raise CriteoFormatError(f"num_informative must be in 1..{NUM_CATEGORICAL}, got "
+                                f"{num_informative}")
+    rng = np.random.default_rng([seed, 0])
+    hidden = np.random.default_rng([hidden_seed, 1])
+    effects = [hidden.standard_normal(n) for n in cardinalities[:num_informative]]
     dense_weight = hidden.standard_normal(NUM_INTEGER) / math.sqrt(NUM_INTEGER)
     dense_mean = hidden.uniform(0.0, 3.0, NUM_INTEGER)
     cdfs = []
@@ -81,6 +91,7 @@ def write_synthetic_criteo(path: str | os.PathLike, num_samples: int, *,
     tokens = [np.char.mod("%08x", category_token(t, np.arange(n)))
               for t, n in enumerate(cardinalities)]
     clicks = 0
+    kept: list[np.ndarray] = []
     path = os.fspath(path)
     with open(path, "w", encoding="ascii", newline="\n") as out:
         for begin in range(0, num_samples, _CHUNK):
@@ -91,7 +102,9 @@ def write_synthetic_criteo(path: str | os.PathLike, num_samples: int, *,
             logits = _BIAS + _DENSE_SCALE * (normal @ dense_weight)
             ranks = [_zipf_ranks(rng, cdf, count) for cdf in cdfs]
             logits += _CATEGORY_SCALE * sum(e[r] for e, r in zip(effects, ranks)) / math.sqrt(
-                NUM_CATEGORICAL)
+                num_informative)
+            if keep_logits:
+                kept.append(logits)
             labels = (rng.random(count) < 1.0 / (1.0 + np.exp(-logits))).astype(np.int64)
             clicks += int(labels.sum())
             missing = rng.random((count, NUM_INTEGER + NUM_CATEGORICAL)) < missing_rate
@@ -102,4 +115,5 @@ def write_synthetic_criteo(path: str | os.PathLike, num_samples: int, *,
                 columns.append(np.where(missing[:, NUM_INTEGER + t], "", tokens[t][ranks[t]]))
             out.write("".join("\t".join(fields) + "\n" for fields in zip(*columns)))
     return SyntheticCriteo(path, num_samples, cardinalities,
-                           clicks / num_samples if num_samples else 0.0)
+                           clicks / num_samples if num_samples else 0.0,
+                           np.concatenate(kept) if keep_logits and kept else None)
