@@ -6,9 +6,10 @@ forward, `(indices, values)` gradients, a row-wise update). This mode's
 prebuild then takes the table out of the graph: its lookup becomes
 `cached_lookup(ids, table=...)` and its update `cached_update(indices, values,
 lr, step, table=...)`, marker ops that the runtime binds to the worker's row
-cache. A bag then runs on the rows looked up (one per id: `bag_local_table`,
-`bag_local_ids`), so its sums, means, weights and padding are unchanged. Everything else is parameter-server
-mode: dense parameters on servers, gradients averaged over workers.
+cache. A bag is captured as a lookup of its ids and a sum per bag (see
+`embedding_bags`), so its lookup is cached like an embedding's. Everything
+else is parameter-server mode: dense parameters on servers, gradients
+averaged over workers.
 
 Consistency (see runtime/embedding/client.py): with one worker the cache is
 write-back (updates applied to cached rows, their optimizer state travelling
@@ -32,8 +33,6 @@ from .cached_tables import (
     CachedTable,
     CacheSettings,
     EvictionPolicy,
-    bag_local_ids,
-    bag_local_table,
     cached_lookup,
     cached_update,
     place_embedding_cache,
@@ -110,7 +109,7 @@ class EmbeddingCacheMode(ParameterServerMode):
         value = weight.meta["val"]
         lookups, update = [], None
         for user in list(weight.users):
-            if user.target in _LOOKUPS and user.args[0] is weight:
+            if user.target is _aten.embedding.default and user.args[0] is weight:
                 lookups.append(user)
             elif user.target in _ROW_WISE:
                 update = user
@@ -136,12 +135,9 @@ class EmbeddingCacheMode(ParameterServerMode):
             ids_feed = ids_feed or _batch_feed(program, ids)
             with graph.inserting_before(lookup):
                 new = graph.call_function(cached_lookup, (ids,), {"table": key})
-            if lookup.target is _aten.embedding.default:
-                new.meta = dict(lookup.meta)
-                lookup.replace_all_uses_with(new)
-                graph.erase_node(lookup)
-            else:
-                _bag_on_rows(graph, lookup, new, value)
+            new.meta = dict(lookup.meta)
+            lookup.replace_all_uses_with(new)
+            graph.erase_node(lookup)
         param, indices, values, lr, step, *state = update.args
         with graph.inserting_before(update):
             handoff = graph.call_function(cached_update, (indices, values, lr, step),
@@ -153,37 +149,6 @@ class EmbeddingCacheMode(ParameterServerMode):
         state_names = tuple(n.rsplit(".", 1)[1] for n in _state_keys(program, key))
         return CachedTable(key, value.shape[0], value.shape[1], value.dtype, settings,
                            optimizer, optimizer_settings, state_names, ids_feed, padding_idx)
-
-
-# The lookups a cached table's weight may have: nn.Embedding's and nn.EmbeddingBag's.
-_LOOKUPS = frozenset({_aten.embedding.default, _aten._embedding_bag.default})
-# Argument positions of aten._embedding_bag.
-_BAG_PADDING_ARG = 8
-
-
-def _bag_on_rows(graph: fx.Graph, bag: fx.Node, rows: fx.Node, weight) -> None:
-    """Run embedding bag `bag` on `rows` (the cached rows of its ids, one per
-    id) instead of on the whole table: the bag's table becomes those rows (and
-    a zero row for padding ids) and its ids their positions. Its other outputs
-    (which bag each id is in, bag sizes) are the same, so its backward is too."""
-    ids = bag.args[1]
-    num_ids = ids.meta["val"].numel()
-    padding = bag.args[_BAG_PADDING_ARG] if len(bag.args) > _BAG_PADDING_ARG else -1
-    padding = -1 if padding is None else padding
-    meta = {k: v for k, v in bag.meta.items() if k != "val"}
-    rows.meta = {**meta, "val": torch.empty(num_ids, weight.shape[1], dtype=weight.dtype,
-                                            device="meta")}
-    with graph.inserting_before(bag):
-        table = graph.call_function(bag_local_table, (rows,), {"padding_idx": padding})
-        local = graph.call_function(bag_local_ids, (ids,), {"padding_idx": padding})
-    table.meta = {**meta, "val": torch.empty(num_ids + (padding >= 0), weight.shape[1],
-                                             dtype=weight.dtype, device="meta")}
-    local.meta = {**meta, "val": torch.empty(num_ids, dtype=ids.meta["val"].dtype,
-                                             device="meta")}
-    args = [table, local, *bag.args[2:]]
-    if padding >= 0:
-        args[_BAG_PADDING_ARG] = num_ids  # the zero row bag_local_table appended
-    bag.args = tuple(args)
 
 
 def _state_keys(program: Program, key: str) -> list[str]:

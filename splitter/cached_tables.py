@@ -2,8 +2,6 @@
 marked (`place_embedding_cache`), their settings, what the runtime needs to
 know of each (`CachedTable`), and the marker ops a cached lookup and update
 become in the graph (`cached_lookup`, `cached_update`), bound by the runtime.
-An embedding bag's cached lookup also needs `bag_local_table` and
-`bag_local_ids`: plain ops that let the bag run on the looked-up rows.
 
 Capture reads the marks; `EmbeddingCacheMode` rewrites the graph. Neither
 depends on the other: both import this module.
@@ -20,8 +18,7 @@ from torch import nn
 from .errors import CaptureError, PlanError
 
 __all__ = ["EvictionPolicy", "CacheSettings", "CachedTable", "place_embedding_cache",
-           "cache_settings_of", "cached_lookup", "cached_update", "CACHE_OPS",
-           "bag_local_table", "bag_local_ids"]
+           "cache_settings_of", "cached_lookup", "cached_update", "CACHE_OPS"]
 
 # The attribute place_embedding_cache sets on a marked table.
 _CACHE_ATTR = "_splitrun_cache"
@@ -111,23 +108,3 @@ def cached_update(indices: torch.Tensor, values: torch.Tensor, lr: torch.Tensor,
 
 
 CACHE_OPS = frozenset({cached_lookup, cached_update})
-
-
-def bag_local_table(rows: torch.Tensor, *, padding_idx: int) -> torch.Tensor:
-    """The rows a cached bag looked up, one per id, as the table the bag runs
-    on; with a padding row (`padding_idx >= 0`) a zero row is appended for
-    the padding ids to point at."""
-    if padding_idx < 0:
-        return rows
-    return torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
-
-
-def bag_local_ids(ids: torch.Tensor, *, padding_idx: int) -> torch.Tensor:
-    """Each id's position in `bag_local_table`'s table (id i is row i of the
-    looked-up rows), padding ids pointing at its last row, so the bag still
-    leaves them out of its sums and means."""
-    flat = ids.reshape(-1)
-    local = torch.arange(flat.numel(), device=flat.device, dtype=flat.dtype)
-    if padding_idx < 0:
-        return local
-    return torch.where(flat == padding_idx, flat.numel(), local)

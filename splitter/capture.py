@@ -33,6 +33,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from . import optim
 from .cached_tables import cache_settings_of
+from .embedding_bags import bags_as_lookups
 from .errors import CaptureError
 from .sparse_optim import ROW_WISE_UPDATES, sparse_update_for
 from .labels import LABEL_ANNOTATION, MODULE_ANNOTATION, placement_of
@@ -83,7 +84,7 @@ def capture(model: nn.Module, loss_fn: LossFn,
     cached = _cached_tables(model)
     with _sparse_gradients(cached.values()):
         padding = _sparse_padding(model)
-        with _padding_left_to_the_update(model):
+        with _padding_left_to_the_update(model), bags_as_lookups(model):
             joint = _trace_joint(model, loss_fn, trainable, params, frozen, batch)
     builder = _StepBuilder(joint, trainable, list(frozen), len(batch), owners, padding)
     builder.add_inputs(groups if optimizer is not None else None)
@@ -207,7 +208,9 @@ def _padding_left_to_the_update(model: nn.Module):
     only the backward (the padding row gets no gradient), and torch's sparse
     backward drops those rows with a data-dependent shape that one static
     graph cannot hold. The row-wise update skips the row instead (see
-    `_sparse_padding`). Embedding bags keep it: it changes their forward."""
+    `_sparse_padding`), so only a returned gradient (`return_grads`) still
+    holds values for it. (Sparse bags mask their padding ids themselves:
+    `embedding_bags`.)"""
     saved = [(module, module.padding_idx) for module in model.modules()
              if isinstance(module, nn.Embedding) and module.sparse
              and module.padding_idx is not None]
@@ -402,15 +405,6 @@ def _capture_error(exc: Exception, where: str) -> CaptureError:
 
 # -- building the step graph --------------------------------------------------
 
-# `mode` of aten._embedding_bag: 0 sum, 1 mean, 2 max.
-_BAG_MEAN = 1
-
-
-def _is_sparse_bag_backward(node: fx.Node) -> bool:
-    """The backward of an EmbeddingBag with sparse=True (its `sparse` argument)."""
-    return (node.op == "call_function"
-            and node.target is _aten._embedding_bag_backward.default and bool(node.args[9]))
-
 def _safe(name: str) -> str:
     return re.sub(r"\W", "_", name)
 
@@ -482,9 +476,6 @@ class _StepBuilder:
         for node in self.joint.graph.nodes:
             if node.op in ("placeholder", "output"):
                 continue
-            if _is_sparse_bag_backward(node):
-                self.env[node] = self._bag_sparse_grad(node)
-                continue
             self.env[node] = self.graph.node_copy(node, self._lookup)
             if node is loss_node:
                 self.loss = self.env[node]
@@ -504,35 +495,6 @@ class _StepBuilder:
 
     def _lookup(self, node: fx.Node) -> fx.Node:
         return self.env[node]
-
-    def _bag_sparse_grad(self, node: fx.Node) -> fx.Node:
-        """An `nn.EmbeddingBag(sparse=True)` backward as plain ops: entry i of
-        the bags gets its bag's output gradient (divided by the bag's size in
-        mode mean, times its per-sample weight), as a COO tensor of static
-        shape like nn.Embedding's, so its (indices, values) feed the row-wise
-        update. Padding entries get values too; the update skips that row."""
-        (grad, indices, _offsets, offset2bag, bag_size, _max_indices, num_weights,
-         _scale, mode, _sparse, per_sample_weights, *_padding) = node.args
-        value = node.meta["val"]
-
-        def call(target, *args, **kwargs):
-            new = self.graph.call_function(target, args, kwargs)
-            new.meta = {k: v for k, v in node.meta.items() if k != "val"}
-            return new
-
-        bag_of = self.env[offset2bag]
-        values = call(_aten.index_select.default, self.env[grad], 0, bag_of)
-        if mode == _BAG_MEAN:
-            size = call(_aten.index_select.default, self.env[bag_size], 0, bag_of)
-            size = call(_aten.unsqueeze.default, call(_aten.clamp_min.default, size, 1), 1)
-            values = call(_aten.div.Tensor, values, size)
-        if per_sample_weights is not None:
-            weights = call(_aten.unsqueeze.default, self.env[per_sample_weights], 1)
-            values = call(_aten.mul.Tensor, values, weights)
-        flat = call(_aten.view.default, self.env[indices], [1, -1])
-        return call(_aten._sparse_coo_tensor_with_dims_and_tensors.default, 1, 1,
-                    [num_weights, value.shape[1]], flat, values, dtype=value.dtype,
-                    layout=torch.sparse_coo, device=value.device, pin_memory=None)
 
     def append_updates(self, groups: _Groups, params: dict[str, nn.Parameter]) -> None:
         for name in self.trainable:

@@ -54,30 +54,41 @@ def test_captured_bags_train_as_eager_torch(optimizer):
         assert not torch.equal(state[table], full.initial_state[table])
 
 
-def test_variable_length_bags_with_offsets_match_eager_torch():
-    """Offsets as a batch input: empty bags, bags of different lengths, and
-    include_last_offset."""
-    torch.manual_seed(0)
-    for mode, last in (("sum", False), ("mean", False), ("sum", True)):
-        bag = nn.EmbeddingBag(12, 3, mode=mode, sparse=True, padding_idx=2,
-                              include_last_offset=last)
-        ids = torch.tensor([1, 2, 3, 3, 5, 2, 7, 11])
-        offsets = torch.tensor([0, 3, 3, 6] + ([8] if last else []))
-        weights = torch.rand(8) if mode == "sum" else None
+BAG_FORMS = [(mode, padding, two_d, weighted, last)
+             for mode in ("sum", "mean") for padding in (None, 2) for two_d in (False, True)
+             for weighted in ((False, True) if mode == "sum" else (False,))
+             for last in ((False,) if two_d else (False, True))]
 
-        def loss(m, ids, offsets, *rest):
-            return (m(ids, offsets, per_sample_weights=rest[0] if rest else None) ** 2).sum()
-        batch = (ids, offsets) + ((weights,) if weights is not None else ())
-        program = capture(bag, loss, optim.SGD(lr=0.1), batch)
-        _, state = program.train_unsplit(1, lambda step: {f"batch.{i}": t
-                                                         for i, t in enumerate(batch)})
-        reference = bag.weight.detach().clone().requires_grad_(True)
-        out = F.embedding_bag(ids, reference, offsets, mode=mode, per_sample_weights=weights,
-                              padding_idx=2, include_last_offset=last)
-        (out ** 2).sum().backward()
-        expected = reference.detach() - 0.1 * reference.grad
-        expected[2] = bag.weight.detach()[2]  # torch leaves the padding row alone
-        torch.testing.assert_close(state["weight"], expected, rtol=0, atol=1e-6)
+
+@pytest.mark.parametrize("mode, padding, two_d, weighted, last", BAG_FORMS)
+def test_every_form_of_bag_matches_eager_torch(mode, padding, two_d, weighted, last):
+    """One SGD step: flat ids with offsets (an empty bag, bags of different
+    lengths, include_last_offset) or fixed-length rows of ids; with and
+    without per-sample weights and padding."""
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(12, 3, mode=mode, sparse=True, padding_idx=padding,
+                          include_last_offset=last)
+    ids = torch.tensor([1, 2, 3, 3, 5, 2, 7, 11])
+    offsets = None if two_d else torch.tensor([0, 3, 3, 6] + ([8] if last else []))
+    weights = torch.rand(8)
+    if two_d:
+        ids, weights = ids.reshape(4, 2), weights.reshape(4, 2)
+    batch = (ids, *(() if two_d else (offsets,)), *((weights,) if weighted else ()))
+
+    def loss(m, ids, *rest):
+        return (m(ids, None if two_d else rest[0],
+                  per_sample_weights=rest[-1] if weighted else None) ** 2).sum()
+    program = capture(bag, loss, optim.SGD(lr=0.1), batch)
+    _, state = program.train_unsplit(1, lambda step: {f"batch.{i}": t
+                                                     for i, t in enumerate(batch)})
+    reference = bag.weight.detach().clone().requires_grad_(True)
+    out = F.embedding_bag(ids, reference, offsets, mode=mode, padding_idx=padding,
+                          per_sample_weights=weights if weighted else None,
+                          include_last_offset=last)
+    (out ** 2).sum().backward()
+    expected = reference.detach() - 0.1 * reference.grad.to_dense()
+    torch.testing.assert_close(state["weight"], expected, rtol=0, atol=1e-6)
+    assert not torch.equal(state["weight"], bag.weight.detach())
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
