@@ -175,6 +175,7 @@ def test_samples_follow_the_seed_and_labels_the_hidden_seed(tmp_path):
     assert features[0] == features[1], "the hidden model does not change the categories"
     assert not np.allclose(base.logits, other_model.logits)
     assert features[0] != features[2]
+    assert not np.allclose(base.logits, other_samples.logits)
     # Only C1 and C2 are informative: their values and the counts fix the logit.
     again = write_synthetic_criteo(tmp_path / "d.tsv", 300, seed=1, hidden_seed=5,
                                    **{**common, "missing_rate": 0.5})
