@@ -35,6 +35,7 @@ class ModeKind(Enum):
     GENERAL = "general"
     PARAMETER_SERVER = "parameter_server"
     EMBEDDING_CACHE = "embedding_cache"
+    PARALLEL = "parallel"
 
 
 class ChannelKind(Enum):

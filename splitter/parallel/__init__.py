@@ -1,0 +1,1 @@
+"""Parallel mode: operator sharding (tensor parallelism) over groups of workers."""

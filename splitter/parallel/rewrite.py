@@ -1,0 +1,326 @@
+"""The rewrite: one rank-local copy of the step per group member, collectives
+as ordinary nodes.
+
+Every template node becomes one node per member, labelled with the member
+and computing that member's local piece (local shapes: size arguments equal
+to a full output shape become the local shape). Where a consumer needs a
+value in another placement, the change is spelled out as nodes on each
+member that read the other members' pieces:
+
+- all-gather: member j concatenates every member's shard in rank order;
+- reduce-scatter: member i slices its partial sum for every j; member j adds
+  the slices it gets, in rank order;
+- all-reduce: reduce-scatter, then all-gather (2(N-1)/N·|v| per rank); a value
+  with no dimension divisible by N is summed whole, in rank order;
+- all-to-all: member i slices its shard for every j; j concatenates.
+
+The GraphSplitter turns every read of another member's node into an
+ordinary channel, so lint, byte counters, the text and DOT forms, loopback
+and gRPC all keep working. Every sum is folded in rank order and every
+member concatenates the same pieces, so replicated values stay bit-identical.
+
+State and hyperparameters become one input per member (`l1.weight@w1`,
+`lr@w1`), so each member holds its own pieces and reads its own feeds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from ..labels import LABEL_ANNOTATION, MODULE_ANNOTATION, Label
+from ..program import (
+    InputKind,
+    InputSpec,
+    OutputKind,
+    OutputSpec,
+    Program,
+    node_annotation,
+    set_node_annotation,
+)
+from .cost import CollectiveKind, chunk_dim, redistribute_bytes, redistribute_kind
+from .layout import Collective, ParallelLayout, member_key, relocate_state_dict, shard_of
+from .placement import Placement, R
+from .propagate import ShardingLayout
+from .registry import tensor_args, value_shapes
+
+__all__ = ["expand_program", "gather_shards", "fold_sum", "local_shape"]
+
+_aten = torch.ops.aten
+
+
+def gather_shards(dim: int, *pieces: torch.Tensor) -> torch.Tensor:
+    """All-gather's last step: the members' shards, in rank order."""
+    return torch.cat(pieces, dim)
+
+
+def fold_sum(*pieces: torch.Tensor) -> torch.Tensor:
+    """A reduction's last step: the members' pieces added in rank order."""
+    total = pieces[0]
+    for piece in pieces[1:]:
+        total = total + piece
+    return total
+
+
+def local_shape(shape: tuple[int, ...], placement: Placement, n: int) -> tuple[int, ...]:
+    if not placement.is_shard:
+        return tuple(shape)
+    local = list(shape)
+    local[placement.dim] //= n
+    return tuple(local)
+
+
+def _param_of_state(key: str, program: Program) -> str:
+    base = key.rsplit(".", 1)[0]
+    try:
+        spec = program.input_for_key(base)
+    except KeyError:
+        return key
+    return base if spec.kind is InputKind.PARAM else key
+
+
+class _Expander:
+    def __init__(self, program: Program, layout: ShardingLayout, members: tuple[Label, ...]):
+        self.program = program
+        self.layout = layout
+        self.members = members
+        self.n = len(members)
+        self.graph = fx.Graph()
+        self.env: dict[tuple[fx.Node, int], fx.Node] = {}
+        self.moved: dict[tuple[fx.Node, Placement], list[fx.Node]] = {}
+        self.collectives: list[Collective] = []
+        self.inputs: list[InputSpec] = []
+        self.origin: dict[str, fx.Node] = {}  # new placeholder name -> template node
+        loss = next((s.node for s in program.outputs if s.kind is OutputKind.LOSS), None)
+        self.forward = self._ancestors(loss)
+
+    def _ancestors(self, name: str | None) -> set[str]:
+        if name is None:
+            return set()
+        nodes = {n.name: n for n in self.program.graph.nodes}
+        found, stack = set(), [nodes[name]]
+        while stack:
+            node = stack.pop()
+            if node.name in found:
+                continue
+            found.add(node.name)
+            stack.extend(node.all_input_nodes)
+        return found
+
+    # -- new nodes --
+
+    def _call(self, member: int, target: Callable, args: tuple, module: str | None) -> fx.Node:
+        node = self.graph.call_function(target, args)
+        set_node_annotation(node, str(self.members[member]))
+        if module:
+            set_node_annotation(node, module, MODULE_ANNOTATION)
+        return node
+
+    def placement(self, node: fx.Node) -> Placement:
+        return self.layout.placement(node.name)
+
+    # -- the pass --
+
+    def run(self) -> tuple[fx.Graph, list[InputSpec], list[OutputSpec]]:
+        program = self.program
+        for node in program.graph.nodes:
+            if node.op == "placeholder":
+                self._placeholder(node)
+            elif node.op == "get_attr":
+                attr = self.graph.get_attr(node.target)
+                for j in range(self.n):
+                    self.env[(node, j)] = attr
+            elif node.op == "call_function":
+                self._copy(node)
+        outputs = self._outputs()
+        return self.graph, self.inputs, outputs
+
+    def _placeholder(self, node: fx.Node) -> None:
+        spec = self.program.input_spec(node.name)
+        placement = self.placement(node)
+        if spec.kind is InputKind.BATCH:
+            shared = self.graph.placeholder(node.name)
+            self.origin[shared.name] = node
+            self.inputs.append(InputSpec(shared.name, spec.kind, spec.key))
+            for j in range(self.n):
+                self.env[(node, j)] = shared if not placement.is_shard else self._call(
+                    j, shard_of, (shared, placement.dim, j, self.n), None)
+            return
+        for j, member in enumerate(self.members):
+            new = self.graph.placeholder(f"{node.name}_{member}")
+            set_node_annotation(new, str(member))
+            self.origin[new.name] = node
+            self.inputs.append(InputSpec(new.name, spec.kind, member_key(spec.key, member)))
+            self.env[(node, j)] = new
+
+    def _copy(self, node: fx.Node) -> None:
+        module = self.program.module_of(node)
+        if node.target is operator.getitem:
+            for j in range(self.n):
+                self.env[(node, j)] = self._call(
+                    j, operator.getitem, (self.env[(node.args[0], j)], node.args[1]), module)
+            return
+        strategy = self.layout.strategies[node.name]
+        args = tensor_args(node)
+        full_out = value_shapes(node)[0]
+        local_out = local_shape(full_out, strategy.outputs[0], self.n)
+        for j in range(self.n):
+            mapped = {}
+            for position, arg in enumerate(args):
+                if arg not in mapped:
+                    mapped[arg] = self._local(arg, strategy.inputs[position], j, node)
+            new_args = fx.node.map_arg(node.args, mapped.__getitem__)
+            new_kwargs = fx.node.map_arg(node.kwargs, mapped.__getitem__)
+            if local_out != full_out:
+                new_args = _localise_sizes(new_args, full_out, local_out)
+            new = self.graph.call_function(node.target, new_args, new_kwargs)
+            custom = {k: v for k, v in (node.meta.get("custom") or {}).items()
+                      if k != LABEL_ANNOTATION}
+            new.meta["custom"] = custom
+            set_node_annotation(new, str(self.members[j]))
+            self.env[(node, j)] = new
+
+    def _local(self, value: fx.Node, need: Placement, member: int, reader: fx.Node) -> fx.Node:
+        have = self.placement(value)
+        if have == need:
+            return self.env[(value, member)]
+        key = (value, need)
+        if key not in self.moved:
+            self.moved[key] = self._redistribute(value, have, need, reader)
+        return self.moved[key][member]
+
+    def _redistribute(self, value: fx.Node, have: Placement, need: Placement,
+                      reader: fx.Node | None) -> list[fx.Node]:
+        kind = redistribute_kind(have, need)
+        n = self.n
+        pieces = [self.env[(value, j)] for j in range(n)]
+        module = self.program.module_of(value)
+        shape = value_shapes(value)[0]
+        itemsize = _itemsize(value)
+        if kind not in (CollectiveKind.SLICE, CollectiveKind.ZERO_OTHERS):
+            nbytes = int(redistribute_bytes(have, need, shape, itemsize, n))
+            is_forward = reader is not None and reader.name in self.forward
+            self.collectives.append(Collective(kind, value.name, have, need, nbytes, is_forward))
+        if kind is CollectiveKind.SLICE:
+            return [self._call(j, shard_of, (pieces[j], need.dim, j, n), module)
+                    for j in range(n)]
+        if kind is CollectiveKind.ZERO_OTHERS:
+            return [pieces[0]] + [self._call(j, _aten.zeros_like.default, (pieces[j],), module)
+                                  for j in range(1, n)]
+        if kind is CollectiveKind.ALL_GATHER:
+            return [self._call(j, gather_shards, (have.dim, *pieces), module) for j in range(n)]
+        if kind is CollectiveKind.REDUCE_SCATTER:
+            return self._reduce_scatter(pieces, need.dim, module)
+        if kind is CollectiveKind.ALL_TO_ALL:
+            sliced = [[self._call(i, shard_of, (pieces[i], need.dim, j, n), module)
+                       for j in range(n)] for i in range(n)]
+            return [self._call(j, gather_shards, (have.dim, *[sliced[i][j] for i in range(n)]),
+                               module) for j in range(n)]
+        assert kind is CollectiveKind.ALL_REDUCE, kind
+        dim = chunk_dim(shape, n)
+        if dim is None:
+            return [self._call(j, fold_sum, tuple(pieces), module) for j in range(n)]
+        reduced = self._reduce_scatter(pieces, dim, module)
+        return [self._call(j, gather_shards, (dim, *reduced), module) for j in range(n)]
+
+    def _reduce_scatter(self, pieces, dim: int, module) -> list[fx.Node]:
+        n = self.n
+        sliced = [[self._call(i, shard_of, (pieces[i], dim, j, n), module) for j in range(n)]
+                  for i in range(n)]
+        return [self._call(j, fold_sum, tuple(sliced[i][j] for i in range(n)), module)
+                for j in range(n)]
+
+    def _outputs(self) -> list[OutputSpec]:
+        program = self.program
+        returned = program.graph.output_node().args[0]
+        outputs: list[OutputSpec] = []
+        values: list[fx.Node] = []
+        nodes = {n.name: n for n in program.graph.nodes}
+        for spec, value in zip(program.outputs, returned):
+            if spec.kind is not OutputKind.STATE:
+                node = self._local(value, R, 0, None)
+                outputs.append(OutputSpec(node.name, spec.kind, spec.key))
+                values.append(node)
+                continue
+            slot = nodes[program.input_for_key(spec.key).node]
+            need = self.placement(slot)
+            for j, member in enumerate(self.members):
+                node = self._local(value, need, j, None)
+                outputs.append(OutputSpec(node.name, spec.kind, member_key(spec.key, member)))
+                values.append(node)
+        self.graph.output(tuple(values))
+        return outputs
+
+
+def _localise_sizes(args, full: tuple[int, ...], local: tuple[int, ...]):
+    """Size arguments equal to the full output shape become the local shape."""
+    def swap(arg):
+        if isinstance(arg, (list, tuple)) and len(arg) == len(full) and \
+                all(isinstance(a, int) for a in arg) and tuple(arg) == full:
+            return type(arg)(local)
+        return arg
+    return tuple(swap(a) for a in args)
+
+
+def _itemsize(node: fx.Node) -> int:
+    value = node.meta.get("val")
+    if isinstance(value, (tuple, list)):
+        value = value[0]
+    return value.element_size() if isinstance(value, torch.Tensor) else 4
+
+
+def _propagate_values(gm: fx.GraphModule, program: Program, inputs: list[InputSpec],
+                      expanded_shapes: dict[str, tuple]) -> None:
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = []
+    for spec in inputs:
+        shape, dtype = expanded_shapes[spec.node]
+        fakes.append(mode.from_tensor(torch.empty(shape, dtype=dtype)))
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+
+
+def expand_program(program: Program, layout: ShardingLayout, members: tuple[Label, ...]
+                   ) -> tuple[Program, ParallelLayout]:
+    """The program every member runs its piece of, and what was decided."""
+    expander = _Expander(program, layout, members)
+    graph, inputs, outputs = expander.run()
+    gm = fx.GraphModule(program.graph_module, graph, class_name="ParallelStep")
+
+    n = len(members)
+    shapes: dict[str, tuple] = {}
+    for spec in inputs:
+        original = expander.origin[spec.node]
+        value = original.meta["val"]
+        placement = layout.placement(original.name)
+        shape = tuple(value.shape) if spec.kind is InputKind.BATCH else \
+            local_shape(tuple(value.shape), placement, n)
+        shapes[spec.node] = (shape, value.dtype)
+    _propagate_values(gm, program, inputs, shapes)
+
+    nodes = {node.name: node for node in program.graph.nodes}
+    state_placement: dict[str, Placement] = {}
+    state_shapes: dict[str, tuple] = {}
+    for spec in program.inputs:
+        if spec.kind.is_state:
+            state_placement[spec.key] = layout.placement(spec.node)
+            state_shapes[spec.key] = tuple(nodes[spec.node].meta["val"].shape)
+    parallel = ParallelLayout(members, layout, state_placement, state_shapes,
+                              tuple(expander.collectives))
+    original_hparams = program.hparams_fn
+
+    def hparams(step: int) -> dict[str, torch.Tensor]:
+        feeds = {} if original_hparams is None else original_hparams(step)
+        return {member_key(k, m): v for k, v in feeds.items() for m in members}
+
+    initial = relocate_state_dict(parallel, program.initial_state) if program.initial_state \
+        else {}
+    expanded = dataclasses.replace(
+        program, graph_module=gm, inputs=tuple(inputs), outputs=tuple(outputs),
+        initial_state=initial, hparams_fn=hparams if original_hparams is not None else None)
+    return expanded, parallel
