@@ -11,6 +11,7 @@ either into a `Placement` for a group of a given size.
 
 from __future__ import annotations
 
+import ast
 import re
 from dataclasses import dataclass
 from enum import Enum
@@ -25,6 +26,7 @@ __all__ = [
     "S",
     "ShardingError",
     "parse_placement",
+    "is_placement_text",
     "to_placement",
 ]
 
@@ -74,6 +76,10 @@ def S(dim: int) -> Placement:  # noqa: N802 - reads like the notation
 _TEXT_RE = re.compile(r"^\s*(?:(R)|(P)|S\(\s*(-?\d+)\s*\))\s*$")
 
 
+def is_placement_text(text: str) -> bool:
+    return _TEXT_RE.match(text) is not None
+
+
 def parse_placement(text: str, ndim: int | None = None) -> Placement:
     """`"R"`, `"P"`, `"S(d)"`; a negative d counts from the end (needs `ndim`)."""
     match = _TEXT_RE.match(text)
@@ -117,6 +123,12 @@ def to_placement(spec: Placement | str | tuple | list, *, group_size: int,
         if spec.is_shard and ndim is not None:
             return S(_normalise_dim(spec.dim, ndim, f"{spec} of {what}"))
         return spec
+    if isinstance(spec, str) and spec.strip().startswith("(") or \
+            isinstance(spec, str) and spec.strip().startswith("["):
+        try:
+            spec = ast.literal_eval(spec.strip())
+        except (ValueError, SyntaxError):
+            raise ShardingError(f"{what}: malformed strategy {spec!r}") from None
     if isinstance(spec, str):
         try:
             return parse_placement(spec, ndim)
