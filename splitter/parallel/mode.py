@@ -24,6 +24,7 @@ from ..labels import LABEL_ANNOTATION, Cluster, Label, Role
 from ..modes import Mode
 from ..plan import ModeKind
 from ..program import InputKind, Program, node_annotation
+from ..resolve import describe_node
 from .layout import ParallelLayout
 from .placement import Placement, ShardingError, to_placement
 from .propagate import propagate
@@ -106,7 +107,7 @@ class ParallelMode(Mode):
                 label = Label.parse(text)
             except Exception:  # noqa: BLE001 - any malformed label is reported below
                 raise PlanError(f"node {node.name}: malformed label {text!r}") from None
-            where = f"node {node.name} (module {program.module_of(node) or '?'!r})"
+            where = describe_node(program, node)
             if label.role is not Role.WORKER:
                 raise PlanError(f"{where} is placed on {label.describe()}; parallel mode "
                                 f"runs on worker groups only")
