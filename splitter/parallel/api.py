@@ -228,10 +228,18 @@ class ParallelEmbedding(nn.Embedding):
 
 
 class ParallelCrossEntropyLoss(nn.CrossEntropyLoss):
-    """Cross-entropy over logits whose classes are sharded (`S(-1)`)."""
+    """Cross-entropy over logits whose classes stay sharded (`S(-1)`): each
+    member sends its rows' max and sum of exponentials instead of its logits,
+    and the loss is summed once, as a scalar. Class weights and label
+    smoothing are not supported (use `nn.CrossEntropyLoss`)."""
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return super().forward(constrain(logits, "S(-1)"), target)
+        if self.weight is not None or self.label_smoothing:
+            raise ShardingError("ParallelCrossEntropyLoss supports neither class weights nor "
+                                "label smoothing; use nn.CrossEntropyLoss for those")
+        log_probs = constrain(F.log_softmax(constrain(logits, "S(-1)"), dim=-1), "S(-1)")
+        return F.nll_loss(log_probs, target, ignore_index=self.ignore_index,
+                          reduction=self.reduction)
 
 
 def convert_parallel_linear(module: nn.Module, dim: int | None = -1) -> nn.Module:

@@ -45,6 +45,7 @@ class CollectiveKind(Enum):
     REDUCE_SCATTER = "reduce-scatter"
     ALL_REDUCE = "all-reduce"
     ALL_TO_ALL = "all-to-all"
+    EXCHANGE = "exchange"        # every member sends a small summary to every other
 
 
 def redistribute_kind(src: Placement, dst: Placement) -> CollectiveKind | None:

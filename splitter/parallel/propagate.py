@@ -26,10 +26,10 @@ from torch import fx
 from ..program import InputKind, OutputKind, Program, node_annotation
 from .cost import INFEASIBLE, bytes_of, redistribute_bytes
 from .placement import Placement, R, S, ShardingError, to_placement
-from .registry import OpStrategy, has_strategy, strategies_for, tensor_args, value_shapes
+from .registry import Exchange, OpStrategy, has_strategy, strategies_for, tensor_args, value_shapes
 from .solver import Policy, Problem, Use, Value, local_costs, solve, total_cost
 
-__all__ = ["PLACEMENT_ANNOTATION", "ShardingLayout", "propagate", "build_problem"]
+__all__ = ["PLACEMENT_ANNOTATION", "exchange_bytes", "ShardingLayout", "propagate", "build_problem"]
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,8 @@ def build_problem(program: Program, group_size: int, pins: dict[str, Placement] 
         vars_.var_of[node] = vars_.var_of[param]
 
     values: dict[fx.Node, Value] = {}
-    unary = [[0.0] * len(c) for c in vars_.candidates]
+    unary = [[float(exchange_bytes(node, c, n)) for c in cands]
+             for node, cands in zip(vars_.nodes, vars_.candidates)]
     followers: dict[int, list[int]] = defaultdict(list)
 
     def value_of(node: fx.Node) -> Value:
@@ -229,6 +230,14 @@ def build_problem(program: Program, group_size: int, pins: dict[str, Placement] 
     problem = Problem([len(c) for c in vars_.candidates], list(values.values()), unary,
                       dict(followers))
     return problem, vars_
+
+
+def exchange_bytes(node: fx.Node, strategy: OpStrategy, n: int) -> int:
+    """Bytes a strategy's own exchange sends per step (0 for most)."""
+    if not isinstance(strategy.local, Exchange):
+        return 0
+    shapes = [value_shapes(a)[0] for a in tensor_args(node)]
+    return strategy.local.bytes(node, shapes, _itemsize(node), n)
 
 
 def _redistribute_cost(made: Placement, needed: Placement, *, shape, itemsize: int,

@@ -22,9 +22,18 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from .local_ops import (
+    VOCAB_LOG_SOFTMAX,
+    VOCAB_LOG_SOFTMAX_BACKWARD,
+    Exchange,
+    vocab_embedding,
+    vocab_embedding_backward,
+    vocab_nll_loss,
+    vocab_nll_loss_backward,
+)
 from .placement import P, Placement, R, S
 
-__all__ = ["OpStrategy", "strategies_for", "tensor_args", "has_strategy", "value_shapes"]
+__all__ = ["Exchange", "OpStrategy", "strategies_for", "tensor_args", "has_strategy", "value_shapes"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +46,15 @@ Shape = tuple[int, ...]
 class OpStrategy:
     outputs: tuple[Placement, ...]
     inputs: tuple[Placement, ...]
+    # Runs instead of the op on each member: local(index, group_size, *args),
+    # or an `Exchange` (members swap a small summary first).
+    local: Callable | Exchange | None = None
 
     def __str__(self) -> str:
         outs = ", ".join(map(str, self.outputs))
         ins = ", ".join(map(str, self.inputs))
-        return f"({ins}) -> {outs}"
+        how = "" if self.local is None else f" [{self.local.__name__}]"
+        return f"({ins}) -> {outs}{how}"
 
 
 def tensor_args(node: fx.Node) -> list[fx.Node]:
@@ -380,20 +393,41 @@ def _reduce(node, in_shapes, out_shapes):
 def _softmax(node, in_shapes, out_shapes):
     ndim = len(in_shapes[0])
     dim = node.args[1] % ndim
-    return [OpStrategy((S(d),), (S(d),)) for d in range(ndim) if d != dim]
+    found = [OpStrategy((S(d),), (S(d),)) for d in range(ndim) if d != dim]
+    if _packet(node) is _aten._log_softmax:
+        found.append(OpStrategy((S(dim),), (S(dim),), local=VOCAB_LOG_SOFTMAX))
+    return found
 
 
 @_register(_aten._log_softmax_backward_data, _aten._softmax_backward_data)
 def _softmax_backward(node, in_shapes, out_shapes):
     ndim = len(in_shapes[0])
     dim = node.args[2] % ndim
-    return [OpStrategy((S(d),), (S(d), S(d))) for d in range(ndim) if d != dim]
+    found = [OpStrategy((S(d),), (S(d), S(d))) for d in range(ndim) if d != dim]
+    if _packet(node) is _aten._log_softmax_backward_data:
+        found.append(OpStrategy((S(dim),), (S(dim), S(dim)), local=VOCAB_LOG_SOFTMAX_BACKWARD))
+    return found
 
 
-@_register(_aten.nll_loss_forward, _aten.nll_loss_backward, _aten.mse_loss,
-           _aten.mse_loss_backward)
+@_register(_aten.nll_loss_forward)
+def _nll_loss(node, in_shapes, out_shapes):
+    # Class-sharded log-probabilities, no class weights: each member adds the
+    # targets it holds; the loss is a partial sum, the count replicated.
+    if len(in_shapes) != 2 or len(in_shapes[0]) != 2:
+        return []
+    return [OpStrategy((P, R), (S(1), R), local=vocab_nll_loss)]
+
+
+@_register(_aten.nll_loss_backward)
+def _nll_loss_backward(node, in_shapes, out_shapes):
+    if len(in_shapes) != 4 or len(in_shapes[1]) != 2:
+        return []
+    return [OpStrategy((S(1),), (R, S(1), R, R), local=vocab_nll_loss_backward)]
+
+
+@_register(_aten.mse_loss, _aten.mse_loss_backward)
 def _replicated_only(node, in_shapes, out_shapes):
-    return []  # mean reductions need the global count: replicated (see README)
+    return []  # a mean over a shard needs the global count: replicated
 
 
 # -- embedding ----------------------------------------------------------------------
@@ -404,6 +438,8 @@ def _embedding(node, in_shapes, out_shapes):
     last = len(out_shapes[0]) - 1
     found = [OpStrategy((S(last),), (S(1), R))]
     found += [OpStrategy((S(d),), (R, S(d))) for d in range(len(ids))]
+    # Vocabulary-parallel: each member looks up the rows it holds.
+    found.append(OpStrategy((P,), (S(0), R), local=vocab_embedding))
     return found
 
 
@@ -413,6 +449,7 @@ def _embedding_backward(node, in_shapes, out_shapes):
     found = [OpStrategy((S(1),), (S(len(grad) - 1), R))]
     # Data-parallel lookups: each member's rows add up to the table's gradient.
     found += [OpStrategy((P,), (S(d), S(d))) for d in range(len(ids))]
+    found.append(OpStrategy((S(0),), (R, R), local=vocab_embedding_backward))
     return found
 
 

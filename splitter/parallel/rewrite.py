@@ -47,8 +47,8 @@ from ..program import (
 from .cost import CollectiveKind, chunk_dim, redistribute_bytes, redistribute_kind
 from .layout import Collective, ParallelLayout, member_key, relocate_state_dict, shard_of
 from .placement import Placement, R
-from .propagate import ShardingLayout
-from .registry import tensor_args, value_shapes
+from .propagate import ShardingLayout, exchange_bytes
+from .registry import Exchange, tensor_args, value_shapes
 
 __all__ = ["expand_program", "gather_shards", "fold_sum", "local_shape"]
 
@@ -170,6 +170,8 @@ class _Expander:
         args = tensor_args(node)
         full_out = value_shapes(node)[0]
         local_out = local_shape(full_out, strategy.outputs[0], self.n)
+        summaries: list[fx.Node] = []
+        finishing: list[tuple] = []
         for j in range(self.n):
             mapped = {}
             for position, arg in enumerate(args):
@@ -179,12 +181,34 @@ class _Expander:
             new_kwargs = fx.node.map_arg(node.kwargs, mapped.__getitem__)
             if local_out != full_out:
                 new_args = _localise_sizes(new_args, full_out, local_out)
-            new = self.graph.call_function(node.target, new_args, new_kwargs)
+            if isinstance(strategy.local, Exchange):
+                summaries.append(self._call(j, strategy.local.summarise,
+                                            (j, self.n, *new_args), module))
+                finishing.append(new_args)
+                continue
+            if strategy.local is not None:
+                new = self.graph.call_function(strategy.local, (j, self.n, *new_args),
+                                               new_kwargs)
+            else:
+                new = self.graph.call_function(node.target, new_args, new_kwargs)
             custom = {k: v for k, v in (node.meta.get("custom") or {}).items()
                       if k != LABEL_ANNOTATION}
             new.meta["custom"] = custom
             set_node_annotation(new, str(self.members[j]))
             self.env[(node, j)] = new
+        if summaries:
+            self._finish_exchange(node, strategy, summaries, finishing, module)
+
+    def _finish_exchange(self, node, strategy, summaries, finishing, module) -> None:
+        """Every member reads every member's summary (in rank order) and finishes."""
+        exchange = strategy.local
+        for j in range(self.n):
+            self.env[(node, j)] = self._call(
+                j, exchange.finish, (j, self.n, tuple(finishing[j]), *summaries), module)
+        nbytes = exchange_bytes(node, strategy, self.n)
+        self.collectives.append(Collective(
+            CollectiveKind.EXCHANGE, node.name, strategy.inputs[0], strategy.outputs[0],
+            nbytes, node.name in self.forward))
 
     def _local(self, value: fx.Node, need: Placement, member: int, reader: fx.Node) -> fx.Node:
         have = self.placement(value)
