@@ -11,7 +11,7 @@ from parallel_models import make_optimizer
 from torch import nn
 
 from splitrun.runtime import run_threaded
-from splitrun.splitter import Cluster, capture, split
+from splitrun.splitter import Cluster, Label, capture, place, split
 from splitrun.splitter.parallel import (
     CollectiveKind,
     ParallelCrossEntropyLoss,
@@ -136,3 +136,52 @@ def test_layer_norm_block_with_one_layer_pinned(num_workers, policy):
     assert mode.layout.state["up.weight"] == S(0)
     if policy == "global":
         assert mode.layout.state["norm.weight"] == R
+
+
+class Stage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = ParallelLinear(8, 16, dim=-1)
+        self.down = ParallelLinear(16, 8, dim=0)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class TwoStages(nn.Module):
+    """Stage a on group {0, 1}, stage b and the head on group {2, 3}."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Stage()
+        self.b = place(Stage(), rank=2)
+        self.head = place(nn.Linear(8, 4), rank=2)
+
+    def forward(self, x):
+        return self.head(self.b(self.a(x)))
+
+
+def test_pipeline_and_tensor_parallel_groups():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(6)
+    data = [(torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen))
+            for _ in range(NUM_STEPS)]
+    batches = lambda step: {"batch.0": data[step][0], "batch.1": data[step][1]}  # noqa: E731
+    program = capture(TwoStages(), lambda m, x, y: nn.functional.mse_loss(m(x), y),
+                      make_optimizer("adam"), data[0])
+    mode = ParallelMode(groups=[[0, 1], [2, 3]])
+    plan = split(program, Cluster(num_workers=4), mode)
+    plan.lint()
+    run = run_threaded(plan, NUM_STEPS, batches, recv_timeout_s=30)
+    _, expected = program.train_unsplit(NUM_STEPS, batches)
+    layout = mode.layout
+    full = collect_state_dict(layout, run.state)
+    for key, value in expected.items():
+        torch.testing.assert_close(full[key], value, rtol=0, atol=TOLERANCE)
+    # each stage's state lives in its own group, sharded as pinned
+    assert layout.members_of("a.up.weight") == (Label.worker(0), Label.worker(1))
+    assert layout.members_of("b.up.weight") == (Label.worker(2), Label.worker(3))
+    assert layout.state["b.down.weight"] == S(1)
+    assert any(c.kind is CollectiveKind.GROUP_TO_GROUP for c in layout.collectives)
+    sent = sum(stats.bytes_sent for stats in run.stats.values())
+    assert sent == NUM_STEPS * layout.bytes_per_step == NUM_STEPS * plan.bytes_per_step()

@@ -46,6 +46,7 @@ class CollectiveKind(Enum):
     ALL_REDUCE = "all-reduce"
     ALL_TO_ALL = "all-to-all"
     EXCHANGE = "exchange"        # every member sends a small summary to every other
+    GROUP_TO_GROUP = "group-to-group"  # member j of one group to member j of another
 
 
 def redistribute_kind(src: Placement, dst: Placement) -> CollectiveKind | None:

@@ -62,17 +62,28 @@ class Collective:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """The artifacts of parallel mode (one group of workers)."""
+    """The artifacts of parallel mode: groups of equal size, each named by its
+    first member."""
 
-    members: tuple[Label, ...]
+    groups: tuple[tuple[Label, ...], ...]
     sharding: ShardingLayout
     state: dict[str, Placement]              # full state key -> placement
     state_shapes: dict[str, tuple[int, ...]]  # full shapes
+    state_group: dict[str, int]              # full state key -> index of its group
     collectives: tuple[Collective, ...]
 
     @property
     def group_size(self) -> int:
-        return len(self.members)
+        return len(self.groups[0])
+
+    @property
+    def members(self) -> tuple[Label, ...]:
+        """Every member of every group, groups in order."""
+        return tuple(label for group in self.groups for label in group)
+
+    def members_of(self, key: str) -> tuple[Label, ...]:
+        """The group that holds state `key`."""
+        return self.groups[self.state_group[key]]
 
     @property
     def bytes_per_step(self) -> int:
@@ -97,6 +108,7 @@ def relocate_state_dict(layout: ParallelLayout, full_state: Mapping[str, torch.T
     pieces: dict[str, torch.Tensor] = {}
     n = layout.group_size
     for key, placement in layout.state.items():
+        holders = layout.members_of(key)
         if key not in full_state:
             raise PlanError(f"state {key!r} is missing from the state dict to relocate; "
                             f"the step holds {', '.join(layout.state)}")
@@ -106,7 +118,9 @@ def relocate_state_dict(layout: ParallelLayout, full_state: Mapping[str, torch.T
             raise PlanError(f"state {key!r} has shape {list(value.shape)}, the step expects "
                             f"{list(expected)} (the full, unsharded shape)")
         for member in labels:
-            index = layout.members.index(member)
+            if member not in holders:
+                continue
+            index = holders.index(member)
             piece = shard_of(value, placement.dim, index, n) if placement.is_shard \
                 else value.detach().clone()
             pieces[member_key(key, member)] = piece
@@ -122,7 +136,7 @@ def collect_state_dict(layout: ParallelLayout, shards: Mapping[str, torch.Tensor
                                       if split_member_key(k) is None}
     for key, placement in layout.state.items():
         pieces = []
-        for member in layout.members:
+        for member in layout.members_of(key):
             name = member_key(key, member)
             if name not in shards:
                 raise PlanError(f"state piece {name!r} is missing; collect needs every "

@@ -24,7 +24,7 @@ from ..labels import LABEL_ANNOTATION, Cluster, Label, Role
 from ..modes import Mode
 from ..plan import ModeKind
 from ..program import InputKind, Program, node_annotation
-from ..resolve import describe_node
+from ..resolve import FOLLOWER_OPS, describe_node
 from .layout import ParallelLayout
 from .placement import Placement, ShardingError, to_placement
 from .propagate import propagate
@@ -68,7 +68,7 @@ class ParallelMode(Mode):
 
     # -- groups --
 
-    def _members(self, cluster: Cluster) -> tuple[Label, ...]:
+    def _groups(self, cluster: Cluster) -> tuple[tuple[Label, ...], ...]:
         groups = self.groups or [list(range(cluster.num_workers))]
         seen: set[int] = set()
         for group in groups:
@@ -86,40 +86,77 @@ class ParallelMode(Mode):
                 seen.add(rank)
             if sorted(group) != list(group):
                 raise PlanError(f"parallel group {group}: list its ranks in increasing order")
-        if len(groups) > 1:
+        sizes = sorted({len(g) for g in groups})
+        if len(sizes) > 1:
             raise PlanError(
-                f"parallel mode with {len(groups)} groups (pipeline + tensor parallel) is "
-                f"not built yet; run one group")
+                f"parallel groups {groups} have sizes {sizes}; groups of different sizes are "
+                f"not supported: make every group the same size")
         if cluster.num_servers:
             raise PlanError("parallel mode runs on workers only; launch without servers")
         if len(seen) != cluster.num_workers:
             idle = sorted(set(range(cluster.num_workers)) - seen)
             logger.warning("workers %s are in no parallel group; they will idle", idle)
-        return tuple(Label.worker(r) for r in groups[0])
+        return tuple(tuple(Label.worker(r) for r in group) for group in groups)
 
-    def _check_labels(self, program: Program, members: tuple[Label, ...]) -> None:
-        first = members[0]
+    def _group_of(self, program: Program, groups) -> dict[str, int]:
+        """The group that runs each node: an explicit label names a group by its
+        first member; unlabelled views follow their input; the rest runs in the
+        group of worker 0. State lives with the group that updates it."""
+        first = {group[0]: index for index, group in enumerate(groups)}
+        member_of = {label: index for index, group in enumerate(groups) for label in group}
+        default = member_of.get(Label.worker(0), 0)
+        found: dict[str, int] = {}
+        deferred = []
         for node in program.graph.nodes:
+            if node.op in ("output", "get_attr"):
+                continue
+            if node.op == "placeholder":
+                spec = program.input_spec(node.name)
+                if spec.kind in (InputKind.BATCH, InputKind.HPARAM):
+                    continue
             text = node_annotation(node, LABEL_ANNOTATION)
-            if text is None:
-                continue
-            try:
-                label = Label.parse(text)
-            except Exception:  # noqa: BLE001 - any malformed label is reported below
-                raise PlanError(f"node {node.name}: malformed label {text!r}") from None
-            where = describe_node(program, node)
-            if label.role is not Role.WORKER:
-                raise PlanError(f"{where} is placed on {label.describe()}; parallel mode "
-                                f"runs on worker groups only")
-            if label is first:
-                continue
-            if label in members:
+            if text is not None:
+                found[node.name] = first[self._check_label(program, node, text, groups)]
+            elif node.op == "placeholder":
+                deferred.append(node)
+            elif len(node.all_input_nodes) == 1 and \
+                    getattr(node.target, "overloadpacket", node.target) in FOLLOWER_OPS and \
+                    node.all_input_nodes[0].name in found:
+                found[node.name] = found[node.all_input_nodes[0].name]
+            else:
+                found[node.name] = default
+        for node in deferred:
+            spec = program.input_spec(node.name)
+            update = program.state_output(spec.key)
+            users = [u.name for u in node.users if u.name in found]
+            if update is not None and update.node in found:
+                found[node.name] = found[update.node]
+            elif users:
+                found[node.name] = found[users[0]]
+            else:
+                found[node.name] = default
+        return found
+
+    def _check_label(self, program: Program, node, text: str, groups) -> Label:
+        try:
+            label = Label.parse(text)
+        except Exception:  # noqa: BLE001 - any malformed label is reported below
+            raise PlanError(f"node {node.name}: malformed label {text!r}") from None
+        where = describe_node(program, node)
+        if label.role is not Role.WORKER:
+            raise PlanError(f"{where} is placed on {label.describe()}; parallel mode "
+                            f"runs on worker groups only")
+        for group in groups:
+            if label is group[0]:
+                return label
+            if label in group:
                 raise PlanError(
                     f"{where} is labelled {label.describe()}, which is not its group's first "
-                    f"rank; a group is named by its lowest rank: label it {first} (worker "
-                    f"{first.rank}) and every member runs its piece")
-            raise PlanError(f"{where} is labelled {label.describe()}, which is in no parallel "
-                            f"group ({', '.join(str(m) for m in members)})")
+                    f"rank; a group is named by its lowest rank: label it {group[0]} (worker "
+                    f"{group[0].rank}) and every member runs its piece")
+        names = ", ".join("{" + ", ".join(str(m) for m in g) + "}" for g in groups)
+        raise PlanError(f"{where} is labelled {label.describe()}, which is in no parallel "
+                        f"group ({names})")
 
     def _pins(self, program: Program, group_size: int) -> dict[str, Placement]:
         pins: dict[str, Placement] = {}
@@ -143,12 +180,13 @@ class ParallelMode(Mode):
         return Label.worker(0)
 
     def prebuild(self, program: Program, cluster: Cluster) -> Program:
-        members = self._members(cluster)
-        self._check_labels(program, members)
-        n = len(members)
-        sharding = propagate(program, n, self._pins(program, n), self.policy)
-        expanded, self.layout = expand_program(program, sharding, members)
+        groups = self._groups(cluster)
+        group_of = self._group_of(program, groups)
+        n = len(groups[0])
+        sharding = propagate(program, n, self._pins(program, n), self.policy, group_of)
+        expanded, self.layout = expand_program(program, sharding, groups, group_of)
         logger.info("parallel mode over %s: %d collectives, %d bytes per step (%s policy)",
-                    ", ".join(str(m) for m in members), len(self.layout.collectives),
-                    self.layout.bytes_per_step, self.policy.value)
+                    " ".join("{" + ",".join(str(m) for m in g) + "}" for g in groups),
+                    len(self.layout.collectives), self.layout.bytes_per_step,
+                    self.policy.value)
         return expanded

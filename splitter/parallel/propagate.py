@@ -126,8 +126,10 @@ def _param_of(key: str, program: Program) -> str | None:
 
 
 def build_problem(program: Program, group_size: int, pins: dict[str, Placement] | None = None,
-                  ) -> tuple[Problem, _Vars]:
-    """The step as a `Problem`; `pins` maps node names to fixed placements.
+                  group_of: dict[str, int] | None = None) -> tuple[Problem, _Vars]:
+    """The step as a `Problem`; `pins` maps node names to fixed placements;
+    `group_of` (pipeline + tensor parallel) the group that runs each node: a
+    value read by another group also pays for the move, member j to member j.
 
     Raises `ShardingError` for a pin that cannot be honoured (uneven, or an
     op that cannot produce it).
@@ -212,8 +214,10 @@ def build_problem(program: Program, group_size: int, pins: dict[str, Placement] 
         for position, arg in enumerate(tensor_args(node)):
             seen.setdefault(arg, position)
         for arg, position in seen.items():
-            value_of(arg).uses.append(
-                Use(var, tuple(c.inputs[position] for c in vars_.candidates[var])))
+            needs = tuple(c.inputs[position] for c in vars_.candidates[var])
+            if group_of is not None and _crosses(group_of, arg, node):
+                needs = tuple((_CROSS, p) for p in needs)
+            value_of(arg).uses.append(Use(var, needs))
         producers = {vars_.var_of[a][0] for a in seen}
         if len(producers) == 1 and _packet(node) in _FOLLOWER_OPS:
             followers[next(iter(producers))].append(var)
@@ -240,8 +244,26 @@ def exchange_bytes(node: fx.Node, strategy: OpStrategy, n: int) -> int:
     return strategy.local.bytes(node, shapes, _itemsize(node), n)
 
 
-def _redistribute_cost(made: Placement, needed: Placement, *, shape, itemsize: int,
-                       n: int) -> float:
+_CROSS = "to another group"
+
+
+def _crosses(group_of: dict[str, int], value: fx.Node, reader: fx.Node) -> bool:
+    source = group_of.get(_producer(value).name)
+    return source is not None and source != group_of.get(reader.name, source)
+
+
+def _producer(node: fx.Node) -> fx.Node:
+    return node.args[0] if node.target is operator.getitem else node
+
+
+def _redistribute_cost(made: Placement, needed, *, shape, itemsize: int, n: int) -> float:
+    if isinstance(needed, tuple):  # to another group: then member j sends j its piece
+        placement = needed[1]
+        size = itemsize
+        for extent in shape:
+            size *= extent
+        moved = size if placement.is_shard else n * size
+        return redistribute_bytes(made, placement, shape, itemsize, n) + moved
     return redistribute_bytes(made, needed, shape, itemsize, n)
 
 
@@ -276,10 +298,11 @@ def _pin_parameters_through_constraints(program: Program, pins: dict[str, Placem
 
 
 def propagate(program: Program, group_size: int, pins: dict[str, Placement] | None = None,
-              policy: Policy | str = Policy.GLOBAL) -> ShardingLayout:
+              policy: Policy | str = Policy.GLOBAL, group_of: dict[str, int] | None = None
+              ) -> ShardingLayout:
     """Choose every value's placement under `policy`; see the module docstring."""
     policy = Policy.parse(policy)
-    problem, vars_ = build_problem(program, group_size, pins)
+    problem, vars_ = build_problem(program, group_size, pins, group_of)
     choice = solve(problem, policy)
     cost = total_cost(problem, choice)
     if cost == INFEASIBLE:

@@ -26,6 +26,7 @@ State and hyperparameters become one input per member (`l1.weight@w1`,
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Callable
 
@@ -86,14 +87,20 @@ def _param_of_state(key: str, program: Program) -> str:
 
 
 class _Expander:
-    def __init__(self, program: Program, layout: ShardingLayout, members: tuple[Label, ...]):
+    def __init__(self, program: Program, layout: ShardingLayout,
+                 groups: tuple[tuple[Label, ...], ...], group_of: dict[str, int]):
         self.program = program
         self.layout = layout
-        self.members = members
-        self.n = len(members)
+        self.groups = groups
+        self.group_of = group_of
+        self.n = len(groups[0])
         self.graph = fx.Graph()
+        # (template node, position in its group) -> the member's node
         self.env: dict[tuple[fx.Node, int], fx.Node] = {}
+        # values every process has (batch, hyperparameters): per reader label
+        self.everywhere: dict[tuple[fx.Node, Label], fx.Node] = {}
         self.moved: dict[tuple[fx.Node, Placement], list[fx.Node]] = {}
+        self.transfers: set[tuple] = set()
         self.collectives: list[Collective] = []
         self.inputs: list[InputSpec] = []
         self.origin: dict[str, fx.Node] = {}  # new placeholder name -> template node
@@ -115,9 +122,9 @@ class _Expander:
 
     # -- new nodes --
 
-    def _call(self, member: int, target: Callable, args: tuple, module: str | None) -> fx.Node:
+    def _call(self, label: Label, target: Callable, args: tuple, module: str | None) -> fx.Node:
         node = self.graph.call_function(target, args)
-        set_node_annotation(node, str(self.members[member]))
+        set_node_annotation(node, str(label))
         if module:
             set_node_annotation(node, module, MODULE_ANNOTATION)
         return node
@@ -134,8 +141,9 @@ class _Expander:
                 self._placeholder(node)
             elif node.op == "get_attr":
                 attr = self.graph.get_attr(node.target)
-                for j in range(self.n):
-                    self.env[(node, j)] = attr
+                for group in self.groups:
+                    for label in group:
+                        self.everywhere[(node, label)] = attr
             elif node.op == "call_function":
                 self._copy(node)
         outputs = self._outputs()
@@ -148,11 +156,21 @@ class _Expander:
             shared = self.graph.placeholder(node.name)
             self.origin[shared.name] = node
             self.inputs.append(InputSpec(shared.name, spec.kind, spec.key))
-            for j in range(self.n):
-                self.env[(node, j)] = shared if not placement.is_shard else self._call(
-                    j, shard_of, (shared, placement.dim, j, self.n), None)
+            for group in self.groups:
+                for j, label in enumerate(group):
+                    self.everywhere[(node, label)] = shared if not placement.is_shard else \
+                        self._call(label, shard_of, (shared, placement.dim, j, self.n), None)
             return
-        for j, member in enumerate(self.members):
+        if spec.kind is InputKind.HPARAM:  # every member reads its own feed
+            for group in self.groups:
+                for label in group:
+                    new = self.graph.placeholder(f"{node.name}_{label}")
+                    set_node_annotation(new, str(label))
+                    self.origin[new.name] = node
+                    self.inputs.append(InputSpec(new.name, spec.kind, member_key(spec.key, label)))
+                    self.everywhere[(node, label)] = new
+            return
+        for j, member in enumerate(self.groups[self.group_of[node.name]]):
             new = self.graph.placeholder(f"{node.name}_{member}")
             set_node_annotation(new, str(member))
             self.origin[new.name] = node
@@ -161,10 +179,11 @@ class _Expander:
 
     def _copy(self, node: fx.Node) -> None:
         module = self.program.module_of(node)
+        group = self.groups[self.group_of[node.name]]
         if node.target is operator.getitem:
-            for j in range(self.n):
+            for j, label in enumerate(group):
                 self.env[(node, j)] = self._call(
-                    j, operator.getitem, (self.env[(node.args[0], j)], node.args[1]), module)
+                    label, operator.getitem, (self.env[(node.args[0], j)], node.args[1]), module)
             return
         strategy = self.layout.strategies[node.name]
         args = tensor_args(node)
@@ -176,13 +195,13 @@ class _Expander:
             mapped = {}
             for position, arg in enumerate(args):
                 if arg not in mapped:
-                    mapped[arg] = self._local(arg, strategy.inputs[position], j, node)
+                    mapped[arg] = self._local(arg, strategy.inputs[position], group[j], node)
             new_args = fx.node.map_arg(node.args, mapped.__getitem__)
             new_kwargs = fx.node.map_arg(node.kwargs, mapped.__getitem__)
             if local_out != full_out:
                 new_args = _localise_sizes(new_args, full_out, local_out)
             if isinstance(strategy.local, Exchange):
-                summaries.append(self._call(j, strategy.local.summarise,
+                summaries.append(self._call(group[j], strategy.local.summarise,
                                             (j, self.n, *new_args), module))
                 finishing.append(new_args)
                 continue
@@ -194,35 +213,72 @@ class _Expander:
             custom = {k: v for k, v in (node.meta.get("custom") or {}).items()
                       if k != LABEL_ANNOTATION}
             new.meta["custom"] = custom
-            set_node_annotation(new, str(self.members[j]))
+            set_node_annotation(new, str(group[j]))
             self.env[(node, j)] = new
         if summaries:
-            self._finish_exchange(node, strategy, summaries, finishing, module)
+            self._finish_exchange(node, group, strategy, summaries, finishing, module)
 
-    def _finish_exchange(self, node, strategy, summaries, finishing, module) -> None:
+    def _finish_exchange(self, node, group, strategy, summaries, finishing, module) -> None:
         """Every member reads every member's summary (in rank order) and finishes."""
         exchange = strategy.local
         for j in range(self.n):
             self.env[(node, j)] = self._call(
-                j, exchange.finish, (j, self.n, tuple(finishing[j]), *summaries), module)
+                group[j], exchange.finish, (j, self.n, tuple(finishing[j]), *summaries), module)
         nbytes = exchange_bytes(node, strategy, self.n)
         self.collectives.append(Collective(
             CollectiveKind.EXCHANGE, node.name, strategy.inputs[0], strategy.outputs[0],
             nbytes, node.name in self.forward))
 
-    def _local(self, value: fx.Node, need: Placement, member: int, reader: fx.Node) -> fx.Node:
+    def _local(self, value: fx.Node, need: Placement, reader_label: Label,
+               reader: fx.Node | None) -> fx.Node:
+        """`value` as `reader_label` (a member of some group) needs it. Between
+        two groups, member j reads member j's piece of the same placement."""
         have = self.placement(value)
+        if value.name not in self.group_of:  # batch, hyperparameters, constants
+            local = self.everywhere[(value, reader_label)]
+            if have == need:
+                return local
+            assert have.is_replicate and need.is_shard, (value.name, have, need)
+            position = self._position(reader_label)
+            return self._call(reader_label, shard_of, (local, need.dim, position, self.n), None)
+        position = self._position(reader_label)
+        source = self.group_of[value.name]
+        if source != self.group_of.get(reader.name if reader is not None else "", source) \
+                or reader is None and reader_label not in self.groups[source]:
+            self._note_transfer(value, need, reader_label, reader)
         if have == need:
-            return self.env[(value, member)]
+            return self.env[(value, position)]
         key = (value, need)
         if key not in self.moved:
             self.moved[key] = self._redistribute(value, have, need, reader)
-        return self.moved[key][member]
+        return self.moved[key][position]
+
+    def _note_transfer(self, value: fx.Node, need: Placement, reader_label: Label,
+                       reader: fx.Node | None) -> None:
+        """Record a move to another group once: member j sends member j its piece."""
+        target = next(i for i, g in enumerate(self.groups) if reader_label in g)
+        key = (value, need, target)
+        if key in self.transfers:
+            return
+        self.transfers.add(key)
+        shape, itemsize = value_shapes(value)[0], _itemsize(value)
+        size = itemsize * math.prod(shape)
+        nbytes = size if need.is_shard else self.n * size
+        is_forward = reader is not None and reader.name in self.forward
+        self.collectives.append(Collective(CollectiveKind.GROUP_TO_GROUP, value.name, need,
+                                           need, nbytes, is_forward))
+
+    def _position(self, label: Label) -> int:
+        for group in self.groups:
+            if label in group:
+                return group.index(label)
+        raise AssertionError(label)
 
     def _redistribute(self, value: fx.Node, have: Placement, need: Placement,
                       reader: fx.Node | None) -> list[fx.Node]:
         kind = redistribute_kind(have, need)
         n = self.n
+        group = self.groups[self.group_of[value.name]]
         pieces = [self.env[(value, j)] for j in range(n)]
         module = self.program.module_of(value)
         shape = value_shapes(value)[0]
@@ -232,32 +288,32 @@ class _Expander:
             is_forward = reader is not None and reader.name in self.forward
             self.collectives.append(Collective(kind, value.name, have, need, nbytes, is_forward))
         if kind is CollectiveKind.SLICE:
-            return [self._call(j, shard_of, (pieces[j], need.dim, j, n), module)
+            return [self._call(group[j], shard_of, (pieces[j], need.dim, j, n), module)
                     for j in range(n)]
         if kind is CollectiveKind.ZERO_OTHERS:
-            return [pieces[0]] + [self._call(j, _aten.zeros_like.default, (pieces[j],), module)
+            return [pieces[0]] + [self._call(group[j], _aten.zeros_like.default, (pieces[j],), module)
                                   for j in range(1, n)]
         if kind is CollectiveKind.ALL_GATHER:
-            return [self._call(j, gather_shards, (have.dim, *pieces), module) for j in range(n)]
+            return [self._call(group[j], gather_shards, (have.dim, *pieces), module) for j in range(n)]
         if kind is CollectiveKind.REDUCE_SCATTER:
-            return self._reduce_scatter(pieces, need.dim, module)
+            return self._reduce_scatter(group, pieces, need.dim, module)
         if kind is CollectiveKind.ALL_TO_ALL:
-            sliced = [[self._call(i, shard_of, (pieces[i], need.dim, j, n), module)
+            sliced = [[self._call(group[i], shard_of, (pieces[i], need.dim, j, n), module)
                        for j in range(n)] for i in range(n)]
-            return [self._call(j, gather_shards, (have.dim, *[sliced[i][j] for i in range(n)]),
+            return [self._call(group[j], gather_shards, (have.dim, *[sliced[i][j] for i in range(n)]),
                                module) for j in range(n)]
         assert kind is CollectiveKind.ALL_REDUCE, kind
         dim = chunk_dim(shape, n)
         if dim is None:
-            return [self._call(j, fold_sum, tuple(pieces), module) for j in range(n)]
-        reduced = self._reduce_scatter(pieces, dim, module)
-        return [self._call(j, gather_shards, (dim, *reduced), module) for j in range(n)]
+            return [self._call(group[j], fold_sum, tuple(pieces), module) for j in range(n)]
+        reduced = self._reduce_scatter(group, pieces, dim, module)
+        return [self._call(group[j], gather_shards, (dim, *reduced), module) for j in range(n)]
 
-    def _reduce_scatter(self, pieces, dim: int, module) -> list[fx.Node]:
+    def _reduce_scatter(self, group, pieces, dim: int, module) -> list[fx.Node]:
         n = self.n
-        sliced = [[self._call(i, shard_of, (pieces[i], dim, j, n), module) for j in range(n)]
+        sliced = [[self._call(group[i], shard_of, (pieces[i], dim, j, n), module) for j in range(n)]
                   for i in range(n)]
-        return [self._call(j, fold_sum, tuple(sliced[i][j] for i in range(n)), module)
+        return [self._call(group[j], fold_sum, tuple(sliced[i][j] for i in range(n)), module)
                 for j in range(n)]
 
     def _outputs(self) -> list[OutputSpec]:
@@ -268,14 +324,15 @@ class _Expander:
         nodes = {n.name: n for n in program.graph.nodes}
         for spec, value in zip(program.outputs, returned):
             if spec.kind is not OutputKind.STATE:
-                node = self._local(value, R, 0, None)
+                first = self.groups[self.group_of.get(value.name, 0)][0]
+                node = self._local(value, R, first, None)
                 outputs.append(OutputSpec(node.name, spec.kind, spec.key))
                 values.append(node)
                 continue
             slot = nodes[program.input_for_key(spec.key).node]
             need = self.placement(slot)
-            for j, member in enumerate(self.members):
-                node = self._local(value, need, j, None)
+            for member in self.groups[self.group_of[slot.name]]:
+                node = self._local(value, need, member, None)
                 outputs.append(OutputSpec(node.name, spec.kind, member_key(spec.key, member)))
                 values.append(node)
         self.graph.output(tuple(values))
@@ -309,14 +366,19 @@ def _propagate_values(gm: fx.GraphModule, program: Program, inputs: list[InputSp
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
 
 
-def expand_program(program: Program, layout: ShardingLayout, members: tuple[Label, ...]
+def expand_program(program: Program, layout: ShardingLayout,
+                   groups: tuple[tuple[Label, ...], ...], group_of: dict[str, int]
                    ) -> tuple[Program, ParallelLayout]:
-    """The program every member runs its piece of, and what was decided."""
-    expander = _Expander(program, layout, members)
+    """The program every member runs its piece of, and what was decided.
+
+    `group_of` maps every template node but the batch and hyperparameter
+    inputs to the index of the group that runs it; groups have equal sizes.
+    """
+    expander = _Expander(program, layout, groups, group_of)
     graph, inputs, outputs = expander.run()
     gm = fx.GraphModule(program.graph_module, graph, class_name="ParallelStep")
 
-    n = len(members)
+    n = len(groups[0])
     shapes: dict[str, tuple] = {}
     for spec in inputs:
         original = expander.origin[spec.node]
@@ -334,13 +396,16 @@ def expand_program(program: Program, layout: ShardingLayout, members: tuple[Labe
         if spec.kind.is_state:
             state_placement[spec.key] = layout.placement(spec.node)
             state_shapes[spec.key] = tuple(nodes[spec.node].meta["val"].shape)
-    parallel = ParallelLayout(members, layout, state_placement, state_shapes,
+    state_group = {spec.key: group_of[spec.node] for spec in program.inputs
+                   if spec.kind.is_state}
+    parallel = ParallelLayout(groups, layout, state_placement, state_shapes, state_group,
                               tuple(expander.collectives))
     original_hparams = program.hparams_fn
 
     def hparams(step: int) -> dict[str, torch.Tensor]:
         feeds = {} if original_hparams is None else original_hparams(step)
-        return {member_key(k, m): v for k, v in feeds.items() for m in members}
+        return {member_key(k, m): v for k, v in feeds.items()
+                for group in groups for m in group}
 
     initial = relocate_state_dict(parallel, program.initial_state) if program.initial_state \
         else {}
