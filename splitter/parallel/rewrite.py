@@ -238,8 +238,11 @@ class _Expander:
             local = self.everywhere[(value, reader_label)]
             if have == need:
                 return local
-            assert have.is_replicate and need.is_shard, (value.name, have, need)
+            assert have.is_replicate, (value.name, have, need)
             position = self._position(reader_label)
+            if need.is_partial:  # member 0 keeps the value, the others add zeros
+                return local if position == 0 else self._call(
+                    reader_label, _aten.zeros_like.default, (local,), None)
             return self._call(reader_label, shard_of, (local, need.dim, position, self.n), None)
         position = self._position(reader_label)
         source = self.group_of[value.name]

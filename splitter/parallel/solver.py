@@ -75,6 +75,14 @@ class Value:
     makes: tuple[Hashable, ...]   # token produced under each candidate of src
     uses: list[Use]
     cost: Callable[[Hashable, Hashable], float]  # (produced, needed) -> bytes
+    memo: dict = field(default_factory=dict, repr=False)
+
+    def between(self, made: Hashable, needed: Hashable) -> float:
+        key = (made, needed)
+        found = self.memo.get(key)
+        if found is None:
+            found = self.memo[key] = self.cost(made, needed)
+        return found
 
 
 @dataclass
@@ -121,7 +129,7 @@ class Problem:
                 token = use.needs[choice[use.dst]]
             if token != made and token not in needed:
                 needed.append(token)
-        return sum(value.cost(made, token) for token in needed)
+        return sum(value.between(made, token) for token in needed)
 
 
 def total_cost(problem: Problem, choice: Sequence[int | None]) -> float:
@@ -268,7 +276,13 @@ def _branch_and_bound(problem: Problem, start: list[int]) -> list[int]:
 
 
 def _local_search(problem: Problem, choice: list[int]) -> list[int]:
+    """Sweeps of two kinds of move until neither finds anything cheaper: one
+    variable with its followers (neighbours re-pick once), and the exact
+    best of a small neighbourhood (a variable, its followers and the nearest
+    variables it shares values with), the rest held fixed."""
     current = total_cost(problem, choice)
+    neighbours = _adjacency(problem)
+    use_windows = False
     for _ in range(MAX_SWEEPS):
         improved = False
         for var in range(problem.num_vars):
@@ -276,12 +290,84 @@ def _local_search(problem: Problem, choice: list[int]) -> list[int]:
                 if cand == choice[var]:
                     continue
                 trial = _move(problem, choice, var, cand)
-                cost = total_cost(problem, trial)
-                if cost < current:
-                    choice, current, improved = trial, cost, True
+                delta = _delta(problem, choice, trial)
+                if delta < -1e-9:
+                    choice, current, improved = trial, current + delta, True
+            if not use_windows:
+                continue
+            window = _window(problem, neighbours, var)
+            if len(window) > 1:
+                trial = _best_in_window(problem, choice, window)
+                delta = _delta(problem, choice, trial)
+                if delta < -1e-9:
+                    choice, current, improved = trial, current + delta, True
         if not improved:
-            break
+            if use_windows:
+                break
+            use_windows = True  # single moves are stuck: try neighbourhoods
     return choice
+
+
+# A neighbourhood solved exactly holds at most this many combinations.
+WINDOW_COMBINATIONS = 400
+
+
+def _delta(problem: Problem, before: list[int], after: list[int]) -> float:
+    """total_cost(after) - total_cost(before), from the values that changed."""
+    changed = [v for v in range(problem.num_vars) if before[v] != after[v]]
+    if not changed:
+        return 0.0
+    touched = {i for v in changed for i in problem.touching[v]}
+    delta = sum(problem.unary[v][after[v]] - problem.unary[v][before[v]] for v in changed)
+    for i in touched:
+        delta += problem.value_cost(i, after) - problem.value_cost(i, before)
+    return delta
+
+
+def _adjacency(problem: Problem) -> list[list[int]]:
+    adjacent: list[set[int]] = [set() for _ in range(problem.num_vars)]
+    for value in problem.values:
+        ends = {value.src} | {u.dst for u in value.uses if u.dst >= 0}
+        for end in ends:
+            adjacent[end] |= ends - {end}
+    return [sorted(a) for a in adjacent]
+
+
+def _window(problem: Problem, neighbours: list[list[int]], var: int) -> list[int]:
+    """`var`, its followers, then variables breadth-first, while the product
+    of their candidate counts stays within WINDOW_COMBINATIONS."""
+    window, size = [var], problem.num_candidates[var]
+    queue = list(problem.followers.get(var, ())) + neighbours[var]
+    seen = {var}
+    while queue:
+        other = queue.pop(0)
+        if other in seen:
+            continue
+        seen.add(other)
+        count = problem.num_candidates[other]
+        if count == 1:
+            continue
+        if size * count > WINDOW_COMBINATIONS:
+            continue
+        window.append(other)
+        size *= count
+        queue.extend(problem.followers.get(other, ()))
+        queue.extend(neighbours[other])
+    return window
+
+
+def _best_in_window(problem: Problem, choice: list[int], window: list[int]) -> list[int]:
+    touching = sorted({i for v in window for i in problem.touching[v]})
+    trial = list(choice)
+    best, best_cost = list(choice), math.inf
+    for combo in itertools.product(*[range(problem.num_candidates[v]) for v in window]):
+        for v, c in zip(window, combo):
+            trial[v] = c
+        cost = sum(problem.unary[v][trial[v]] for v in window) + \
+            sum(problem.value_cost(i, trial) for i in touching)
+        if cost < best_cost:
+            best, best_cost = list(trial), cost
+    return best
 
 
 def _move(problem: Problem, choice: list[int], var: int, cand: int) -> list[int]:
