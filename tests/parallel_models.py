@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from splitrun.runtime import run_threaded
-from splitrun.splitter import Cluster, capture, optim, split
+from splitrun.splitter import Cluster, capture, optim, split_program
 from splitrun.splitter.parallel import ParallelLinear, ParallelMode, collect_state_dict
 
 BATCH, IN, HIDDEN, OUT = 8, 8, 16, 4
@@ -53,7 +53,7 @@ def capture_mlp(optimizer: str = "adam", pin_second: bool = True, seed: int = 0)
 @dataclass
 class Trained:
     plan: object
-    mode: ParallelMode
+    layout: object  # the split's ParallelLayout
     run: object
     full_state: dict
     expected_state: dict
@@ -61,10 +61,9 @@ class Trained:
 
 
 def train_both(program, num_workers: int, num_steps: int, batches, **mode_kwargs) -> Trained:
-    mode = ParallelMode(**mode_kwargs)
-    plan = split(program, Cluster(num_workers=num_workers), mode)
-    plan.lint()
-    run = run_threaded(plan, num_steps, batches, recv_timeout_s=30)
+    split = split_program(program, Cluster(num_workers=num_workers), ParallelMode(**mode_kwargs))
+    split.lint()
+    run = run_threaded(split, num_steps, batches, recv_timeout_s=30)
     history, expected = program.train_unsplit(num_steps, batches)
-    return Trained(plan, mode, run, collect_state_dict(mode.layout, run.state), expected,
-                   history)
+    return Trained(split.plan, split.artifacts, run,
+                   collect_state_dict(split.artifacts, run.state), expected, history)

@@ -11,7 +11,7 @@ from parallel_models import make_optimizer
 from torch import nn
 
 from splitrun.runtime import run_threaded
-from splitrun.splitter import Cluster, Label, capture, place, split
+from splitrun.splitter import Cluster, Label, capture, place, split_program
 from splitrun.splitter.parallel import (
     CollectiveKind,
     ParallelCrossEntropyLoss,
@@ -62,17 +62,16 @@ def boundary_batches(num_workers: int):
 
 
 def train(program, num_workers, batches, policy="global"):
-    mode = ParallelMode(policy=policy)
-    plan = split(program, Cluster(num_workers=num_workers), mode)
-    plan.lint()
-    run = run_threaded(plan, NUM_STEPS, batches, recv_timeout_s=30)
+    split = split_program(program, Cluster(num_workers=num_workers), ParallelMode(policy=policy))
+    split.lint()
+    run = run_threaded(split, NUM_STEPS, batches, recv_timeout_s=30)
     history, expected = program.train_unsplit(NUM_STEPS, batches)
-    full = collect_state_dict(mode.layout, run.state)
+    full = collect_state_dict(split.artifacts, run.state)
     for key, value in expected.items():
         torch.testing.assert_close(full[key], value, rtol=0, atol=TOLERANCE)
     for got, want in zip(run.history, history):
         torch.testing.assert_close(got["loss"], want["loss"], rtol=0, atol=TOLERANCE)
-    return mode, run
+    return split.artifacts, run
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
@@ -82,8 +81,7 @@ def test_vocab_parallel_embedding_head_and_cross_entropy(optimizer, num_workers)
     batches = boundary_batches(num_workers)
     program = capture(VocabModel(), vocab_loss, make_optimizer(optimizer),
                       tuple(batches(0).values()))
-    mode, _ = train(program, num_workers, batches)
-    layout = mode.layout
+    layout, _ = train(program, num_workers, batches)
     assert layout.state["emb.weight"] == S(0)
     assert layout.state["head.weight"] == S(0)
     kinds = [c.kind for c in layout.collectives]
@@ -100,8 +98,8 @@ def test_the_vocab_parallel_path_itself_under_greedy():
     batches = boundary_batches(2)
     program = capture(VocabModel(), vocab_loss, make_optimizer("adam"),
                       tuple(batches(0).values()))
-    mode, _ = train(program, 2, batches, policy="greedy")
-    strategies = mode.layout.sharding.strategies
+    layout, _ = train(program, 2, batches, policy="greedy")
+    strategies = layout.sharding.strategies
     used = {str(s.local.__name__) for s in strategies.values() if s.local is not None}
     assert {"vocab_embedding", "vocab_log_softmax", "vocab_nll_loss",
             "vocab_nll_loss_backward", "vocab_log_softmax_backward"} <= used
@@ -132,10 +130,10 @@ def test_layer_norm_block_with_one_layer_pinned(num_workers, policy):
     batches = lambda step: {"batch.0": data[step][0], "batch.1": data[step][1]}  # noqa: E731
     program = capture(NormBlock(), lambda m, x, y: nn.functional.mse_loss(m(x), y),
                       make_optimizer("adam"), data[0])
-    mode, _ = train(program, num_workers, batches, policy=policy)
-    assert mode.layout.state["up.weight"] == S(0)
+    layout, _ = train(program, num_workers, batches, policy=policy)
+    assert layout.state["up.weight"] == S(0)
     if policy == "global":
-        assert mode.layout.state["norm.weight"] == R
+        assert layout.state["norm.weight"] == R
 
 
 class Stage(nn.Module):
@@ -169,12 +167,12 @@ def test_pipeline_and_tensor_parallel_groups():
     batches = lambda step: {"batch.0": data[step][0], "batch.1": data[step][1]}  # noqa: E731
     program = capture(TwoStages(), lambda m, x, y: nn.functional.mse_loss(m(x), y),
                       make_optimizer("adam"), data[0])
-    mode = ParallelMode(groups=[[0, 1], [2, 3]])
-    plan = split(program, Cluster(num_workers=4), mode)
-    plan.lint()
-    run = run_threaded(plan, NUM_STEPS, batches, recv_timeout_s=30)
+    split = split_program(program, Cluster(num_workers=4), ParallelMode(groups=[[0, 1], [2, 3]]))
+    split.lint()
+    plan = split.plan
+    run = run_threaded(split, NUM_STEPS, batches, recv_timeout_s=30)
     _, expected = program.train_unsplit(NUM_STEPS, batches)
-    layout = mode.layout
+    layout = split.artifacts
     full = collect_state_dict(layout, run.state)
     for key, value in expected.items():
         torch.testing.assert_close(full[key], value, rtol=0, atol=TOLERANCE)

@@ -9,7 +9,9 @@ import torch
 from parallel_models import BATCH, OUT, capture_mlp, mlp_batches, train_both
 
 from splitrun.runtime import run_threaded
-from splitrun.splitter import Cluster, split
+import dataclasses
+
+from splitrun.splitter import Cluster, SplitProgram, split, split_program
 from splitrun.splitter.parallel import (
     CollectiveKind,
     ParallelMode,
@@ -36,7 +38,7 @@ def test_column_then_row_mlp_equals_the_unsplit_step(optimizer, num_workers):
         torch.testing.assert_close(got["loss"], want["loss"], rtol=0, atol=TOLERANCE)
     moved = program.initial_state["l2.weight"]
     assert not torch.allclose(trained.full_state["l2.weight"], moved), "training must move weights"
-    layout = trained.mode.layout
+    layout = trained.layout
     assert layout.state["l1.weight"] == S(0) and layout.state["l2.weight"] == S(1)
     assert layout.state["l2.weight.exp_avg" if optimizer == "adam" else "l2.weight"] == S(1)
 
@@ -44,7 +46,7 @@ def test_column_then_row_mlp_equals_the_unsplit_step(optimizer, num_workers):
 @pytest.mark.parametrize("num_workers", [2, 4])
 def test_one_forward_all_reduce_and_predicted_bytes_equal_the_counters(num_workers):
     trained = train_both(capture_mlp("adam"), num_workers, NUM_STEPS, mlp_batches(NUM_STEPS))
-    collectives = trained.mode.layout.collectives
+    collectives = trained.layout.collectives
     assert len(collectives) == 1, collectives
     (reduce,) = collectives
     assert reduce.kind is CollectiveKind.ALL_REDUCE and reduce.is_forward
@@ -52,7 +54,7 @@ def test_one_forward_all_reduce_and_predicted_bytes_equal_the_counters(num_worke
     # reduce-scatter then all-gather: 2(N-1)/N of the value per rank
     assert reduce.nbytes == 2 * (num_workers - 1) * floats * 4
     sent = sum(stats.bytes_sent for stats in trained.run.stats.values())
-    assert sent == NUM_STEPS * trained.mode.layout.bytes_per_step
+    assert sent == NUM_STEPS * trained.layout.bytes_per_step
     assert sent == NUM_STEPS * trained.plan.bytes_per_step()
     per_rank = {label: stats.bytes_sent for label, stats in trained.run.stats.items()}
     assert set(per_rank.values()) == {NUM_STEPS * reduce.nbytes // num_workers}
@@ -60,7 +62,7 @@ def test_one_forward_all_reduce_and_predicted_bytes_equal_the_counters(num_worke
 
 def test_replicated_state_is_bit_identical_across_ranks():
     trained = train_both(capture_mlp("adam"), 4, NUM_STEPS, mlp_batches(NUM_STEPS))
-    layout = trained.mode.layout
+    layout = trained.layout
     replicated = [key for key, placement in layout.state.items() if placement == R]
     assert "l2.bias" in replicated
     for key in replicated:
@@ -71,12 +73,11 @@ def test_replicated_state_is_bit_identical_across_ranks():
 
 def test_relocate_then_collect_is_the_identity():
     program = capture_mlp("adam")
-    mode = ParallelMode()
-    split(program, Cluster(num_workers=4), mode)
+    layout = split_program(program, Cluster(num_workers=4), ParallelMode()).artifacts
     full = {k: torch.randn_like(v) for k, v in program.initial_state.items()}
-    pieces = relocate_state_dict(mode.layout, full)
-    assert pieces[member_key("l1.weight", mode.layout.members[1])].shape[0] == 16 // 4
-    back = collect_state_dict(mode.layout, pieces)
+    pieces = relocate_state_dict(layout, full)
+    assert pieces[member_key("l1.weight", layout.members[1])].shape[0] == 16 // 4
+    back = collect_state_dict(layout, pieces)
     assert back.keys() == full.keys()
     for key in full:
         assert torch.equal(back[key], full[key]), key
@@ -86,37 +87,30 @@ def test_save_at_four_ranks_resume_at_two_equals_unsplit_training():
     program = capture_mlp("adam")
     batches = mlp_batches(NUM_STEPS)
     first_half = 5
-    four = ParallelMode()
-    plan4 = split(program, Cluster(num_workers=4), four)
-    run4 = run_threaded(plan4, first_half, batches, recv_timeout_s=30)
-    checkpoint = collect_state_dict(four.layout, run4.state)  # a plain full state_dict
+    four = split_program(program, Cluster(num_workers=4), ParallelMode())
+    run4 = run_threaded(four, first_half, batches, recv_timeout_s=30)
+    checkpoint = collect_state_dict(four.artifacts, run4.state)  # a plain full state_dict
 
-    two = ParallelMode()
-    plan2 = split(program, Cluster(num_workers=2), two)
-    resumed = relocate_state_dict(two.layout, checkpoint)
-    expanded = plan2.program
-
-    def later(step):  # the second half's batches and hyperparameters (step count)
-        return batches(step + first_half)
-
-    original = expanded.hparams_fn
-    expanded.hparams_fn = lambda step: original(step + first_half)
-    try:
-        run2 = run_threaded(plan2, NUM_STEPS - first_half, later, state=resumed,
-                            recv_timeout_s=30)
-    finally:
-        expanded.hparams_fn = original
+    two = split_program(program, Cluster(num_workers=2), ParallelMode())
+    resumed = relocate_state_dict(two.artifacts, checkpoint)
+    # The second half: its batches, and hyperparameters at its step counts.
+    hparams = two.program.hparams_fn
+    later = SplitProgram(two.plan, dataclasses.replace(
+        two.program, hparams_fn=lambda step: hparams(step + first_half)), two.artifacts)
+    run2 = run_threaded(later, NUM_STEPS - first_half, lambda s: batches(s + first_half),
+                        state=resumed, recv_timeout_s=30)
     _, expected = program.train_unsplit(NUM_STEPS, batches)
-    final = collect_state_dict(two.layout, run2.state)
+    final = collect_state_dict(two.artifacts, run2.state)
     for key, value in expected.items():
         torch.testing.assert_close(final[key], value, rtol=0, atol=TOLERANCE)
 
 
 def test_plan_lints_and_its_text_form_round_trips():
     program = capture_mlp("sgd")
-    mode = ParallelMode()
-    plan = split(program, Cluster(num_workers=2), mode)
-    plan.lint()
+    split = split_program(program, Cluster(num_workers=2), ParallelMode())
+    split.lint()
+    plan = split.plan
+    assert plan == split_program(program, Cluster(num_workers=2), ParallelMode()).plan
     text = plan.to_text()
     assert type(plan).from_text(text).to_text() == text
     assert "w0->w1" in text and "w1->w0" in text

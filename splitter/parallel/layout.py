@@ -15,6 +15,7 @@ import torch
 
 from ..errors import PlanError
 from ..labels import Label
+from ..modes import ModeArtifacts
 from .cost import CollectiveKind
 from .placement import Placement
 from .propagate import ShardingLayout
@@ -61,7 +62,7 @@ class Collective:
 
 
 @dataclass(frozen=True)
-class ParallelLayout:
+class ParallelLayout(ModeArtifacts):
     """The artifacts of parallel mode: groups of equal size, each named by its
     first member."""
 

@@ -9,8 +9,8 @@ makes it a channel: fusion, lint and the no-deadlock invariant then hold for
 the collectives as for any other edge. fuse and postbuild are the general
 mode's.
 
-What was decided is kept as `mode.layout` (a `ParallelLayout`): the placements,
-the state's placements and the collectives with their bytes.
+What was decided comes back as the split's artifacts (a `ParallelLayout`):
+the placements, where the state lives and the collectives with their bytes.
 """
 
 from __future__ import annotations
@@ -64,7 +64,6 @@ class ParallelMode(Mode):
             raise PlanError(
                 "parallel mode's torch.distributed backend is not built yet; use the "
                 "default channel backend (backend='channels')")
-        self.layout: ParallelLayout | None = None
 
     # -- groups --
 
@@ -179,14 +178,13 @@ class ParallelMode(Mode):
     def default_label(self, cluster: Cluster) -> Label:
         return Label.worker(0)
 
-    def prebuild(self, program: Program, cluster: Cluster) -> Program:
+    def prebuild(self, program: Program, cluster: Cluster) -> tuple[Program, ParallelLayout]:
         groups = self._groups(cluster)
         group_of = self._group_of(program, groups)
         n = len(groups[0])
         sharding = propagate(program, n, self._pins(program, n), self.policy, group_of)
-        expanded, self.layout = expand_program(program, sharding, groups, group_of)
+        expanded, layout = expand_program(program, sharding, groups, group_of)
         logger.info("parallel mode over %s: %d collectives, %d bytes per step (%s policy)",
                     " ".join("{" + ",".join(str(m) for m in g) + "}" for g in groups),
-                    len(self.layout.collectives), self.layout.bytes_per_step,
-                    self.policy.value)
-        return expanded
+                    len(layout.collectives), layout.bytes_per_step, self.policy.value)
+        return expanded, layout

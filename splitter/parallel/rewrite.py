@@ -412,7 +412,10 @@ def expand_program(program: Program, layout: ShardingLayout,
 
     initial = relocate_state_dict(parallel, program.initial_state) if program.initial_state \
         else {}
+    # The captured program's facts (gradient nodes, param groups) name its own
+    # nodes and keys; the members' program has other names, so it keeps none.
     expanded = dataclasses.replace(
         program, graph_module=gm, inputs=tuple(inputs), outputs=tuple(outputs),
-        initial_state=initial, hparams_fn=hparams if original_hparams is not None else None)
+        initial_state=initial, hparams_fn=hparams if original_hparams is not None else None,
+        grads={}, sparse_grads={}, param_groups=(), cached_tables={})
     return expanded, parallel
