@@ -90,6 +90,12 @@ class ParallelLayout(ModeArtifacts):
     def bytes_per_step(self) -> int:
         return sum(c.nbytes for c in self.collectives)
 
+    def split_state(self, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return relocate_state_dict(self, full)
+
+    def full_state(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return collect_state_dict(self, state)
+
     def explain(self) -> str:
         lines = [self.sharding.explain(), "collectives per step:"]
         lines += [f"  {c}" for c in self.collectives] or ["  none"]
