@@ -112,5 +112,21 @@ def test_plan_lints_and_its_text_form_round_trips():
     plan = split.plan
     assert plan == split_program(program, Cluster(num_workers=2), ParallelMode()).plan
     text = plan.to_text()
-    assert type(plan).from_text(text).to_text() == text
-    assert "w0->w1" in text and "w1->w0" in text
+    back = type(plan).from_text(text)
+    assert back == plan and back.to_text() == text
+    assert "group w0 w1" in text
+    assert "shard l2.weight S(1) w0" in text
+    assert f"collective all-reduce addmm_1 P->R {2 * BATCH * OUT * 4}" in text
+    explained = plan.explain()
+    assert "l1.weight: S(0) on group w0" in explained
+    assert "addmm_1: P -> R all-reduce" in explained
+    dot = plan.to_dot()
+    assert "cluster_group_w0" in dot
+    assert "addmm_1: P→R all-reduce 256 B" in dot
+
+
+def test_layout_explains_every_node_with_its_alternatives():
+    layout = split_program(capture_mlp("sgd"), Cluster(num_workers=2), ParallelMode()).artifacts
+    text = layout.explain()
+    assert "addmm_1: (P, S(1), S(0)) -> P" in text and "alternatives:" in text
+    assert "collectives per step:" in text

@@ -15,6 +15,7 @@ the placements, where the state lives and the collectives with their bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from enum import Enum
@@ -22,7 +23,7 @@ from enum import Enum
 from ..errors import PlanError
 from ..labels import LABEL_ANNOTATION, Cluster, Label, Role
 from ..modes import Mode
-from ..plan import ModeKind
+from ..plan import CollectiveEntry, ModeKind, ParallelSummary, SplitPlan
 from ..program import InputKind, Program, node_annotation
 from ..resolve import FOLLOWER_OPS, describe_node
 from .layout import ParallelLayout
@@ -188,3 +189,16 @@ class ParallelMode(Mode):
                     " ".join("{" + ",".join(str(m) for m in g) + "}" for g in groups),
                     len(layout.collectives), layout.bytes_per_step, self.policy.value)
         return expanded, layout
+
+    def postbuild(self, plan: SplitPlan, program: Program,
+                  artifacts: ParallelLayout | None) -> SplitPlan:
+        """The plan gains its groups, shardings and collectives (plain data)."""
+        if artifacts is None:
+            return plan
+        summary = ParallelSummary(
+            artifacts.groups,
+            tuple((key, str(placement), artifacts.members_of(key)[0])
+                  for key, placement in artifacts.state.items()),
+            tuple(CollectiveEntry(c.kind.value, c.value, str(c.src), str(c.dst), c.nbytes)
+                  for c in artifacts.collectives))
+        return dataclasses.replace(plan, parallel=summary)

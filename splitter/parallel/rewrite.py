@@ -104,6 +104,7 @@ class _Expander:
         self.collectives: list[Collective] = []
         self.inputs: list[InputSpec] = []
         self.origin: dict[str, fx.Node] = {}  # new placeholder name -> template node
+        self.naming = ""  # the template node whose pieces are being made
         loss = next((s.node for s in program.outputs if s.kind is OutputKind.LOSS), None)
         self.forward = self._ancestors(loss)
 
@@ -123,7 +124,11 @@ class _Expander:
     # -- new nodes --
 
     def _call(self, label: Label, target: Callable, args: tuple, module: str | None) -> fx.Node:
-        node = self.graph.call_function(target, args)
+        """A helper node for the value being rewritten (`self.naming`), named
+        `VALUE__HELPER__MEMBER` so plans and pictures say what it serves."""
+        helper = getattr(target, "__name__", "op")
+        node = self.graph.create_node("call_function", target, args, {},
+                                      name=f"{self.naming}__{helper}__{label}")
         set_node_annotation(node, str(label))
         if module:
             set_node_annotation(node, module, MODULE_ANNOTATION)
@@ -156,6 +161,7 @@ class _Expander:
             shared = self.graph.placeholder(node.name)
             self.origin[shared.name] = node
             self.inputs.append(InputSpec(shared.name, spec.kind, spec.key))
+            self.naming = node.name
             for group in self.groups:
                 for j, label in enumerate(group):
                     self.everywhere[(node, label)] = shared if not placement.is_shard else \
@@ -180,6 +186,7 @@ class _Expander:
     def _copy(self, node: fx.Node) -> None:
         module = self.program.module_of(node)
         group = self.groups[self.group_of[node.name]]
+        self.naming = node.name
         if node.target is operator.getitem:
             for j, label in enumerate(group):
                 self.env[(node, j)] = self._call(
@@ -200,16 +207,20 @@ class _Expander:
             new_kwargs = fx.node.map_arg(node.kwargs, mapped.__getitem__)
             if local_out != full_out:
                 new_args = _localise_sizes(new_args, full_out, local_out)
+            self.naming = node.name
             if isinstance(strategy.local, Exchange):
                 summaries.append(self._call(group[j], strategy.local.summarise,
                                             (j, self.n, *new_args), module))
                 finishing.append(new_args)
                 continue
+            name = f"{node.name}__{group[j]}"
             if strategy.local is not None:
-                new = self.graph.call_function(strategy.local, (j, self.n, *new_args),
-                                               new_kwargs)
+                new = self.graph.create_node("call_function", strategy.local,
+                                             (j, self.n, *new_args), new_kwargs, name=name)
             else:
-                new = self.graph.call_function(node.target, new_args, new_kwargs)
+                new = self.graph.create_node("call_function", node.target, new_args,
+                                             new_kwargs, name=name)
+            self.naming = node.name
             custom = {k: v for k, v in (node.meta.get("custom") or {}).items()
                       if k != LABEL_ANNOTATION}
             new.meta["custom"] = custom
@@ -221,6 +232,7 @@ class _Expander:
     def _finish_exchange(self, node, group, strategy, summaries, finishing, module) -> None:
         """Every member reads every member's summary (in rank order) and finishes."""
         exchange = strategy.local
+        self.naming = node.name
         for j in range(self.n):
             self.env[(node, j)] = self._call(
                 group[j], exchange.finish, (j, self.n, tuple(finishing[j]), *summaries), module)
@@ -235,6 +247,7 @@ class _Expander:
         two groups, member j reads member j's piece of the same placement."""
         have = self.placement(value)
         if value.name not in self.group_of:  # batch, hyperparameters, constants
+            self.naming = value.name
             local = self.everywhere[(value, reader_label)]
             if have == need:
                 return local
@@ -282,6 +295,7 @@ class _Expander:
         kind = redistribute_kind(have, need)
         n = self.n
         group = self.groups[self.group_of[value.name]]
+        self.naming = value.name
         pieces = [self.env[(value, j)] for j in range(n)]
         module = self.program.module_of(value)
         shape = value_shapes(value)[0]
