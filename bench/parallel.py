@@ -8,7 +8,7 @@ Models (the layers each marks):
   sharded output, `loss_parallel`);
 - norm: only the first linear of a linear-gelu-linear-residual-LayerNorm-linear
   block pinned (DTensor: Colwise then Rowwise, the rest plain);
-- dp: data parallelism inside a group (the batch pinned S(0), nothing else;
+- dp: data parallelism inside a group (the batch and activations pinned S(0);
   baseline: DDP, whose gradient all-reduce is counted with the ring model).
 
 Bytes, stated precisely:
@@ -98,15 +98,19 @@ class Norm(nn.Module):
 
 
 class DataParallel(nn.Module):
+    """The batch and every activation pinned S(0): each member computes its
+    rows (left free, propagation would rather gather the small batch)."""
+
     def __init__(self, parallel: bool = True) -> None:
         super().__init__()
         self.l1, self.l2 = nn.Linear(IN, HIDDEN), nn.Linear(HIDDEN, OUT)
         self.parallel = parallel
 
     def forward(self, x):
-        if self.parallel:
-            x = constrain(x, "S(0)")
-        return self.l2(torch.relu(self.l1(x)))
+        if not self.parallel:
+            return self.l2(torch.relu(self.l1(x)))
+        hidden = constrain(torch.relu(self.l1(constrain(x, "S(0)"))), "S(0)")
+        return constrain(self.l2(hidden), "S(0)")
 
 
 def mse(model, x, y):
@@ -188,7 +192,7 @@ def _ring_bytes(op: str, nbytes: int, n: int) -> float:
 def _dtensor_worker(rank: int, n: int, name: str, steps: int, port: int, queue) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -203,6 +207,12 @@ def _dtensor_worker(rank: int, n: int, name: str, steps: int, port: int, queue) 
             self.calls: list[tuple[str, int]] = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # As CommDebugMode does: let DTensor desugar its ops first, so the
+            # collectives it issues come back through this mode.
+            if any(t is DTensor for t in types):
+                return NotImplemented
+            if isinstance(func, torch._ops.HigherOrderOperator):
+                return func(*args, **(kwargs or {}))
             namespace = getattr(func, "namespace", "")
             if namespace in ("_c10d_functional", "c10d_functional", "c10d"):
                 tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
