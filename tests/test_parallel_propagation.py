@@ -54,12 +54,18 @@ def test_explain_names_the_choice_and_the_alternatives():
 def test_redistribution_costs():
     shape, n = (8, 4), 4
     size = 8 * 4 * 4
-    assert redistribute_bytes(S(0), R, shape, 4, n) == 3 * size          # all-gather
-    assert redistribute_bytes(P, R, shape, 4, n) == 2 * 3 * size         # RS + AG
-    assert redistribute_bytes(P, S(1), shape, 4, n) == 3 * size          # reduce-scatter
-    assert redistribute_bytes(S(0), S(1), shape, 4, n) == 3 * size // 4  # all-to-all
-    assert redistribute_bytes(R, S(0), shape, 4, n) < 1                  # a local slice
-    assert redistribute_bytes(P, R, (), 4, n) == n * (n - 1) * 4         # nothing to scatter
+    def sent(src, dst, shape=shape):  # bytes, without the sub-byte tie-breakers
+        return int(redistribute_bytes(src, dst, shape, 4, n))
+
+    assert sent(S(0), R) == 3 * size          # all-gather
+    assert sent(P, R) == 2 * 3 * size         # reduce-scatter then all-gather
+    assert sent(P, S(1)) == 3 * size          # reduce-scatter
+    assert sent(S(0), S(1)) == 3 * size // 4  # all-to-all
+    assert sent(R, S(0)) == 0                 # a local slice
+    assert sent(P, R, ()) == n * (n - 1) * 4  # nothing to scatter: summed whole
+    # equal bytes, fewer collectives: one all-reduce beats reduce-scatter + all-gather
+    assert redistribute_bytes(P, R, shape, 4, n) < \
+        redistribute_bytes(P, S(0), shape, 4, n) + redistribute_bytes(S(0), R, shape, 4, n)
 
 
 # -- random problems -------------------------------------------------------------------

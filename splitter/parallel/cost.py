@@ -22,7 +22,7 @@ from enum import Enum
 
 from .placement import Placement
 
-__all__ = ["CollectiveKind", "INFEASIBLE", "LOCAL_CHANGE_COST", "bytes_of", "redistribute_kind", "redistribute_bytes",
+__all__ = ["CollectiveKind", "INFEASIBLE", "LOCAL_CHANGE_COST", "COLLECTIVE_COST", "bytes_of", "redistribute_kind", "redistribute_bytes",
            "chunk_dim"]
 
 INFEASIBLE = math.inf
@@ -30,11 +30,16 @@ INFEASIBLE = math.inf
 # shard would do: a tie-breaker far below one byte, so that among equal
 # layouts the one without needless copies wins. `bytes_of` rounds it away.
 LOCAL_CHANGE_COST = 1e-6
+# Every collective also costs a message round: a tie-breaker below one byte,
+# so that among layouts sending equal bytes the one with fewer collectives wins
+# (one all-reduce, not a reduce-scatter and an all-gather around an op).
+COLLECTIVE_COST = 1e-3
 
 
 def bytes_of(cost: float) -> int:
-    """The bytes in a total cost (without the tie-breakers)."""
-    return int(math.floor(cost + 1e-3))
+    """The bytes in a total cost (without the tie-breakers, which add up to
+    less than one byte for any step of fewer than 500 collectives)."""
+    return int(math.floor(cost + 1e-6))
 
 
 class CollectiveKind(Enum):
@@ -87,9 +92,9 @@ def redistribute_bytes(src: Placement, dst: Placement, shape: tuple[int, ...],
     if kind in (CollectiveKind.SLICE, CollectiveKind.ZERO_OTHERS):
         return LOCAL_CHANGE_COST
     if kind in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER):
-        return (n - 1) * size
+        return (n - 1) * size + COLLECTIVE_COST
     if kind is CollectiveKind.ALL_TO_ALL:
-        return (n - 1) * size // n
+        return (n - 1) * size // n + COLLECTIVE_COST
     if chunk_dim(shape, n) is None:
-        return n * (n - 1) * size
-    return 2 * (n - 1) * size
+        return n * (n - 1) * size + COLLECTIVE_COST
+    return 2 * (n - 1) * size + COLLECTIVE_COST

@@ -15,7 +15,7 @@ import torch
 
 __all__ = ["vocab_embedding", "vocab_embedding_backward", "vocab_nll_loss",
            "vocab_nll_loss_backward", "Exchange", "VOCAB_LOG_SOFTMAX",
-           "VOCAB_LOG_SOFTMAX_BACKWARD"]
+           "VOCAB_LOG_SOFTMAX_BACKWARD", "VOCAB_LOG_SOFTMAX_BACKWARD_AFTER_NLL", "AfterNllLoss"]
 
 _aten = torch.ops.aten
 
@@ -72,7 +72,7 @@ class Exchange:
     def bytes(self, node, in_shapes: list[tuple[int, ...]], itemsize: int, num: int) -> int:
         """What the exchange sends per step, all members together."""
         dim = node.args[self.dim_arg] % len(in_shapes[0])
-        return num * (num - 1) * self.summary_numel(in_shapes, dim) * itemsize
+        return num * (num - 1) * self.summary_numel(in_shapes, dim) * itemsize + 1e-3
 
 
 def _rows(shape: tuple[int, ...], dim: int) -> int:
@@ -146,3 +146,47 @@ def vocab_nll_loss_backward(index: int, num: int, grad: torch.Tensor, logp: torc
         -scale.expand(target.shape) * hit.to(logp.dtype)
     result = torch.zeros_like(logp)
     return result.scatter(-1, local.unsqueeze(-1), values.unsqueeze(-1))
+
+
+class AfterNllLoss:
+    """A log-softmax backward whose gradient comes from `nll_loss_backward`:
+    the gradient's row sums are known on every member from the targets (minus
+    the loss gradient over the count, where a target counts), so the class
+    dimension stays sharded without an exchange. The op's own inputs come
+    first; the nll backward's gradient, target and count are appended (all
+    replicated)."""
+
+    __name__ = "vocab_log_softmax_backward_after_nll"
+
+    @staticmethod
+    def nll_backward_of(node):
+        """The nll_loss_backward (without class weights) whose gradient `node`
+        differentiates, through same-shape views (`constrain`), or None."""
+        grad = node.args[0]
+        while getattr(grad, "target", None) in (_aten.view.default, _aten.alias.default) \
+                and tuple(grad.meta["val"].shape) == tuple(grad.args[0].meta["val"].shape):
+            grad = grad.args[0]
+        if getattr(grad, "target", None) is _aten.nll_loss_backward.default \
+                and grad.args[3] is None:
+            return grad
+        return None
+
+    @staticmethod
+    def extra_args(node) -> tuple:
+        """(gradient of the loss, target, count, reduction, ignore_index) of the
+        nll_loss_backward feeding `node`."""
+        nll = AfterNllLoss.nll_backward_of(node)
+        grad, _, target, _, reduction, ignore_index, total_weight = nll.args
+        return grad, target, total_weight, reduction, ignore_index
+
+    @staticmethod
+    def __call__(index: int, num: int, grad: torch.Tensor, out: torch.Tensor, dim: int, dtype,
+                 loss_grad: torch.Tensor, target: torch.Tensor, total_weight: torch.Tensor,
+                 reduction: int, ignore_index: int) -> torch.Tensor:
+        counted = (target != ignore_index).to(out.dtype)
+        scale = loss_grad / total_weight if reduction == 1 else loss_grad
+        row_sum = -(scale * counted)  # the row sums of `grad` over all members' classes
+        return grad - out.exp() * row_sum.unsqueeze(dim)
+
+
+VOCAB_LOG_SOFTMAX_BACKWARD_AFTER_NLL = AfterNllLoss()

@@ -25,6 +25,8 @@ from torch import fx
 from .local_ops import (
     VOCAB_LOG_SOFTMAX,
     VOCAB_LOG_SOFTMAX_BACKWARD,
+    VOCAB_LOG_SOFTMAX_BACKWARD_AFTER_NLL,
+    AfterNllLoss,
     Exchange,
     vocab_embedding,
     vocab_embedding_backward,
@@ -47,8 +49,9 @@ class OpStrategy:
     outputs: tuple[Placement, ...]
     inputs: tuple[Placement, ...]
     # Runs instead of the op on each member: local(index, group_size, *args),
-    # or an `Exchange` (members swap a small summary first).
-    local: Callable | Exchange | None = None
+    # or an `Exchange` (members swap a small summary first), or `AfterNllLoss`
+    # (reads the replicated inputs of the nll_loss_backward feeding it).
+    local: Callable | Exchange | AfterNllLoss | None = None
 
     def __str__(self) -> str:
         outs = ", ".join(map(str, self.outputs))
@@ -406,6 +409,9 @@ def _softmax_backward(node, in_shapes, out_shapes):
     found = [OpStrategy((S(d),), (S(d), S(d))) for d in range(ndim) if d != dim]
     if _packet(node) is _aten._log_softmax_backward_data:
         found.append(OpStrategy((S(dim),), (S(dim), S(dim)), local=VOCAB_LOG_SOFTMAX_BACKWARD))
+        if len(in_shapes[0]) == 2 and AfterNllLoss.nll_backward_of(node) is not None:
+            found.append(OpStrategy((S(dim),), (S(dim), S(dim)),
+                                    local=VOCAB_LOG_SOFTMAX_BACKWARD_AFTER_NLL))
     return found
 
 

@@ -49,6 +49,7 @@ from .cost import CollectiveKind, chunk_dim, redistribute_bytes, redistribute_ki
 from .layout import Collective, ParallelLayout, member_key, relocate_state_dict, shard_of
 from .placement import Placement, R
 from .propagate import ShardingLayout, exchange_bytes
+from .local_ops import AfterNllLoss
 from .registry import Exchange, tensor_args, value_shapes
 
 __all__ = ["expand_program", "gather_shards", "fold_sum", "local_shape"]
@@ -214,6 +215,10 @@ class _Expander:
                 finishing.append(new_args)
                 continue
             name = f"{node.name}__{group[j]}"
+            if isinstance(strategy.local, AfterNllLoss):
+                extra = tuple(self._local(a, R, group[j], node) if isinstance(a, fx.Node) else a
+                              for a in strategy.local.extra_args(node))
+                new_args = (*new_args, *extra)
             if strategy.local is not None:
                 new = self.graph.create_node("call_function", strategy.local,
                                              (j, self.n, *new_args), new_kwargs, name=name)
@@ -236,7 +241,7 @@ class _Expander:
         for j in range(self.n):
             self.env[(node, j)] = self._call(
                 group[j], exchange.finish, (j, self.n, tuple(finishing[j]), *summaries), module)
-        nbytes = exchange_bytes(node, strategy, self.n)
+        nbytes = int(exchange_bytes(node, strategy, self.n))
         self.collectives.append(Collective(
             CollectiveKind.EXCHANGE, node.name, strategy.inputs[0], strategy.outputs[0],
             nbytes, node.name in self.forward))
