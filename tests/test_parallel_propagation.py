@@ -130,3 +130,40 @@ def test_unknown_policy_is_refused():
 
     with pytest.raises(PlanError, match="unknown propagation policy 'best'.*first, greedy, global"):
         Policy.parse("best")
+
+
+def test_shard_pins_a_functions_inputs_and_outputs_and_a_modules_parameters():
+    from torch import nn
+
+    from splitrun.splitter import capture, optim
+    from splitrun.splitter.parallel import constrain, convert_parallel_linear, shard
+
+    def dense_relu(x, weight):
+        return torch.relu(x @ weight)
+
+    sharded = shard(dense_relu, in_strategy=(None, (1, 2)), out_strategy=("S(1)",))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 16))
+            self.head = shard(nn.Linear(16, 4), parameter_plan={"weight": "S(1)"})
+
+        def forward(self, x):
+            return self.head(sharded(x, self.w))
+
+    torch.manual_seed(0)
+    program = capture(Model(), lambda m, x, y: torch.nn.functional.mse_loss(m(x), y),
+                      optim.SGD(lr=0.1), (torch.randn(4, 8), torch.randn(4, 4)))
+    layout = propagate(program, 2)
+    assert layout.placement("p_w") == S(1), "(1, 2) on the weight: its columns"
+    assert layout.placement("p_head_weight") == S(1), "parameter_plan pins the parameter"
+    # the pinned output feeds a row-parallel head: one all-reduce of [4, 4] floats
+    assert layout.cost_bytes == 2 * 4 * 4 * 4
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    convert_parallel_linear(model, dim=-1)
+    assert type(model[0]).__name__ == "ParallelLinear" and model[2].dim == -1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert constrain(torch.ones(2), "R").shape == (2,)
