@@ -79,7 +79,7 @@ def feeds(batches):
 
 
 def describe(layout: ParallelLayout, plan_bytes: int) -> None:
-    print(f"placements: " + ", ".join(f"{k}={v}" for k, v in layout.state.items()
+    print("placements: " + ", ".join(f"{k}={v}" for k, v in layout.state.items()
                                       if "." in k and not k.endswith(("exp_avg", "exp_avg_sq"))))
     print(f"collectives per step ({len(layout.collectives)}):")
     for collective in layout.collectives:

@@ -47,7 +47,8 @@ def vocab_loss(model, ids, targets):
 def boundary_batches(num_workers: int):
     """Ids and targets on every shard's first and last row, plus ignored targets."""
     rows = VOCAB // num_workers
-    edges = sorted({r * rows for r in range(num_workers)} | {r * rows - 1 for r in range(1, num_workers + 1)})
+    edges = sorted({r * rows for r in range(num_workers)}
+                   | {r * rows - 1 for r in range(1, num_workers + 1)})
     gen = torch.Generator().manual_seed(3)
     data = []
     for _ in range(NUM_STEPS):

@@ -4,14 +4,14 @@ Tolerance 1e-5 (absolute): a sharded matrix product sums its partial products
 in another order than the whole one.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from parallel_models import BATCH, OUT, capture_mlp, mlp_batches, train_both
 
 from splitrun.runtime import run_threaded
-import dataclasses
-
-from splitrun.splitter import Cluster, SplitProgram, split, split_program
+from splitrun.splitter import Cluster, SplitProgram, split_program
 from splitrun.splitter.parallel import (
     CollectiveKind,
     ParallelMode,

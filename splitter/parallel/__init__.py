@@ -24,7 +24,16 @@ from .layout import (
     relocate_state_dict,
 )
 from .mode import CollectiveBackend, ParallelMode
-from .placement import P, Placement, PlacementKind, R, S, ShardingError, parse_placement, to_placement
+from .placement import (
+    P,
+    Placement,
+    PlacementKind,
+    R,
+    S,
+    ShardingError,
+    parse_placement,
+    to_placement,
+)
 from .propagate import ShardingLayout, build_problem, propagate
 from .registry import OpStrategy, strategies_for
 from .solver import Policy, Problem, Use, Value, brute_force, solve, total_cost

@@ -22,8 +22,8 @@ from enum import Enum
 
 from .placement import Placement
 
-__all__ = ["CollectiveKind", "INFEASIBLE", "LOCAL_CHANGE_COST", "COLLECTIVE_COST", "bytes_of", "redistribute_kind", "redistribute_bytes",
-           "chunk_dim"]
+__all__ = ["CollectiveKind", "INFEASIBLE", "LOCAL_CHANGE_COST", "COLLECTIVE_COST", "bytes_of",
+           "redistribute_kind", "redistribute_bytes", "chunk_dim"]
 
 INFEASIBLE = math.inf
 # A local change of placement sends nothing, but it keeps a whole copy where a

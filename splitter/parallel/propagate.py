@@ -112,7 +112,8 @@ def _check_even(node: fx.Node, placement: Placement, n: int, what: str) -> None:
 def _state_candidates(node: fx.Node, n: int) -> list[OpStrategy]:
     shape = value_shapes(node)[0]
     found = [OpStrategy((R,), ())]
-    found += [OpStrategy((S(d),), ()) for d, size in enumerate(shape) if size % n == 0 and size >= n]
+    found += [OpStrategy((S(d),), ()) for d, size in enumerate(shape)
+              if size % n == 0 and size >= n]
     return found
 
 

@@ -35,7 +35,8 @@ from .local_ops import (
 )
 from .placement import P, Placement, R, S
 
-__all__ = ["Exchange", "OpStrategy", "strategies_for", "tensor_args", "has_strategy", "value_shapes"]
+__all__ = ["Exchange", "OpStrategy", "strategies_for", "tensor_args", "has_strategy",
+           "value_shapes"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,8 @@ def strategies_for(node: fx.Node, group_size: int) -> list[OpStrategy]:
 def _divides(placement: Placement, shape: Shape, n: int) -> bool:
     if not placement.is_shard:
         return True
-    return placement.dim < len(shape) and shape[placement.dim] % n == 0 and shape[placement.dim] >= n
+    return (placement.dim < len(shape) and shape[placement.dim] % n == 0
+            and shape[placement.dim] >= n)
 
 
 def _consistent_repeats(args: list[fx.Node], placements: Sequence[Placement]) -> bool:

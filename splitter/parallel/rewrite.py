@@ -42,14 +42,13 @@ from ..program import (
     OutputKind,
     OutputSpec,
     Program,
-    node_annotation,
     set_node_annotation,
 )
 from .cost import CollectiveKind, chunk_dim, redistribute_bytes, redistribute_kind
 from .layout import Collective, ParallelLayout, member_key, relocate_state_dict, shard_of
+from .local_ops import AfterNllLoss
 from .placement import Placement, R
 from .propagate import ShardingLayout, exchange_bytes
-from .local_ops import AfterNllLoss
 from .registry import Exchange, tensor_args, value_shapes
 
 __all__ = ["expand_program", "gather_shards", "fold_sum", "local_shape"]
@@ -313,17 +312,20 @@ class _Expander:
             return [self._call(group[j], shard_of, (pieces[j], need.dim, j, n), module)
                     for j in range(n)]
         if kind is CollectiveKind.ZERO_OTHERS:
-            return [pieces[0]] + [self._call(group[j], _aten.zeros_like.default, (pieces[j],), module)
+            zeros = _aten.zeros_like.default
+            return [pieces[0]] + [self._call(group[j], zeros, (pieces[j],), module)
                                   for j in range(1, n)]
         if kind is CollectiveKind.ALL_GATHER:
-            return [self._call(group[j], gather_shards, (have.dim, *pieces), module) for j in range(n)]
+            return [self._call(group[j], gather_shards, (have.dim, *pieces), module)
+                    for j in range(n)]
         if kind is CollectiveKind.REDUCE_SCATTER:
             return self._reduce_scatter(group, pieces, need.dim, module)
         if kind is CollectiveKind.ALL_TO_ALL:
             sliced = [[self._call(group[i], shard_of, (pieces[i], need.dim, j, n), module)
                        for j in range(n)] for i in range(n)]
-            return [self._call(group[j], gather_shards, (have.dim, *[sliced[i][j] for i in range(n)]),
-                               module) for j in range(n)]
+            return [self._call(group[j], gather_shards,
+                               (have.dim, *[sliced[i][j] for i in range(n)]), module)
+                    for j in range(n)]
         assert kind is CollectiveKind.ALL_REDUCE, kind
         dim = chunk_dim(shape, n)
         if dim is None:
