@@ -73,3 +73,22 @@ def test_unknown_parameter_and_out_of_range_group():
 def test_malformed_placement_text():
     with pytest.raises(ShardingError, match=r"malformed placement 'S\[1\]'"):
         constrain(torch.zeros(2, 2), "S[1]")
+
+
+def test_an_op_without_a_strategy_runs_replicated_with_a_warning_naming_it(caplog):
+    class Cumulative(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1 = ParallelLinear(IN, 16, dim=-1)
+            self.l2 = nn.Linear(16, OUT)
+
+        def forward(self, x):
+            return self.l2(torch.cumsum(self.l1(x), dim=1))
+
+    program = capture_model(Cumulative())
+    with caplog.at_level("WARNING", logger="splitrun.splitter.parallel.propagate"):
+        plan = split(program, Cluster(num_workers=2), ParallelMode())
+    assert any("no sharding strategy for aten.cumsum" in r.getMessage() and "module 'Cumulative'"
+               in r.getMessage() and "runs replicated"
+               in r.getMessage() for r in caplog.records), caplog.text
+    assert plan.parallel is not None and plan.parallel.collectives
