@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run run-pipeline run-recsys lint test test-fast proto bench clean
+.PHONY: venv run run-pipeline run-recsys run-parallel lint test test-fast proto bench clean
 
 $(STAMP): setup.cfg setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ run-pipeline: $(STAMP)
 # A DLRM-style click model: tables on 2 servers, hot rows cached on the worker.
 run-recsys: $(STAMP)
 	$(VENV)/bin/splitrun launch --workers 1 --servers 2 examples/recsys_cache.py --min-auc 0.65
+
+# A transformer-style block, tensor parallel over 2 workers, next to the unsplit step.
+run-parallel: $(STAMP)
+	$(VENV)/bin/splitrun launch --workers 2 examples/tp_train.py
 
 # Static checks: the import contracts in setup.cfg and ruff's rules in ruff.toml.
 lint: $(STAMP)

@@ -242,6 +242,8 @@ class Job:
                 program, checkpoint.read_checkpoint(resume))
             logger.info("[%s] resuming from %s at step %d", self.label.describe(), resume,
                         first_step)
+        if split.artifacts is not None:  # parallel mode keeps state in pieces
+            state = split.artifacts.split_state(state)
         process = ProcessRuntime(split, self.label, self.transport,
                                  incarnation=self.incarnation, device=self.device, state=state,
                                  first_step=first_step,
@@ -250,7 +252,7 @@ class Job:
         self.transport.expect(receive_contracts(plan, split.program, self.label))
         logger.info("[%s] plan %s: %s", self.label.describe(), plan.fingerprint, summary)
         return Trainer(self, split, process, gather_state=gather_state, num_steps=num_steps,
-                       first_step=first_step)
+                       first_step=first_step, source=program)
 
     def report_failure(self, error: BaseException) -> None:
         if self.client is None or isinstance(error, (PeerFailed, JobFinished)):
@@ -274,9 +276,11 @@ class Trainer:
     """Runs this process's share of the split step."""
 
     def __init__(self, job: Job, split: SplitProgram, process: ProcessRuntime, *,
-                 gather_state: bool, num_steps: int | None, first_step: int = 0) -> None:
+                 gather_state: bool, num_steps: int | None, first_step: int = 0,
+                 source: Program | None = None) -> None:
         self.job = job
         self.split = split
+        self.source = source or split.program  # the captured program: checkpoints' keys
         self.process = process
         self.gather_state = gather_state
         self.steps_done = first_step
@@ -345,7 +349,7 @@ class Trainer:
         mode every worker gets whole batches; servers get none."""
         if not self.job.is_worker:
             return iter(())
-        if self.plan.mode is ModeKind.GENERAL:
+        if self.plan.mode in (ModeKind.GENERAL, ModeKind.PARALLEL):
             return iter(batches)
         return shard_batches(batches, self.job.rank, self.job.cluster.num_workers)
 
@@ -369,10 +373,14 @@ class Trainer:
         state = self._collect_state(checkpoint.save_channel, step)
         state.update(self.process.dump_tables(step))  # dirty rows go back, then the tables
         info = {"cluster": str(job.cluster), "plan": self.plan.fingerprint}
-        checkpoint.write_checkpoint(checkpoint.to_checkpoint(self.program, state, step, info),
-                                    path)
+        checkpoint.write_checkpoint(
+            checkpoint.to_checkpoint(self.source, self._full(state), step, info), path)
         logger.info("[%s] checkpoint of step %d written to %s", job.label.describe(), step,
                     path)
+
+    def _full(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        artifacts = self.split.artifacts
+        return state if artifacts is None else artifacts.full_state(state)
 
     def _send_state(self, channel: str, step: int) -> None:
         keys = self.process.state_keys
@@ -461,9 +469,9 @@ class Trainer:
 
     def _gather_state(self) -> None:
         if self.job.is_driver:
-            self.final_state = self._collect_state(checkpoint.final_state_channel,
-                                                   self.steps_done)
-            self.final_state.update(self.process.dump_tables(self.steps_done))
+            state = self._collect_state(checkpoint.final_state_channel, self.steps_done)
+            state.update(self.process.dump_tables(self.steps_done))
+            self.final_state = self._full(state)
         else:
             self._send_state(checkpoint.final_state_channel(self.job.label), self.steps_done)
             self.process.drain_prefetch()

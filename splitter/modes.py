@@ -8,7 +8,10 @@ and may adjust the finished plan (`postbuild`).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import torch
 
 from .labels import Cluster, Label
 from .plan import ChannelKind, ModeKind, SplitPlan
@@ -51,6 +54,16 @@ class ChannelDraft:
 class ModeArtifacts:
     """Base of the typed facts a mode's prebuild hands the runtime beside the
     rewritten program (which server owns what, which tables are cached)."""
+
+    def split_state(self, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A state keyed like the captured program (a checkpoint's, the initial
+        one) as the rewritten program's state. The same, unless the mode keeps
+        state in pieces (parallel mode's shards)."""
+        return dict(full)
+
+    def full_state(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The inverse of `split_state`: what checkpoints and `finish()` hold."""
+        return dict(state)
 
 
 class Mode:

@@ -27,6 +27,8 @@ __all__ = [
     "ProcessPlan",
     "DataSync",
     "ControlEdge",
+    "CollectiveEntry",
+    "ParallelSummary",
     "SplitPlan",
 ]
 
@@ -35,6 +37,7 @@ class ModeKind(Enum):
     GENERAL = "general"
     PARAMETER_SERVER = "parameter_server"
     EMBEDDING_CACHE = "embedding_cache"
+    PARALLEL = "parallel"
 
 
 class ChannelKind(Enum):
@@ -116,6 +119,47 @@ class ControlEdge:
     channel: str
 
 
+@dataclass(frozen=True, slots=True)
+class CollectiveEntry:
+    """One change of placement a parallel step makes: `value` (a node of the
+    captured step) goes from placement `src` to `dst` (text forms: R, P, S(d))
+    by a collective of `kind`, sending `nbytes` per step over all members."""
+
+    kind: str
+    value: str
+    src: str
+    dst: str
+    nbytes: int
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.value} {self.src}->{self.dst} {self.nbytes}"
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelSummary:
+    """What a parallel-mode plan adds: its groups (each named by its first
+    member), where each state slot lives and how it is sharded, and the
+    collectives of one step."""
+
+    groups: tuple[tuple[Label, ...], ...]
+    shardings: tuple[tuple[str, str, Label], ...]  # (state key, placement, group name)
+    collectives: tuple[CollectiveEntry, ...]
+
+    def group_of(self, label: Label) -> tuple[Label, ...] | None:
+        return next((g for g in self.groups if label in g), None)
+
+    def explain(self) -> str:
+        lines = ["groups: " + "  ".join("{" + ", ".join(map(str, g)) + "}" for g in self.groups)]
+        lines.append("state:")
+        lines += [f"  {key}: {placement} on group {group}" for key, placement, group
+                  in self.shardings]
+        total = sum(c.nbytes for c in self.collectives)
+        lines.append(f"collectives per step ({len(self.collectives)}, {total} bytes):")
+        lines += [f"  {c.value}: {c.src} -> {c.dst} {c.kind}, {c.nbytes} B"
+                  for c in self.collectives] or ["  none"]
+        return "\n".join(lines)
+
+
 @dataclass(frozen=True, eq=True)
 class SplitPlan:
     mode: ModeKind
@@ -123,6 +167,8 @@ class SplitPlan:
     processes: tuple[ProcessPlan, ...]
     channels: tuple[Channel, ...]
     data_syncs: tuple[DataSync, ...] = ()
+    # Parallel mode: groups, shardings, collectives (None in other modes).
+    parallel: ParallelSummary | None = None
     _index: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -186,6 +232,14 @@ class SplitPlan:
         """A short hash of the text form: two processes with the same script and
         cluster agree on it, so the scheduler can refuse a mismatched one."""
         return hashlib.sha256(self.to_text().encode()).hexdigest()[:16]
+
+    def explain(self) -> str:
+        """Parallel mode: the groups, each state slot's placement and the
+        collectives with their bytes (per node with alternatives:
+        `ParallelLayout.explain()`, the split's artifacts)."""
+        if self.parallel is None:
+            return self.summary()
+        return self.summary() + "\n" + self.parallel.explain()
 
     def summary(self) -> str:
         lines = [f"{self.mode.value} plan, {self.cluster}: "

@@ -3,7 +3,9 @@
 Each process is a coloured cluster of blocks (runs of its ops between
 communication points); each channel is an edge from the block that sends it to
 the block that receives it, labelled with its tensors and bytes per step.
-Data-sync channels are dashed, control edges dotted.
+Data-sync channels are dashed, control edges dotted. A parallel plan draws a
+cluster per group around its members, and labels each edge with the placement
+changes its values serve (`addmm_1: P→R all-reduce 256 B`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,21 @@ def plan_to_dot(plan: SplitPlan) -> str:
              '  edge [fontname="Helvetica", fontsize=9];']
     send_block: dict[str, str] = {}
     recv_block: dict[str, str] = {}
+    group_of = {}
+    if plan.parallel is not None:
+        group_of = {label: group for group in plan.parallel.groups for label in group}
+    open_group = None
     for index, proc in enumerate(plan.processes):
+        group = group_of.get(proc.label)
+        if group is not open_group:
+            if open_group is not None:
+                lines.append("  }")
+            if group is not None:
+                members = ", ".join(map(str, group))
+                lines.append(f"  subgraph cluster_group_{group[0]} {{")
+                lines.append(f"    label={_quote(f'group {group[0]}: {members}')}; "
+                             f"style=dashed; color=\"#6b7280\";")
+            open_group = group
         colour = _COLOURS[index % len(_COLOURS)]
         lines.append(f"  subgraph cluster_{proc.label} {{")
         lines.append(f"    label={_quote(proc.label.describe())}; style=filled; "
@@ -62,6 +78,8 @@ def plan_to_dot(plan: SplitPlan) -> str:
             send_block.update((channel, name) for channel in sends)
             previous = name
         lines.append("  }")
+    if open_group is not None:
+        lines.append("  }")
 
     syncing = {s.channel for s in plan.data_syncs}
     for channel in plan.channels:
@@ -73,9 +91,23 @@ def plan_to_dot(plan: SplitPlan) -> str:
             style = "dashed" if channel.name in syncing else "solid"
             label = (f"{channel.name}\\n{_names(channel.values)}\\n"
                      f"{_size(channel.nbytes)}/step")
+            served = _collectives_of(plan, channel.values)
+            if served:
+                label = f"{channel.name}\\n{served}\\n{_size(channel.nbytes)}/step"
         lines.append(f"  {src} -> {dst} [label={_quote(label)}, style={style}];")
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def _collectives_of(plan: SplitPlan, values: tuple[str, ...]) -> str:
+    """The placement changes a parallel plan's channel serves: its values are
+    named `VALUE__...` after the captured step's node they carry pieces of."""
+    if plan.parallel is None:
+        return ""
+    carried = {value.split("__", 1)[0] for value in values}
+    found = [c for c in plan.parallel.collectives if c.value in carried]
+    return "\\n".join(f"{c.value}: {c.src}→{c.dst} {c.kind} {_size(c.nbytes)}"
+                       for c in found[:_MAX_NAMES])
 
 
 def _blocks(schedule) -> list[tuple[list[str], list[str], list[str]]]:

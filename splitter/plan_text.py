@@ -15,7 +15,12 @@
       send w0->w1#0
     end
 
-A value received under another name is written `sent>received`.
+A value received under another name is written `sent>received`. A parallel
+plan adds its groups, state shardings and collectives:
+
+    group w0 w1
+    shard l1.weight S(0) w0
+    collective all-reduce addmm_1 P->R 256
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ from .labels import Cluster, Label
 from .plan import (
     Channel,
     ChannelKind,
+    CollectiveEntry,
     DataSync,
     Instruction,
     ModeKind,
     OpKind,
+    ParallelSummary,
     ProcessPlan,
     SplitPlan,
 )
@@ -45,6 +52,11 @@ def _value_token(sent: str, received: str) -> str:
 def plan_to_text(plan: SplitPlan) -> str:
     lines = [_HEADER, f"mode {plan.mode.value}",
              f"cluster workers={plan.cluster.num_workers} servers={plan.cluster.num_servers}"]
+    if plan.parallel is not None:
+        lines += [f"group {' '.join(map(str, g))}" for g in plan.parallel.groups]
+        lines += [f"shard {key} {placement} {group}"
+                  for key, placement, group in plan.parallel.shardings]
+        lines += [f"collective {c}" for c in plan.parallel.collectives]
     for c in plan.channels:
         values = " ".join(_value_token(s, r) for s, r in zip(c.values, c.recv_names))
         lines.append(f"channel {c.name} {c.kind.value} {c.nbytes}: {values}".rstrip())
@@ -79,6 +91,9 @@ def plan_from_text(text: str) -> SplitPlan:
     channels: list[Channel] = []
     syncs: list[DataSync] = []
     processes: list[ProcessPlan] = []
+    groups: list[tuple[Label, ...]] = []
+    shardings: list[tuple[str, str, Label]] = []
+    collectives: list[CollectiveEntry] = []
     current: dict | None = None
     for number, raw in enumerate(lines[1:], start=2):
         line = raw.strip()
@@ -114,6 +129,15 @@ def plan_from_text(text: str) -> SplitPlan:
                 channels.append(Channel(name, src, dst, ChannelKind(kind),
                                         tuple(p[0] for p in pairs),
                                         tuple(p[1] for p in pairs), int(nbytes)))
+            elif word == "group":
+                groups.append(tuple(Label.parse(x) for x in rest.split()))
+            elif word == "shard":
+                key, placement, group = rest.split()
+                shardings.append((key, placement, Label.parse(group)))
+            elif word == "collective":
+                kind, value, change, nbytes = rest.split()
+                src, dst = change.split("->")
+                collectives.append(CollectiveEntry(kind, value, src, dst, int(nbytes)))
             elif word == "sync":
                 key, owner, arrow, reader, channel = rest.split()
                 if arrow != "->":
@@ -132,4 +156,7 @@ def plan_from_text(text: str) -> SplitPlan:
         raise PlanParseError(f"process {current['label']} has no 'end' line")
     if mode is None or cluster is None:
         raise PlanParseError("the plan needs a 'mode' and a 'cluster' line")
-    return SplitPlan(mode, cluster, tuple(processes), tuple(channels), tuple(syncs))
+    parallel = None
+    if groups or shardings or collectives:
+        parallel = ParallelSummary(tuple(groups), tuple(shardings), tuple(collectives))
+    return SplitPlan(mode, cluster, tuple(processes), tuple(channels), tuple(syncs), parallel)

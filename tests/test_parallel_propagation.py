@@ -1,0 +1,169 @@
+"""Sharding propagation: the policies, exactness on small problems, and
+global never worse than the rules it starts from."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from parallel_models import capture_mlp
+
+from splitrun.splitter.parallel import (
+    P,
+    Policy,
+    Problem,
+    R,
+    S,
+    Use,
+    Value,
+    brute_force,
+    propagate,
+    redistribute_bytes,
+    solve,
+    total_cost,
+)
+
+
+def test_with_only_the_first_linear_pinned_the_second_comes_out_row_parallel():
+    program = capture_mlp("adam", pin_second=False)
+    for policy in ("greedy", "global"):
+        layout = propagate(program, 2, policy=policy)
+        assert layout.placement("p_l1_weight") == S(0)
+        assert layout.placement("p_l2_weight") == S(1), policy
+        assert layout.placement("o_l2_weight_exp_avg") == S(1), "state follows its parameter"
+        assert layout.placement("p_l2_bias") == R
+        # one all-reduce of the [8, 4] float output: 2(N-1)·128 bytes in all
+        assert layout.cost_bytes == 2 * 128, policy
+
+
+def test_first_policy_is_dtensors_rule_and_costs_more_here():
+    program = capture_mlp("adam", pin_second=False)
+    costs = {p: propagate(program, 2, policy=p).cost_bytes for p in ("first", "greedy", "global")}
+    assert costs["global"] <= costs["greedy"] <= costs["first"]
+    assert costs["first"] > costs["global"]
+
+
+def test_explain_names_the_choice_and_the_alternatives():
+    layout = propagate(capture_mlp("sgd"), 2)
+    text = layout.explain()
+    assert "addmm_1: (P, S(1), S(0)) -> P" in text
+    assert "alternatives:" in text
+
+
+def test_redistribution_costs():
+    shape, n = (8, 4), 4
+    size = 8 * 4 * 4
+    def sent(src, dst, shape=shape):  # bytes, without the sub-byte tie-breakers
+        return int(redistribute_bytes(src, dst, shape, 4, n))
+
+    assert sent(S(0), R) == 3 * size          # all-gather
+    assert sent(P, R) == 2 * 3 * size         # reduce-scatter then all-gather
+    assert sent(P, S(1)) == 3 * size          # reduce-scatter
+    assert sent(S(0), S(1)) == 3 * size // 4  # all-to-all
+    assert sent(R, S(0)) == 0                 # a local slice
+    assert sent(P, R, ()) == n * (n - 1) * 4  # nothing to scatter: summed whole
+    # equal bytes, fewer collectives: one all-reduce beats reduce-scatter + all-gather
+    assert redistribute_bytes(P, R, shape, 4, n) < \
+        redistribute_bytes(P, S(0), shape, 4, n) + redistribute_bytes(S(0), R, shape, 4, n)
+
+
+# -- random problems -------------------------------------------------------------------
+
+def random_problem(rng: random.Random, num_vars: int, max_candidates: int = 3,
+                   num_tokens: int = 3) -> Problem:
+    counts = [rng.randint(1, max_candidates) for _ in range(num_vars)]
+    matrix = [[0 if a == b else rng.choice([1, 2, 4, 8, 16]) for b in range(num_tokens)]
+              for a in range(num_tokens)]
+    values = []
+    followers = {}
+    for src in range(num_vars):
+        makes = tuple(rng.randrange(num_tokens) for _ in range(counts[src]))
+        uses = []
+        later = list(range(src + 1, num_vars))
+        for dst in rng.sample(later, k=min(len(later), rng.randint(0, 3))):
+            uses.append(Use(dst, tuple(rng.randrange(num_tokens) for _ in range(counts[dst]))))
+        if rng.random() < 0.2:
+            uses.append(Use(-1, (rng.randrange(num_tokens),)))
+        scale = rng.choice([1, 3, 10])
+        values.append(Value(src, makes, uses,
+                            lambda a, b, s=scale: s * matrix[a][b]))
+        if len(uses) == 1 and uses[0].dst >= 0 and rng.random() < 0.5:
+            followers[src] = [uses[0].dst]
+    unary = [[rng.choice([0, 0, 1]) for _ in range(c)] for c in counts]
+    return Problem(counts, values, unary, followers)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_global_equals_brute_force_on_small_problems(seed):
+    problem = random_problem(random.Random(seed), num_vars=random.Random(seed).randint(3, 8))
+    _, best = brute_force(problem)
+    assert total_cost(problem, solve(problem, Policy.GLOBAL)) == best
+
+
+def test_global_equals_brute_force_on_a_captured_graph():
+    # A tiny step without optimizer: y = x @ W^T summed; small enough to enumerate.
+    from torch import nn
+
+    from splitrun.splitter import capture
+    from splitrun.splitter.parallel import build_problem
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2, bias=False)
+    program = capture(model, lambda m, x: m(x).sum(), None, torch.randn(3, 4))
+    problem, _ = build_problem(program, 2, {"p_weight": S(0)})
+    _, best = brute_force(problem)
+    assert total_cost(problem, solve(problem, Policy.GLOBAL)) == pytest.approx(best)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(min_value=0, max_value=10**9), st.integers(min_value=5, max_value=40))
+def test_global_is_never_worse_than_greedy_or_first(seed, num_vars):
+    problem = random_problem(random.Random(seed), num_vars)
+    cost = {policy: total_cost(problem, solve(problem, policy)) for policy in Policy}
+    assert cost[Policy.GLOBAL] <= cost[Policy.GREEDY]
+    assert cost[Policy.GLOBAL] <= cost[Policy.FIRST]
+
+
+def test_unknown_policy_is_refused():
+    from splitrun.splitter import PlanError
+
+    with pytest.raises(PlanError, match="unknown propagation policy 'best'.*first, greedy, global"):
+        Policy.parse("best")
+
+
+def test_shard_pins_a_functions_inputs_and_outputs_and_a_modules_parameters():
+    from torch import nn
+
+    from splitrun.splitter import capture, optim
+    from splitrun.splitter.parallel import constrain, convert_parallel_linear, shard
+
+    def dense_relu(x, weight):
+        return torch.relu(x @ weight)
+
+    sharded = shard(dense_relu, in_strategy=(None, (1, 2)), out_strategy=("S(1)",))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 16))
+            self.head = shard(nn.Linear(16, 4), parameter_plan={"weight": "S(1)"})
+
+        def forward(self, x):
+            return self.head(sharded(x, self.w))
+
+    torch.manual_seed(0)
+    program = capture(Model(), lambda m, x, y: torch.nn.functional.mse_loss(m(x), y),
+                      optim.SGD(lr=0.1), (torch.randn(4, 8), torch.randn(4, 4)))
+    layout = propagate(program, 2)
+    assert layout.placement("p_w") == S(1), "(1, 2) on the weight: its columns"
+    assert layout.placement("p_head_weight") == S(1), "parameter_plan pins the parameter"
+    # the pinned output feeds a row-parallel head: one all-reduce of [4, 4] floats
+    assert layout.cost_bytes == 2 * 4 * 4 * 4
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    convert_parallel_linear(model, dim=-1)
+    assert type(model[0]).__name__ == "ParallelLinear" and model[2].dim == -1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert constrain(torch.ones(2), "R").shape == (2,)
