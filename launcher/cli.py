@@ -14,6 +14,7 @@ import time
 
 from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
 from splitrun.runtime.env import ENV
+from splitrun.runtime.transport.shm_ring import new_job_prefix, remove_job_segments
 from splitrun.splitter.errors import SplitrunError
 from splitrun.splitter.labels import Label, Role
 
@@ -178,7 +179,8 @@ def _thread_env(threads: int) -> dict[str, str]:
     return env
 
 
-def _child_env(args, address: str, token: str, label: Label) -> dict[str, str]:
+def _child_env(args, address: str, token: str, label: Label,
+               shm_prefix: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(_thread_env(thread_budget(args.threads_per_process,
                                          args.workers + args.servers)))
@@ -188,6 +190,8 @@ def _child_env(args, address: str, token: str, label: Label) -> dict[str, str]:
                 "PYTHONUNBUFFERED": "1"})
     if args.recv_timeout is not None:
         env[ENV.RECV_TIMEOUT_S] = str(args.recv_timeout)
+    if shm_prefix is not None:
+        env[ENV.SHM_PREFIX] = shm_prefix
     return env
 
 
@@ -203,6 +207,9 @@ def _launch(args) -> int:
                                             heartbeat_timeout_s=args.heartbeat_timeout))
     address = scheduler.start(args.host, 0)
     supervisor = Supervisor()
+    # Same-host peers share memory under this prefix; whatever a killed
+    # process leaves there is removed when the launcher ends.
+    shm_prefix = new_job_prefix()
     threads = thread_budget(args.threads_per_process, args.workers + args.servers)
     supervisor.say(f"scheduler at {address}; starting {args.workers} workers and "
                    f"{args.servers} servers running {args.script} ({threads} threads each)")
@@ -213,13 +220,14 @@ def _launch(args) -> int:
                   + [Label(r, Role.SERVER) for r in range(args.servers)])
         for label in labels:
             supervisor.spawn(label, _script_argv(args, die_with_launcher=True),
-                             _child_env(args, address, token, label))
+                             _child_env(args, address, token, label, shm_prefix))
         outcome = supervisor.run(external_failure=lambda: scheduler.failure,
                                  step_of=scheduler.member_step)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         scheduler.stop()
+        remove_job_segments(shm_prefix)
     supervisor.say(outcome.summary)
     return outcome.exit_code
 

@@ -37,6 +37,8 @@ class ENV:
     PLAN_OUT = "SPLITRUN_PLAN_OUT"        # `splitrun plan`: write the plan's text form here
     NUM_WORKERS = "SPLITRUN_NUM_WORKERS"  # cluster size for `splitrun plan`
     NUM_SERVERS = "SPLITRUN_NUM_SERVERS"
+    TRANSPORT = "SPLITRUN_TRANSPORT"      # auto (default) | grpc | shm: see TransportChoice
+    SHM_PREFIX = "SPLITRUN_SHM_PREFIX"    # the job's shared-memory prefix (the launcher's)
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,8 @@ class ProcessEnvironment:
     plan_out: str | None
     plan_cluster: Cluster          # the cluster `splitrun plan` splits for
     threads: int | None            # intra-op threads the launcher budgeted, if any
+    transport: str = "auto"        # SPLITRUN_TRANSPORT, checked by TransportChoice.parse
+    shm_prefix: str | None = None  # None: no shared memory (no launcher gave a prefix)
 
     @classmethod
     def parse(cls, environ: Mapping[str, str]) -> ProcessEnvironment:
@@ -83,7 +87,9 @@ class ProcessEnvironment:
             plan_out=plan_out,
             plan_cluster=Cluster(_integer(environ, ENV.NUM_WORKERS) or 1,
                                  _integer(environ, ENV.NUM_SERVERS) or 0),
-            threads=_integer(environ, ENV.THREADS))
+            threads=_integer(environ, ENV.THREADS),
+            transport=environ.get(ENV.TRANSPORT, "") or "auto",
+            shm_prefix=environ.get(ENV.SHM_PREFIX) or None)
 
 
 def _integer(environ: Mapping[str, str], key: str) -> int | None:

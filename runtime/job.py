@@ -37,6 +37,7 @@ from .process import ProcessRuntime
 from .progress import Progress
 from .transport.contract import ChannelContract, receive_contracts
 from .transport.grpc import GrpcTransport
+from .transport.shm_transport import ShmTransport, TransportChoice
 from .transport.protocol import MessageKey
 
 __all__ = ["Job", "Trainer", "JobSettings", "ENV", "PlanWritten"]
@@ -123,7 +124,7 @@ class Job:
 
     def __init__(self, label: Label, cluster: Cluster, device: torch.device,
                  settings: JobSettings, *, client: SchedulerClient | None = None,
-                 transport: GrpcTransport | None = None, incarnation: int = 0,
+                 transport: GrpcTransport | ShmTransport | None = None, incarnation: int = 0,
                  heartbeat_interval_s: float = 0.5, plan_out: str | None = None) -> None:
         self.label = label
         self.cluster = cluster
@@ -158,8 +159,10 @@ class Job:
         # the registration. Its label is provisional until the scheduler assigns
         # the rank.
         provisional = Label(env.rank or 0, env.role)
-        transport = GrpcTransport(provisional, token=env.token, incarnation=0, host=env.host,
-                                  port=0)
+        # Shared memory to peers on this host, gRPC to the others (and for control).
+        transport = ShmTransport(
+            GrpcTransport(provisional, token=env.token, incarnation=0, host=env.host, port=0),
+            prefix=env.shm_prefix, choice=TransportChoice.parse(env.transport, ENV.TRANSPORT))
         bound = transport.start()
         port = bound.rsplit(":", 1)[1]
         registration = client.register(env.role, env.rank,

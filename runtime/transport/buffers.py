@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -260,6 +260,22 @@ class MessageBuffer:
             self._dest[start:start + piece] = data[taken:taken + piece]
             taken += piece
             self.received += piece
+
+    def fill(self, read: Callable[[memoryview], None]) -> None:
+        """Receive the whole message from a reader that copies the next bytes
+        into the view it is given (`read(view)`), called once per non-empty
+        tensor in wire order with that tensor's place in the buffer: one copy."""
+        layout = self.layout
+        if self.received:
+            raise MessageRejected(f"fill() after {self.received} bytes were written")
+        if self._single is not None:
+            if layout.total_bytes:
+                read(self._dest[:layout.total_bytes])
+        else:
+            for spec, offset in zip(layout.specs, layout.offsets):
+                if spec.nbytes:
+                    read(self._dest[offset:offset + spec.nbytes])
+        self.received = layout.total_bytes
 
     def tensors(self) -> list[torch.Tensor]:
         """The message's tensors, viewing the buffer; refuses a short message."""

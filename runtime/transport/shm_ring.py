@@ -61,6 +61,7 @@ __all__ = [
     "RingReader",
     "new_job_prefix",
     "ring_paths",
+    "job_file_path",
     "remove_job_segments",
     "boot_id",
 ]
@@ -79,6 +80,7 @@ _FRAME = struct.Struct("<IIQ")          # magic, header bytes, payload bytes
 _RECORD = struct.Struct("<Q")           # a head (producer) or tail (consumer) position
 _HELLO = 0x4845_4C4C_4F53_524E           # the consumer's first record
 _CLOSED = (1 << 64) - 1                 # the producer's last record: closed in order
+_SYNC = (1 << 64) - 2                   # the producer asks for the consumer's tail (flush)
 # A header (the transport's envelope) larger than this is refused as corrupt.
 _MAX_HEADER_BYTES = 16 << 20
 _SMALLEST_RING = 64 << 10
@@ -130,6 +132,15 @@ def ring_paths(prefix: str, name: str, directory: str = SHM_DIR) -> tuple[str, s
         raise RingError(f"ring name {name!r}: use letters, digits, '_', '.', '-' (1-100)")
     base = os.path.join(directory, prefix + name)
     return base + ".ring", base + ".sock"
+
+
+def job_file_path(prefix: str, name: str, suffix: str, directory: str = SHM_DIR) -> str:
+    """Another file of the job `prefix` (e.g. a process's marker): removed with
+    the job's segments by `remove_job_segments`."""
+    _check_prefix(prefix)
+    if not _NAME_PATTERN.match(name + suffix):
+        raise RingError(f"file name {name + suffix!r}: use letters, digits, '_', '.', '-'")
+    return os.path.join(directory, prefix + name + suffix)
 
 
 def remove_job_segments(prefix: str, directory: str = SHM_DIR) -> list[str]:
@@ -204,6 +215,7 @@ class _Positions:
         self._pending = 0      # bytes of a partial record at the buffer's start
         self.last = 0
         self.is_closed = False  # the peer sent _CLOSED
+        self.is_sync_requested = False  # the peer sent _SYNC and has no answer yet
         self.is_eof = False
 
     def read(self, timeout_s: float | None) -> bool:
@@ -228,6 +240,8 @@ class _Positions:
         for (value,) in _RECORD.iter_unpack(self._view[:whole]):
             if value == _CLOSED:
                 self.is_closed = True
+            elif value == _SYNC:
+                self.is_sync_requested = True
             else:
                 self.last = max(self.last, value)
         self._pending = end - whole
@@ -501,6 +515,33 @@ class RingWriter:
                     f"waiting data past the deadline; {self.peer} does not read")
             tails.read(remaining)
 
+    def wait_consumed(self, timeout_s: float) -> None:
+        """Wait until the consumer has read every message sent so far (a flush):
+        asks for its tail with a sync record, which it answers once it has
+        nothing left to read. `RingPeerGone` if it dies meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            if self._conn is None or self._is_closed or self._head == self._tails.last:
+                return
+            try:
+                _send_record(self._conn, _SYNC, deadline)
+            except TimeoutError:
+                raise RingError(f"{self._tag}: {self.peer} has not read the ring's "
+                                f"notifications past the deadline; is it stuck?") from None
+            except OSError as exc:
+                raise self._gone() from exc
+            tails = self._tails
+            tails.read(None)
+            while tails.last < self._head:
+                if tails.is_eof:
+                    raise self._gone()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RingError(
+                        f"{self._tag}: {self.peer} has not read the last "
+                        f"{self._head - tails.last} bytes within {timeout_s:g} s; is it stuck?")
+                tails.read(remaining)
+
     def _gone(self) -> RingPeerGone:
         return RingPeerGone(
             f"{self._tag}: {self.peer} dropped its end of the ring after "
@@ -659,6 +700,19 @@ class RingReader:
             self._payload_left = 0
             self._num_received += 1
 
+    def recv_payload_part_into(self, dst: memoryview, timeout_s: float) -> None:
+        """Copy the next `dst.nbytes` bytes of the current message's payload into
+        `dst` (a message's tensors each into their own place, one copy)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            if dst.nbytes > self._payload_left:
+                raise RingError(f"{self._tag}: {self._payload_left} payload bytes left, the "
+                                f"buffer takes {dst.nbytes}")
+            self._read_into(dst.cast("B") if dst.format != "B" else dst, deadline)
+            self._payload_left -= dst.nbytes
+            if not self._payload_left:
+                self._num_received += 1
+
     def recv_payload_into_tensor(self, dst: torch.Tensor, timeout_s: float) -> None:
         """`recv_payload_into` a contiguous tensor of exactly the payload's size:
         a CPU tensor's memory, or a CUDA tensor straight from the pinned ring."""
@@ -727,6 +781,10 @@ class RingReader:
                 raise RingPeerGone(
                     f"{self._tag}: {self.peer} dropped its end of the ring{where} after "
                     f"{self._num_received} messages (did the process die?)")
+            if heads.is_sync_requested:
+                # Nothing left to read: everything published is consumed.
+                heads.is_sync_requested = False
+                self._report()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RecvTimeout(f"{self._tag}: no data from {self.peer} within the "

@@ -72,7 +72,7 @@ class GrpcTransport:
         self._current = CurrentEndpoint(Endpoint(
             label=label, incarnation=incarnation, token=token, settings=self.settings,
             mailbox=Mailbox(label, incarnation), pool=BufferPool(self.settings.pool_bytes),
-            contracts=ReceiveContracts(), on_fatal=self._fail))
+            contracts=ReceiveContracts(), on_fatal=self.fail))
         self._envelopes = EnvelopeWriter(str(label))
         if contracts is not None:
             self.expect(contracts)
@@ -165,6 +165,12 @@ class GrpcTransport:
         """Contracts of channels outside the plan, registered by their owners."""
         self._endpoint.contracts.register(contracts)
 
+    @property
+    def endpoint(self) -> Endpoint:
+        """This process's side as of now (label, mailbox, pool, contracts): what
+        another data path into this process (shared memory) delivers through."""
+        return self._current.endpoint
+
     def pending(self) -> list[MessageKey]:
         """The keys of messages received and not taken by `recv` yet (for tests
         and diagnostics), by step and channel."""
@@ -174,7 +180,7 @@ class GrpcTransport:
 
     def send(self, dst: Label, key: MessageKey, tensors: Sequence[torch.Tensor]) -> None:
         """Queue `tensors` for `dst`; blocks only while dst's queue is full."""
-        self._raise_if_failed()
+        self.raise_if_failed()
         if self._is_closed:
             raise TransportError(
                 f"{self._tag} send {key} to {dst.describe()}: the transport is closed")
@@ -184,7 +190,7 @@ class GrpcTransport:
              control=None) -> list[torch.Tensor]:
         """The tensors `src` sent under `key` (CPU tensors); `RecvTimeout` past the
         deadline. While waiting, a message under `control`'s key goes to its handler."""
-        self._raise_if_failed()
+        self.raise_if_failed()
         try:
             return self._endpoint.mailbox.take(key, src, timeout_s, control)
         except TransportError as exc:
@@ -206,7 +212,7 @@ class GrpcTransport:
 
     def flush(self, timeout_s: float) -> None:
         """Wait until every message queued so far is confirmed delivered."""
-        self._raise_if_failed()
+        self.raise_if_failed()
         deadline = time.monotonic() + timeout_s
         with self._lock:
             senders = list(self._senders.values())
@@ -289,14 +295,15 @@ class GrpcTransport:
                     self._senders[peer] = sender
         return sender
 
-    def _raise_if_failed(self) -> None:
+    def raise_if_failed(self) -> None:
+        """Raise the transport's failure, if it has one."""
         if self._error is not None:
             self._error_raised = True
             raise self._error
 
-    def _fail(self, error: TransportError) -> None:
-        """A sender's fatal error: remember the first failure and wake every
-        receive with it."""
+    def fail(self, error: TransportError) -> None:
+        """A sender's fatal error (or another data path's): remember the first
+        failure, wake every receive with it, raise it from sends and flushes."""
         with self._lock:
             if self._error is None:
                 self._error = error

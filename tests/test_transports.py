@@ -1,0 +1,296 @@
+"""The transport contract, run against both transports: gRPC, and shared memory
+between peers on one host (`ShmTransport`, which must choose shared memory
+here). Messages arrive intact and in order, larger than the ring too (and a
+1 GiB one from another process), bad messages are refused with the receiver's
+reason and never reach the mailbox, and a peer that dies is named in the error.
+Nothing of a job is left under /dev/shm afterwards.
+
+Every wait is bounded; no sleep synchronises anything; timings decide nothing.
+"""
+
+import hashlib
+import os
+import signal
+import sys
+import threading
+
+import pytest
+import torch
+from cluster import SCRIPTS, Proc, pid_alive
+
+from splitrun.runtime import MessageKey, TransportError
+from splitrun.runtime.transport import ChannelContract
+from splitrun.runtime.transport.grpc import GrpcSettings, GrpcTransport
+from splitrun.runtime.transport.shm_ring import SHM_DIR, new_job_prefix, remove_job_segments
+from splitrun.runtime.transport.shm_transport import (ShmSettings, ShmTransport,
+                                                       TransportChoice, TransportKind)
+from splitrun.splitter import Label
+
+W0, W1 = Label.worker(0), Label.worker(1)
+TOKEN = "test-token"
+INCARNATION = 7
+SETTINGS = GrpcSettings(connect_timeout_s=2.0, close_timeout_s=10.0, stream_idle_s=0.2,
+                        send_timeout_s=10.0, expect_timeout_s=2.0)
+# Small rings, so that ordinary test messages already stream through them in pieces.
+SMALL_RING = ShmSettings(ring_bytes=64 << 10, attach_timeout_s=10.0, send_timeout_s=30.0,
+                         message_timeout_s=60.0, poll_s=0.2)
+RECV_TIMEOUT_S = 30.0
+BIG_TIMEOUT_S = 240.0
+FLOAT_2x3 = ((torch.float32, (2, 3)),)
+KINDS = ["grpc", "shm"]
+
+
+def key(step: int, channel: str = "w0->w1#0") -> MessageKey:
+    return MessageKey(INCARNATION, step, channel)
+
+
+def job_files(prefix: str) -> list[str]:
+    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(prefix))
+
+
+@pytest.fixture
+def prefix():
+    """A fresh job prefix; the test must leave nothing under it."""
+    prefix = new_job_prefix()
+    yield prefix
+    left = job_files(prefix)
+    remove_job_segments(prefix)
+    assert left == [], f"files of the job left in {SHM_DIR}: {left}"
+
+
+def make(kind: str, label: Label, prefix: str, contracts=None,
+         ring: ShmSettings = SMALL_RING, settings: GrpcSettings = SETTINGS):
+    grpc = GrpcTransport(label, token=TOKEN, incarnation=INCARNATION, contracts=contracts,
+                         settings=settings)
+    if kind == "grpc":
+        return grpc
+    return ShmTransport(grpc, prefix=prefix, choice=TransportChoice.SHM, settings=ring)
+
+
+def connect(*transports) -> None:
+    addresses = {t.label: t.start() for t in transports}
+    for transport in transports:
+        transport.set_peers({label: address for label, address in addresses.items()
+                             if label != transport.label})
+
+
+def close_all(*transports) -> None:
+    """Close in parallel, as processes of a job do."""
+    errors = []
+
+    def close(transport):
+        try:
+            transport.close()
+        except Exception as exc:  # noqa: BLE001 - collected below
+            errors.append(exc)
+    threads = [threading.Thread(target=close, args=(t,)) for t in transports]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(t.is_alive() for t in threads), "close() must end within its deadline"
+    if errors:
+        raise errors[0]
+
+
+W1_CONTRACTS = {
+    "w0->w1#0": ChannelContract(W0, FLOAT_2x3),
+    "mixed": ChannelContract(W0, ((torch.bool, (5,)), (torch.bfloat16, ()),
+                                  (torch.int64, (0, 4)), (torch.complex64, (3,)))),
+    "big": ChannelContract(W0, ((torch.float32, (1 << 18,)), (torch.int8, (3,)),
+                                (torch.float64, (1 << 15,)))),
+    "open": ChannelContract(W0, None),
+}
+W0_CONTRACTS = {"w1->w0#0": ChannelContract(W1, FLOAT_2x3)}
+
+
+@pytest.fixture(params=KINDS)
+def pair(request, prefix):
+    a = make(request.param, W0, prefix, W0_CONTRACTS)
+    b = make(request.param, W1, prefix, W1_CONTRACTS)
+    connect(a, b)
+    yield a, b
+    close_all(a, b)
+
+
+def test_each_pair_uses_the_transport_it_was_given(pair):
+    a, b = pair
+    if isinstance(a, ShmTransport):
+        assert a.kind_of(W1) is TransportKind.SHM and b.kind_of(W0) is TransportKind.SHM
+
+
+def test_messages_arrive_intact_and_in_order(pair):
+    a, b = pair
+    sent = []
+    for step in range(40):
+        x = torch.randn(2, 3)
+        a.send(W1, key(step), [x])
+        sent.append(x)
+        if step % 10 == 0:  # a dynamic-shape message in between, of varying size
+            a.send(W1, key(step, "open"), [torch.arange(step * 1000)])
+    a.flush(RECV_TIMEOUT_S)
+    pending = b.pending()
+    assert [k for k in pending if k.channel == "w0->w1#0"] == [key(s) for s in range(40)]
+    for step, x in enumerate(sent):
+        (got,) = b.recv(W0, key(step), RECV_TIMEOUT_S)
+        assert torch.equal(got, x) and got.device.type == "cpu"
+        if step % 10 == 0:
+            (got,) = b.recv(W0, key(step, "open"), RECV_TIMEOUT_S)
+            assert torch.equal(got, torch.arange(step * 1000))
+    b.send(W0, key(0, "w1->w0#0"), [sent[0] * 2])
+    (back,) = a.recv(W1, key(0, "w1->w0#0"), RECV_TIMEOUT_S)
+    assert torch.equal(back, sent[0] * 2)
+
+
+def test_mixed_dtypes_zero_dim_and_empty_tensors_in_one_message(pair):
+    a, b = pair
+    tensors = [torch.tensor([True, False, True, True, False]),
+               torch.tensor(2.5, dtype=torch.bfloat16),
+               torch.zeros(0, 4, dtype=torch.int64), torch.randn(3, dtype=torch.complex64)]
+    a.send(W1, key(0, "mixed"), tensors)
+    got = b.recv(W0, key(0, "mixed"), RECV_TIMEOUT_S)
+    assert [(t.dtype, t.shape) for t in got] == [(t.dtype, t.shape) for t in tensors]
+    assert all(torch.equal(g, t) for g, t in zip(got, tensors))
+
+
+def test_a_message_larger_than_the_ring_streams_through_it(pair):
+    a, b = pair
+    for step in range(3):  # 1.3 MiB each, 20x the 64 KiB ring; three tensors
+        tensors = [torch.randn(1 << 18), torch.tensor([1, -2, 3], dtype=torch.int8),
+                   torch.randn(1 << 15, dtype=torch.float64)]
+        a.send(W1, key(step, "big"), tensors)
+        got = b.recv(W0, key(step, "big"), RECV_TIMEOUT_S)
+        assert all(torch.equal(g, t) for g, t in zip(got, tensors))
+
+
+def test_flush_confirms_delivery_and_close_is_idempotent(pair):
+    a, b = pair
+    for step in range(5):
+        a.send(W1, key(step), [torch.full((2, 3), float(step))])
+    a.flush(RECV_TIMEOUT_S)
+    assert b.pending() == [key(step) for step in range(5)], \
+        "every message is delivered before flush returns"
+    a.close()
+    a.close()
+    with pytest.raises(TransportError, match="the transport is closed"):
+        a.send(W1, key(9), [torch.zeros(2, 3)])
+
+
+BAD_MESSAGES = {
+    "wrong dtype": (key(0), [torch.zeros(2, 3, dtype=torch.float64)],
+                    r"\[worker 1\] refused channel 'w0->w1#0' step 0 .*tensor 0 expected "
+                    r"float32\[2, 3\], got float64\[2, 3\]"),
+    "wrong shape": (key(0), [torch.zeros(3, 2)],
+                    r"\[worker 1\] refused .*tensor 0 expected float32\[2, 3\], got "
+                    r"float32\[3, 2\]"),
+    "too many tensors": (key(0), [torch.zeros(2, 3), torch.zeros(1)],
+                         r"\[worker 1\] refused .*expected 1 tensors, got 2"),
+    "unknown channel": (key(0, "nowhere"), [torch.zeros(1)],
+                        r"\[worker 1\] refused channel 'nowhere' step 0 .*no such channel"),
+    "another incarnation": (MessageKey(INCARNATION + 1, 0, "w0->w1#0"), [torch.zeros(2, 3)],
+                            r"\[worker 1\] refused .*incarnation 8, but the job's "
+                            r"incarnation is 7"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MESSAGES))
+def test_a_refused_message_fails_the_sender_with_the_receivers_reason(pair, case):
+    a, b = pair
+    bad_key, tensors, reason = BAD_MESSAGES[case]
+    a.send(W1, bad_key, tensors)
+    with pytest.raises(TransportError, match=reason):
+        a.flush(RECV_TIMEOUT_S)
+    assert b.pending() == [], "the refused message never reached the mailbox"
+    # The receiver is undisturbed: worker 1 still sends to worker 0, whose
+    # receiving side still works though its sending failed.
+    b.send(W0, key(0, "w1->w0#0"), [torch.ones(2, 3)])
+    b.flush(RECV_TIMEOUT_S)
+    assert a.pending() == [key(0, "w1->w0#0")]
+    with pytest.raises(TransportError, match=reason):
+        a.send(W1, key(1), [torch.zeros(2, 3)])  # the failure stays raised
+    a.close()
+
+
+def start_peer(kind: str, prefix: str, address: str, mode: str) -> Proc:
+    return Proc([sys.executable, SCRIPTS / "transport_peer.py", kind, prefix, TOKEN,
+                 INCARNATION, address, mode])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_peer_that_dies_is_named_in_the_error(kind, prefix):
+    a = make(kind, W0, prefix, W0_CONTRACTS)
+    address = a.start()
+    peer = start_peer(kind, prefix, address, "hold")
+    try:
+        peer_address = peer.wait_for(r"^address (\S+)", 60).group(1)
+        a.set_peers({W1: peer_address})
+        peer.wait_for(r"^ready", 60)
+        if kind == "shm":
+            assert a.kind_of(W1) is TransportKind.SHM
+        a.send(W1, key(0), [torch.zeros(2, 3)])
+        a.flush(RECV_TIMEOUT_S)
+        os.kill(peer.process.pid, signal.SIGKILL)
+        peer.wait(30)
+        assert not pid_alive(peer.process.pid)
+        with pytest.raises(TransportError, match=r"\[worker 0\] .*worker 1"):
+            for step in range(1, 1000):  # the first sends may still find room
+                a.send(W1, key(step), [torch.zeros(2, 3)])
+                a.flush(RECV_TIMEOUT_S)
+        with pytest.raises(TransportError, match=r"worker 1"):
+            a.recv(W1, key(0, "w1->w0#0"), RECV_TIMEOUT_S)
+    finally:
+        peer.kill()
+        try:
+            a.close()
+        except TransportError:
+            pass  # already raised above
+        remove_job_segments(prefix)  # what the killed process left: the launcher's job
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_one_gib_tensor_crosses_from_another_process_intact(kind, prefix):
+    expected = {"big": ChannelContract(W1, ((torch.int64, (1 << 27,)),)),
+                "digest": ChannelContract(W1, ((torch.uint8, (16,)),))}
+    receiver = make(kind, W0, prefix, expected, ring=ShmSettings())
+    address = receiver.start()
+    sender = start_peer(kind, prefix, address, "big")
+    try:
+        receiver.set_peers({W1: sender.wait_for(r"^address (\S+)", 60).group(1)})
+        (big,) = receiver.recv(W1, key(0, "big"), BIG_TIMEOUT_S)
+        (digest,) = receiver.recv(W1, key(0, "digest"), RECV_TIMEOUT_S)
+        assert sender.wait(BIG_TIMEOUT_S) == 0, sender.output()
+        assert big.dtype == torch.int64 and big.shape == (1 << 27,)
+        assert hashlib.blake2b(memoryview(big.numpy()), digest_size=16).digest() == \
+            bytes(digest.tolist())
+    finally:
+        sender.kill()
+        receiver.close()
+
+
+def test_grpc_is_chosen_for_a_peer_that_cannot_share_memory(prefix):
+    """A peer without the job's files (another host, another /dev/shm) stays on
+    gRPC under `auto`, and `grpc` forces gRPC on the same host."""
+    remote = GrpcTransport(W1, token=TOKEN, incarnation=INCARNATION, settings=SETTINGS,
+                           contracts=W1_CONTRACTS)
+    auto = ShmTransport(GrpcTransport(W0, token=TOKEN, incarnation=INCARNATION,
+                                      settings=SETTINGS), prefix=prefix)
+    forced = make("shm", W1, prefix)
+    grpc_only = ShmTransport(GrpcTransport(W0, token=TOKEN, incarnation=INCARNATION,
+                                           settings=SETTINGS),
+                             prefix=prefix, choice=TransportChoice.GRPC)
+    try:
+        auto.start()
+        auto.set_peers({W1: remote.start()})
+        assert auto.kind_of(W1) is TransportKind.GRPC
+        auto.send(W1, key(0), [torch.ones(2, 3)])
+        auto.flush(RECV_TIMEOUT_S)
+        assert remote.pending() == [key(0)]
+        grpc_only.start()
+        grpc_only.set_peers({W1: forced.start()})
+        assert grpc_only.kind_of(W1) is TransportKind.GRPC
+        with pytest.raises(TransportError, match=r"SPLITRUN_TRANSPORT=shm, but worker 0 .*"
+                                                 r"cannot share memory"):
+            forced.set_peers({W0: grpc_only.address})
+    finally:
+        close_all(remote, auto, forced, grpc_only)
