@@ -210,6 +210,7 @@ def _launch(args) -> int:
     # Same-host peers share memory under this prefix; whatever a killed
     # process leaves there is removed when the launcher ends.
     shm_prefix = new_job_prefix()
+    logger.info("same-host peers share memory under /dev/shm/%s*", shm_prefix)
     threads = thread_budget(args.threads_per_process, args.workers + args.servers)
     supervisor.say(f"scheduler at {address}; starting {args.workers} workers and "
                    f"{args.servers} servers running {args.script} ({threads} threads each)")

@@ -1,0 +1,81 @@
+"""Shared memory between the processes of a job on one host, through the real
+launcher: every peer pair chooses it (and `SPLITRUN_TRANSPORT=grpc` none), the
+result equals the gRPC run bit for bit, and nothing of the job is left under
+/dev/shm (nor any process) after a normal end or a SIGKILLed worker or server.
+"""
+
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+from cluster import JOB_TIMEOUT_S, SCRIPTS, pid_alive, splitrun
+
+from splitrun.runtime.transport.shm_ring import SHM_DIR
+
+pytestmark = pytest.mark.slow
+
+PS_JOB = SCRIPTS / "ps_job.py"
+FAULT_DEADLINE_S = 15.0
+WORKERS, SERVERS = 2, 2
+NAMES = ([f"worker {r}" for r in range(WORKERS)] + [f"server {r}" for r in range(SERVERS)])
+
+
+def job_prefix(proc) -> str:
+    return proc.wait_for(r"share memory under /dev/shm/(splitrun-[0-9a-f]+-)\*", 60).group(1)
+
+
+def job_files(prefix: str) -> list[str]:
+    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(prefix))
+
+
+def chosen(output: str) -> dict[tuple[str, str], str]:
+    """(process, peer) -> the transport it logged for that pair."""
+    return {(a, b): kind for a, b, kind in
+            re.findall(r"\[([a-z]+ \d+)\] transport to ([a-z]+ \d+): (\w+) ", output)}
+
+
+def run(tmp_path, name, env_extra=None):
+    out = tmp_path / f"{name}.pt"
+    proc = splitrun("launch", "--workers", WORKERS, "--servers", SERVERS, PS_JOB,
+                    "--steps", 8, "--out", out, env_extra=env_extra)
+    prefix = job_prefix(proc)
+    assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
+    assert job_files(prefix) == [], "the job's shared-memory files outlived it"
+    return torch.load(out), chosen(proc.output())
+
+
+def test_a_same_host_job_uses_shared_memory_and_equals_the_grpc_run(tmp_path):
+    shm, shm_pairs = run(tmp_path, "shm")
+    grpc, grpc_pairs = run(tmp_path, "grpc", {"SPLITRUN_TRANSPORT": "grpc"})
+    every_pair = {(a, b) for a in NAMES for b in NAMES if a != b}
+    assert shm_pairs == {pair: "shm" for pair in every_pair}
+    assert grpc_pairs == {pair: "grpc" for pair in every_pair}
+    assert shm["steps"] == grpc["steps"] == 8
+    assert shm["state"].keys() == grpc["state"].keys()
+    for key, value in grpc["state"].items():
+        assert torch.equal(shm["state"][key], value), f"{key} differs from the gRPC run"
+
+
+@pytest.mark.parametrize("victim", ["worker 1", "server 0"])
+def test_a_sigkilled_process_leaves_no_segment_and_no_process(victim):
+    proc = splitrun("launch", "--workers", 2, "--servers", 1, PS_JOB, "--steps", 200000)
+    try:
+        prefix = job_prefix(proc)
+        pids = {name: int(proc.wait_for(rf"started {name} \(pid (\d+)\)", 60).group(1))
+                for name in ("worker 0", "worker 1", "server 0")}
+        proc.wait_for(r"\[worker 0\].*step \d+/200000", JOB_TIMEOUT_S)
+        assert set(chosen(proc.output()).values()) == {"shm"}
+        os.kill(pids[victim], signal.SIGKILL)
+        killed_at = time.monotonic()
+        code = proc.wait(FAULT_DEADLINE_S + 10)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        proc.kill()
+    assert code != 0 and elapsed < FAULT_DEADLINE_S
+    assert f"{victim} (pid {pids[victim]}) was killed by SIGKILL" in proc.output()
+    for name, pid in pids.items():
+        assert not pid_alive(pid), f"{name} (pid {pid}) outlived the launcher"
+    assert job_files(prefix) == [], "the job's shared-memory files outlived it"
