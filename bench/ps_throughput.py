@@ -11,7 +11,9 @@ steps and returns the parameters), the closest RPC analogue of splitrun.
 Same model (an MLP of ~6.3 M parameters, so the server's work is not
 negligible), same global batch, same optimizer (SGD with momentum). Prints JSON:
 steps/s and samples/s of each (median of --repeats runs) and splitrun's ratio
-to the RPC baseline (goal: >= 2x).
+to the RPC baseline (goal: >= 2x). splitrun runs twice: `splitrun_ps` over gRPC
+(SPLITRUN_TRANSPORT=grpc) and `splitrun_shm_ps` as `splitrun launch` runs it by
+default, over shared memory between its processes (goal: >= 1.5x the tutorial).
 
 With --two-hosts RATE_MBIT ... (root), the distributed runs also go across
 two simulated hosts (bench/hosts.py: network namespaces joined by a veth
@@ -44,6 +46,8 @@ from torch import nn
 
 HERE = pathlib.Path(__file__).resolve()
 GOAL_RATIO = 2.0
+# splitrun over shared memory against the tutorial-style RPC server (issue 12).
+GOAL_SHM_RATIO = 1.5
 # Bounds one whole measured run (start, warm-up, steps, shutdown) on 2 cores.
 RUN_TIMEOUT_S = 900
 WARMUP_STEPS = 3
@@ -306,11 +310,14 @@ def _job_args(args) -> list[str]:
             "--batch-size", str(args.batch_size)]
 
 
-def run_splitrun(args) -> float:
+def run_splitrun(args, transport: str = "grpc") -> float:
+    """One launched job; `transport` is its SPLITRUN_TRANSPORT (`auto`: shared
+    memory between the three processes, all on this host)."""
     command = [sys.executable, "-m", "splitrun.launcher", "--log-level", "WARNING",
                "launch", "--workers", "2", "--servers", "1", "--device", "cpu",
                *_job_args(args)]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    out = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                         env={**os.environ, "SPLITRUN_TRANSPORT": transport})
     for line in out.stdout.splitlines():
         if "BENCH " in line:
             return json.loads(line.split("BENCH ", 1)[1])["steps_per_s"]
@@ -463,12 +470,13 @@ def main() -> None:
                           "two_hosts": _two_hosts_report(args)}, indent=2))
         return
     measured = {"single_process": [], "torch_rpc_tutorial_ps": [],
-                "torch_rpc_batch_update_ps": [], "splitrun_ps": []}
+                "torch_rpc_batch_update_ps": [], "splitrun_ps": [], "splitrun_shm_ps": []}
     for _ in range(args.repeats):  # interleaved, so drift hits all alike
         measured["single_process"].append(run_single(args))
         measured["torch_rpc_tutorial_ps"].append(run_rpc(args, tutorial=True))
         measured["torch_rpc_batch_update_ps"].append(run_rpc(args, tutorial=False))
-        measured["splitrun_ps"].append(run_splitrun(args))
+        measured["splitrun_ps"].append(run_splitrun(args, "grpc"))
+        measured["splitrun_shm_ps"].append(run_splitrun(args, "auto"))
     report = {"benchmark": "ps_throughput", "parameters": params,
               "global_batch": args.batch_size, "steps": args.steps, "repeats": args.repeats,
               "workers": 2, "servers": 1, "results": {}}
@@ -487,6 +495,12 @@ def main() -> None:
         / report["results"]["single_process"]["steps_per_s"], 3)
     report["goal_splitrun_over_rpc_at_least"] = GOAL_RATIO
     report["meets_goal"] = ratio >= GOAL_RATIO
+    shm_ratio = speed["splitrun_shm_ps"] / speed["torch_rpc_tutorial_ps"]
+    report["splitrun_shm_over_rpc"] = round(shm_ratio, 3)
+    report["splitrun_shm_over_splitrun_grpc"] = round(
+        speed["splitrun_shm_ps"] / speed["splitrun_ps"], 3)
+    report["goal_splitrun_shm_over_rpc_at_least"] = GOAL_SHM_RATIO
+    report["meets_shm_goal"] = shm_ratio >= GOAL_SHM_RATIO
     if args.two_hosts:
         report["two_hosts"] = _two_hosts_report(args)
     print(json.dumps(report, indent=2))

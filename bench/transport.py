@@ -11,7 +11,9 @@ latency and size / latency the throughput. Baselines, same pattern:
   protobuf), whose empty reply is the ack;
 - ``gloo``: torch.distributed send/recv, world size 2, FileStore rendezvous;
 - ``splitrun``: ``GrpcTransport.send`` of a uint8 tensor, ``recv`` on the
-  other side, a one-element tensor back.
+  other side, a one-element tensor back;
+- ``splitrun_shm``: the same through ``ShmTransport`` over shared memory (the
+  pair is on one host), as a job started by ``splitrun launch`` uses it.
 
 Every process sets ``torch.set_num_threads(1)``: on a 2-core machine torch's
 intra-op threads only compete with the transports' own threads. The
@@ -41,9 +43,14 @@ import traceback
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB]
-KINDS = ["tcp", "grpc_unary", "gloo", "splitrun"]
+KINDS = ["tcp", "grpc_unary", "gloo", "splitrun", "splitrun_shm"]
 GOAL_64MIB_VS_TCP = 0.40   # splitrun throughput at 64 MiB, as a fraction of raw TCP's
 GOAL_4KIB_VS_GRPC = 1.3    # splitrun round trip at 4 KiB, as a multiple of a bare unary call's
+# splitrun over shared memory (issue 12): 64 MiB at >= 2x gloo and >= 1.5x raw
+# TCP; a 4 KiB round trip in <= 0.5x a bare grpcio unary call's.
+GOAL_SHM_64MIB_VS_GLOO = 2.0
+GOAL_SHM_64MIB_VS_TCP = 1.5
+GOAL_SHM_4KIB_VS_GRPC = 0.5
 # Bounds one pair of processes (start-up plus all sizes); a full run takes far less.
 PAIR_TIMEOUT_S = 600.0
 # Bounds the start-up handshake between the two processes of a pair.
@@ -163,6 +170,7 @@ class _Gloo:
 
 class _Splitrun:
     chunk_bytes: int | None = None  # --chunk-bytes, set in the child process
+    shm_prefix: str | None = None   # the pair's shared-memory prefix (splitrun_shm)
 
     def __init__(self, role: str, conn, sizes: list[int]) -> None:
         import torch
@@ -183,6 +191,10 @@ class _Splitrun:
             GrpcSettings(chunk_bytes=self.chunk_bytes)
         self.transport = GrpcTransport(self.me, token=TOKEN, incarnation=1, contracts=expected,
                                        settings=settings)
+        if self.shm_prefix is not None:
+            from splitrun.runtime.transport.shm_transport import ShmTransport, TransportChoice
+            self.transport = ShmTransport(self.transport, prefix=self.shm_prefix,
+                                          choice=TransportChoice.SHM)
         conn.send(self.transport.start())
         self.transport.set_peers({self.peer: conn.recv()})
         self.ack = torch.zeros(1, dtype=torch.uint8)
@@ -203,7 +215,8 @@ class _Splitrun:
         self.transport.close()
 
 
-_SIDES = {"tcp": _Tcp, "grpc_unary": _GrpcUnary, "gloo": _Gloo, "splitrun": _Splitrun}
+_SIDES = {"tcp": _Tcp, "grpc_unary": _GrpcUnary, "gloo": _Gloo, "splitrun": _Splitrun,
+          "splitrun_shm": _Splitrun}
 
 
 def _payload(kind: str, size: int):
@@ -217,13 +230,14 @@ def _payload(kind: str, size: int):
 
 
 def _side(kind: str, role: str, peer, parent, sizes: list[int], quick: bool,
-          chunk_bytes: int | None) -> None:
+          chunk_bytes: int | None, shm_prefix: str | None = None) -> None:
     """One process of a pair: A times round trips, B answers them. `peer` is a
     pipe to the other side (set-up only), `parent` one to the parent."""
     try:
         import torch
         torch.set_num_threads(1)
         _Splitrun.chunk_bytes = chunk_bytes
+        _Splitrun.shm_prefix = shm_prefix
         side = _SIDES[kind](role, _Link(peer), sizes)
         _Link(peer).send("ready")  # both sides set up before A starts timing
         _Link(peer).recv()
@@ -270,13 +284,18 @@ def _measure(kind: str, sizes: list[int], quick: bool,
              chunk_bytes: int | None) -> dict[int, list[float]]:
     """Run one pair of processes; the round-trip times A measured, per size."""
     ctx = mp.get_context("spawn")
+    shm_prefix = None
+    if kind == "splitrun_shm":
+        from splitrun.runtime.transport.shm_ring import new_job_prefix
+        shm_prefix = new_job_prefix()
     peer_a, peer_b = ctx.Pipe()
     parents, procs = {}, []
     for role, peer in (("a", peer_a), ("b", peer_b)):
         here, there = ctx.Pipe()
         parents[role] = here
         procs.append(ctx.Process(target=_side,
-                                 args=(kind, role, peer, there, sizes, quick, chunk_bytes),
+                                 args=(kind, role, peer, there, sizes, quick, chunk_bytes,
+                                       shm_prefix),
                                  daemon=True))
     for proc in procs:
         proc.start()
@@ -297,6 +316,9 @@ def _measure(kind: str, sizes: list[int], quick: bool,
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
+        if shm_prefix is not None:
+            from splitrun.runtime.transport.shm_ring import remove_job_segments
+            remove_job_segments(shm_prefix)
 
 
 def _summary(times: list[float], size: int) -> dict:
@@ -327,6 +349,16 @@ def main() -> None:
     table = {kind: {str(size): _summary(times[size], size) for size in sizes}
              for kind, times in raw.items()}
     for size in map(str, sizes):
+        row = table.get("splitrun_shm", {}).get(size)
+        if row is None:
+            continue
+        for base in ("tcp", "gloo", "grpc_unary", "splitrun"):
+            if base in table:
+                row[f"throughput_vs_{base}"] = round(row["gbps"] / table[base][size]["gbps"], 3)
+        if "grpc_unary" in table:
+            row["rtt_vs_grpc_unary"] = round(
+                row["rtt_us"] / table["grpc_unary"][size]["rtt_us"], 3)
+    for size in map(str, sizes):
         row = table.get("splitrun", {}).get(size)
         if row is None:
             continue
@@ -347,6 +379,17 @@ def main() -> None:
         ratio = split[str(4 * KiB)]["rtt_vs_grpc_unary"]
         goals["rtt_4KiB_vs_grpc_unary"] = {"goal": f"<= {GOAL_4KIB_VS_GRPC}",
                                            "measured": ratio, "met": ratio <= GOAL_4KIB_VS_GRPC}
+    shm = table.get("splitrun_shm", {})
+    for base, goal in (("gloo", GOAL_SHM_64MIB_VS_GLOO), ("tcp", GOAL_SHM_64MIB_VS_TCP)):
+        ratio = shm.get(str(64 * MiB), {}).get(f"throughput_vs_{base}")
+        if ratio is not None:
+            goals[f"shm_throughput_64MiB_vs_{base}"] = {"goal": f">= {goal}", "measured": ratio,
+                                                       "met": ratio >= goal}
+    ratio = shm.get(str(4 * KiB), {}).get("rtt_vs_grpc_unary")
+    if ratio is not None:
+        goals["shm_rtt_4KiB_vs_grpc_unary"] = {"goal": f"<= {GOAL_SHM_4KIB_VS_GRPC}",
+                                               "measured": ratio,
+                                               "met": ratio <= GOAL_SHM_4KIB_VS_GRPC}
     import grpc
     import torch
     print(json.dumps({

@@ -176,6 +176,17 @@ def test_flush_confirms_delivery_and_close_is_idempotent(pair):
         a.send(W1, key(9), [torch.zeros(2, 3)])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_arrive_as_cpu_tensors(pair):
+    a, b = pair
+    tensors = [torch.randn(1 << 18, device="cuda"), torch.tensor([1, -2, 3], dtype=torch.int8,
+                                                                 device="cuda"),
+               torch.randn(1 << 15, dtype=torch.float64, device="cuda")]
+    a.send(W1, key(0, "big"), tensors)
+    got = b.recv(W0, key(0, "big"), RECV_TIMEOUT_S)
+    assert all(g.device.type == "cpu" and torch.equal(g, t.cpu()) for g, t in zip(got, tensors))
+
+
 BAD_MESSAGES = {
     "wrong dtype": (key(0), [torch.zeros(2, 3, dtype=torch.float64)],
                     r"\[worker 1\] refused channel 'w0->w1#0' step 0 .*tensor 0 expected "
