@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from cluster import JOB_TIMEOUT_S, SCRIPTS, pid_alive, splitrun
+from cluster import JOB_TIMEOUT_S, SCRIPTS, pid_alive
 
 from splitrun.runtime.transport.shm_ring import SHM_DIR
 
@@ -37,19 +37,19 @@ def chosen(output: str) -> dict[tuple[str, str], str]:
             re.findall(r"\[([a-z]+ \d+)\] transport to ([a-z]+ \d+): (\w+) ", output)}
 
 
-def run(tmp_path, name, env_extra=None):
+def run(local_cluster, tmp_path, name, env_extra=None):
     out = tmp_path / f"{name}.pt"
-    proc = splitrun("launch", "--workers", WORKERS, "--servers", SERVERS, PS_JOB,
-                    "--steps", 8, "--out", out, env_extra=env_extra)
+    proc = local_cluster.start("launch", "--workers", WORKERS, "--servers", SERVERS, PS_JOB,
+                               "--steps", 8, "--out", out, env_extra=env_extra)
     prefix = job_prefix(proc)
     assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
     assert job_files(prefix) == [], "the job's shared-memory files outlived it"
     return torch.load(out), chosen(proc.output())
 
 
-def test_a_same_host_job_uses_shared_memory_and_equals_the_grpc_run(tmp_path):
-    shm, shm_pairs = run(tmp_path, "shm")
-    grpc, grpc_pairs = run(tmp_path, "grpc", {"SPLITRUN_TRANSPORT": "grpc"})
+def test_a_same_host_job_uses_shared_memory_and_equals_the_grpc_run(local_cluster, tmp_path):
+    shm, shm_pairs = run(local_cluster, tmp_path, "shm")
+    grpc, grpc_pairs = run(local_cluster, tmp_path, "grpc", {"SPLITRUN_TRANSPORT": "grpc"})
     every_pair = {(a, b) for a in NAMES for b in NAMES if a != b}
     assert shm_pairs == {pair: "shm" for pair in every_pair}
     assert grpc_pairs == {pair: "grpc" for pair in every_pair}
@@ -60,8 +60,8 @@ def test_a_same_host_job_uses_shared_memory_and_equals_the_grpc_run(tmp_path):
 
 
 @pytest.mark.parametrize("victim", ["worker 1", "server 0"])
-def test_a_sigkilled_process_leaves_no_segment_and_no_process(victim):
-    proc = splitrun("launch", "--workers", 2, "--servers", 1, PS_JOB, "--steps", 200000)
+def test_a_sigkilled_process_leaves_no_segment_and_no_process(local_cluster, victim):
+    proc = local_cluster.launch(PS_JOB, "--steps", 200000, workers=2, servers=1)
     try:
         prefix = job_prefix(proc)
         pids = {name: int(proc.wait_for(rf"started {name} \(pid (\d+)\)", 60).group(1))
