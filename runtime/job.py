@@ -37,8 +37,8 @@ from .process import ProcessRuntime
 from .progress import Progress
 from .transport.contract import ChannelContract, receive_contracts
 from .transport.grpc import GrpcTransport
-from .transport.shm_transport import ShmTransport, TransportChoice
 from .transport.protocol import MessageKey
+from .transport.shm_transport import ShmTransport, TransportChoice
 
 __all__ = ["Job", "Trainer", "JobSettings", "ENV", "PlanWritten"]
 

@@ -22,8 +22,12 @@ from splitrun.runtime import MessageKey, TransportError
 from splitrun.runtime.transport import ChannelContract
 from splitrun.runtime.transport.grpc import GrpcSettings, GrpcTransport
 from splitrun.runtime.transport.shm_ring import SHM_DIR, new_job_prefix, remove_job_segments
-from splitrun.runtime.transport.shm_transport import (ShmSettings, ShmTransport,
-                                                       TransportChoice, TransportKind)
+from splitrun.runtime.transport.shm_transport import (
+    ShmSettings,
+    ShmTransport,
+    TransportChoice,
+    TransportKind,
+)
 from splitrun.splitter import Label
 
 W0, W1 = Label.worker(0), Label.worker(1)

@@ -49,8 +49,17 @@ from .contract import ChannelContract, check_message, find_contract, refusal_pre
 from .framing import EnvelopeWriter, is_step_free, parse_envelope, specs_from_envelope, split_step
 from .grpc import GrpcTransport
 from .keys import MessageKey
-from .shm_ring import (SHM_DIR, RingClosed, RingError, RingPeerGone, RingReader, RingSettings,
-                       RingWriter, boot_id, job_file_path)
+from .shm_ring import (
+    SHM_DIR,
+    RingClosed,
+    RingError,
+    RingPeerGone,
+    RingReader,
+    RingSettings,
+    RingWriter,
+    boot_id,
+    job_file_path,
+)
 
 __all__ = ["ShmTransport", "ShmSettings", "TransportChoice", "TransportKind"]
 
@@ -389,7 +398,8 @@ class ShmTransport:
             try:
                 writer.wait_attached(self.settings.attach_timeout_s)
             except (RingError, OSError) as exc:
-                if not self.is_closing:
+                # close() closes the writers first: a wait it cut short is no failure.
+                if not (self._is_closed or self.is_closing):
                     self.fail(TransportError(f"{self.tag} shared memory to "
                                              f"{peer.describe()}: {exc}"))
 
