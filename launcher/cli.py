@@ -21,7 +21,11 @@ from splitrun.splitter.labels import Label, Role
 from .render import render_plan
 from .supervisor import Supervisor
 
-__all__ = ["main"]
+# A silent process is named within this long (plus a poll): fast, and still
+# several heartbeats (every 0.5 s) on a loaded machine.
+HEARTBEAT_TIMEOUT_S = 3.0
+
+__all__ = ["main", "run"]
 
 logger = logging.getLogger("splitrun.launcher")
 
@@ -94,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="device of every process (auto: cuda when available)")
     launch.add_argument("--host", default="127.0.0.1",
                         help="interface the scheduler and processes bind (default 127.0.0.1)")
-    launch.add_argument("--heartbeat-timeout", type=float, default=10.0,
+    launch.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
                         help="seconds without a heartbeat before a process counts as lost")
     launch.add_argument("--recv-timeout", type=float, default=None,
                         help="seconds a receive inside a step waits for its message")
@@ -139,7 +143,8 @@ def _parser() -> argparse.ArgumentParser:
     scheduler.add_argument("--host", default="127.0.0.1")
     scheduler.add_argument("--port", type=int, default=0, help="0 picks a free port")
     scheduler.add_argument("--token", default=None, help="default: a fresh random token")
-    scheduler.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    scheduler.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
+                           help="seconds without a heartbeat before a process counts as lost")
     return parser
 
 
@@ -214,7 +219,7 @@ def _launch(args) -> int:
     threads = thread_budget(args.threads_per_process, args.workers + args.servers)
     supervisor.say(f"scheduler at {address}; starting {args.workers} workers and "
                    f"{args.servers} servers running {args.script} ({threads} threads each)")
-    previous = {sig: signal.signal(sig, lambda *_: supervisor.interrupt())
+    previous = {sig: signal.signal(sig, lambda signum, _: supervisor.interrupt(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         labels = ([Label(r, Role.WORKER) for r in range(args.workers)]
@@ -316,5 +321,16 @@ def main(argv: list[str] | None = None) -> int:
     return command[args.command](args)
 
 
+def run() -> None:
+    """The `splitrun` command: `main()`, then exit at once. Every child is
+    reaped and every line written by then; tearing down the interpreter (torch,
+    gRPC) would only delay the exit status by seconds on a loaded machine."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

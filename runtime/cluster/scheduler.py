@@ -46,7 +46,7 @@ class SchedulerSettings:
     # Each process sends a heartbeat this often...
     heartbeat_interval_s: float = 0.5
     # ...and is declared lost when none came for this long.
-    heartbeat_timeout_s: float = 10.0
+    heartbeat_timeout_s: float = 3.0
 
     @property
     def num_processes(self) -> int:

@@ -1,0 +1,74 @@
+"""A long-running job for the fault tests, run by the real launcher: it trains a
+small model over a few batches in a cycle, and can fail on purpose.
+
+    splitrun launch --workers 2 tests/scripts/fault_job.py --crash-rank 1 --crash-at 5
+
+--crash-rank R --crash-at N: worker R raises before its step N.
+--busy-rank R --busy-at N: worker R spins forever before its step N (its
+    heartbeat thread stays alive).
+--bad-optimizer: capture with an optimizer splitrun cannot split (a CaptureError).
+--mode ps: parameter-server mode (run with --servers 1 or more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import pathlib
+import sys
+
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from ps_models import make  # noqa: E402
+from train_job import build  # noqa: E402
+
+from splitrun.runtime.job import Job  # noqa: E402
+from splitrun.splitter import ParameterServerMode, capture  # noqa: E402
+
+NUM_BATCHES = 8
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", default="general", choices=["general", "ps"])
+    parser.add_argument("--steps", type=int, default=100000)
+    parser.add_argument("--crash-rank", type=int, default=-1)
+    parser.add_argument("--crash-at", type=int, default=-1)
+    parser.add_argument("--busy-rank", type=int, default=-1)
+    parser.add_argument("--busy-at", type=int, default=-1)
+    parser.add_argument("--bad-optimizer", action="store_true")
+    args = parser.parse_args()
+
+    job = Job.from_env()
+    if args.mode == "ps":
+        program, _, batches = make("dense", "adam", job.cluster.num_workers, NUM_BATCHES)
+        mode = ParameterServerMode()
+    else:
+        program, batches = build("mlp", "adam", job.cluster.num_workers, NUM_BATCHES)
+        mode = None
+    if args.bad_optimizer:
+        model = torch.nn.Linear(12, 5)
+        capture(model, lambda m, x, y: m(x).sum(), torch.optim.LBFGS(model.parameters()),
+                batches[0])
+    trainer = job.start(program, mode, num_steps=args.steps)
+    logging.getLogger("fault_job").warning("training started")
+    shards = list(trainer.shard(batches))
+    if job.is_worker:
+        for step in range(args.steps):
+            if job.rank == args.crash_rank and step == args.crash_at:
+                raise ValueError(f"injected failure at step {step}")
+            if job.rank == args.busy_rank and step == args.busy_at:
+                logging.getLogger("fault_job").warning("spinning at step %d", step)
+                while True:
+                    pass
+            trainer.step(shards[step % len(shards)])
+    trainer.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
