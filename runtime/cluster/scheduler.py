@@ -11,7 +11,6 @@ It runs inside `splitrun launch` or alone (`splitrun scheduler`), on gRPC.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 import time
@@ -23,6 +22,7 @@ import grpc
 from splitrun.splitter.labels import Label, Role
 
 from ..errors import ClusterError
+from ..transport.grpc.auth import TokenInterceptor, one_line
 from ..transport.grpc.service import TOKEN_METADATA_KEY
 from ..transport.wire import splitrun_pb2 as pb
 from ..transport.wire import splitrun_pb2_grpc as pb_grpc
@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 # How often the monitor looks for silent processes.
 _MONITOR_PERIOD_S = 0.2
+_TOKEN_HINT = ("processes of this job get the token from SPLITRUN_TOKEN (set by splitrun "
+               "launch; for splitrun join, from the file splitrun scheduler wrote)")
 # Upper bound on any single blocking call a client may ask for.
 _MAX_WAIT_S = 3600.0
 
@@ -95,8 +97,12 @@ class Scheduler(pb_grpc.SchedulerServicer):
     def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         # Blocking calls (WaitForPeers, KvGet, Barrier) hold a thread each.
         workers = 8 + 3 * self.settings.num_processes
+        # The token is checked before any handler runs (TokenInterceptor): a
+        # caller without it never holds one of these threads.
+        auth = TokenInterceptor(self.settings.token, "scheduler", _TOKEN_HINT)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers,
-                                                              thread_name_prefix="scheduler"))
+                                                              thread_name_prefix="scheduler"),
+                                   interceptors=(auth,))
         pb_grpc.add_SchedulerServicer_to_server(self, self._server)
         try:
             bound = self._server.add_insecure_port(f"{host}:{port}")
@@ -171,20 +177,12 @@ class Scheduler(pb_grpc.SchedulerServicer):
         return pb.JobStatus(state=s.status, reason=s.reason, failed_label=s.failed_label,
                             num_steps=s.num_steps)
 
-    def _check_token(self, context: grpc.ServicerContext) -> None:
-        sent = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY, "")
-        if not hmac.compare_digest(sent.encode(), self.settings.token.encode()):
-            what = "no token" if not sent else "a wrong token"
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"scheduler refused a call with {what}; processes of this job "
-                          f"get the token from SPLITRUN_TOKEN (set by splitrun launch, or "
-                          f"pass --token to splitrun join)")
-
     def _label(self, text: str, context: grpc.ServicerContext) -> Label:
         try:
             label = Label.parse(text)
         except Exception as exc:  # noqa: BLE001 - reported to the caller
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad label {text!r}: {exc}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"bad label {one_line(repr(text), 40)}: {one_line(str(exc), 200)}")
         with self._cond:
             if label not in self._state.members:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -198,11 +196,10 @@ class Scheduler(pb_grpc.SchedulerServicer):
     # -- RPCs --
 
     def Register(self, request, context):
-        self._check_token(context)
         try:
             role = Role.parse(request.role)
         except Exception as exc:  # noqa: BLE001
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, one_line(str(exc)))
         size = {Role.WORKER: self.settings.num_workers,
                 Role.SERVER: self.settings.num_servers}.get(role, 0)
         with self._cond:
@@ -239,7 +236,6 @@ class Scheduler(pb_grpc.SchedulerServicer):
                                 heartbeat_interval_s=self.settings.heartbeat_interval_s)
 
     def WaitForPeers(self, request, context):
-        self._check_token(context)
         deadline = time.monotonic() + self._wait_s(request.timeout_s)
         with self._cond:
             while len(self._state.members) < self.settings.num_processes:
@@ -264,7 +260,6 @@ class Scheduler(pb_grpc.SchedulerServicer):
                 + [Label.server(r) for r in range(self.settings.num_servers)])
 
     def SubmitPlan(self, request, context):
-        self._check_token(context)
         label = self._label(request.label, context)
         with self._cond:
             if self._state.plan is None:
@@ -280,7 +275,6 @@ class Scheduler(pb_grpc.SchedulerServicer):
         return pb.SubmitPlanReply()
 
     def Heartbeat(self, request, context):
-        self._check_token(context)
         label = self._label(request.label, context)
         with self._cond:
             member = self._state.members[label]
@@ -289,14 +283,12 @@ class Scheduler(pb_grpc.SchedulerServicer):
             return self._status()
 
     def ReportFailure(self, request, context):
-        self._check_token(context)
         label = self._label(request.label, context)
         with self._cond:
             self._fail(str(label), f"{label.describe()} failed: {request.message}")
             return self._status()
 
     def ReportFinished(self, request, context):
-        self._check_token(context)
         label = self._label(request.label, context)
         with self._cond:
             members = self._state.members
@@ -318,7 +310,6 @@ class Scheduler(pb_grpc.SchedulerServicer):
             return self._status()
 
     def ReportDone(self, request, context):
-        self._check_token(context)
         label = self._label(request.label, context)
         with self._cond:
             self._state.members[label].done = True
@@ -326,14 +317,12 @@ class Scheduler(pb_grpc.SchedulerServicer):
         return pb.DoneReply()
 
     def KvPut(self, request, context):
-        self._check_token(context)
         with self._cond:
             self._state.kv[request.key] = request.value
             self._cond.notify_all()
         return pb.KvPutReply()
 
     def KvGet(self, request, context):
-        self._check_token(context)
         deadline = time.monotonic() + self._wait_s(request.timeout_s)
         with self._cond:
             while request.key not in self._state.kv:
@@ -345,7 +334,6 @@ class Scheduler(pb_grpc.SchedulerServicer):
             return pb.KvGetReply(value=self._state.kv[request.key])
 
     def Barrier(self, request, context):
-        self._check_token(context)
         label = self._label(request.label, context)
         deadline = time.monotonic() + self._wait_s(request.timeout_s)
         with self._cond:
