@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitrun.runtime import run_threaded
-from splitrun.splitter import Cluster, ParameterServerMode, capture, optim, place, split
+from splitrun.splitter import Cluster, ParameterServerMode, capture, optim, place, split_program
 
 NUM_STEPS = 8
 
@@ -67,7 +67,7 @@ def test_update_keeps_the_dtype_of_a_0_dim_parameter():
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_scalar_on_another_worker_equals_one_process(optimizer):
     program, batches = make({"rank": 1}, optimizer, 8)
-    plan = split(program, Cluster(num_workers=2))
+    plan = split_program(program, Cluster(num_workers=2))
     run = run_threaded(plan, NUM_STEPS, feeds(batches), recv_timeout_s=30)
     history, expected = program.train_unsplit(NUM_STEPS, feeds(batches))
     for key, value in expected.items():
@@ -80,7 +80,7 @@ def test_scalar_on_another_worker_equals_one_process(optimizer):
 def test_scalar_on_a_server_equals_one_process(optimizer):
     program, batches = make({"role": "server"}, optimizer, 4)
     full, _ = make({"role": "server"}, optimizer, 8)
-    plan = split(program, Cluster(num_workers=2, num_servers=1), ParameterServerMode())
+    plan = split_program(program, Cluster(num_workers=2, num_servers=1), ParameterServerMode())
     run = run_threaded(plan, NUM_STEPS, feeds(batches), recv_timeout_s=30)
     _, expected = full.train_unsplit(NUM_STEPS, feeds(batches))
     for key, value in expected.items():
