@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 from splitrun.splitter.labels import Label
 
+from .bootstrap import ERROR_MARK
+
 __all__ = ["Child", "Supervisor", "Outcome"]
 
 logger = logging.getLogger(__name__)
@@ -113,13 +115,18 @@ def is_stopped(pid: int) -> bool:
 
 
 class _ErrorLine:
-    """Follows a child's output and keeps the last line of its last traceback."""
+    """Follows a child's output and keeps the last line of its last traceback,
+    or the one line the bootstrap writes for a splitrun error."""
 
     def __init__(self) -> None:
         self.in_traceback = False
         self.line: str | None = None
 
     def feed(self, line: str) -> None:
+        if line.startswith(ERROR_MARK):
+            self.line = line[len(ERROR_MARK):].strip()
+            self.in_traceback = False
+            return
         if line.startswith(_TRACEBACK_HEADER):
             self.in_traceback = True
             return
@@ -173,6 +180,8 @@ class Supervisor:
             errors.feed(line)
             if errors.line is not None and errors.line != child.error:
                 child.error, child.error_seen = errors.line, time.monotonic()
+            if line.startswith(ERROR_MARK):
+                continue  # the failure line shows it, once
             with self._write_lock:
                 self._out.write(prefix + line + "\n")
                 self._out.flush()

@@ -40,9 +40,20 @@ from .transport.grpc import GrpcTransport
 from .transport.shm_transport import ShmTransport, TransportChoice
 from .transport.protocol import MessageKey
 
-__all__ = ["Job", "Trainer", "JobSettings", "ENV", "PlanWritten"]
+__all__ = ["Job", "Trainer", "JobSettings", "ENV", "PlanWritten", "report_uncaught"]
 
 logger = logging.getLogger(__name__)
+
+# The job this process joined (Job.from_env), for `report_uncaught`.
+_joined: Job | None = None
+
+
+def report_uncaught(error: BaseException) -> None:
+    """The launcher's bootstrap, when the script ends with `error`: tell the
+    scheduler (the step this process reached, and the error) before the
+    process's slow teardown, so the failure is blamed here and at that step."""
+    if _joined is not None:
+        _joined.report_failure(error)
 
 
 # Hosts that bind every interface: a peer cannot connect to them.
@@ -84,7 +95,7 @@ class JobSettings:
     # Peers must all register within this long.
     register_timeout_s: float = 120.0
     # The scheduler unreachable this long fails this process.
-    heartbeat_timeout_s: float = 10.0
+    heartbeat_timeout_s: float = 3.0
     # Flushing sends and the final barrier are bounded by this.
     finish_timeout_s: float = 120.0
 
@@ -135,6 +146,7 @@ class Job:
         self.transport = transport
         self.plan_out = plan_out
         self._heartbeat: Heartbeat | None = None
+        self._failure_reported = False
         if client is not None:
             self._heartbeat = Heartbeat(
                 client, label, heartbeat_interval_s, settings.heartbeat_timeout_s,
@@ -171,9 +183,12 @@ class Job:
         logger.info("joined as %s of %s (incarnation %d, device %s, %d threads)",
                     registration.label.describe(), registration.cluster,
                     registration.incarnation, device, torch.get_num_threads())
-        return cls(registration.label, registration.cluster, device, settings,
-                   client=client, transport=transport, incarnation=registration.incarnation,
-                   heartbeat_interval_s=registration.heartbeat_interval_s)
+        job = cls(registration.label, registration.cluster, device, settings,
+                  client=client, transport=transport, incarnation=registration.incarnation,
+                  heartbeat_interval_s=registration.heartbeat_interval_s)
+        global _joined
+        _joined = job
+        return job
 
     @property
     def rank(self) -> int:
@@ -199,7 +214,8 @@ class Job:
     # -- job state from the heartbeat thread --
 
     def _job_failed(self, reason: str) -> None:
-        logger.error("[%s] stopping: %s", self.label.describe(), reason)
+        # The PeerFailed this raises in the step carries the reason.
+        logger.debug("[%s] stopping: %s", self.label.describe(), reason)
         if self.transport is not None:
             self.transport.abort(PeerFailed(f"job failed: {reason}"))
 
@@ -241,8 +257,7 @@ class Job:
         self.transport.register(_control_channels(plan, split.program, self.label))
         state, first_step = program.initial_state, 0
         if resume is not None:
-            state, first_step = checkpoint.from_checkpoint(
-                program, checkpoint.read_checkpoint(resume))
+            state, first_step = checkpoint.load_checkpoint(program, resume)
             logger.info("[%s] resuming from %s at step %d", self.label.describe(), resume,
                         first_step)
         if split.artifacts is not None:  # parallel mode keeps state in pieces
@@ -258,10 +273,17 @@ class Job:
                        first_step=first_step, source=program)
 
     def report_failure(self, error: BaseException) -> None:
-        if self.client is None or isinstance(error, (PeerFailed, JobFinished)):
+        """Tell the scheduler this process failed with `error` (once), after a
+        heartbeat with the step it reached. A peer's failure is not reported."""
+        if (self.client is None or isinstance(error, (PeerFailed, JobFinished))
+                or self._failure_reported):
             return
+        self._failure_reported = True
+        first_line = (str(error).strip().splitlines() or [""])[0]
         try:
-            self.client.report_failure(self.label, f"{type(error).__name__}: {error}")
+            if self._heartbeat is not None:
+                self._heartbeat.beat_now()
+            self.client.report_failure(self.label, f"{type(error).__name__}: {first_line}")
         except ClusterError:
             logger.warning("[%s] could not report the failure to the scheduler",
                            self.label.describe())

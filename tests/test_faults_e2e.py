@@ -14,6 +14,8 @@ import time
 import pytest
 from cluster import JOB_TIMEOUT_S, SCRIPTS, Proc, pid_alive, splitrun
 
+sys.path.insert(0, str(SCRIPTS.parent))
+
 pytestmark = pytest.mark.slow
 
 FAULT_JOB = SCRIPTS / "fault_job.py"
@@ -143,3 +145,37 @@ def test_children_die_with_a_killed_launcher():
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert not alive, f"children {alive} outlived the launcher by 1 s"
+
+
+def bad_checkpoint(tmp_path, problem: str):
+    from ps_models import make
+
+    from splitrun.runtime.checkpoint import to_checkpoint, write_checkpoint
+
+    program, _, _ = make("dense", "adam", 2, 5)
+    checkpoint = to_checkpoint(program, program.initial_state, 3)
+    if problem == "float64":
+        checkpoint["model"]["body.0.weight"] = checkpoint["model"]["body.0.weight"].double()
+    path = tmp_path / "bad.pt"
+    write_checkpoint(checkpoint, path)
+    if problem == "flipped":
+        data = bytearray(path.read_bytes())
+        middle = len(data) // 2
+        data[middle:middle + 4096] = bytes(b ^ 0xFF for b in data[middle:middle + 4096])
+        path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("problem, says", [
+    ("flipped", "is corrupt"),
+    ("float64", "'body.0.weight' is float64[24, 10], the model has float32[24, 10]"),
+])
+def test_bad_checkpoint_is_one_line_from_the_launcher(tmp_path, problem, says):
+    path = bad_checkpoint(tmp_path, problem)
+    proc = splitrun("launch", "--workers", 2, "--servers", 1, SCRIPTS / "ps_job.py",
+                    "--steps", 5, "--resume", path)
+    assert proc.wait(JOB_TIMEOUT_S) == 1
+    assert "Traceback" not in proc.output(), proc.output()
+    line = last_line(proc)
+    assert f"CheckpointError: checkpoint {path}" in line and says in line, proc.output()
+    assert proc.output().count(f"checkpoint {path}") == 1, proc.output()

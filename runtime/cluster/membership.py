@@ -138,6 +138,11 @@ class Heartbeat:
         (the scheduler names the step when this process fails or stalls)."""
         self._step = step
 
+    def beat_now(self) -> None:
+        """One heartbeat from the calling thread, with the step reported so far
+        (a failing process tells its step before it reports the failure)."""
+        self._client.heartbeat(self._label, self._step, timeout_s=max(self._interval_s * 4, 2.0))
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=self._interval_s + CALL_TIMEOUT_S)

@@ -169,7 +169,7 @@ class Scheduler(pb_grpc.SchedulerServicer):
         self._state.status = pb.JobStatus.FAILED
         self._state.reason = reason
         self._state.failed_label = label
-        logger.error("job failed: %s", reason)
+        logger.debug("job failed: %s", reason)  # the launcher (or `splitrun scheduler`) says it
         self._cond.notify_all()
 
     def _status(self) -> pb.JobStatus:
@@ -285,7 +285,9 @@ class Scheduler(pb_grpc.SchedulerServicer):
     def ReportFailure(self, request, context):
         label = self._label(request.label, context)
         with self._cond:
-            self._fail(str(label), f"{label.describe()} failed: {request.message}")
+            step = self._state.members[label].step
+            self._fail(str(label), f"{label.describe()} failed at step {step}: "
+                                   f"{one_line(request.message)}")
             return self._status()
 
     def ReportFinished(self, request, context):
