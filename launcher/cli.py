@@ -24,6 +24,8 @@ from .supervisor import Supervisor
 # A silent process is named within this long (plus a poll): fast, and still
 # several heartbeats (every 0.5 s) on a loaded machine.
 HEARTBEAT_TIMEOUT_S = 3.0
+# A live process that holds up its peers this long is named (a busy loop).
+STALL_TIMEOUT_S = 20.0
 
 __all__ = ["main", "run"]
 
@@ -74,6 +76,12 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--servers", type=int, default=0, help="number of server processes")
 
 
+def _add_stall_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S,
+                        help="seconds a process may not advance its step while a peer waits "
+                             "on it inside a step, before it counts as stalled")
+
+
 def _add_script_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script", help="the training script every process runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER,
@@ -98,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="device of every process (auto: cuda when available)")
     launch.add_argument("--host", default="127.0.0.1",
                         help="interface the scheduler and processes bind (default 127.0.0.1)")
+    _add_stall_arg(launch)
     launch.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
                         help="seconds without a heartbeat before a process counts as lost")
     launch.add_argument("--recv-timeout", type=float, default=None,
@@ -143,6 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     scheduler.add_argument("--host", default="127.0.0.1")
     scheduler.add_argument("--port", type=int, default=0, help="0 picks a free port")
     scheduler.add_argument("--token", default=None, help="default: a fresh random token")
+    _add_stall_arg(scheduler)
     scheduler.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
                            help="seconds without a heartbeat before a process counts as lost")
     return parser
@@ -209,7 +219,8 @@ def _launch(args) -> int:
     token = secrets.token_hex(16)
     scheduler = Scheduler(SchedulerSettings(args.workers, args.servers, token,
                                             _new_incarnation(),
-                                            heartbeat_timeout_s=args.heartbeat_timeout))
+                                            heartbeat_timeout_s=args.heartbeat_timeout,
+                                            stall_timeout_s=args.stall_timeout))
     address = scheduler.start(args.host, 0)
     supervisor = Supervisor()
     # Same-host peers share memory under this prefix; whatever a killed
@@ -287,7 +298,8 @@ def _scheduler(args) -> int:
     token = args.token or secrets.token_hex(16)
     scheduler = Scheduler(SchedulerSettings(args.workers, args.servers, token,
                                             _new_incarnation(),
-                                            heartbeat_timeout_s=args.heartbeat_timeout))
+                                            heartbeat_timeout_s=args.heartbeat_timeout,
+                                            stall_timeout_s=args.stall_timeout))
     address = scheduler.start(args.host, args.port)
     print(f"splitrun scheduler at {address} token {token}", flush=True)
     stop = {"interrupted": False}

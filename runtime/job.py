@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -266,6 +267,8 @@ class Job:
                                  incarnation=self.incarnation, device=self.device, state=state,
                                  first_step=first_step,
                                  recv_timeout_s=self.settings.recv_timeout_s)
+        if self._heartbeat is not None:  # the scheduler names a peer this one waits on
+            self._heartbeat.watch_waits(lambda: _waiting(process))
         # The plan's messages are let in only now that the process is assembled.
         self.transport.expect(receive_contracts(plan, split.program, self.label))
         logger.info("[%s] plan %s: %s", self.label.describe(), plan.fingerprint, summary)
@@ -500,6 +503,11 @@ class Trainer:
         else:
             self._send_state(checkpoint.final_state_channel(self.job.label), self.steps_done)
             self.process.drain_prefetch()
+
+
+def _waiting(process: ProcessRuntime) -> tuple[Label, float] | None:
+    waiting = process.executor.waiting_on
+    return None if waiting is None else (waiting.peer, time.monotonic() - waiting.since)
 
 
 def _feeds_of(batch) -> dict[str, torch.Tensor]:

@@ -179,3 +179,19 @@ def test_bad_checkpoint_is_one_line_from_the_launcher(tmp_path, problem, says):
     line = last_line(proc)
     assert f"CheckpointError: checkpoint {path}" in line and says in line, proc.output()
     assert proc.output().count(f"checkpoint {path}") == 1, proc.output()
+
+
+def test_busy_looping_worker_is_named():
+    proc = splitrun("launch", "--workers", 2, FAULT_JOB, "--busy-rank", 1, "--busy-at", 5)
+    try:
+        proc.wait_for(r"\[worker 1\].*spinning at step 5", JOB_TIMEOUT_S)
+        spinning_at = time.monotonic()
+        code = proc.wait(60)
+        elapsed = time.monotonic() - spinning_at
+    finally:
+        proc.kill()
+    assert code == 1
+    line = last_line(proc)
+    assert "worker 1 (pid" in line and "is stalled at step 5" in line, proc.output()
+    assert "worker 0 has waited on it" in line
+    assert elapsed < 30.0, f"named {elapsed:.1f} s after it began to spin"

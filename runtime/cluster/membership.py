@@ -83,9 +83,12 @@ class SchedulerClient:
         self._call("SubmitPlan", pb.SubmitPlanRequest(label=str(label), fingerprint=fingerprint,
                                                       summary=summary))
 
-    def heartbeat(self, label: Label, step: int, timeout_s: float) -> pb.JobStatus:
-        return self._call("Heartbeat", pb.HeartbeatRequest(label=str(label), step=step),
-                          timeout_s=timeout_s)
+    def heartbeat(self, label: Label, step: int, timeout_s: float,
+                  waiting: tuple[Label, float] | None = None) -> pb.JobStatus:
+        peer, waiting_s = waiting if waiting is not None else (None, 0.0)
+        return self._call("Heartbeat", pb.HeartbeatRequest(
+            label=str(label), step=step, waiting_on="" if peer is None else str(peer),
+            waiting_s=waiting_s), timeout_s=timeout_s)
 
     def report_failure(self, label: Label, message: str) -> None:
         self._call("ReportFailure", pb.FailureReport(label=str(label), message=message))
@@ -126,12 +129,18 @@ class Heartbeat:
         self._on_failed = on_failed
         self._on_finished = on_finished
         self._step = 0
+        self._waiting: Callable[[], tuple[Label, float] | None] = lambda: None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"splitrun-heartbeat-{label}")
 
     def start(self) -> None:
         self._thread.start()
+
+    def watch_waits(self, waiting: Callable[[], tuple[Label, float] | None]) -> None:
+        """`waiting()`: the peer this process waits on inside a step and for how
+        long (None when it waits on none); each heartbeat carries it."""
+        self._waiting = waiting
 
     def report_step(self, step: int) -> None:
         """The steps this process has completed: the next heartbeat carries it
@@ -153,7 +162,8 @@ class Heartbeat:
         while not self._stop.wait(self._interval_s):
             try:
                 status = self._client.heartbeat(self._label, self._step,
-                                                timeout_s=max(self._interval_s * 4, 2.0))
+                                                timeout_s=max(self._interval_s * 4, 2.0),
+                                                waiting=self._waiting())
             except ClusterError as exc:
                 silent = time.monotonic() - last_ok
                 if silent > self._lost_after_s:

@@ -49,6 +49,10 @@ class SchedulerSettings:
     heartbeat_interval_s: float = 0.5
     # ...and is declared lost when none came for this long.
     heartbeat_timeout_s: float = 3.0
+    # A process whose step has not advanced for this long while a peer has
+    # waited on it inside a step for as long (and it waits on no one) is
+    # stalled: a busy loop or a deadlock with its heartbeat thread alive.
+    stall_timeout_s: float = 20.0
 
     @property
     def num_processes(self) -> int:
@@ -63,6 +67,9 @@ class _Member:
     pid: int
     last_seen: float
     step: int = 0
+    step_since: float = 0.0     # when `step` last changed (time.monotonic())
+    waiting_on: str = ""        # the peer it waits on inside a step, "" for none
+    waiting_s: float = 0.0      # ...for this long, as of `last_seen`
     finished_steps: int | None = None
     done: bool = False
 
@@ -225,8 +232,9 @@ class Scheduler(pb_grpc.SchedulerServicer):
                                   f"all {size} {role.value} ranks are taken")
                 rank = free[0]
             label = Label(rank, role)
+            now = time.monotonic()
             self._state.members[label] = _Member(label, request.address, request.host,
-                                                 request.pid, time.monotonic())
+                                                 request.pid, now, step_since=now)
             self._cond.notify_all()
         logger.info("registered %s at %s (pid %d on %s)", label.describe(), request.address,
                     request.pid, request.host)
@@ -279,7 +287,9 @@ class Scheduler(pb_grpc.SchedulerServicer):
         with self._cond:
             member = self._state.members[label]
             member.last_seen = time.monotonic()
-            member.step = request.step
+            if request.step != member.step or not member.step_since:
+                member.step, member.step_since = request.step, member.last_seen
+            member.waiting_on, member.waiting_s = request.waiting_on, request.waiting_s
             return self._status()
 
     def ReportFailure(self, request, context):
@@ -371,3 +381,28 @@ class Scheduler(pb_grpc.SchedulerServicer):
                                    f"{member.host}) sent no heartbeat for {silent:.1f} s "
                                    f"(last at step {member.step}); it died or hangs")
                         break
+                else:
+                    self._find_stalled(now)
+
+    def _find_stalled(self, now: float) -> None:
+        """Fail the job naming a process that is alive (heartbeats come) but
+        stalled: its step has not advanced for `stall_timeout_s`, it waits on
+        no peer, and a peer has waited on it inside a step that long."""
+        limit = self.settings.stall_timeout_s
+        members = self._state.members
+        for member in members.values():
+            if member.done or member.waiting_on or now - member.step_since <= limit:
+                continue
+            name = str(member.label)
+            waiters = [(p, p.waiting_s + now - p.last_seen) for p in members.values()
+                       if p.waiting_on == name]
+            waiters = [(p, waited) for p, waited in waiters if waited > limit]
+            if not waiters:
+                continue
+            peer, waited = max(waiters, key=lambda w: w[1])
+            self._fail(name, f"{member.label.describe()} (pid {member.pid} on {member.host}) "
+                             f"is stalled at step {member.step}: alive, but its step has not "
+                             f"advanced for {now - member.step_since:.1f} s while "
+                             f"{peer.label.describe()} has waited on it for {waited:.1f} s; "
+                             f"is it stuck in a loop or waiting on something else?")
+            return
