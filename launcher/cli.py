@@ -7,11 +7,13 @@ import argparse
 import logging
 import os
 import secrets
+import shutil
 import signal
 import sys
 import tempfile
 import time
 
+from splitrun.runtime import checkpoint
 from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
 from splitrun.runtime.env import ENV
 from splitrun.runtime.transport.shm_ring import new_job_prefix, remove_job_segments
@@ -35,10 +37,14 @@ _EPILOG_LAUNCH = """\
 example:
   splitrun launch --workers 3 examples/pipeline_split.py --steps 50
   splitrun launch --workers 2 --servers 1 examples/ps_train.py
+  splitrun launch --workers 2 --max-restarts 2 --checkpoint-every 100 train.py
 
 Every process runs SCRIPT; its output lines are prefixed with the process
 ("[worker 1] ..."). On the first failure the others are stopped and the
-launcher exits with the failing process's code.
+launcher exits with the failing process's code. With --max-restarts N the
+whole job then starts again (a new incarnation) from the last good checkpoint
+that --checkpoint-every K wrote, up to N times; the script resumes at
+trainer.steps_done.
 """
 
 _EPILOG_PLAN = """\
@@ -109,6 +115,14 @@ def _parser() -> argparse.ArgumentParser:
     _add_stall_arg(launch)
     launch.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
                         help="seconds without a heartbeat before a process counts as lost")
+    launch.add_argument("--max-restarts", type=int, default=0,
+                        help="after a failure, restart the whole job (from its last good "
+                             "checkpoint, with --checkpoint-every) up to N times")
+    launch.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
+                        help="the workers save the job every K steps (Trainer.save)")
+    launch.add_argument("--checkpoint-dir", default=None,
+                        help="where --checkpoint-every saves (default: a temporary "
+                             "directory, removed when the job succeeds)")
     launch.add_argument("--recv-timeout", type=float, default=None,
                         help="seconds a receive inside a step waits for its message")
     launch.add_argument("--threads-per-process", type=int, default=None, metavar="N",
@@ -216,37 +230,86 @@ def _launch(args) -> int:
     except SplitrunError as exc:
         print(f"splitrun: {exc}", file=sys.stderr)
         return 2
+    if args.max_restarts < 0 or (args.checkpoint_every is not None and args.checkpoint_every < 1):
+        print("splitrun: need --max-restarts >= 0 and --checkpoint-every >= 1", file=sys.stderr)
+        return 2
     token = secrets.token_hex(16)
+    own_dir = args.checkpoint_every is not None and args.checkpoint_dir is None
+    directory = (tempfile.mkdtemp(prefix="splitrun-checkpoints-") if own_dir
+                 else args.checkpoint_dir)
+    if directory is not None:
+        os.makedirs(directory, exist_ok=True)
+    current: list[Supervisor] = []
+    interrupted: list[int] = []
+
+    def on_signal(signum, _frame):
+        interrupted.append(signum)
+        if current:
+            current[-1].interrupt(signum)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        restart_from, attempt = None, 0
+        while True:
+            supervisor = Supervisor()
+            current.append(supervisor)
+            if interrupted:
+                supervisor.interrupt(interrupted[0])
+            outcome = _run_once(args, token, supervisor, directory, restart_from)
+            supervisor.say(outcome.summary)
+            if outcome.exit_code == 0 or interrupted or attempt >= args.max_restarts:
+                break
+            attempt += 1
+            found = checkpoint.latest_checkpoint(directory) if directory else None
+            restart_from = found[0] if found else None
+            where = (f"from {found[0]} (step {found[1]})" if found
+                     else "from the start (no checkpoint yet)")
+            supervisor.say(f"restart {attempt} of {args.max_restarts} {where}; "
+                           f"cause: {outcome.summary}")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if own_dir:
+        if outcome.exit_code == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+        else:
+            supervisor.say(f"checkpoints kept in {directory}")
+    return outcome.exit_code
+
+
+def _run_once(args, token: str, supervisor: Supervisor, checkpoint_dir: str | None,
+              restart_from: str | None):
+    """One incarnation of the job: a fresh scheduler (a new incarnation, so
+    messages of an earlier one are refused) and every process."""
     scheduler = Scheduler(SchedulerSettings(args.workers, args.servers, token,
                                             _new_incarnation(),
                                             heartbeat_timeout_s=args.heartbeat_timeout,
                                             stall_timeout_s=args.stall_timeout))
     address = scheduler.start(args.host, 0)
-    supervisor = Supervisor()
     # Same-host peers share memory under this prefix; whatever a killed
-    # process leaves there is removed when the launcher ends.
+    # process leaves there is removed when this incarnation ends.
     shm_prefix = new_job_prefix()
     logger.info("same-host peers share memory under /dev/shm/%s*", shm_prefix)
     threads = thread_budget(args.threads_per_process, args.workers + args.servers)
     supervisor.say(f"scheduler at {address}; starting {args.workers} workers and "
                    f"{args.servers} servers running {args.script} ({threads} threads each)")
-    previous = {sig: signal.signal(sig, lambda signum, _: supervisor.interrupt(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    extra = {}
+    if args.checkpoint_every is not None:
+        extra = {ENV.CHECKPOINT_EVERY: str(args.checkpoint_every),
+                 ENV.CHECKPOINT_DIR: checkpoint_dir}
+    if restart_from is not None:
+        extra[ENV.RESTART_FROM] = restart_from
     try:
         labels = ([Label(r, Role.WORKER) for r in range(args.workers)]
                   + [Label(r, Role.SERVER) for r in range(args.servers)])
         for label in labels:
-            supervisor.spawn(label, _script_argv(args, die_with_launcher=True),
-                             _child_env(args, address, token, label, shm_prefix))
-        outcome = supervisor.run(external_failure=lambda: scheduler.failure,
-                                 step_of=scheduler.member_step)
+            env = _child_env(args, address, token, label, shm_prefix)
+            env.update(extra)
+            supervisor.spawn(label, _script_argv(args, die_with_launcher=True), env)
+        return supervisor.run(external_failure=lambda: scheduler.failure,
+                              step_of=scheduler.member_step)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         scheduler.stop()
         remove_job_segments(shm_prefix)
-    supervisor.say(outcome.summary)
-    return outcome.exit_code
 
 
 def _plan(args) -> int:

@@ -32,7 +32,8 @@ from .transport.protocol import OUT_OF_PLAN
 
 __all__ = ["CONTROL_CHANNEL", "SAVE", "save_channel", "final_state_channel",
            "to_checkpoint", "from_checkpoint", "write_checkpoint", "read_checkpoint",
-           "load_checkpoint", "checksum_path"]
+           "load_checkpoint", "checksum_path", "verify_checksum", "periodic_path",
+           "latest_checkpoint", "prune_periodic"]
 
 CHECKSUM_SUFFIX = ".sha256"
 _CHUNK = 1 << 20
@@ -163,9 +164,9 @@ def write_checkpoint(checkpoint: dict, path: str | os.PathLike) -> None:
     os.replace(sum_partial, checksum_path(path))
 
 
-def read_checkpoint(path: str | os.PathLike) -> dict:
-    """Load a checkpoint after verifying its checksum; `CheckpointError` names
-    the file and what is wrong with it."""
+def verify_checksum(path: str | os.PathLike) -> None:
+    """Raise `CheckpointError` unless `path` is a non-empty file whose sha256
+    matches its checksum file."""
     path = os.fspath(path)
     try:
         size = os.path.getsize(path)
@@ -186,6 +187,58 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"checkpoint {path} is corrupt: its sha256 is {actual[:16]}..., "
                               f"{sums} says {expected[:16]}...; the file changed after it "
                               f"was written")
+
+
+# Periodic checkpoints (`splitrun launch --checkpoint-every K`): DIR/step-N.pt.
+_PERIODIC_PREFIX = "step-"
+_PERIODIC_KEEP = 2
+
+
+def periodic_path(directory: str | os.PathLike, step: int) -> str:
+    return os.path.join(os.fspath(directory), f"{_PERIODIC_PREFIX}{step:09d}.pt")
+
+
+def _periodic(directory: str) -> list[tuple[int, str]]:
+    """(step, path) of the periodic checkpoints in `directory`, newest first."""
+    found = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    for name in names:
+        number = name.removeprefix(_PERIODIC_PREFIX).removesuffix(".pt")
+        if name.startswith(_PERIODIC_PREFIX) and name.endswith(".pt") and number.isdigit():
+            found.append((int(number), os.path.join(directory, name)))
+    return sorted(found, reverse=True)
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> tuple[str, int] | None:
+    """The newest periodic checkpoint in `directory` whose checksum holds, and
+    its step; None when there is none."""
+    for step, path in _periodic(os.fspath(directory)):
+        try:
+            verify_checksum(path)
+        except CheckpointError:
+            continue
+        return path, step
+    return None
+
+
+def prune_periodic(directory: str | os.PathLike) -> None:
+    """Keep the newest periodic checkpoints only."""
+    for _, path in _periodic(os.fspath(directory))[_PERIODIC_KEEP:]:
+        for stale in (path, checksum_path(path)):
+            try:
+                os.remove(stale)
+            except FileNotFoundError:
+                pass
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict:
+    """Load a checkpoint after verifying its checksum; `CheckpointError` names
+    the file and what is wrong with it."""
+    path = os.fspath(path)
+    verify_checksum(path)
     try:
         # weights_only: a checkpoint holds tensors and plain containers, nothing to execute.
         return torch.load(path, map_location="cpu", weights_only=True)

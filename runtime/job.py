@@ -99,6 +99,11 @@ class JobSettings:
     heartbeat_timeout_s: float = 3.0
     # Flushing sends and the final barrier are bounded by this.
     finish_timeout_s: float = 120.0
+    # `splitrun launch --checkpoint-every K`: the workers save the job every K
+    # steps into `checkpoint_dir`; a restarted job resumes from `restart_from`.
+    checkpoint_every: int | None = None
+    checkpoint_dir: str | None = None
+    restart_from: str | None = None
 
     @classmethod
     def from_environment(cls, env: ProcessEnvironment) -> JobSettings:
@@ -106,7 +111,9 @@ class JobSettings:
             return default if value is None else value
         return cls(recv_timeout_s=given(env.recv_timeout_s, cls.recv_timeout_s),
                    idle_timeout_s=given(env.idle_timeout_s, cls.idle_timeout_s),
-                   heartbeat_timeout_s=given(env.heartbeat_timeout_s, cls.heartbeat_timeout_s))
+                   heartbeat_timeout_s=given(env.heartbeat_timeout_s, cls.heartbeat_timeout_s),
+                   checkpoint_every=env.checkpoint_every, checkpoint_dir=env.checkpoint_dir,
+                   restart_from=env.restart_from)
 
 
 class PlanWritten(BaseException):  # noqa: N818 - a signal, named for what happened
@@ -257,6 +264,8 @@ class Job:
                                   if label != self.label})
         self.transport.register(_control_channels(plan, split.program, self.label))
         state, first_step = program.initial_state, 0
+        if self.settings.restart_from is not None:  # a restart: the launcher's checkpoint wins
+            resume = self.settings.restart_from
         if resume is not None:
             state, first_step = checkpoint.load_checkpoint(program, resume)
             logger.info("[%s] resuming from %s at step %d", self.label.describe(), resume,
@@ -365,11 +374,24 @@ class Trainer:
             raise
         self.steps_done += 1
         self.job.report_progress(self.steps_done)
+        self._checkpoint_periodically()
         loss = outputs.get("loss")
         hit_rate = self.process.cache_hit_rate()
         extra = "" if hit_rate is None else f"hit rate {hit_rate:.3f}"
         self._progress.update(self.steps_done - 1, None if loss is None else loss.item(), extra)
         return outputs
+
+    def _checkpoint_periodically(self) -> None:
+        """Under `splitrun launch --checkpoint-every K`: save every K steps (every
+        worker reaches the same step, so they save together) and keep the
+        newest few; a restarted job resumes from the last good one."""
+        settings = self.job.settings
+        every, directory = settings.checkpoint_every, settings.checkpoint_dir
+        if not every or not directory or self.steps_done % every:
+            return
+        self.save(checkpoint.periodic_path(directory, self.steps_done))
+        if self.job.is_driver:
+            checkpoint.prune_periodic(directory)
 
     def shard(self, batches):
         """The batches this process trains on: in parameter-server mode worker

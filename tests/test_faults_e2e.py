@@ -15,6 +15,7 @@ import pytest
 from cluster import JOB_TIMEOUT_S, SCRIPTS, Proc, pid_alive, splitrun
 
 sys.path.insert(0, str(SCRIPTS.parent))
+sys.path.insert(0, str(SCRIPTS))
 
 pytestmark = pytest.mark.slow
 
@@ -195,3 +196,44 @@ def test_busy_looping_worker_is_named():
     assert "worker 1 (pid" in line and "is stalled at step 5" in line, proc.output()
     assert "worker 0 has waited on it" in line
     assert elapsed < 30.0, f"named {elapsed:.1f} s after it began to spin"
+
+
+def fault_job_reference(num_workers: int, steps: int):
+    from fault_job import NUM_BATCHES
+    from train_job import build
+
+    program, batches = build("mlp", "adam", num_workers, NUM_BATCHES)
+    feeds = lambda s: {"batch.0": batches[s % NUM_BATCHES][0],  # noqa: E731
+                       "batch.1": batches[s % NUM_BATCHES][1]}
+    history, state = program.train_unsplit(steps, feeds)
+    return [h["loss"] for h in history], state
+
+
+def test_restart_resumes_from_the_last_checkpoint_and_ends_equal(tmp_path):
+    import torch
+
+    out = tmp_path / "result.pt"
+    proc = splitrun("launch", "--workers", 2, "--max-restarts", 1, "--checkpoint-every", 10,
+                    "--checkpoint-dir", tmp_path / "ckpt", FAULT_JOB, "--steps", 40,
+                    "--kill-rank", 1, "--kill-at", 25, "--out", out)
+    assert proc.wait(2 * JOB_TIMEOUT_S) == 0, proc.output()
+    output = proc.output()
+    # The step of a SIGKILLed process is its last heartbeat's: not asserted.
+    assert "worker 1 (pid" in output and "was killed by SIGKILL" in output
+    assert f"restart 1 of 1 from {tmp_path / 'ckpt' / 'step-000000020.pt'} (step 20)" in output
+    assert "resuming from" in output and "at step 20" in output
+    result = torch.load(out)
+    losses, state = fault_job_reference(2, 40)
+    assert result["first_step"] == 20
+    assert torch.equal(torch.stack(result["losses"]), torch.stack(losses[20:]))
+    for key, value in state.items():
+        assert torch.equal(result["state"][key], value), f"{key} differs from an uninterrupted run"
+
+
+def test_without_restarts_the_job_fails_as_before(tmp_path):
+    proc = splitrun("launch", "--workers", 2, "--max-restarts", 0, "--checkpoint-every", 10,
+                    FAULT_JOB, "--steps", 40, "--kill-rank", 1, "--kill-at", 25)
+    assert proc.wait(JOB_TIMEOUT_S) == 128 + signal.SIGKILL
+    output = proc.output()
+    assert "restart" not in output
+    assert "worker 1 (pid" in last_line(proc) or "worker 1 (pid" in proc.lines[-2]

@@ -51,25 +51,29 @@ class SchedulerClient:
     def close(self) -> None:
         self._channel.close()
 
-    def _call(self, method: str, request, timeout_s: float = CALL_TIMEOUT_S):
+    def _call(self, method: str, request, timeout_s: float = CALL_TIMEOUT_S, *,
+              wait_for_ready: bool = False):
         try:
             return getattr(self._stub, method)(request, timeout=timeout_s,
-                                               metadata=self._metadata)
+                                               metadata=self._metadata,
+                                               wait_for_ready=wait_for_ready)
         except grpc.RpcError as exc:
+            if wait_for_ready and exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise ClusterError(
+                    f"cannot reach the scheduler at {self.address} within {timeout_s:g} s; "
+                    f"is it running, and is the address right?") from None
             raise ClusterError(
                 f"scheduler {self.address} {method}: {exc.code().name}: {exc.details()}"
             ) from None
 
     def register(self, role: Role, rank: int | None, address: str) -> Registration:
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=CONNECT_TIMEOUT_S)
-        except grpc.FutureTimeoutError:
-            raise ClusterError(
-                f"cannot reach the scheduler at {self.address} within "
-                f"{CONNECT_TIMEOUT_S:g} s; is it running, and is the address right?") from None
+        # wait_for_ready, not channel_ready_future: the future's connectivity
+        # polling thread can outlive it and fail on the closed channel at exit
+        # ("Cannot invoke RPC: Channel closed!").
         reply = self._call("Register", pb.RegisterRequest(
             role=role.value, rank=-1 if rank is None else rank, address=address,
-            host=socket.gethostname(), pid=os.getpid()))
+            host=socket.gethostname(), pid=os.getpid()), timeout_s=CONNECT_TIMEOUT_S,
+            wait_for_ready=True)
         return Registration(Label(reply.rank, role), reply.incarnation,
                             Cluster(reply.num_workers, reply.num_servers),
                             reply.heartbeat_interval_s)

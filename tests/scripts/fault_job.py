@@ -6,15 +6,23 @@ small model over a few batches in a cycle, and can fail on purpose.
 --crash-rank R --crash-at N: worker R raises before its step N.
 --busy-rank R --busy-at N: worker R spins forever before its step N (its
     heartbeat thread stays alive).
+--kill-rank R --kill-at N: worker R SIGKILLs itself before its step N, unless
+    the job was resumed (a restart under --max-restarts).
 --bad-optimizer: capture with an optimizer splitrun cannot split (a CaptureError).
 --mode ps: parameter-server mode (run with --servers 1 or more).
+--out PATH: worker 0 saves the losses and the final state there.
+
+The batch of step s is batch s % 8, so a resumed run sees the batches an
+uninterrupted one sees.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import pathlib
+import signal
 import sys
 
 import torch
@@ -40,7 +48,10 @@ def main() -> int:
     parser.add_argument("--crash-at", type=int, default=-1)
     parser.add_argument("--busy-rank", type=int, default=-1)
     parser.add_argument("--busy-at", type=int, default=-1)
+    parser.add_argument("--kill-rank", type=int, default=-1)
+    parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--bad-optimizer", action="store_true")
+    parser.add_argument("--out")
     args = parser.parse_args()
 
     job = Job.from_env()
@@ -57,16 +68,25 @@ def main() -> int:
     trainer = job.start(program, mode, num_steps=args.steps)
     logging.getLogger("fault_job").warning("training started")
     shards = list(trainer.shard(batches))
+    resumed = trainer.steps_done > 0
+    losses = []
     if job.is_worker:
-        for step in range(args.steps):
+        for step in range(trainer.steps_done, args.steps):
+            if job.rank == args.kill_rank and step == args.kill_at and not resumed:
+                os.kill(os.getpid(), signal.SIGKILL)
             if job.rank == args.crash_rank and step == args.crash_at:
                 raise ValueError(f"injected failure at step {step}")
             if job.rank == args.busy_rank and step == args.busy_at:
                 logging.getLogger("fault_job").warning("spinning at step %d", step)
                 while True:
                     pass
-            trainer.step(shards[step % len(shards)])
-    trainer.finish()
+            outputs = trainer.step(shards[step % len(shards)])
+            if "loss" in outputs:
+                losses.append(outputs["loss"])
+    final_state = trainer.finish()
+    if job.is_driver and args.out:
+        torch.save({"losses": losses, "first_step": 0 if not resumed else args.steps - len(losses),
+                    "state": final_state}, args.out)
     return 0
 
 
