@@ -15,6 +15,7 @@ from splitrun.splitter.errors import LabelError
 from splitrun.splitter.labels import Cluster, Role
 
 from .errors import ClusterError
+from .transport.grpc.tls import TlsFiles
 
 __all__ = ["ENV", "ProcessEnvironment"]
 
@@ -42,6 +43,9 @@ class ENV:
     CHECKPOINT_EVERY = "SPLITRUN_CHECKPOINT_EVERY"  # workers save every K steps...
     CHECKPOINT_DIR = "SPLITRUN_CHECKPOINT_DIR"      # ...into this directory
     RESTART_FROM = "SPLITRUN_RESTART_FROM"  # a restarted job resumes from this checkpoint
+    TLS_CERT = "SPLITRUN_TLS_CERT"        # this process's certificate (PEM)...
+    TLS_KEY = "SPLITRUN_TLS_KEY"          # ...its key...
+    TLS_CA = "SPLITRUN_TLS_CA"            # ...and the CA peers' certificates are checked against
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class ProcessEnvironment:
     checkpoint_every: int | None = None  # save every K steps (splitrun launch --checkpoint-every)
     checkpoint_dir: str | None = None
     restart_from: str | None = None      # a restarted job's checkpoint
+    tls: TlsFiles | None = None          # TLS for the tensor service and the scheduler
 
     @classmethod
     def parse(cls, environ: Mapping[str, str]) -> ProcessEnvironment:
@@ -98,7 +103,9 @@ class ProcessEnvironment:
             shm_prefix=environ.get(ENV.SHM_PREFIX) or None,
             checkpoint_every=_integer(environ, ENV.CHECKPOINT_EVERY),
             checkpoint_dir=environ.get(ENV.CHECKPOINT_DIR) or None,
-            restart_from=environ.get(ENV.RESTART_FROM) or None)
+            restart_from=environ.get(ENV.RESTART_FROM) or None,
+            tls=TlsFiles.from_paths(environ.get(ENV.TLS_CERT), environ.get(ENV.TLS_KEY),
+                                    environ.get(ENV.TLS_CA)))
 
 
 def _integer(environ: Mapping[str, str], key: str) -> int | None:

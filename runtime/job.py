@@ -174,7 +174,7 @@ class Job:
         if env.plan_out is not None:
             return cls(Label.worker(0), env.plan_cluster, device, settings,
                        plan_out=env.plan_out)
-        client = SchedulerClient(env.scheduler, env.token)
+        client = SchedulerClient(env.scheduler, env.token, env.tls)
         # The tensor server starts before registering: its address is part of
         # the registration. Its label is provisional until the scheduler assigns
         # the rank.

@@ -17,6 +17,7 @@ from splitrun.splitter.labels import Cluster, Label, Role
 
 from ..errors import ClusterError
 from ..transport.grpc.service import TOKEN_METADATA_KEY
+from ..transport.grpc.tls import TlsFiles
 from ..transport.wire import splitrun_pb2 as pb
 from ..transport.wire import splitrun_pb2_grpc as pb_grpc
 
@@ -42,10 +43,11 @@ class SchedulerClient:
     """Typed calls to the scheduler; gRPC errors become `ClusterError`s that
     carry the scheduler's explanation."""
 
-    def __init__(self, address: str, token: str) -> None:
+    def __init__(self, address: str, token: str, tls: TlsFiles | None = None) -> None:
         self.address = address
         self._metadata = ((TOKEN_METADATA_KEY, token),)
-        self._channel = grpc.insecure_channel(address)
+        self._channel = (grpc.insecure_channel(address) if tls is None
+                         else grpc.secure_channel(address, tls.channel_credentials()))
         self._stub = pb_grpc.SchedulerStub(self._channel)
 
     def close(self) -> None:

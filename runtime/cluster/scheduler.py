@@ -24,6 +24,7 @@ from splitrun.splitter.labels import Label, Role
 from ..errors import ClusterError
 from ..transport.grpc.auth import TokenInterceptor, one_line
 from ..transport.grpc.service import TOKEN_METADATA_KEY
+from ..transport.grpc.tls import TlsFiles
 from ..transport.wire import splitrun_pb2 as pb
 from ..transport.wire import splitrun_pb2_grpc as pb_grpc
 
@@ -101,7 +102,8 @@ class Scheduler(pb_grpc.SchedulerServicer):
 
     # -- lifecycle --
 
-    def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+    def start(self, host: str = "127.0.0.1", port: int = 0, tls: TlsFiles | None = None) -> str:
+        """Listen on host:port (0: a free port), with TLS when `tls` is given."""
         # Blocking calls (WaitForPeers, KvGet, Barrier) hold a thread each.
         workers = 8 + 3 * self.settings.num_processes
         # The token is checked before any handler runs (TokenInterceptor): a
@@ -112,7 +114,10 @@ class Scheduler(pb_grpc.SchedulerServicer):
                                    interceptors=(auth,))
         pb_grpc.add_SchedulerServicer_to_server(self, self._server)
         try:
-            bound = self._server.add_insecure_port(f"{host}:{port}")
+            if tls is None:
+                bound = self._server.add_insecure_port(f"{host}:{port}")
+            else:
+                bound = self._server.add_secure_port(f"{host}:{port}", tls.server_credentials())
         except RuntimeError:  # grpcio raises where older versions returned 0
             bound = 0
         if bound == 0:
