@@ -181,7 +181,8 @@ class Job:
         provisional = Label(env.rank or 0, env.role)
         # Shared memory to peers on this host, gRPC to the others (and for control).
         transport = ShmTransport(
-            GrpcTransport(provisional, token=env.token, incarnation=0, host=env.host, port=0),
+            GrpcTransport(provisional, token=env.token, incarnation=0, host=env.host, port=0,
+                          tls=env.tls),
             prefix=env.shm_prefix, choice=TransportChoice.parse(env.transport, ENV.TRANSPORT))
         bound = transport.start()
         port = bound.rsplit(":", 1)[1]

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hmac
 import logging
+import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -26,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 # Longest reason sent back to a caller.
 _MAX_REASON = 300
+# Refused calls are logged at most this often.
+_LOG_EVERY_S = 1.0
 
 
 def one_line(text: str, limit: int = _MAX_REASON) -> str:
@@ -42,8 +46,23 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
     def __init__(self, token: str, service: str, hint: str) -> None:
         self._token = token.encode()
-        self._service = service  # "scheduler", "tensor server of worker 1"
+        self._service = service  # "scheduler", "tensor server of [worker 1]"
         self._hint = hint        # how a process of this job gets the token
+        self._lock = threading.Lock()
+        self._last_logged = float("-inf")
+        self._unlogged = 0
+
+    def _log_refusal(self, reason: str, method: str) -> None:
+        """Every refusal is logged, at most one line per `_LOG_EVERY_S` (a flood
+        of refused calls must not flood the log)."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last_logged < _LOG_EVERY_S:
+                self._unlogged += 1
+                return
+            more, self._unlogged, self._last_logged = self._unlogged, 0, now
+        also = f" (and {more} more refused since the last report)" if more else ""
+        logger.warning("%s (%s)%s", reason, method, also)
 
     def intercept_service(self, continuation, handler_call_details):
         sent = ""
@@ -53,7 +72,9 @@ class TokenInterceptor(grpc.ServerInterceptor):
                 break
         if not hmac.compare_digest(sent.encode(), self._token):
             what = "no token" if not sent else "a wrong token"
-            return _refusal(f"{self._service} refused a call with {what}; {self._hint}")
+            reason = f"{self._service} refused a call with {what}; {self._hint}"
+            self._log_refusal(reason, handler_call_details.method)
+            return _refusal(reason)
         handler = continuation(handler_call_details)
         if handler is None:
             return None
