@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import grpc
 import pytest
 from cluster import JOB_TIMEOUT_S, SCRIPTS, Proc, pid_alive, splitrun
 
@@ -237,3 +238,40 @@ def test_without_restarts_the_job_fails_as_before(tmp_path):
     output = proc.output()
     assert "restart" not in output
     assert "worker 1 (pid" in last_line(proc) or "worker 1 (pid" in proc.lines[-2]
+
+
+def test_stalled_unauthenticated_calls_do_not_stop_a_job(tmp_path):
+    """200 calls that never send their body, at the scheduler and a tensor
+    server during start-up, and at both mid-run: each is refused, the job
+    trains to the unsplit numbers."""
+    import torch
+    from stalled_calls import StalledCalls
+
+    out, go = tmp_path / "result.pt", tmp_path / "go"
+    proc = splitrun("launch", "--workers", 2, FAULT_JOB, "--steps", 12, "--pause-at", 6,
+                    "--pause-file", go, "--out", out)
+    calls = []
+    try:
+        scheduler = proc.wait_for(r"scheduler at (\S+);", 60).group(1)
+        calls.append(StalledCalls(scheduler, "/splitrun.Scheduler/Register"))  # start-up
+        server = proc.wait_for(r"\[worker 1\].*serving tensors on (\S+)", JOB_TIMEOUT_S).group(1)
+        calls.append(StalledCalls(server, "/splitrun.TensorService/DeliverStream"))  # start-up
+        proc.wait_for(r"\[worker 0\].*paused at step 6", JOB_TIMEOUT_S)
+        server = proc.wait_for(r"\[worker 0\].*serving tensors on (\S+)", 1).group(1)
+        calls.append(StalledCalls(server, "/splitrun.TensorService/DeliverStream"))  # mid-run
+        calls.append(StalledCalls(scheduler, "/splitrun.Scheduler/Heartbeat"))  # mid-run
+        codes = [call.codes() for call in calls]
+        go.touch()
+        code = proc.wait(JOB_TIMEOUT_S)
+    finally:
+        proc.kill()
+        for call in calls:
+            call.close()
+    assert code == 0, proc.output()
+    for each in codes:
+        assert each == [grpc.StatusCode.UNAUTHENTICATED] * 200
+    result = torch.load(out)
+    losses, state = fault_job_reference(2, 12)
+    assert torch.equal(torch.stack(result["losses"]), torch.stack(losses))
+    for key, value in state.items():
+        assert torch.equal(result["state"][key], value), key

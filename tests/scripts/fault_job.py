@@ -8,6 +8,8 @@ small model over a few batches in a cycle, and can fail on purpose.
     heartbeat thread stays alive).
 --kill-rank R --kill-at N: worker R SIGKILLs itself before its step N, unless
     the job was resumed (a restart under --max-restarts).
+--pause-at N --pause-file F: every worker waits (up to 120 s) before its step N
+    until file F exists (between steps: no peer waits on another meanwhile).
 --bad-optimizer: capture with an optimizer splitrun cannot split (a CaptureError).
 --mode ps: parameter-server mode (run with --servers 1 or more).
 --out PATH: worker 0 saves the losses and the final state there.
@@ -24,6 +26,7 @@ import os
 import pathlib
 import signal
 import sys
+import time
 
 import torch
 
@@ -40,6 +43,14 @@ from splitrun.splitter import ParameterServerMode, capture  # noqa: E402
 NUM_BATCHES = 8
 
 
+def wait_for_file(path: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.05)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", default="general", choices=["general", "ps"])
@@ -50,6 +61,8 @@ def main() -> int:
     parser.add_argument("--busy-at", type=int, default=-1)
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--pause-at", type=int, default=-1)
+    parser.add_argument("--pause-file")
     parser.add_argument("--bad-optimizer", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -74,6 +87,9 @@ def main() -> int:
         for step in range(trainer.steps_done, args.steps):
             if job.rank == args.kill_rank and step == args.kill_at and not resumed:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step == args.pause_at:
+                logging.getLogger("fault_job").warning("paused at step %d", step)
+                wait_for_file(args.pause_file, 120.0)
             if job.rank == args.crash_rank and step == args.crash_at:
                 raise ValueError(f"injected failure at step {step}")
             if job.rank == args.busy_rank and step == args.busy_at:
