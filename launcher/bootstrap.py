@@ -9,7 +9,8 @@ logging goes to stderr at the launcher's level; then SCRIPT runs as
 script ends at `Job.start()` with `PlanWritten`, which exits 0 here. A script
 ending with a splitrun error (a `SplitrunError`) writes one line (ERROR_MARK,
 the error's type and message) instead of a traceback, after telling the
-scheduler; other exceptions keep their traceback.
+scheduler, and exits at once (its exit handlers run, the interpreter's slow
+teardown does not); other exceptions keep their traceback.
 
 Only the standard library is imported before the script runs, so the
 die-with-launcher setting is in place within milliseconds of the start.
@@ -17,6 +18,7 @@ die-with-launcher setting is in place within milliseconds of the start.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
@@ -82,9 +84,19 @@ def main(argv: list[str] | None = None) -> None:
             # splitrun's own errors say what and where: one line, no traceback
             # (with --log-level DEBUG, the traceback).
             sys.stderr.write(f"{ERROR_MARK}{type(exc).__name__}: {_one_line(exc)}\n")
-            sys.stderr.flush()
-            raise SystemExit(1) from None
+            _exit_now(1)
         raise
+
+
+def _exit_now(code: int) -> None:
+    """End a failed process without tearing the interpreter down: collecting
+    torch's and gRPC's objects takes seconds on a loaded machine, while the
+    process's peers and its launcher wait for it to be gone. The script's own
+    exit handlers still run."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _one_line(exc: BaseException) -> str:

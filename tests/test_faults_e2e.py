@@ -24,6 +24,8 @@ FAULT_JOB = SCRIPTS / "fault_job.py"
 KILL_REPEATS = 3
 # A failure seen by the launcher: named and every process stopped within this long.
 FAULT_DEADLINE_S = 5.0
+# Joined processes notice a lost scheduler after its heartbeat timeout (3 s).
+SCHEDULER_LOSS_DEADLINE_S = 5.0
 
 
 def started_pids(proc: Proc, labels) -> dict[str, int]:
@@ -275,3 +277,28 @@ def test_stalled_unauthenticated_calls_do_not_stop_a_job(tmp_path):
     assert torch.equal(torch.stack(result["losses"]), torch.stack(losses))
     for key, value in state.items():
         assert torch.equal(result["state"][key], value), key
+
+
+@pytest.mark.parametrize("repeat", range(KILL_REPEATS))
+def test_killed_scheduler_stops_every_process_naming_it(tmp_path, repeat):
+    """A standalone scheduler (`splitrun join` processes have no launcher)."""
+    token = tmp_path / "job.token"
+    scheduler = splitrun("scheduler", "--workers", 2, "--token-file", token)
+    workers = []
+    try:
+        address = scheduler.wait_for(r"scheduler at (\S+);", 60).group(1)
+        for rank in range(2):
+            workers.append(splitrun("join", "--scheduler", address, "--token-file", token,
+                                    "--rank", rank, FAULT_JOB))
+        workers[0].wait_for(r"step \d+/100000", JOB_TIMEOUT_S)
+        os.kill(scheduler.process.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        codes = [w.wait(SCHEDULER_LOSS_DEADLINE_S + 20) for w in workers]
+        elapsed = time.monotonic() - killed_at
+    finally:
+        for proc in (scheduler, *workers):
+            proc.kill()
+    assert codes == [1, 1]
+    for worker in workers:
+        assert "lost the scheduler" in last_line(worker), worker.output()
+    assert elapsed < SCHEDULER_LOSS_DEADLINE_S, f"the processes took {elapsed:.1f} s to stop"
