@@ -16,6 +16,7 @@ peer's report can reach the scheduler before a killed process shows as exited.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import os
@@ -40,6 +41,9 @@ logger = logging.getLogger(__name__)
 TERMINATE_GRACE_S = 5.0
 # How long exits are collected after the first sign of failure before blaming.
 BLAME_WINDOW_S = 1.0
+# A child's error printed this long before the first sign of failure still
+# counts as a sign (it may take that long to exit or be reported).
+TRACEBACK_LOOKBACK_S = 10.0
 # How often the supervisor looks at its children and the scheduler.
 _POLL_S = 0.05
 _TRACEBACK_HEADER = "Traceback (most recent call last):"
@@ -249,23 +253,27 @@ class Supervisor:
         return _Sign(kind, now, child.label, shell_code(code), what, child)
 
     def _traceback_signs(self, signs: list[_Sign]) -> list[_Sign]:
-        """Children that printed a traceback but have not exited yet: tearing
-        down an interpreter with torch and gRPC can take seconds, and a peer's
-        report or the heartbeat timeout may come first."""
+        """Children that printed their error but had not exited by the time of
+        blame (tearing down an interpreter with torch and gRPC can take
+        seconds, and a peer's report or the heartbeat timeout may come first)."""
         counted = {s.child.pid for s in signs if s.child is not None}
+        # A traceback printed long before (a handled error the script logged)
+        # is not this failure's.
+        since = min(s.seen for s in signs) - TRACEBACK_LOOKBACK_S
         return [_Sign(_error_kind(c.error), c.error_seen, c.label, 1,
                       f"{c.label.describe()} (pid {c.pid}) failed", c)
                 for c in self.children
-                if c.error_seen is not None and c.pid not in counted and c.exit_code is None]
+                if c.error_seen is not None and c.error_seen >= since
+                and c.pid not in counted and c.exit_code != 0]
 
     def _blame(self, signs: list[_Sign], step_of) -> Outcome:
-        signs = signs + self._traceback_signs(signs)
-        culprit = min(signs, key=lambda s: (s.kind, s.seen))
-        # The step before stopping: the scheduler forgets nothing, but be quick.
-        step = step_of(culprit.label) if step_of and culprit.label is not None else None
-        others = [c for c in self.children if c is not culprit.child
-                  and c.exit_code is None and _exit_code(c) is None]
+        running = [c for c in self.children if c.exit_code is None and _exit_code(c) is None]
+        # Stopping joins the relays: every child's last lines (its error) are read.
         self._stop_all()
+        signs = [_reclassified(s) for s in signs] + self._traceback_signs(signs)
+        culprit = min(signs, key=lambda s: (s.kind, s.seen))
+        step = step_of(culprit.label) if step_of and culprit.label is not None else None
+        others = [c for c in running if c is not culprit.child]
         if culprit.kind is _Kind.REPORTED:
             summary = f"job failed: {culprit.what}; stopped every process"
         else:
@@ -300,6 +308,13 @@ class Supervisor:
         for child in self.children:
             if child.reader is not None:
                 child.reader.join(timeout=TERMINATE_GRACE_S)
+
+
+def _reclassified(sign: _Sign) -> _Sign:
+    """An exit with an error, judged by the error line the relay has read by now."""
+    if sign.kind in (_Kind.OWN_ERROR, _Kind.CONSEQUENCE) and sign.child is not None:
+        return dataclasses.replace(sign, kind=_error_kind(sign.child.error))
+    return sign
 
 
 def _error_kind(error: str | None) -> _Kind:

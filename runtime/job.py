@@ -33,7 +33,7 @@ from . import checkpoint
 from .cluster.membership import Heartbeat, SchedulerClient
 from .data import shard_batches
 from .env import ENV, ProcessEnvironment
-from .errors import ClusterError, JobFinished, PeerFailed, SplitrunError
+from .errors import ClusterError, JobFinished, PeerFailed, SplitrunError, TransportError
 from .process import ProcessRuntime
 from .progress import Progress
 from .transport.contract import ChannelContract, receive_contracts
@@ -232,6 +232,10 @@ class Job:
         if self.transport is not None:
             self.transport.finish_at(num_steps)
 
+    def scheduler_unreachable(self) -> str | None:
+        """Why the scheduler does not answer this process's heartbeats, or None."""
+        return None if self._heartbeat is None else self._heartbeat.scheduler_unreachable()
+
     def report_progress(self, steps_done: int) -> None:
         """Tell the scheduler (with the next heartbeat) how far this process got."""
         if self._heartbeat is not None:
@@ -370,6 +374,13 @@ class Trainer:
             outputs = self.process.run_step(
                 self.steps_done, _feeds_of(batch),
                 None if next_batch is None else _feeds_of(next_batch))
+        except TransportError as exc:
+            lost = self.job.scheduler_unreachable()
+            if lost is None:
+                self.job.report_failure(exc)
+                raise
+            # The scheduler's loss ended a peer first: that is the cause.
+            raise PeerFailed(f"job failed: {lost} (then: {exc})") from exc
         except BaseException as exc:
             self.job.report_failure(exc)
             raise

@@ -136,6 +136,8 @@ class Heartbeat:
         self._on_finished = on_finished
         self._step = 0
         self._waiting: Callable[[], tuple[Label, float] | None] = lambda: None
+        # (last answered heartbeat, the latest error) while heartbeats fail.
+        self._failing: tuple[float, ClusterError] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"splitrun-heartbeat-{label}")
@@ -162,6 +164,16 @@ class Heartbeat:
         self._stop.set()
         self._thread.join(timeout=self._interval_s + CALL_TIMEOUT_S)
 
+    def scheduler_unreachable(self) -> str | None:
+        """Why the scheduler has not answered the latest heartbeats (since
+        when), or None while it answers: a peer's failure seen meanwhile is
+        likely the scheduler's loss reaching that peer first."""
+        failing = self._failing
+        if failing is None:
+            return None
+        since, error = failing
+        return f"lost the scheduler for {time.monotonic() - since:.1f} s: {error}"
+
     def _run(self) -> None:
         last_ok = time.monotonic()
         finished_told = False
@@ -172,10 +184,12 @@ class Heartbeat:
                                                 waiting=self._waiting())
             except ClusterError as exc:
                 silent = time.monotonic() - last_ok
+                self._failing = (last_ok, exc)
                 if silent > self._lost_after_s:
                     self._on_failed(f"lost the scheduler for {silent:.1f} s: {exc}")
                     return
                 continue
+            self._failing = None
             last_ok = time.monotonic()
             if status.state == pb.JobStatus.FAILED:
                 self._on_failed(status.reason)

@@ -31,7 +31,7 @@ from .outgoing import Outgoing, SendQueue
 from .service import DELIVER_STREAM_METHOD, DELIVERED_METADATA_KEY
 
 # The parts `GrpcTransport` is built from.
-__all__ = ["JOIN_GRACE_S", "PeerSender", "channel_options"]
+__all__ = ["JOIN_GRACE_S", "PeerSender", "channel_options", "open_channel"]
 
 logger = logging.getLogger(__name__)
 
