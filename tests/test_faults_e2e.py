@@ -8,16 +8,12 @@ The issue asks for 10 kills of each kind; each kill here is a whole job start
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import grpc
 import pytest
-from cluster import JOB_TIMEOUT_S, SCRIPTS, Proc, pid_alive, splitrun
+from cluster import JOB_TIMEOUT_S, SCRIPTS, Proc, pid_alive
 
-sys.path.insert(0, str(SCRIPTS.parent))
-sys.path.insert(0, str(SCRIPTS))
 
 pytestmark = pytest.mark.slow
 
@@ -56,8 +52,8 @@ def kill_and_wait(proc: Proc, pid: int, sig=signal.SIGKILL) -> tuple[int, float]
 
 
 @pytest.mark.parametrize("repeat", range(KILL_REPEATS))
-def test_killed_server_is_blamed(repeat):
-    proc = splitrun("launch", "--workers", 2, "--servers", 1, FAULT_JOB, "--mode", "ps")
+def test_killed_server_is_blamed(local_cluster, repeat):
+    proc = local_cluster.start("launch", "--workers", 2, "--servers", 1, FAULT_JOB, "--mode", "ps")
     try:
         pids = started_pids(proc, ["worker 0", "worker 1", "server 0"])
         proc.wait_for(r"\[worker 0\].*step \d+/100000", JOB_TIMEOUT_S)
@@ -72,8 +68,8 @@ def test_killed_server_is_blamed(repeat):
 
 
 @pytest.mark.parametrize("repeat", range(KILL_REPEATS))
-def test_killed_worker_is_blamed(repeat):
-    proc = splitrun("launch", "--workers", 3, FAULT_JOB)
+def test_killed_worker_is_blamed(local_cluster, repeat):
+    proc = local_cluster.start("launch", "--workers", 3, FAULT_JOB)
     try:
         pids = started_pids(proc, ["worker 0", "worker 1", "worker 2"])
         proc.wait_for(r"\[worker 0\].*step \d+/100000", JOB_TIMEOUT_S)
@@ -87,8 +83,8 @@ def test_killed_worker_is_blamed(repeat):
     assert not wait_gone(pids.values(), 1.0)
 
 
-def test_stopped_process_is_named_and_killed_at_once():
-    proc = splitrun("launch", "--workers", 2, FAULT_JOB)
+def test_stopped_process_is_named_and_killed_at_once(local_cluster):
+    proc = local_cluster.start("launch", "--workers", 2, FAULT_JOB)
     try:
         pids = started_pids(proc, ["worker 0", "worker 1"])
         proc.wait_for(r"\[worker 0\].*step \d+/100000", JOB_TIMEOUT_S)
@@ -101,8 +97,8 @@ def test_stopped_process_is_named_and_killed_at_once():
     assert not wait_gone(pids.values(), 1.0)
 
 
-def test_crash_names_the_process_its_error_and_step():
-    proc = splitrun("launch", "--workers", 2, FAULT_JOB, "--crash-rank", 1, "--crash-at", 5)
+def test_crash_names_the_process_its_error_and_step(local_cluster):
+    proc = local_cluster.start("launch", "--workers", 2, FAULT_JOB, "--crash-rank", 1, "--crash-at", 5)
     code = proc.wait(JOB_TIMEOUT_S)
     assert code == 1
     line = last_line(proc)
@@ -112,16 +108,16 @@ def test_crash_names_the_process_its_error_and_step():
                      r"other [01] processes$", line), line
 
 
-def test_capture_error_is_on_the_last_line():
-    proc = splitrun("launch", "--workers", 2, FAULT_JOB, "--bad-optimizer")
+def test_capture_error_is_on_the_last_line(local_cluster):
+    proc = local_cluster.start("launch", "--workers", 2, FAULT_JOB, "--bad-optimizer")
     assert proc.wait(JOB_TIMEOUT_S) == 1
     line = last_line(proc)
     assert "CaptureError: optimizer LBFGS has no functional version" in line, proc.output()
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_signal_to_the_launcher_stops_everything(sig, code):
-    proc = splitrun("launch", "--workers", 2, FAULT_JOB)
+def test_signal_to_the_launcher_stops_everything(local_cluster, sig, code):
+    proc = local_cluster.start("launch", "--workers", 2, FAULT_JOB)
     try:
         pids = started_pids(proc, ["worker 0", "worker 1"])
         proc.wait_for(r"\[worker 0\].*step \d+/100000", JOB_TIMEOUT_S)
@@ -132,9 +128,9 @@ def test_signal_to_the_launcher_stops_everything(sig, code):
     assert not wait_gone(pids.values(), 1.0)
 
 
-def test_children_die_with_a_killed_launcher():
+def test_children_die_with_a_killed_launcher(local_cluster):
     started = time.monotonic()
-    proc = splitrun("launch", "--workers", 2, FAULT_JOB)
+    proc = local_cluster.start("launch", "--workers", 2, FAULT_JOB)
     try:
         pids = started_pids(proc, ["worker 0", "worker 1"])
         # Still importing torch: the script has not reached Job.from_env().
@@ -175,9 +171,9 @@ def bad_checkpoint(tmp_path, problem: str):
     ("flipped", "is corrupt"),
     ("float64", "'body.0.weight' is float64[24, 10], the model has float32[24, 10]"),
 ])
-def test_bad_checkpoint_is_one_line_from_the_launcher(tmp_path, problem, says):
+def test_bad_checkpoint_is_one_line_from_the_launcher(local_cluster, tmp_path, problem, says):
     path = bad_checkpoint(tmp_path, problem)
-    proc = splitrun("launch", "--workers", 2, "--servers", 1, SCRIPTS / "ps_job.py",
+    proc = local_cluster.start("launch", "--workers", 2, "--servers", 1, SCRIPTS / "ps_job.py",
                     "--steps", 5, "--resume", path)
     assert proc.wait(JOB_TIMEOUT_S) == 1
     assert "Traceback" not in proc.output(), proc.output()
@@ -186,8 +182,8 @@ def test_bad_checkpoint_is_one_line_from_the_launcher(tmp_path, problem, says):
     assert proc.output().count(f"checkpoint {path}") == 1, proc.output()
 
 
-def test_busy_looping_worker_is_named():
-    proc = splitrun("launch", "--workers", 2, FAULT_JOB, "--busy-rank", 1, "--busy-at", 5)
+def test_busy_looping_worker_is_named(local_cluster):
+    proc = local_cluster.start("launch", "--workers", 2, FAULT_JOB, "--busy-rank", 1, "--busy-at", 5)
     try:
         proc.wait_for(r"\[worker 1\].*spinning at step 5", JOB_TIMEOUT_S)
         spinning_at = time.monotonic()
@@ -213,11 +209,11 @@ def fault_job_reference(num_workers: int, steps: int):
     return [h["loss"] for h in history], state
 
 
-def test_restart_resumes_from_the_last_checkpoint_and_ends_equal(tmp_path):
+def test_restart_resumes_from_the_last_checkpoint_and_ends_equal(local_cluster, tmp_path):
     import torch
 
     out = tmp_path / "result.pt"
-    proc = splitrun("launch", "--workers", 2, "--max-restarts", 1, "--checkpoint-every", 10,
+    proc = local_cluster.start("launch", "--workers", 2, "--max-restarts", 1, "--checkpoint-every", 10,
                     "--checkpoint-dir", tmp_path / "ckpt", FAULT_JOB, "--steps", 40,
                     "--kill-rank", 1, "--kill-at", 25, "--out", out)
     assert proc.wait(2 * JOB_TIMEOUT_S) == 0, proc.output()
@@ -234,8 +230,8 @@ def test_restart_resumes_from_the_last_checkpoint_and_ends_equal(tmp_path):
         assert torch.equal(result["state"][key], value), f"{key} differs from an uninterrupted run"
 
 
-def test_without_restarts_the_job_fails_as_before(tmp_path):
-    proc = splitrun("launch", "--workers", 2, "--max-restarts", 0, "--checkpoint-every", 10,
+def test_without_restarts_the_job_fails_as_before(local_cluster, tmp_path):
+    proc = local_cluster.start("launch", "--workers", 2, "--max-restarts", 0, "--checkpoint-every", 10,
                     FAULT_JOB, "--steps", 40, "--kill-rank", 1, "--kill-at", 25)
     assert proc.wait(JOB_TIMEOUT_S) == 128 + signal.SIGKILL
     output = proc.output()
@@ -243,7 +239,7 @@ def test_without_restarts_the_job_fails_as_before(tmp_path):
     assert "worker 1 (pid" in last_line(proc) or "worker 1 (pid" in proc.lines[-2]
 
 
-def test_stalled_unauthenticated_calls_do_not_stop_a_job(tmp_path):
+def test_stalled_unauthenticated_calls_do_not_stop_a_job(local_cluster, tmp_path):
     """200 calls that never send their body, at the scheduler and a tensor
     server during start-up, and at both mid-run: each is refused, the job
     trains to the unsplit numbers."""
@@ -251,7 +247,7 @@ def test_stalled_unauthenticated_calls_do_not_stop_a_job(tmp_path):
     from stalled_calls import StalledCalls
 
     out, go = tmp_path / "result.pt", tmp_path / "go"
-    proc = splitrun("launch", "--workers", 2, FAULT_JOB, "--steps", 12, "--pause-at", 6,
+    proc = local_cluster.start("launch", "--workers", 2, FAULT_JOB, "--steps", 12, "--pause-at", 6,
                     "--pause-file", go, "--out", out)
     calls = []
     try:
@@ -281,15 +277,15 @@ def test_stalled_unauthenticated_calls_do_not_stop_a_job(tmp_path):
 
 
 @pytest.mark.parametrize("repeat", range(KILL_REPEATS))
-def test_killed_scheduler_stops_every_process_naming_it(tmp_path, repeat):
+def test_killed_scheduler_stops_every_process_naming_it(local_cluster, tmp_path, repeat):
     """A standalone scheduler (`splitrun join` processes have no launcher)."""
     token = tmp_path / "job.token"
-    scheduler = splitrun("scheduler", "--workers", 2, "--token-file", token)
+    scheduler = local_cluster.start("scheduler", "--workers", 2, "--token-file", token)
     workers = []
     try:
         address = scheduler.wait_for(r"scheduler at (\S+);", 60).group(1)
         for rank in range(2):
-            workers.append(splitrun("join", "--scheduler", address, "--token-file", token,
+            workers.append(local_cluster.start("join", "--scheduler", address, "--token-file", token,
                                     "--rank", rank, FAULT_JOB))
         workers[0].wait_for(r"step \d+/100000", JOB_TIMEOUT_S)
         os.kill(scheduler.process.pid, signal.SIGKILL)

@@ -8,7 +8,7 @@ import stat
 import pytest
 import tls_files
 import torch
-from cluster import JOB_TIMEOUT_S, SCRIPTS, splitrun
+from cluster import JOB_TIMEOUT_S, SCRIPTS
 
 from splitrun.runtime.cluster.membership import SchedulerClient
 from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
@@ -48,31 +48,31 @@ def test_scheduler_over_tls_takes_clients_with_the_ca_only(certificates):
         scheduler.stop(0)
 
 
-def test_an_off_loopback_bind_needs_tls_or_insecure(certificates):
+def test_an_off_loopback_bind_needs_tls_or_insecure(local_cluster, certificates):
     with pytest.raises(ClusterError, match="without TLS"):
         check_bind("10.1.2.3", None, False, "splitrun launch")
     check_bind("10.1.2.3", None, True, "splitrun launch")
     check_bind("10.1.2.3", tls_of(certificates[0]), False, "splitrun launch")
     for host in ("127.0.0.1", "localhost", "::1"):
         check_bind(host, None, False, "splitrun launch")
-    proc = splitrun("launch", "--host", "10.1.2.3", SCRIPTS / "train_job.py")
+    proc = local_cluster.start("launch", "--host", "10.1.2.3", SCRIPTS / "train_job.py")
     assert proc.wait(120) == 2
     assert "would listen on 10.1.2.3 without TLS" in proc.output()
 
 
-def test_join_refuses_a_token_file_others_can_read(tmp_path):
+def test_join_refuses_a_token_file_others_can_read(local_cluster, tmp_path):
     token = tmp_path / "job.token"
     token.write_text("secret\n")
     token.chmod(0o644)
-    proc = splitrun("join", "--scheduler", "127.0.0.1:1", "--token-file", token,
+    proc = local_cluster.start("join", "--scheduler", "127.0.0.1:1", "--token-file", token,
                     SCRIPTS / "train_job.py")
     assert proc.wait(120) == 2
     assert f"chmod 600 {token}" in proc.output()
 
 
-def test_scheduler_writes_its_token_to_a_private_file(tmp_path):
+def test_scheduler_writes_its_token_to_a_private_file(local_cluster, tmp_path):
     path = tmp_path / "job.token"
-    proc = splitrun("scheduler", "--workers", 1, "--token-file", path)
+    proc = local_cluster.start("scheduler", "--workers", 1, "--token-file", path)
     try:
         proc.wait_for(r"scheduler at \S+; token in", 120)
     finally:
@@ -83,11 +83,11 @@ def test_scheduler_writes_its_token_to_a_private_file(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_job_over_tls_equals_one_without(tmp_path, certificates):
+def test_a_job_over_tls_equals_one_without(local_cluster, tmp_path, certificates):
     from test_launcher_e2e import assert_same_as_unsplit
 
     out = tmp_path / "result.pt"
-    proc = splitrun("launch", "--workers", 2, *certificates[0].args(), SCRIPTS / "train_job.py",
+    proc = local_cluster.start("launch", "--workers", 2, *certificates[0].args(), SCRIPTS / "train_job.py",
                     "--steps", 8, "--out", out)
     assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
     assert_same_as_unsplit(out, "mlp", "adam", 2, 8)

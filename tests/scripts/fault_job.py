@@ -23,22 +23,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import pathlib
 import signal
 import sys
 import time
 
 import torch
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+from ps_models import make
+from train_job import build
 
-from ps_models import make  # noqa: E402
-from train_job import build  # noqa: E402
-
-from splitrun.runtime.job import Job  # noqa: E402
-from splitrun.splitter import ParameterServerMode, capture  # noqa: E402
+from splitrun.runtime.job import Job
+from splitrun.splitter import ParameterServerMode, capture
 
 NUM_BATCHES = 8
 
