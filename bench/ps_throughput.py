@@ -352,24 +352,28 @@ def _splitrun_two_hosts(args, hosts, workdir: pathlib.Path) -> float:
     launcher = [sys.executable, "-m", "splitrun.launcher", "--log-level", "WARNING"]
     scheduler_log = workdir / "scheduler.log"
     with open(scheduler_log, "w") as out:
+        # The bench's own namespaces: --insecure; the token goes through a 0600 file.
+        token = workdir / "job.token"
         scheduler = a.popen([*launcher, "scheduler", "--workers", "2", "--servers", "1",
-                             "--host", a.address], stdout=out, stderr=subprocess.STDOUT)
+                             "--host", a.address, "--insecure", "--token-file", str(token)],
+                            stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + SCHEDULER_START_S
     match = None
     while match is None:
-        match = re.search(r"scheduler at (\S+) token (\S+)", scheduler_log.read_text())
+        match = re.search(r"scheduler at (\S+);", scheduler_log.read_text())
         if match is None:
             if scheduler.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the scheduler did not start:\n{scheduler_log.read_text()}")
             time.sleep(0.1)  # polls a log file: there is no event to wait on
-    address, token = match.group(1), match.group(2)
+    address = match.group(1)
     processes, logs = [], []
     for host, role, rank in ((a, "server", 0), (b, "worker", 0), (b, "worker", 1)):
         log = workdir / f"{role}{rank}.log"
         with open(log, "w") as out:
             processes.append(host.popen(
-                [*launcher, "join", "--scheduler", address, "--token", token, "--role", role,
-                 "--rank", str(rank), "--host", host.address, "--device", "cpu",
+                [*launcher, "join", "--scheduler", address, "--token-file", str(token),
+                 "--role", role, "--rank", str(rank), "--host", host.address, "--insecure",
+                 "--device", "cpu",
                  *_job_args(args)], stdout=out, stderr=subprocess.STDOUT))
         logs.append(log)
     _wait_all(processes, logs, "splitrun across two hosts")

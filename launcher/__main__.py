@@ -1,7 +1,5 @@
 """`python -m splitrun.launcher ...` is the `splitrun` command."""
 
-import sys
+from .cli import run
 
-from .cli import main
-
-sys.exit(main())
+run()

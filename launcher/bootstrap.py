@@ -6,7 +6,11 @@ It sets the process up before the user's script runs (and before anything
 imports torch): on Linux the kernel kills it when the launcher (PID) dies;
 logging goes to stderr at the launcher's level; then SCRIPT runs as
 `__main__`, as `python SCRIPT ARGS...` would run it. Under `splitrun plan` the
-script ends at `Job.start()` with `PlanWritten`, which exits 0 here.
+script ends at `Job.start()` with `PlanWritten`, which exits 0 here. A script
+ending with a splitrun error (a `SplitrunError`) writes one line (ERROR_MARK,
+the error's type and message) instead of a traceback, after telling the
+scheduler, and exits at once (its exit handlers run, the interpreter's slow
+teardown does not); other exceptions keep their traceback.
 
 Only the standard library is imported before the script runs, so the
 die-with-launcher setting is in place within milliseconds of the start.
@@ -14,6 +18,7 @@ die-with-launcher setting is in place within milliseconds of the start.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
@@ -21,9 +26,12 @@ import runpy
 import signal
 import sys
 
-__all__ = ["main"]
+__all__ = ["main", "ERROR_MARK"]
 
 _PR_SET_PDEATHSIG = 1
+# Starts the one line a process writes for a splitrun error; the launcher shows
+# it in its failure line instead of relaying it from every process.
+ERROR_MARK = "splitrun error: "
 # The same variable `splitrun.runtime.env.ENV.LOG_LEVEL` names; not imported
 # from there, because importing splitrun.runtime imports torch.
 _LOG_LEVEL_VARIABLE = "SPLITRUN_LOG_LEVEL"
@@ -68,7 +76,32 @@ def main(argv: list[str] | None = None) -> None:
         job = sys.modules.get("splitrun.runtime.job")  # imported by the script if it ran a job
         if job is not None and isinstance(exc, job.PlanWritten):
             raise SystemExit(0) from None
+        if job is not None and isinstance(exc, Exception):
+            job.report_uncaught(exc)  # the scheduler learns the error and the step now
+        errors = sys.modules.get("splitrun.splitter.errors")
+        if (errors is not None and isinstance(exc, errors.SplitrunError)
+                and not logging.getLogger().isEnabledFor(logging.DEBUG)):
+            # splitrun's own errors say what and where: one line, no traceback
+            # (with --log-level DEBUG, the traceback).
+            sys.stderr.write(f"{ERROR_MARK}{type(exc).__name__}: {_one_line(exc)}\n")
+            _exit_now(1)
         raise
+
+
+def _exit_now(code: int) -> None:
+    """End a failed process without tearing the interpreter down: collecting
+    torch's and gRPC's objects takes seconds on a loaded machine, while the
+    process's peers and its launcher wait for it to be gone. The script's own
+    exit handlers still run."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return " ".join(line.strip() for line in lines) if lines else type(exc).__name__
 
 
 if __name__ == "__main__":

@@ -7,13 +7,18 @@ import argparse
 import logging
 import os
 import secrets
+import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
 
+from splitrun.runtime import checkpoint
 from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
 from splitrun.runtime.env import ENV
+from splitrun.runtime.errors import ClusterError
+from splitrun.runtime.transport.grpc.tls import TlsFiles, check_bind
 from splitrun.runtime.transport.shm_ring import new_job_prefix, remove_job_segments
 from splitrun.splitter.errors import SplitrunError
 from splitrun.splitter.labels import Label, Role
@@ -21,7 +26,13 @@ from splitrun.splitter.labels import Label, Role
 from .render import render_plan
 from .supervisor import Supervisor
 
-__all__ = ["main"]
+# A silent process is named within this long (plus a poll): fast, and still
+# several heartbeats (every 0.5 s) on a loaded machine.
+HEARTBEAT_TIMEOUT_S = 3.0
+# A live process that holds up its peers this long is named (a busy loop).
+STALL_TIMEOUT_S = 20.0
+
+__all__ = ["main", "run"]
 
 logger = logging.getLogger("splitrun.launcher")
 
@@ -29,10 +40,14 @@ _EPILOG_LAUNCH = """\
 example:
   splitrun launch --workers 3 examples/pipeline_split.py --steps 50
   splitrun launch --workers 2 --servers 1 examples/ps_train.py
+  splitrun launch --workers 2 --max-restarts 2 --checkpoint-every 100 train.py
 
 Every process runs SCRIPT; its output lines are prefixed with the process
 ("[worker 1] ..."). On the first failure the others are stopped and the
-launcher exits with the failing process's code.
+launcher exits with the failing process's code. With --max-restarts N the
+whole job then starts again (a new incarnation) from the last good checkpoint
+that --checkpoint-every K wrote, up to N times; the script resumes at
+trainer.steps_done.
 """
 
 _EPILOG_PLAN = """\
@@ -45,29 +60,91 @@ training. .dot (the default), .svg (needs graphviz) or .txt (the text form).
 """
 
 _EPILOG_JOIN = """\
-example (two machines, one scheduler):
-  machine-a$ splitrun scheduler --workers 2 --servers 1 --host 0.0.0.0 --port 29400
-  machine-a$ splitrun join --scheduler machine-a:29400 --token TOKEN --role server \\
-                 --host 0.0.0.0 train.py
-  machine-b$ splitrun join --scheduler machine-a:29400 --token TOKEN --role worker \\
-                 --host 0.0.0.0 train.py
+example (two machines, one scheduler; TLS files made for both machines' names):
+  machine-a$ splitrun scheduler --workers 2 --servers 1 --host 0.0.0.0 --port 29400 \\
+                 --token-file job.token --tls-cert a.pem --tls-key a.key --tls-ca ca.pem
+  machine-a$ splitrun join --scheduler machine-a:29400 --token-file job.token \\
+                 --role server --host 0.0.0.0 --advertise machine-a \\
+                 --tls-cert a.pem --tls-key a.key --tls-ca ca.pem train.py
+  machine-b$ splitrun join --scheduler machine-a:29400 --token-file job.token \\
+                 --role worker --host 0.0.0.0 --advertise machine-b \\
+                 --tls-cert b.pem --tls-key b.key --tls-ca ca.pem train.py
 
 Runs one process of a job whose scheduler was started elsewhere (by
-`splitrun scheduler`, under Slurm, Kubernetes, or a shell loop).
+`splitrun scheduler`, under Slurm, Kubernetes, or a shell loop). Copy the
+token file (mode 0600) to each machine; the token never goes on a command
+line. Off loopback, TLS is required unless you pass --insecure.
 """
 
 _EPILOG_SCHEDULER = """\
 example:
-  splitrun scheduler --workers 2 --servers 1 --port 29400
+  splitrun scheduler --workers 2 --servers 1 --port 29400 --token-file job.token
 
-Prints its address and token, then serves until every process of the job is
-done (exit 0) or the job failed (exit 1).
+Writes the job's token to --token-file (mode 0600; processes join with
+--token-file), prints its address, then serves until every process of the
+job is done (exit 0) or the job failed (exit 1).
 """
 
 
 def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1, help="number of worker processes")
     parser.add_argument("--servers", type=int, default=0, help="number of server processes")
+
+
+def _add_tls_args(parser: argparse.ArgumentParser) -> None:
+    tls = parser.add_argument_group(
+        "TLS", "needed to listen on an address other than loopback (or --insecure)")
+    tls.add_argument("--tls-cert", default=None, help="this machine's certificate (PEM)")
+    tls.add_argument("--tls-key", default=None, help="its private key (PEM)")
+    tls.add_argument("--tls-ca", default=None,
+                     help="the CA that signed every process's certificate (PEM)")
+    tls.add_argument("--insecure", action="store_true",
+                     help="listen off loopback without TLS (a network you trust)")
+
+
+def _tls_of(args, what: str) -> TlsFiles | None:
+    """The TLS files given, after checking that an off-loopback bind has TLS."""
+    tls = TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca)
+    check_bind(args.host, tls, args.insecure, what)
+    return tls
+
+
+def _tls_env(tls: TlsFiles | None) -> dict[str, str]:
+    if tls is None:
+        return {}
+    return {ENV.TLS_CERT: os.path.abspath(tls.cert), ENV.TLS_KEY: os.path.abspath(tls.key),
+            ENV.TLS_CA: os.path.abspath(tls.ca)}
+
+
+def _read_token_file(path: str) -> str:
+    """The token in `path`, a file only its owner may read (0600)."""
+    try:
+        mode = os.stat(path).st_mode
+        with open(path) as data:
+            token = data.read().strip()
+    except OSError as exc:
+        raise ClusterError(f"--token-file {path}: cannot read it: {exc.strerror}") from None
+    if mode & 0o077:
+        raise ClusterError(f"--token-file {path} is readable by others (mode "
+                           f"{stat.S_IMODE(mode):o}); chmod 600 {path}")
+    if not token:
+        raise ClusterError(f"--token-file {path} is empty")
+    return token
+
+
+def _write_token_file(path: str, token: str) -> None:
+    """Write `token` to `path`, readable by its owner only (0600)."""
+    if os.path.exists(path):
+        os.remove(path)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as out:
+        out.write(token + "\n")
+
+
+def _add_stall_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S,
+                        help="seconds a process may not advance its step while a peer waits "
+                             "on it inside a step, before it counts as stalled")
 
 
 def _add_script_args(parser: argparse.ArgumentParser) -> None:
@@ -94,8 +171,18 @@ def _parser() -> argparse.ArgumentParser:
                         help="device of every process (auto: cuda when available)")
     launch.add_argument("--host", default="127.0.0.1",
                         help="interface the scheduler and processes bind (default 127.0.0.1)")
-    launch.add_argument("--heartbeat-timeout", type=float, default=10.0,
+    _add_stall_arg(launch)
+    _add_tls_args(launch)
+    launch.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
                         help="seconds without a heartbeat before a process counts as lost")
+    launch.add_argument("--max-restarts", type=int, default=0,
+                        help="after a failure, restart the whole job (from its last good "
+                             "checkpoint, with --checkpoint-every) up to N times")
+    launch.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
+                        help="the workers save the job every K steps (Trainer.save)")
+    launch.add_argument("--checkpoint-dir", default=None,
+                        help="where --checkpoint-every saves (default: a temporary "
+                             "directory, removed when the job succeeds)")
     launch.add_argument("--recv-timeout", type=float, default=None,
                         help="seconds a receive inside a step waits for its message")
     launch.add_argument("--threads-per-process", type=int, default=None, metavar="N",
@@ -117,8 +204,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Join the job of the scheduler at --scheduler.",
         epilog=_EPILOG_JOIN, formatter_class=argparse.RawDescriptionHelpFormatter)
     join.add_argument("--scheduler", required=True, help="HOST:PORT of the scheduler")
-    join.add_argument("--token", default=os.environ.get(ENV.TOKEN, ""),
-                      help=f"the job's token (default: ${ENV.TOKEN})")
+    join.add_argument("--token-file", default=None,
+                      help=f"a file (mode 0600) holding the job's token, as `splitrun "
+                           f"scheduler` wrote it (default: ${ENV.TOKEN}); never on the "
+                           f"command line, where `ps` shows it")
     join.add_argument("--role", default="worker", choices=["worker", "server"])
     join.add_argument("--rank", type=int, default=None, help="rank to ask for (default: next free)")
     join.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -126,6 +215,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="interface this process's tensor server binds")
     join.add_argument("--advertise", default=None,
                       help="name peers use to reach this process (default: --host)")
+    _add_tls_args(join)
     join.add_argument("--threads-per-process", type=int, default=None, metavar="N",
                       help="intra-op threads of this process (default: torch's, or "
                            "OMP_NUM_THREADS)")
@@ -138,8 +228,13 @@ def _parser() -> argparse.ArgumentParser:
     _add_cluster_args(scheduler)
     scheduler.add_argument("--host", default="127.0.0.1")
     scheduler.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    scheduler.add_argument("--token", default=None, help="default: a fresh random token")
-    scheduler.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    scheduler.add_argument("--token-file", default="splitrun.token",
+                           help=f"where to write the job's token, readable by you only "
+                                f"(0600); it is ${ENV.TOKEN} if set, else a fresh random one")
+    _add_stall_arg(scheduler)
+    _add_tls_args(scheduler)
+    scheduler.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
+                           help="seconds without a heartbeat before a process counts as lost")
     return parser
 
 
@@ -201,36 +296,91 @@ def _launch(args) -> int:
     except SplitrunError as exc:
         print(f"splitrun: {exc}", file=sys.stderr)
         return 2
+    if args.max_restarts < 0 or (args.checkpoint_every is not None and args.checkpoint_every < 1):
+        print("splitrun: need --max-restarts >= 0 and --checkpoint-every >= 1", file=sys.stderr)
+        return 2
+    try:
+        tls = _tls_of(args, "splitrun launch")
+    except ClusterError as exc:
+        print(f"splitrun: {exc}", file=sys.stderr)
+        return 2
     token = secrets.token_hex(16)
+    own_dir = args.checkpoint_every is not None and args.checkpoint_dir is None
+    directory = (tempfile.mkdtemp(prefix="splitrun-checkpoints-") if own_dir
+                 else args.checkpoint_dir)
+    if directory is not None:
+        os.makedirs(directory, exist_ok=True)
+    current: list[Supervisor] = []
+    interrupted: list[int] = []
+
+    def on_signal(signum, _frame):
+        interrupted.append(signum)
+        if current:
+            current[-1].interrupt(signum)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        restart_from, attempt = None, 0
+        while True:
+            supervisor = Supervisor()
+            current.append(supervisor)
+            if interrupted:
+                supervisor.interrupt(interrupted[0])
+            outcome = _run_once(args, token, tls, supervisor, directory, restart_from)
+            supervisor.say(outcome.summary)
+            if outcome.exit_code == 0 or interrupted or attempt >= args.max_restarts:
+                break
+            attempt += 1
+            found = checkpoint.latest_checkpoint(directory) if directory else None
+            restart_from = found[0] if found else None
+            where = (f"from {found[0]} (step {found[1]})" if found
+                     else "from the start (no checkpoint yet)")
+            supervisor.say(f"restart {attempt} of {args.max_restarts} {where}; "
+                           f"cause: {outcome.summary}")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if own_dir:
+        if outcome.exit_code == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+        else:
+            supervisor.say(f"checkpoints kept in {directory}")
+    return outcome.exit_code
+
+
+def _run_once(args, token: str, tls: TlsFiles | None, supervisor: Supervisor,
+              checkpoint_dir: str | None, restart_from: str | None):
+    """One incarnation of the job: a fresh scheduler (a new incarnation, so
+    messages of an earlier one are refused) and every process."""
     scheduler = Scheduler(SchedulerSettings(args.workers, args.servers, token,
                                             _new_incarnation(),
-                                            heartbeat_timeout_s=args.heartbeat_timeout))
-    address = scheduler.start(args.host, 0)
-    supervisor = Supervisor()
+                                            heartbeat_timeout_s=args.heartbeat_timeout,
+                                            stall_timeout_s=args.stall_timeout))
+    address = scheduler.start(args.host, 0, tls)
     # Same-host peers share memory under this prefix; whatever a killed
-    # process leaves there is removed when the launcher ends.
+    # process leaves there is removed when this incarnation ends.
     shm_prefix = new_job_prefix()
     logger.info("same-host peers share memory under /dev/shm/%s*", shm_prefix)
     threads = thread_budget(args.threads_per_process, args.workers + args.servers)
     supervisor.say(f"scheduler at {address}; starting {args.workers} workers and "
                    f"{args.servers} servers running {args.script} ({threads} threads each)")
-    previous = {sig: signal.signal(sig, lambda *_: supervisor.interrupt())
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    extra = _tls_env(tls)
+    if args.checkpoint_every is not None:
+        extra.update({ENV.CHECKPOINT_EVERY: str(args.checkpoint_every),
+                      ENV.CHECKPOINT_DIR: checkpoint_dir})
+    if restart_from is not None:
+        extra[ENV.RESTART_FROM] = restart_from
     try:
         labels = ([Label(r, Role.WORKER) for r in range(args.workers)]
                   + [Label(r, Role.SERVER) for r in range(args.servers)])
         for label in labels:
-            supervisor.spawn(label, _script_argv(args, die_with_launcher=True),
-                             _child_env(args, address, token, label, shm_prefix))
-        outcome = supervisor.run(external_failure=lambda: scheduler.failure,
-                                 step_of=scheduler.member_step)
+            env = _child_env(args, address, token, label, shm_prefix)
+            env.update(extra)
+            supervisor.spawn(label, _script_argv(args, die_with_launcher=True), env)
+        return supervisor.run(external_failure=lambda: scheduler.failure,
+                              step_of=scheduler.member_step)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         scheduler.stop()
         remove_job_segments(shm_prefix)
-    supervisor.say(outcome.summary)
-    return outcome.exit_code
 
 
 def _plan(args) -> int:
@@ -264,9 +414,21 @@ def _plan(args) -> int:
 
 
 def _join(args) -> int:
+    try:
+        tls = _tls_of(args, "splitrun join")
+        token = (_read_token_file(args.token_file) if args.token_file
+                 else os.environ.get(ENV.TOKEN, ""))
+    except ClusterError as exc:
+        print(f"splitrun: {exc}", file=sys.stderr)
+        return 2
+    if not token:
+        print(f"splitrun: join needs the job's token: --token-file PATH (the file `splitrun "
+              f"scheduler` wrote) or ${ENV.TOKEN}", file=sys.stderr)
+        return 2
     env = dict(os.environ)
-    env.update({ENV.SCHEDULER: args.scheduler, ENV.TOKEN: args.token, ENV.ROLE: args.role,
+    env.update({ENV.SCHEDULER: args.scheduler, ENV.TOKEN: token, ENV.ROLE: args.role,
                 ENV.DEVICE: args.device, ENV.HOST: args.host, ENV.LOG_LEVEL: args.log_level})
+    env.update(_tls_env(tls))
     if args.rank is not None:
         env[ENV.RANK] = str(args.rank)
     if args.advertise:
@@ -279,12 +441,20 @@ def _join(args) -> int:
 
 
 def _scheduler(args) -> int:
-    token = args.token or secrets.token_hex(16)
+    try:
+        tls = _tls_of(args, "splitrun scheduler")
+    except ClusterError as exc:
+        print(f"splitrun: {exc}", file=sys.stderr)
+        return 2
+    token = os.environ.get(ENV.TOKEN) or secrets.token_hex(16)
+    _write_token_file(args.token_file, token)
     scheduler = Scheduler(SchedulerSettings(args.workers, args.servers, token,
                                             _new_incarnation(),
-                                            heartbeat_timeout_s=args.heartbeat_timeout))
-    address = scheduler.start(args.host, args.port)
-    print(f"splitrun scheduler at {address} token {token}", flush=True)
+                                            heartbeat_timeout_s=args.heartbeat_timeout,
+                                            stall_timeout_s=args.stall_timeout))
+    address = scheduler.start(args.host, args.port, tls)
+    print(f"splitrun scheduler at {address}; token in {os.path.abspath(args.token_file)} "
+          f"(join with --token-file)", flush=True)
     stop = {"interrupted": False}
 
     def on_signal(*_):
@@ -316,5 +486,16 @@ def main(argv: list[str] | None = None) -> int:
     return command[args.command](args)
 
 
+def run() -> None:
+    """The `splitrun` command: `main()`, then exit at once. Every child is
+    reaped and every line written by then; tearing down the interpreter (torch,
+    gRPC) would only delay the exit status by seconds on a loaded machine."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

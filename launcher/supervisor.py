@@ -1,14 +1,23 @@
 """Start the processes of a job, prefix their output, and stop them all on the
-first failure.
+first failure, blaming the process that failed first.
 
-Each child leads its own process group (so its own children go with it) and,
-on Linux, asks to die with the launcher (`die_with_parent`, called by the
-job at start; the heartbeat timeout covers the rest): no process outlives the
-launcher. Only processes this supervisor started are ever signalled, by id.
+Each child leads its own process group (so its own children go with it) and
+dies with the launcher from the moment it starts (the launcher starts it
+through `bootstrap.py`, which sets PR_SET_PDEATHSIG before the script runs).
+Only processes this supervisor started are ever signalled, by id.
+
+Blame: after the first sign of failure (a child exits with an error, is
+stopped, or the scheduler reports a failure), the supervisor keeps collecting
+exits for `BLAME_WINDOW_S` and blames, in this order: a child killed by a signal
+or stopped, a child that exited with its own error, the scheduler's report, a
+child that exited because a peer failed; the earliest seen within a kind. A
+peer's report can reach the scheduler before a killed process shows as exited.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
 import os
 import signal
@@ -21,14 +30,27 @@ from dataclasses import dataclass, field
 
 from splitrun.splitter.labels import Label
 
+from .bootstrap import ERROR_MARK
+
 __all__ = ["Child", "Supervisor", "Outcome"]
 
 logger = logging.getLogger(__name__)
 
-# After SIGTERM, a process gets this long to exit before SIGKILL.
+# After SIGTERM, a live process gets this long to exit before SIGKILL. A
+# stopped process cannot act on SIGTERM and gets SIGKILL at once.
 TERMINATE_GRACE_S = 5.0
+# How long exits are collected after the first sign of failure before blaming.
+BLAME_WINDOW_S = 1.0
+# A child's error printed this long before the first sign of failure still
+# counts as a sign (it may take that long to exit or be reported).
+TRACEBACK_LOOKBACK_S = 10.0
 # How often the supervisor looks at its children and the scheduler.
 _POLL_S = 0.05
+_TRACEBACK_HEADER = "Traceback (most recent call last):"
+_CHAIN_LINES = ("During handling of the above exception",
+                "The above exception was the direct cause")
+# Exceptions a process raises because another one failed.
+_CONSEQUENCES = ("PeerFailed", "JobFinished")
 
 
 @dataclass
@@ -37,6 +59,9 @@ class Child:
     process: subprocess.Popen
     reader: threading.Thread | None = None
     exit_code: int | None = None
+    # The last line of the last traceback it printed ("ValueError: boom"), and when.
+    error: str | None = None
+    error_seen: float | None = None
 
     @property
     def pid(self) -> int:
@@ -49,6 +74,25 @@ class Outcome:
     summary: str
     failed: Label | None = None
     children: list[Child] = field(default_factory=list)
+
+
+class _Kind(enum.IntEnum):
+    """What a failure sign is, in the order of blame."""
+
+    KILLED = 0       # killed by a signal, or stopped
+    OWN_ERROR = 1    # exited non-zero with its own error
+    REPORTED = 2     # the scheduler's report (a silent or stalled process, a mismatch)
+    CONSEQUENCE = 3  # exited because a peer failed
+
+
+@dataclass(frozen=True)
+class _Sign:
+    kind: _Kind
+    seen: float
+    label: Label | None
+    exit_code: int
+    what: str           # "worker 1 (pid 7) exited with code 1" or the scheduler's reason
+    child: Child | None = None
 
 
 def describe_exit(code: int) -> str:
@@ -65,6 +109,39 @@ def shell_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+def is_stopped(pid: int) -> bool:
+    """True while `pid` is stopped by a signal (state T in /proc/PID/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[-1].split()[0] == "T"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+class _ErrorLine:
+    """Follows a child's output and keeps the last line of its last traceback,
+    or the one line the bootstrap writes for a splitrun error."""
+
+    def __init__(self) -> None:
+        self.in_traceback = False
+        self.line: str | None = None
+
+    def feed(self, line: str) -> None:
+        if line.startswith(ERROR_MARK):
+            self.line = line[len(ERROR_MARK):].strip()
+            self.in_traceback = False
+            return
+        if line.startswith(_TRACEBACK_HEADER):
+            self.in_traceback = True
+            return
+        if not self.in_traceback or not line.strip():
+            return
+        if line.startswith((" ", "\t")) or line.startswith(_CHAIN_LINES):
+            return
+        self.line = line.strip()
+        self.in_traceback = False
+
+
 class Supervisor:
     """Runs one command per label; `run()` returns when all exited cleanly or
     after the first failure has stopped the rest."""
@@ -74,11 +151,13 @@ class Supervisor:
         self._out = out or sys.stdout
         self._write_lock = threading.Lock()
         self._interrupted = threading.Event()
+        self._signal = signal.SIGINT
 
     def spawn(self, label: Label, argv: Sequence[str], env: dict[str, str]) -> Child:
         # No preexec_fn: Python then starts the child with vfork/posix_spawn,
         # which runs no fork handlers. gRPC's, with the scheduler's server
-        # threads running, can abort a forked child before it execs.
+        # threads running, can abort a forked child before it execs. `argv`
+        # starts with the bootstrap, which asks to die with this process.
         process = subprocess.Popen(
             list(argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True)
@@ -97,16 +176,23 @@ class Supervisor:
 
     def _relay(self, child: Child) -> None:
         prefix = f"[{child.label.describe()}] "
+        errors = _ErrorLine()
         for raw in iter(child.process.stdout.readline, b""):
             line = raw.decode(errors="replace").rstrip("\r\n")
             # A carriage-return progress bar would glue lines together.
             line = line.rsplit("\r", 1)[-1]
+            errors.feed(line)
+            if errors.line is not None and errors.line != child.error:
+                child.error, child.error_seen = errors.line, time.monotonic()
+            if line.startswith(ERROR_MARK):
+                continue  # the failure line shows it, once
             with self._write_lock:
                 self._out.write(prefix + line + "\n")
                 self._out.flush()
         child.process.stdout.close()
 
-    def interrupt(self) -> None:
+    def interrupt(self, signum: int = signal.SIGINT) -> None:
+        self._signal = signal.Signals(signum)
         self._interrupted.set()
 
     def run(self, external_failure: Callable[[], tuple[str, str] | None] | None = None,
@@ -114,52 +200,107 @@ class Supervisor:
         """Wait for the children. `external_failure()` may report a failure the
         scheduler saw (a hung process, a plan mismatch) as (label, reason)."""
         started = time.monotonic()
+        signs: list[_Sign] = []
+        seen: set[int] = set()  # pids already counted as failure signs
+        reported = False
+        blame_at: float | None = None
         while True:
             if self._interrupted.is_set():
                 self._stop_all()
-                return Outcome(130, "interrupted; stopped every process", None, self.children)
+                return Outcome(128 + int(self._signal),
+                               f"interrupted by {self._signal.name}; stopped every process",
+                               None, self.children)
+            now = time.monotonic()
             running = 0
             for child in self.children:
-                if child.exit_code is not None:
+                if child.exit_code is not None or child.pid in seen:
                     continue
                 code = _exit_code(child)
                 if code is None:
-                    running += 1
+                    if is_stopped(child.pid):
+                        seen.add(child.pid)
+                        signs.append(_Sign(_Kind.KILLED, now, child.label, 1,
+                                           f"{child.label.describe()} (pid {child.pid}) was "
+                                           f"stopped by a signal", child))
+                    else:
+                        running += 1
                     continue
-                if code != 0:
-                    return self._fail_on_exit(child, code, step_of)
-                _reap(child, code)
-            failure = external_failure() if external_failure else None
-            if failure is not None:
-                label, reason = failure
-                self._stop_all()
-                return Outcome(1, f"job failed: {reason}; stopped every process",
-                               Label.parse(label) if label else None, self.children)
-            if not running:
-                elapsed = time.monotonic() - started
+                if code == 0:
+                    _reap(child, code)
+                    continue
+                seen.add(child.pid)
+                signs.append(self._exit_sign(child, code, now))
+            if not reported and external_failure is not None:
+                failure = external_failure()
+                if failure is not None:
+                    reported = True
+                    label, reason = failure
+                    signs.append(_Sign(_Kind.REPORTED, now, _parse_label(label), 1, reason))
+            if signs and blame_at is None:
+                blame_at = now + BLAME_WINDOW_S
+            if blame_at is not None and (now >= blame_at or not running):
+                return self._blame(signs, step_of)
+            if not running and blame_at is None:
+                elapsed = now - started
                 return Outcome(0, f"all {len(self.children)} processes finished in "
                                   f"{elapsed:.1f} s", None, self.children)
             time.sleep(_POLL_S)
 
-    def _fail_on_exit(self, child: Child, code: int, step_of) -> Outcome:
-        step = step_of(child.label) if step_of else None
-        at = f" at step {step}" if step is not None else ""
-        others = [c for c in self.children if c is not child and c.exit_code is None
-                  and _exit_code(c) is None]
+    @staticmethod
+    def _exit_sign(child: Child, code: int, now: float) -> _Sign:
+        what = f"{child.label.describe()} (pid {child.pid}) {describe_exit(code)}"
+        kind = _Kind.KILLED if code < 0 else _error_kind(child.error)
+        return _Sign(kind, now, child.label, shell_code(code), what, child)
+
+    def _traceback_signs(self, signs: list[_Sign]) -> list[_Sign]:
+        """Children that printed their error but had not exited by the time of
+        blame (tearing down an interpreter with torch and gRPC can take
+        seconds, and a peer's report or the heartbeat timeout may come first)."""
+        counted = {s.child.pid for s in signs if s.child is not None}
+        # A traceback printed long before (a handled error the script logged)
+        # is not this failure's.
+        since = min(s.seen for s in signs) - TRACEBACK_LOOKBACK_S
+        return [_Sign(_error_kind(c.error), c.error_seen, c.label, 1,
+                      f"{c.label.describe()} (pid {c.pid}) failed", c)
+                for c in self.children
+                if c.error_seen is not None and c.error_seen >= since
+                and c.pid not in counted and c.exit_code != 0]
+
+    def _blame(self, signs: list[_Sign], step_of) -> Outcome:
+        running = [c for c in self.children if c.exit_code is None and _exit_code(c) is None]
+        # Stopping joins the relays: every child's last lines (its error) are read.
         self._stop_all()
-        summary = (f"{child.label.describe()} (pid {child.pid}) {describe_exit(code)}{at}; "
-                   f"stopped the other {len(others)} processes")
-        return Outcome(shell_code(code), summary, child.label, self.children)
+        signs = [_reclassified(s) for s in signs] + self._traceback_signs(signs)
+        culprit = min(signs, key=lambda s: (s.kind, s.seen))
+        step = step_of(culprit.label) if step_of and culprit.label is not None else None
+        others = [c for c in running if c is not culprit.child]
+        if culprit.kind is _Kind.REPORTED:
+            summary = f"job failed: {culprit.what}; stopped every process"
+        else:
+            at = f" at step {step}" if step is not None else ""
+            # Read after stopping: the relay has then seen the child's last line.
+            error = culprit.child.error if culprit.child is not None else None
+            because = f": {error}" if error else ""
+            summary = (f"{culprit.what}{at}{because}; stopped the other {len(others)} "
+                       f"processes")
+        return Outcome(culprit.exit_code, summary, culprit.label, self.children)
 
     def _stop_all(self) -> None:
-        """SIGTERM every unreaped child's process group, SIGKILL what is left
-        after the grace period, then reap. A child is reaped only after its
-        group was signalled, so its id cannot have been reused meanwhile."""
+        """SIGTERM every unreaped child's process group (SIGKILL at once for a
+        stopped one, which cannot act on SIGTERM), SIGKILL what is left after
+        the grace period, then reap. A child is reaped only after its group
+        was signalled, so its id cannot have been reused meanwhile."""
         pending = [c for c in self.children if c.exit_code is None]
         for child in pending:
-            _signal_group(child, signal.SIGTERM)
+            _signal_group(child, signal.SIGKILL if is_stopped(child.pid) else signal.SIGTERM)
         deadline = time.monotonic() + TERMINATE_GRACE_S
-        while time.monotonic() < deadline and any(_exit_code(c) is None for c in pending):
+        while time.monotonic() < deadline:
+            alive = [c for c in pending if _exit_code(c) is None]
+            if not alive:
+                break
+            for child in alive:
+                if is_stopped(child.pid):
+                    _signal_group(child, signal.SIGKILL)
             time.sleep(_POLL_S)
         for child in pending:
             _signal_group(child, signal.SIGKILL)
@@ -167,6 +308,26 @@ class Supervisor:
         for child in self.children:
             if child.reader is not None:
                 child.reader.join(timeout=TERMINATE_GRACE_S)
+
+
+def _reclassified(sign: _Sign) -> _Sign:
+    """An exit with an error, judged by the error line the relay has read by now."""
+    if sign.kind in (_Kind.OWN_ERROR, _Kind.CONSEQUENCE) and sign.child is not None:
+        return dataclasses.replace(sign, kind=_error_kind(sign.child.error))
+    return sign
+
+
+def _error_kind(error: str | None) -> _Kind:
+    if error and error.split(":", 1)[0].endswith(_CONSEQUENCES):
+        return _Kind.CONSEQUENCE
+    return _Kind.OWN_ERROR
+
+
+def _parse_label(text: str) -> Label | None:
+    try:
+        return Label.parse(text) if text else None
+    except Exception:  # noqa: BLE001 - a label the scheduler could not name
+        return None
 
 
 def _exit_code(child: Child) -> int | None:

@@ -15,6 +15,7 @@ from splitrun.splitter.errors import LabelError
 from splitrun.splitter.labels import Cluster, Role
 
 from .errors import ClusterError
+from .transport.grpc.tls import TlsFiles
 
 __all__ = ["ENV", "ProcessEnvironment"]
 
@@ -39,6 +40,12 @@ class ENV:
     NUM_SERVERS = "SPLITRUN_NUM_SERVERS"
     TRANSPORT = "SPLITRUN_TRANSPORT"      # auto (default) | grpc | shm: see TransportChoice
     SHM_PREFIX = "SPLITRUN_SHM_PREFIX"    # the job's shared-memory prefix (the launcher's)
+    CHECKPOINT_EVERY = "SPLITRUN_CHECKPOINT_EVERY"  # workers save every K steps...
+    CHECKPOINT_DIR = "SPLITRUN_CHECKPOINT_DIR"      # ...into this directory
+    RESTART_FROM = "SPLITRUN_RESTART_FROM"  # a restarted job resumes from this checkpoint
+    TLS_CERT = "SPLITRUN_TLS_CERT"        # this process's certificate (PEM)...
+    TLS_KEY = "SPLITRUN_TLS_KEY"          # ...its key...
+    TLS_CA = "SPLITRUN_TLS_CA"            # ...and the CA peers' certificates are checked against
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,10 @@ class ProcessEnvironment:
     threads: int | None            # intra-op threads the launcher budgeted, if any
     transport: str = "auto"        # SPLITRUN_TRANSPORT, checked by TransportChoice.parse
     shm_prefix: str | None = None  # None: no shared memory (no launcher gave a prefix)
+    checkpoint_every: int | None = None  # save every K steps (splitrun launch --checkpoint-every)
+    checkpoint_dir: str | None = None
+    restart_from: str | None = None      # a restarted job's checkpoint
+    tls: TlsFiles | None = None          # TLS for the tensor service and the scheduler
 
     @classmethod
     def parse(cls, environ: Mapping[str, str]) -> ProcessEnvironment:
@@ -89,7 +100,12 @@ class ProcessEnvironment:
                                  _integer(environ, ENV.NUM_SERVERS) or 0),
             threads=_integer(environ, ENV.THREADS),
             transport=environ.get(ENV.TRANSPORT, "") or "auto",
-            shm_prefix=environ.get(ENV.SHM_PREFIX) or None)
+            shm_prefix=environ.get(ENV.SHM_PREFIX) or None,
+            checkpoint_every=_integer(environ, ENV.CHECKPOINT_EVERY),
+            checkpoint_dir=environ.get(ENV.CHECKPOINT_DIR) or None,
+            restart_from=environ.get(ENV.RESTART_FROM) or None,
+            tls=TlsFiles.from_paths(environ.get(ENV.TLS_CERT), environ.get(ENV.TLS_KEY),
+                                    environ.get(ENV.TLS_CA)))
 
 
 def _integer(environ: Mapping[str, str], key: str) -> int | None:

@@ -70,7 +70,8 @@ class CacheError(SplitrunError):
 
 
 class CheckpointError(SplitrunError):
-    """A checkpoint that cannot be read into this job's model."""
+    """A checkpoint that cannot be resumed from: unreadable, corrupt (checksum),
+    or not matching the model (keys, dtype, shape, non-finite values, step)."""
 
 
 class JobFinished(Exception):  # noqa: N818 - a signal, named for what happened

@@ -26,7 +26,7 @@ from .errors import MessageRejected, SplitrunError, StepFailed
 from .transport.dtypes import nbytes_of
 from .transport.protocol import MessageKey, Transport
 
-__all__ = ["Executor", "ExecutorStats", "ChannelStats"]
+__all__ = ["Executor", "ExecutorStats", "ChannelStats", "Waiting"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,14 @@ def _binder(args, kwargs):
     return lambda env: (resolve(args, env), resolve(kwargs, env))
 
 
+@dataclass(frozen=True)
+class Waiting:
+    """A receive inside a step: from whom, since when (time.monotonic())."""
+
+    peer: Label
+    since: float
+
+
 class Executor:
     """Runs `label`'s subgraph of `plan`. Call `load_state`, then `run_step`."""
 
@@ -124,6 +132,7 @@ class Executor:
         self.state: dict[str, torch.Tensor] = {}
         self.stats = ExecutorStats()
         self._bindings = dict(bindings or {})
+        self._waiting: Waiting | None = None
         self._tag = f"[{label.describe()}]"
         self._nodes: dict[str, fx.Node] = {n.name: n for n in self.program.graph.nodes}
         self._compile()
@@ -231,12 +240,15 @@ class Executor:
                 counter.bytes += nbytes_of(tensors)
             else:
                 timeout, between_steps = self.recv_timeout_s, None
+                # A serving process's first receive waits for the next step: idle.
+                idle = first_recv_timeout_s is not None
                 if first_recv_timeout_s is not None:
                     timeout, first_recv_timeout_s = first_recv_timeout_s, None
                 if control is not None:
                     between_steps = (MessageKey(self.incarnation, step, control[0]), control[1])
                     control = None
-                self._receive(step, name, target, payload, env, timeout, between_steps)
+                self._receive(step, name, target, payload, env, timeout, between_steps,
+                              idle=idle)
             for dead in self._free_after[index]:
                 env.pop(dead, None)
 
@@ -247,13 +259,24 @@ class Executor:
         self.stats.step_s += time.perf_counter() - started
         return outputs
 
-    def _receive(self, step, channel, src, recv_names, env, timeout_s, control) -> None:
+    @property
+    def waiting_on(self) -> Waiting | None:
+        """The peer this process waits for inside a step (not between steps)."""
+        return self._waiting
+
+    def _receive(self, step, channel, src, recv_names, env, timeout_s, control, *,
+                 idle: bool = False) -> None:
         key = MessageKey(self.incarnation, step, channel)
         waited = time.perf_counter()
-        if control is None:
-            tensors = self.transport.recv(src, key, timeout_s)
-        else:
-            tensors = self.transport.recv(src, key, timeout_s, control=control)
+        if not idle:
+            self._waiting = Waiting(src, time.monotonic())
+        try:
+            if control is None:
+                tensors = self.transport.recv(src, key, timeout_s)
+            else:
+                tensors = self.transport.recv(src, key, timeout_s, control=control)
+        finally:
+            self._waiting = None
         self.stats.recv_wait_s += time.perf_counter() - waited
         if len(tensors) != len(recv_names):
             raise MessageRejected(

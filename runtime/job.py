@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ from . import checkpoint
 from .cluster.membership import Heartbeat, SchedulerClient
 from .data import shard_batches
 from .env import ENV, ProcessEnvironment
-from .errors import ClusterError, JobFinished, PeerFailed, SplitrunError
+from .errors import ClusterError, JobFinished, PeerFailed, SplitrunError, TransportError
 from .process import ProcessRuntime
 from .progress import Progress
 from .transport.contract import ChannelContract, receive_contracts
@@ -40,9 +41,20 @@ from .transport.grpc import GrpcTransport
 from .transport.protocol import MessageKey
 from .transport.shm_transport import ShmTransport, TransportChoice
 
-__all__ = ["Job", "Trainer", "JobSettings", "ENV", "PlanWritten"]
+__all__ = ["Job", "Trainer", "JobSettings", "ENV", "PlanWritten", "report_uncaught"]
 
 logger = logging.getLogger(__name__)
+
+# The job this process joined (Job.from_env), for `report_uncaught`.
+_joined: Job | None = None
+
+
+def report_uncaught(error: BaseException) -> None:
+    """The launcher's bootstrap, when the script ends with `error`: tell the
+    scheduler (the step this process reached, and the error) before the
+    process's slow teardown, so the failure is blamed here and at that step."""
+    if _joined is not None:
+        _joined.report_failure(error)
 
 
 # Hosts that bind every interface: a peer cannot connect to them.
@@ -84,9 +96,14 @@ class JobSettings:
     # Peers must all register within this long.
     register_timeout_s: float = 120.0
     # The scheduler unreachable this long fails this process.
-    heartbeat_timeout_s: float = 10.0
+    heartbeat_timeout_s: float = 3.0
     # Flushing sends and the final barrier are bounded by this.
     finish_timeout_s: float = 120.0
+    # `splitrun launch --checkpoint-every K`: the workers save the job every K
+    # steps into `checkpoint_dir`; a restarted job resumes from `restart_from`.
+    checkpoint_every: int | None = None
+    checkpoint_dir: str | None = None
+    restart_from: str | None = None
 
     @classmethod
     def from_environment(cls, env: ProcessEnvironment) -> JobSettings:
@@ -94,7 +111,9 @@ class JobSettings:
             return default if value is None else value
         return cls(recv_timeout_s=given(env.recv_timeout_s, cls.recv_timeout_s),
                    idle_timeout_s=given(env.idle_timeout_s, cls.idle_timeout_s),
-                   heartbeat_timeout_s=given(env.heartbeat_timeout_s, cls.heartbeat_timeout_s))
+                   heartbeat_timeout_s=given(env.heartbeat_timeout_s, cls.heartbeat_timeout_s),
+                   checkpoint_every=env.checkpoint_every, checkpoint_dir=env.checkpoint_dir,
+                   restart_from=env.restart_from)
 
 
 class PlanWritten(BaseException):  # noqa: N818 - a signal, named for what happened
@@ -135,6 +154,7 @@ class Job:
         self.transport = transport
         self.plan_out = plan_out
         self._heartbeat: Heartbeat | None = None
+        self._failure_reported = False
         if client is not None:
             self._heartbeat = Heartbeat(
                 client, label, heartbeat_interval_s, settings.heartbeat_timeout_s,
@@ -154,14 +174,15 @@ class Job:
         if env.plan_out is not None:
             return cls(Label.worker(0), env.plan_cluster, device, settings,
                        plan_out=env.plan_out)
-        client = SchedulerClient(env.scheduler, env.token)
+        client = SchedulerClient(env.scheduler, env.token, env.tls)
         # The tensor server starts before registering: its address is part of
         # the registration. Its label is provisional until the scheduler assigns
         # the rank.
         provisional = Label(env.rank or 0, env.role)
         # Shared memory to peers on this host, gRPC to the others (and for control).
         transport = ShmTransport(
-            GrpcTransport(provisional, token=env.token, incarnation=0, host=env.host, port=0),
+            GrpcTransport(provisional, token=env.token, incarnation=0, host=env.host, port=0,
+                          tls=env.tls),
             prefix=env.shm_prefix, choice=TransportChoice.parse(env.transport, ENV.TRANSPORT))
         bound = transport.start()
         port = bound.rsplit(":", 1)[1]
@@ -171,9 +192,12 @@ class Job:
         logger.info("joined as %s of %s (incarnation %d, device %s, %d threads)",
                     registration.label.describe(), registration.cluster,
                     registration.incarnation, device, torch.get_num_threads())
-        return cls(registration.label, registration.cluster, device, settings,
-                   client=client, transport=transport, incarnation=registration.incarnation,
-                   heartbeat_interval_s=registration.heartbeat_interval_s)
+        job = cls(registration.label, registration.cluster, device, settings,
+                  client=client, transport=transport, incarnation=registration.incarnation,
+                  heartbeat_interval_s=registration.heartbeat_interval_s)
+        global _joined
+        _joined = job
+        return job
 
     @property
     def rank(self) -> int:
@@ -199,13 +223,18 @@ class Job:
     # -- job state from the heartbeat thread --
 
     def _job_failed(self, reason: str) -> None:
-        logger.error("[%s] stopping: %s", self.label.describe(), reason)
+        # The PeerFailed this raises in the step carries the reason.
+        logger.debug("[%s] stopping: %s", self.label.describe(), reason)
         if self.transport is not None:
             self.transport.abort(PeerFailed(f"job failed: {reason}"))
 
     def _workers_finished(self, num_steps: int) -> None:
         if self.transport is not None:
             self.transport.finish_at(num_steps)
+
+    def scheduler_unreachable(self) -> str | None:
+        """Why the scheduler does not answer this process's heartbeats, or None."""
+        return None if self._heartbeat is None else self._heartbeat.scheduler_unreachable()
 
     def report_progress(self, steps_done: int) -> None:
         """Tell the scheduler (with the next heartbeat) how far this process got."""
@@ -240,9 +269,10 @@ class Job:
                                   if label != self.label})
         self.transport.register(_control_channels(plan, split.program, self.label))
         state, first_step = program.initial_state, 0
+        if self.settings.restart_from is not None:  # a restart: the launcher's checkpoint wins
+            resume = self.settings.restart_from
         if resume is not None:
-            state, first_step = checkpoint.from_checkpoint(
-                program, checkpoint.read_checkpoint(resume))
+            state, first_step = checkpoint.load_checkpoint(program, resume)
             logger.info("[%s] resuming from %s at step %d", self.label.describe(), resume,
                         first_step)
         if split.artifacts is not None:  # parallel mode keeps state in pieces
@@ -251,6 +281,8 @@ class Job:
                                  incarnation=self.incarnation, device=self.device, state=state,
                                  first_step=first_step,
                                  recv_timeout_s=self.settings.recv_timeout_s)
+        if self._heartbeat is not None:  # the scheduler names a peer this one waits on
+            self._heartbeat.watch_waits(lambda: _waiting(process))
         # The plan's messages are let in only now that the process is assembled.
         self.transport.expect(receive_contracts(plan, split.program, self.label))
         logger.info("[%s] plan %s: %s", self.label.describe(), plan.fingerprint, summary)
@@ -258,10 +290,17 @@ class Job:
                        first_step=first_step, source=program)
 
     def report_failure(self, error: BaseException) -> None:
-        if self.client is None or isinstance(error, (PeerFailed, JobFinished)):
+        """Tell the scheduler this process failed with `error` (once), after a
+        heartbeat with the step it reached. A peer's failure is not reported."""
+        if (self.client is None or isinstance(error, (PeerFailed, JobFinished))
+                or self._failure_reported):
             return
+        self._failure_reported = True
+        first_line = (str(error).strip().splitlines() or [""])[0]
         try:
-            self.client.report_failure(self.label, f"{type(error).__name__}: {error}")
+            if self._heartbeat is not None:
+                self._heartbeat.beat_now()
+            self.client.report_failure(self.label, f"{type(error).__name__}: {first_line}")
         except ClusterError:
             logger.warning("[%s] could not report the failure to the scheduler",
                            self.label.describe())
@@ -335,16 +374,36 @@ class Trainer:
             outputs = self.process.run_step(
                 self.steps_done, _feeds_of(batch),
                 None if next_batch is None else _feeds_of(next_batch))
+        except TransportError as exc:
+            lost = self.job.scheduler_unreachable()
+            if lost is None:
+                self.job.report_failure(exc)
+                raise
+            # The scheduler's loss ended a peer first: that is the cause.
+            raise PeerFailed(f"job failed: {lost} (then: {exc})") from exc
         except BaseException as exc:
             self.job.report_failure(exc)
             raise
         self.steps_done += 1
         self.job.report_progress(self.steps_done)
+        self._checkpoint_periodically()
         loss = outputs.get("loss")
         hit_rate = self.process.cache_hit_rate()
         extra = "" if hit_rate is None else f"hit rate {hit_rate:.3f}"
         self._progress.update(self.steps_done - 1, None if loss is None else loss.item(), extra)
         return outputs
+
+    def _checkpoint_periodically(self) -> None:
+        """Under `splitrun launch --checkpoint-every K`: save every K steps (every
+        worker reaches the same step, so they save together) and keep the
+        newest few; a restarted job resumes from the last good one."""
+        settings = self.job.settings
+        every, directory = settings.checkpoint_every, settings.checkpoint_dir
+        if not every or not directory or self.steps_done % every:
+            return
+        self.save(checkpoint.periodic_path(directory, self.steps_done))
+        if self.job.is_driver:
+            checkpoint.prune_periodic(directory)
 
     def shard(self, batches):
         """The batches this process trains on: in parameter-server mode worker
@@ -478,6 +537,11 @@ class Trainer:
         else:
             self._send_state(checkpoint.final_state_channel(self.job.label), self.steps_done)
             self.process.drain_prefetch()
+
+
+def _waiting(process: ProcessRuntime) -> tuple[Label, float] | None:
+    waiting = process.executor.waiting_on
+    return None if waiting is None else (waiting.peer, time.monotonic() - waiting.since)
 
 
 def _feeds_of(batch) -> dict[str, torch.Tensor]:

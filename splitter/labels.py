@@ -65,7 +65,8 @@ class Role(Enum):
 _ROLE_SHORT = {Role.WORKER: "w", Role.SERVER: "s", Role.SCHEDULER: "sched"}
 _SHORT_ROLE = {v: k for k, v in _ROLE_SHORT.items()}
 _ROLE_ORDER = {Role.WORKER: 0, Role.SERVER: 1, Role.SCHEDULER: 2}
-_LABEL_RE = re.compile(r"^(w|s|sched)(\d+)$")
+# Ranks of up to 9 digits: a label of 5000 digits is malformed, not a huge int.
+_LABEL_RE = re.compile(r"^(w|s|sched)(\d{1,9})$")
 
 
 class Label:
@@ -124,7 +125,8 @@ class Label:
         match = _LABEL_RE.match(text.strip())
         if match is None:
             raise LabelError(
-                f"malformed label {text!r}; expected a role letter and a rank, "
+                f"malformed label {text[:40]!r}{'...' if len(text) > 40 else ''}; "
+                f"expected a role letter and a rank of up to 9 digits, "
                 f"like 'w0' (worker 0) or 's1' (server 1)")
         return cls(int(match.group(2)), _SHORT_ROLE[match.group(1)])
 

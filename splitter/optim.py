@@ -23,6 +23,20 @@ __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "Adagrad", "from_torch"]
 HPARAM_DTYPE = torch.float64
 
 
+def _like(scalar, tensor: torch.Tensor):
+    """A float64 hyperparameter in the dtype of the tensor it scales.
+
+    A 0-dim float64 tensor times a tensor with dimensions computes in the
+    latter's dtype, but times a 0-dim float32 parameter (a learnable
+    temperature) it promotes to float64. Casting first keeps every update in
+    the parameter's dtype, for every shape, with the same rounding: a CPU
+    kernel casts a 0-dim operand to the result's dtype anyway.
+    """
+    if isinstance(scalar, torch.Tensor) and scalar.dtype != tensor.dtype:
+        return scalar.to(tensor.dtype)
+    return scalar
+
+
 class Optimizer(ABC):
     """A functional optimizer. `lr` may be changed between steps (schedules)."""
 
@@ -66,7 +80,7 @@ class SGD(Optimizer):
             buf = running if self.dampening == 0 else torch.where(step == 1, grad, running)
             new_state["momentum_buffer"] = buf
             grad = torch.add(grad, buf, alpha=self.momentum) if self.nesterov else buf
-        return param + (-lr) * grad, new_state
+        return param + _like(-lr, grad) * grad, new_state
 
 
 @dataclass
@@ -84,7 +98,7 @@ class Adam(Optimizer):
         grad = -grad if self.maximize else grad
         if self.weight_decay:
             if self._decoupled:
-                param = param * (1 - lr * self.weight_decay)
+                param = param * _like(1 - lr * self.weight_decay, param)
             else:
                 grad = torch.add(grad, param, alpha=self.weight_decay)
         exp_avg = torch.lerp(state["exp_avg"], grad, 1 - beta1)
@@ -92,8 +106,8 @@ class Adam(Optimizer):
         bias_correction1 = 1 - beta1 ** step
         bias_correction2 = 1 - beta2 ** step
         step_size = lr / bias_correction1
-        denom = exp_avg_sq.sqrt() / bias_correction2.sqrt() + self.eps
-        new_param = param + ((-step_size) * exp_avg) / denom
+        denom = exp_avg_sq.sqrt() / _like(bias_correction2.sqrt(), exp_avg_sq) + self.eps
+        new_param = param + (_like(-step_size, exp_avg) * exp_avg) / denom
         return new_param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
@@ -123,7 +137,7 @@ class Adagrad(Optimizer):
         clr = lr / (1 + (step - 1) * self.lr_decay)
         state_sum = torch.addcmul(state["sum"], grad, grad, value=1)
         std = state_sum.sqrt() + self.eps
-        return param + ((-clr) * grad) / std, {"sum": state_sum}
+        return param + (_like(-clr, grad) * grad) / std, {"sum": state_sum}
 
 
 _UNSUPPORTED_FLAGS = ("amsgrad", "capturable", "differentiable", "fused")

@@ -43,11 +43,19 @@ def coalesce(indices: torch.Tensor, values: torch.Tensor,
     return rows, summed
 
 
+def _like(scalar, tensor: torch.Tensor):
+    """A float64 hyperparameter in the dtype of the rows it scales, so every
+    update keeps the table's dtype."""
+    if isinstance(scalar, torch.Tensor) and scalar.dtype != tensor.dtype:
+        return scalar.to(tensor.dtype)
+    return scalar
+
+
 def _sgd_rows(indices, values, lr, maximize, padding_idx=None):
     """(rows, what to add to them)."""
     rows, grad = coalesce(indices, values, padding_idx)
     grad = -grad if maximize else grad
-    return rows, (-lr) * grad
+    return rows, _like(-lr, grad) * grad
 
 
 def _adagrad_rows(indices, values, lr, step, state_sum, lr_decay, eps, maximize,
@@ -59,7 +67,7 @@ def _adagrad_rows(indices, values, lr, step, state_sum, lr_decay, eps, maximize,
     clr = lr / (1 + (step - 1) * lr_decay)
     row_sum = torch.addcmul(state_sum.index_select(0, rows), grad, grad, value=1)
     std = row_sum.sqrt() + eps
-    return rows, ((-clr) * grad) / std, row_sum
+    return rows, (_like(-clr, grad) * grad) / std, row_sum
 
 
 def sparse_sgd(param, indices, values, lr, step, *, maximize: bool = False,

@@ -136,15 +136,18 @@ class LocalCluster:
         return proc
 
     def scheduler(self, workers: int, servers: int = 0) -> tuple[Proc, str, str]:
-        """A standalone scheduler: the process, its address and its token."""
-        proc = self.start("scheduler", "--workers", workers, "--servers", servers)
-        address, token = proc.wait_for(r"scheduler at (\S+) token (\S+)", 60).groups()
-        return proc, address, token
+        """A standalone scheduler: the process, its address and the file (mode
+        0600) it wrote the job's token to."""
+        token_file = str(pathlib.Path(self.cwd) / f"job{len(self.procs)}.token")
+        proc = self.start("scheduler", "--workers", workers, "--servers", servers,
+                          "--token-file", token_file)
+        address = proc.wait_for(r"scheduler at (\S+);", 60).group(1)
+        return proc, address, token_file
 
-    def join(self, address: str, token: str, script, *args, role: str = "worker",
+    def join(self, address: str, token_file: str, script, *args, role: str = "worker",
              rank: int | None = None) -> Proc:
-        """One process joining the scheduler at `address`."""
-        options = ["--scheduler", address, "--token", token, "--role", role]
+        """One process joining the scheduler at `address` with the token in `token_file`."""
+        options = ["--scheduler", address, "--token-file", token_file, "--role", role]
         if rank is not None:
             options += ["--rank", rank]
         return self.start("join", *options, script, *args)

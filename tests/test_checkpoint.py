@@ -9,11 +9,12 @@ from torch import nn
 
 from splitrun.runtime.checkpoint import (
     from_checkpoint,
+    load_checkpoint,
     read_checkpoint,
     to_checkpoint,
     write_checkpoint,
 )
-from splitrun.runtime.errors import SplitrunError
+from splitrun.runtime.errors import CheckpointError, SplitrunError
 from splitrun.splitter import capture, optim
 
 
@@ -76,3 +77,99 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
         from_checkpoint(program, read_checkpoint(path))
     with pytest.raises(SplitrunError, match=r"not a splitrun checkpoint"):
         from_checkpoint(program, {"weights": 1})
+
+
+def saved(tmp_path, mutate=None, step=3):
+    """A program and its checkpoint file, after `mutate(checkpoint)` (checksum
+    written over the mutated content: the file is intact, its content wrong)."""
+    loss_fn = lambda m, x: m(x).sum()  # noqa: E731
+    program = capture(net(), loss_fn, optim.Adam(lr=0.01), torch.randn(2, 6))
+    checkpoint = to_checkpoint(program, program.initial_state, step)
+    if mutate is not None:
+        mutate(checkpoint)
+    path = tmp_path / "ckpt.pt"
+    write_checkpoint(checkpoint, path)
+    return program, path
+
+
+def refused(program, path) -> str:
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(program, path)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message, message
+    return message
+
+
+def test_a_written_checkpoint_is_verified_and_loads(tmp_path):
+    program, path = saved(tmp_path)
+    state, step = load_checkpoint(program, path)
+    assert step == 3 and (tmp_path / "ckpt.pt.sha256").exists()
+    for key, value in program.initial_state.items():
+        assert torch.equal(state[key], value)
+
+
+def test_flipped_bytes_in_the_middle_are_refused(tmp_path):
+    program, path = saved(tmp_path)
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 4096] = bytes(b ^ 0xFF for b in data[middle:middle + 4096])
+    path.write_bytes(bytes(data))
+    assert "is corrupt" in refused(program, path)
+
+
+@pytest.mark.parametrize("content, problem", [(None, "is empty"), (b"garbage" * 100, "corrupt")])
+def test_empty_or_garbage_is_refused(tmp_path, content, problem):
+    program, path = saved(tmp_path)
+    path.write_bytes(content or b"")
+    assert problem in refused(program, path)
+
+
+def test_truncated_is_refused(tmp_path):
+    program, path = saved(tmp_path)
+    path.write_bytes(path.read_bytes()[:-100])
+    assert "is corrupt" in refused(program, path)
+
+
+def test_unreadable_content_with_a_matching_checksum_is_one_line(tmp_path):
+    program, path = saved(tmp_path)
+    path.write_bytes(path.read_bytes()[:200])
+    digest = __import__("hashlib").sha256(path.read_bytes()).hexdigest()
+    (tmp_path / "ckpt.pt.sha256").write_text(f"{digest}  ckpt.pt\n")
+    assert "cannot be loaded" in refused(program, path)
+
+
+def test_missing_checksum_is_refused(tmp_path):
+    program, path = saved(tmp_path)
+    (tmp_path / "ckpt.pt.sha256").unlink()
+    assert "no checksum file" in refused(program, path)
+
+
+def test_wrong_dtype_is_refused(tmp_path):
+    def to_double(checkpoint):
+        checkpoint["model"]["0.weight"] = checkpoint["model"]["0.weight"].double()
+    program, path = saved(tmp_path, to_double)
+    assert "'0.weight' is float64[8, 6], the model has float32[8, 6]" in refused(program, path)
+
+
+def test_negative_step_is_refused(tmp_path):
+    program, path = saved(tmp_path, step=-4)
+    assert "step is -4" in refused(program, path)
+
+
+@pytest.mark.parametrize("where", ["model", "optimizer"])
+def test_nan_values_are_refused(tmp_path, where):
+    def poison(checkpoint):
+        if where == "model":
+            checkpoint["model"]["2.bias"][1] = float("nan")
+        else:
+            checkpoint["optimizer"]["state"][0]["exp_avg"][0, 0] = float("inf")
+    program, path = saved(tmp_path, poison)
+    assert "non-finite" in refused(program, path)
+
+
+def test_another_model_is_refused_naming_the_file(tmp_path):
+    loss_fn = lambda m, x: m(x).sum()  # noqa: E731
+    other = capture(nn.Linear(6, 3), loss_fn, optim.Adam(lr=0.01), torch.randn(2, 6))
+    program, path = saved(tmp_path)
+    write_checkpoint(to_checkpoint(other, other.initial_state, 0), path)
+    assert "lacks 0.weight" in refused(program, path)

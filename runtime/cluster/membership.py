@@ -17,6 +17,7 @@ from splitrun.splitter.labels import Cluster, Label, Role
 
 from ..errors import ClusterError
 from ..transport.grpc.service import TOKEN_METADATA_KEY
+from ..transport.grpc.tls import TlsFiles
 from ..transport.wire import splitrun_pb2 as pb
 from ..transport.wire import splitrun_pb2_grpc as pb_grpc
 
@@ -42,34 +43,39 @@ class SchedulerClient:
     """Typed calls to the scheduler; gRPC errors become `ClusterError`s that
     carry the scheduler's explanation."""
 
-    def __init__(self, address: str, token: str) -> None:
+    def __init__(self, address: str, token: str, tls: TlsFiles | None = None) -> None:
         self.address = address
         self._metadata = ((TOKEN_METADATA_KEY, token),)
-        self._channel = grpc.insecure_channel(address)
+        self._channel = (grpc.insecure_channel(address) if tls is None
+                         else grpc.secure_channel(address, tls.channel_credentials()))
         self._stub = pb_grpc.SchedulerStub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
 
-    def _call(self, method: str, request, timeout_s: float = CALL_TIMEOUT_S):
+    def _call(self, method: str, request, timeout_s: float = CALL_TIMEOUT_S, *,
+              wait_for_ready: bool = False):
         try:
             return getattr(self._stub, method)(request, timeout=timeout_s,
-                                               metadata=self._metadata)
+                                               metadata=self._metadata,
+                                               wait_for_ready=wait_for_ready)
         except grpc.RpcError as exc:
+            if wait_for_ready and exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise ClusterError(
+                    f"cannot reach the scheduler at {self.address} within {timeout_s:g} s; "
+                    f"is it running, and is the address right?") from None
             raise ClusterError(
                 f"scheduler {self.address} {method}: {exc.code().name}: {exc.details()}"
             ) from None
 
     def register(self, role: Role, rank: int | None, address: str) -> Registration:
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=CONNECT_TIMEOUT_S)
-        except grpc.FutureTimeoutError:
-            raise ClusterError(
-                f"cannot reach the scheduler at {self.address} within "
-                f"{CONNECT_TIMEOUT_S:g} s; is it running, and is the address right?") from None
+        # wait_for_ready, not channel_ready_future: the future's connectivity
+        # polling thread can outlive it and fail on the closed channel at exit
+        # ("Cannot invoke RPC: Channel closed!").
         reply = self._call("Register", pb.RegisterRequest(
             role=role.value, rank=-1 if rank is None else rank, address=address,
-            host=socket.gethostname(), pid=os.getpid()))
+            host=socket.gethostname(), pid=os.getpid()), timeout_s=CONNECT_TIMEOUT_S,
+            wait_for_ready=True)
         return Registration(Label(reply.rank, role), reply.incarnation,
                             Cluster(reply.num_workers, reply.num_servers),
                             reply.heartbeat_interval_s)
@@ -83,9 +89,12 @@ class SchedulerClient:
         self._call("SubmitPlan", pb.SubmitPlanRequest(label=str(label), fingerprint=fingerprint,
                                                       summary=summary))
 
-    def heartbeat(self, label: Label, step: int, timeout_s: float) -> pb.JobStatus:
-        return self._call("Heartbeat", pb.HeartbeatRequest(label=str(label), step=step),
-                          timeout_s=timeout_s)
+    def heartbeat(self, label: Label, step: int, timeout_s: float,
+                  waiting: tuple[Label, float] | None = None) -> pb.JobStatus:
+        peer, waiting_s = waiting if waiting is not None else (None, 0.0)
+        return self._call("Heartbeat", pb.HeartbeatRequest(
+            label=str(label), step=step, waiting_on="" if peer is None else str(peer),
+            waiting_s=waiting_s), timeout_s=timeout_s)
 
     def report_failure(self, label: Label, message: str) -> None:
         self._call("ReportFailure", pb.FailureReport(label=str(label), message=message))
@@ -126,6 +135,9 @@ class Heartbeat:
         self._on_failed = on_failed
         self._on_finished = on_finished
         self._step = 0
+        self._waiting: Callable[[], tuple[Label, float] | None] = lambda: None
+        # (last answered heartbeat, the latest error) while heartbeats fail.
+        self._failing: tuple[float, ClusterError] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"splitrun-heartbeat-{label}")
@@ -133,14 +145,34 @@ class Heartbeat:
     def start(self) -> None:
         self._thread.start()
 
+    def watch_waits(self, waiting: Callable[[], tuple[Label, float] | None]) -> None:
+        """`waiting()`: the peer this process waits on inside a step and for how
+        long (None when it waits on none); each heartbeat carries it."""
+        self._waiting = waiting
+
     def report_step(self, step: int) -> None:
         """The steps this process has completed: the next heartbeat carries it
         (the scheduler names the step when this process fails or stalls)."""
         self._step = step
 
+    def beat_now(self) -> None:
+        """One heartbeat from the calling thread, with the step reported so far
+        (a failing process tells its step before it reports the failure)."""
+        self._client.heartbeat(self._label, self._step, timeout_s=max(self._interval_s * 4, 2.0))
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=self._interval_s + CALL_TIMEOUT_S)
+
+    def scheduler_unreachable(self) -> str | None:
+        """Why the scheduler has not answered the latest heartbeats (since
+        when), or None while it answers: a peer's failure seen meanwhile is
+        likely the scheduler's loss reaching that peer first."""
+        failing = self._failing
+        if failing is None:
+            return None
+        since, error = failing
+        return f"lost the scheduler for {time.monotonic() - since:.1f} s: {error}"
 
     def _run(self) -> None:
         last_ok = time.monotonic()
@@ -148,13 +180,16 @@ class Heartbeat:
         while not self._stop.wait(self._interval_s):
             try:
                 status = self._client.heartbeat(self._label, self._step,
-                                                timeout_s=max(self._interval_s * 4, 2.0))
+                                                timeout_s=max(self._interval_s * 4, 2.0),
+                                                waiting=self._waiting())
             except ClusterError as exc:
                 silent = time.monotonic() - last_ok
+                self._failing = (last_ok, exc)
                 if silent > self._lost_after_s:
                     self._on_failed(f"lost the scheduler for {silent:.1f} s: {exc}")
                     return
                 continue
+            self._failing = None
             last_ok = time.monotonic()
             if status.state == pb.JobStatus.FAILED:
                 self._on_failed(status.reason)

@@ -11,7 +11,6 @@ It runs inside `splitrun launch` or alone (`splitrun scheduler`), on gRPC.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 import time
@@ -23,7 +22,9 @@ import grpc
 from splitrun.splitter.labels import Label, Role
 
 from ..errors import ClusterError
+from ..transport.grpc.auth import TokenInterceptor, one_line
 from ..transport.grpc.service import TOKEN_METADATA_KEY
+from ..transport.grpc.tls import TlsFiles
 from ..transport.wire import splitrun_pb2 as pb
 from ..transport.wire import splitrun_pb2_grpc as pb_grpc
 
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 # How often the monitor looks for silent processes.
 _MONITOR_PERIOD_S = 0.2
+_TOKEN_HINT = ("processes of this job get the token from SPLITRUN_TOKEN (set by splitrun "
+               "launch; for splitrun join, from the file splitrun scheduler wrote)")
 # Upper bound on any single blocking call a client may ask for.
 _MAX_WAIT_S = 3600.0
 
@@ -46,7 +49,11 @@ class SchedulerSettings:
     # Each process sends a heartbeat this often...
     heartbeat_interval_s: float = 0.5
     # ...and is declared lost when none came for this long.
-    heartbeat_timeout_s: float = 10.0
+    heartbeat_timeout_s: float = 3.0
+    # A process whose step has not advanced for this long while a peer has
+    # waited on it inside a step for as long (and it waits on no one) is
+    # stalled: a busy loop or a deadlock with its heartbeat thread alive.
+    stall_timeout_s: float = 20.0
 
     @property
     def num_processes(self) -> int:
@@ -61,6 +68,9 @@ class _Member:
     pid: int
     last_seen: float
     step: int = 0
+    step_since: float = 0.0     # when `step` last changed (time.monotonic())
+    waiting_on: str = ""        # the peer it waits on inside a step, "" for none
+    waiting_s: float = 0.0      # ...for this long, as of `last_seen`
     finished_steps: int | None = None
     done: bool = False
 
@@ -92,14 +102,22 @@ class Scheduler(pb_grpc.SchedulerServicer):
 
     # -- lifecycle --
 
-    def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+    def start(self, host: str = "127.0.0.1", port: int = 0, tls: TlsFiles | None = None) -> str:
+        """Listen on host:port (0: a free port), with TLS when `tls` is given."""
         # Blocking calls (WaitForPeers, KvGet, Barrier) hold a thread each.
         workers = 8 + 3 * self.settings.num_processes
+        # The token is checked before any handler runs (TokenInterceptor): a
+        # caller without it never holds one of these threads.
+        auth = TokenInterceptor(self.settings.token, "scheduler", _TOKEN_HINT)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers,
-                                                              thread_name_prefix="scheduler"))
+                                                              thread_name_prefix="scheduler"),
+                                   interceptors=(auth,))
         pb_grpc.add_SchedulerServicer_to_server(self, self._server)
         try:
-            bound = self._server.add_insecure_port(f"{host}:{port}")
+            if tls is None:
+                bound = self._server.add_insecure_port(f"{host}:{port}")
+            else:
+                bound = self._server.add_secure_port(f"{host}:{port}", tls.server_credentials())
         except RuntimeError:  # grpcio raises where older versions returned 0
             bound = 0
         if bound == 0:
@@ -163,7 +181,7 @@ class Scheduler(pb_grpc.SchedulerServicer):
         self._state.status = pb.JobStatus.FAILED
         self._state.reason = reason
         self._state.failed_label = label
-        logger.error("job failed: %s", reason)
+        logger.debug("job failed: %s", reason)  # the launcher (or `splitrun scheduler`) says it
         self._cond.notify_all()
 
     def _status(self) -> pb.JobStatus:
@@ -171,20 +189,12 @@ class Scheduler(pb_grpc.SchedulerServicer):
         return pb.JobStatus(state=s.status, reason=s.reason, failed_label=s.failed_label,
                             num_steps=s.num_steps)
 
-    def _check_token(self, context: grpc.ServicerContext) -> None:
-        sent = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY, "")
-        if not hmac.compare_digest(sent.encode(), self.settings.token.encode()):
-            what = "no token" if not sent else "a wrong token"
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"scheduler refused a call with {what}; processes of this job "
-                          f"get the token from SPLITRUN_TOKEN (set by splitrun launch, or "
-                          f"pass --token to splitrun join)")
-
     def _label(self, text: str, context: grpc.ServicerContext) -> Label:
         try:
             label = Label.parse(text)
         except Exception as exc:  # noqa: BLE001 - reported to the caller
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad label {text!r}: {exc}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"bad label {one_line(repr(text), 40)}: {one_line(str(exc), 200)}")
         with self._cond:
             if label not in self._state.members:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -198,11 +208,10 @@ class Scheduler(pb_grpc.SchedulerServicer):
     # -- RPCs --
 
     def Register(self, request, context):
-        self._check_token(context)
         try:
             role = Role.parse(request.role)
         except Exception as exc:  # noqa: BLE001
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, one_line(str(exc)))
         size = {Role.WORKER: self.settings.num_workers,
                 Role.SERVER: self.settings.num_servers}.get(role, 0)
         with self._cond:
@@ -228,8 +237,9 @@ class Scheduler(pb_grpc.SchedulerServicer):
                                   f"all {size} {role.value} ranks are taken")
                 rank = free[0]
             label = Label(rank, role)
+            now = time.monotonic()
             self._state.members[label] = _Member(label, request.address, request.host,
-                                                 request.pid, time.monotonic())
+                                                 request.pid, now, step_since=now)
             self._cond.notify_all()
         logger.info("registered %s at %s (pid %d on %s)", label.describe(), request.address,
                     request.pid, request.host)
@@ -239,7 +249,6 @@ class Scheduler(pb_grpc.SchedulerServicer):
                                 heartbeat_interval_s=self.settings.heartbeat_interval_s)
 
     def WaitForPeers(self, request, context):
-        self._check_token(context)
         deadline = time.monotonic() + self._wait_s(request.timeout_s)
         with self._cond:
             while len(self._state.members) < self.settings.num_processes:
@@ -264,7 +273,6 @@ class Scheduler(pb_grpc.SchedulerServicer):
                 + [Label.server(r) for r in range(self.settings.num_servers)])
 
     def SubmitPlan(self, request, context):
-        self._check_token(context)
         label = self._label(request.label, context)
         with self._cond:
             if self._state.plan is None:
@@ -280,23 +288,24 @@ class Scheduler(pb_grpc.SchedulerServicer):
         return pb.SubmitPlanReply()
 
     def Heartbeat(self, request, context):
-        self._check_token(context)
         label = self._label(request.label, context)
         with self._cond:
             member = self._state.members[label]
             member.last_seen = time.monotonic()
-            member.step = request.step
+            if request.step != member.step or not member.step_since:
+                member.step, member.step_since = request.step, member.last_seen
+            member.waiting_on, member.waiting_s = request.waiting_on, request.waiting_s
             return self._status()
 
     def ReportFailure(self, request, context):
-        self._check_token(context)
         label = self._label(request.label, context)
         with self._cond:
-            self._fail(str(label), f"{label.describe()} failed: {request.message}")
+            step = self._state.members[label].step
+            self._fail(str(label), f"{label.describe()} failed at step {step}: "
+                                   f"{one_line(request.message)}")
             return self._status()
 
     def ReportFinished(self, request, context):
-        self._check_token(context)
         label = self._label(request.label, context)
         with self._cond:
             members = self._state.members
@@ -318,7 +327,6 @@ class Scheduler(pb_grpc.SchedulerServicer):
             return self._status()
 
     def ReportDone(self, request, context):
-        self._check_token(context)
         label = self._label(request.label, context)
         with self._cond:
             self._state.members[label].done = True
@@ -326,14 +334,12 @@ class Scheduler(pb_grpc.SchedulerServicer):
         return pb.DoneReply()
 
     def KvPut(self, request, context):
-        self._check_token(context)
         with self._cond:
             self._state.kv[request.key] = request.value
             self._cond.notify_all()
         return pb.KvPutReply()
 
     def KvGet(self, request, context):
-        self._check_token(context)
         deadline = time.monotonic() + self._wait_s(request.timeout_s)
         with self._cond:
             while request.key not in self._state.kv:
@@ -345,7 +351,6 @@ class Scheduler(pb_grpc.SchedulerServicer):
             return pb.KvGetReply(value=self._state.kv[request.key])
 
     def Barrier(self, request, context):
-        self._check_token(context)
         label = self._label(request.label, context)
         deadline = time.monotonic() + self._wait_s(request.timeout_s)
         with self._cond:
@@ -381,3 +386,28 @@ class Scheduler(pb_grpc.SchedulerServicer):
                                    f"{member.host}) sent no heartbeat for {silent:.1f} s "
                                    f"(last at step {member.step}); it died or hangs")
                         break
+                else:
+                    self._find_stalled(now)
+
+    def _find_stalled(self, now: float) -> None:
+        """Fail the job naming a process that is alive (heartbeats come) but
+        stalled: its step has not advanced for `stall_timeout_s`, it waits on
+        no peer, and a peer has waited on it inside a step that long."""
+        limit = self.settings.stall_timeout_s
+        members = self._state.members
+        for member in members.values():
+            if member.done or member.waiting_on or now - member.step_since <= limit:
+                continue
+            name = str(member.label)
+            waiters = [(p, p.waiting_s + now - p.last_seen) for p in members.values()
+                       if p.waiting_on == name]
+            waiters = [(p, waited) for p, waited in waiters if waited > limit]
+            if not waiters:
+                continue
+            peer, waited = max(waiters, key=lambda w: w[1])
+            self._fail(name, f"{member.label.describe()} (pid {member.pid} on {member.host}) "
+                             f"is stalled at step {member.step}: alive, but its step has not "
+                             f"advanced for {now - member.step_since:.1f} s while "
+                             f"{peer.label.describe()} has waited on it for {waited:.1f} s; "
+                             f"is it stuck in a loop or waiting on something else?")
+            return

@@ -21,6 +21,7 @@ from ..contract import ReceiveContracts
 from ..framing import DEFAULT_MAX_MESSAGE_BYTES
 from ..mailbox import Mailbox
 from .service import TOKEN_METADATA_KEY
+from .tls import TlsFiles
 
 __all__ = ["GrpcSettings", "Endpoint", "CurrentEndpoint"]
 
@@ -73,6 +74,8 @@ class Endpoint:
     contracts: ReceiveContracts
     # Called with the first failure of a sender: fails the whole transport.
     on_fatal: Callable[[TransportError], None]
+    # TLS for this process's server and its channels to peers; None: plaintext.
+    tls: TlsFiles | None = None
     # `[worker 1]`: how this process's log lines and errors start.
     tag: str = field(init=False)
     # The call metadata every call to a peer carries.

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ from ..framing import is_step_free, parse_chunk, parse_envelope, specs_from_enve
 from ..keys import MessageKey
 from ..mailbox import Mailbox
 from ..wire import splitrun_pb2
+from .auth import one_line
 from .endpoint import CurrentEndpoint, Endpoint, GrpcSettings
 from .service import DELIVERED_METADATA_KEY, SERVICE_NAME, TOKEN_METADATA_KEY
 
@@ -292,12 +292,13 @@ class TensorServicer:
             f"a job must use the job's token"), 0)
 
     def _internal(self, exc: Exception, peer: str, incoming: _Incoming | None) -> _Refusal:
-        """A bug on this side: INTERNAL, with this process and the traceback."""
+        """A bug on this side: INTERNAL with one line naming this process; the
+        traceback goes to this process's log, never to the caller."""
         what = "a message" if incoming is None else f"{incoming.key}"
         logger.exception("%s failed on %s from %s", self._tag, what, peer)
         return _Refusal(grpc.StatusCode.INTERNAL,
                         f"{self._tag} failed on {what} from {peer}: {type(exc).__name__}: "
-                        f"{exc}\n{traceback.format_exc()}")
+                        f"{one_line(str(exc))}")
 
     def deliver(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         """One whole message in one Chunk."""

@@ -31,7 +31,7 @@ from .outgoing import Outgoing, SendQueue
 from .service import DELIVER_STREAM_METHOD, DELIVERED_METADATA_KEY
 
 # The parts `GrpcTransport` is built from.
-__all__ = ["JOIN_GRACE_S", "PeerSender", "channel_options"]
+__all__ = ["JOIN_GRACE_S", "PeerSender", "channel_options", "open_channel"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class PeerSender:
         self._tag = endpoint.tag
         self._metadata = endpoint.metadata
         self._on_fatal = endpoint.on_fatal
-        self._channel = grpc.insecure_channel(address, options=channel_options(self._settings))
+        self._channel = open_channel(address, endpoint)
         self._stream = self._channel.stream_unary(
             DELIVER_STREAM_METHOD, request_serializer=None, response_deserializer=None)
         self._queue = SendQueue(self._settings.max_queued_bytes)
@@ -310,6 +310,14 @@ def _delivered_count(trailing) -> int | None:
             except ValueError:
                 return None
     return None
+
+
+def open_channel(address: str, endpoint: Endpoint) -> grpc.Channel:
+    """A channel to a peer's server: over TLS when the endpoint has it."""
+    options = channel_options(endpoint.settings)
+    if endpoint.tls is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, endpoint.tls.channel_credentials(), options=options)
 
 
 def channel_options(settings: GrpcSettings) -> list[tuple[str, int]]:

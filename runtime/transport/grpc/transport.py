@@ -31,8 +31,10 @@ from ..wire import splitrun_pb2
 from .endpoint import CurrentEndpoint, Endpoint, GrpcSettings
 from .receive import TensorServicer, server_options
 from .outgoing import outgoing
-from .send import JOIN_GRACE_S, PeerSender, channel_options
+from .auth import TokenInterceptor
+from .send import JOIN_GRACE_S, PeerSender, open_channel
 from .service import PING_METHOD
+from .tls import TlsFiles
 
 __all__ = ["GrpcTransport", "GrpcSettings"]
 
@@ -60,7 +62,7 @@ class GrpcTransport:
 
     def __init__(self, label: Label, *, token: str, incarnation: int, host: str = "127.0.0.1",
                  port: int = 0, contracts: Mapping[str, ChannelContract] | None = None,
-                 settings: GrpcSettings | None = None) -> None:
+                 settings: GrpcSettings | None = None, tls: TlsFiles | None = None) -> None:
         self.settings = settings or GrpcSettings()
         if self.settings.chunk_bytes + CHUNK_OVERHEAD >= self.settings.max_request_bytes:
             raise TransportError(
@@ -72,7 +74,7 @@ class GrpcTransport:
         self._current = CurrentEndpoint(Endpoint(
             label=label, incarnation=incarnation, token=token, settings=self.settings,
             mailbox=Mailbox(label, incarnation), pool=BufferPool(self.settings.pool_bytes),
-            contracts=ReceiveContracts(), on_fatal=self.fail))
+            contracts=ReceiveContracts(), on_fatal=self.fail, tls=tls))
         self._envelopes = EnvelopeWriter(str(label))
         if contracts is not None:
             self.expect(contracts)
@@ -109,12 +111,21 @@ class GrpcTransport:
         self._server_pool = futures.ThreadPoolExecutor(
             max_workers=settings.max_server_threads,
             thread_name_prefix=f"splitrun-recv-{self.label}")
+        # The token is checked before any handler runs: a caller without it
+        # never holds a server thread or one of the concurrent-call slots.
+        endpoint = self._current.endpoint
+        auth = TokenInterceptor(endpoint.token, f"tensor server of {self._tag}",
+                                "every process of a job must use the job's token")
         server = grpc.server(self._server_pool, options=server_options(settings),
-                             maximum_concurrent_rpcs=settings.max_server_threads)
+                             maximum_concurrent_rpcs=settings.max_server_threads,
+                             interceptors=(auth,))
         server.add_generic_rpc_handlers((TensorServicer(self._current).handler(),))
         wanted = _format_address(self.host, self.port)
         try:
-            port = server.add_insecure_port(wanted)
+            if endpoint.tls is None:
+                port = server.add_insecure_port(wanted)
+            else:
+                port = server.add_secure_port(wanted, endpoint.tls.server_credentials())
         except RuntimeError as exc:
             port, cause = 0, exc
         else:
@@ -227,7 +238,7 @@ class GrpcTransport:
     def ping(self, dst: Label, timeout_s: float = 5.0) -> str:
         """The label `dst`'s server answers with; `TransportError` if it does not."""
         address = self._address_of(dst)
-        with grpc.insecure_channel(address, options=channel_options(self.settings)) as channel:
+        with open_channel(address, self._endpoint) as channel:
             call = channel.unary_unary(PING_METHOD, request_serializer=None,
                                        response_deserializer=None)
             try:

@@ -146,12 +146,16 @@ class JobStatus(_message.Message):
     def __init__(self, state: _Optional[_Union[JobStatus.State, str]] = ..., reason: _Optional[str] = ..., failed_label: _Optional[str] = ..., num_steps: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("label", "step")
+    __slots__ = ("label", "step", "waiting_on", "waiting_s")
     LABEL_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    WAITING_ON_FIELD_NUMBER: _ClassVar[int]
+    WAITING_S_FIELD_NUMBER: _ClassVar[int]
     label: str
     step: int
-    def __init__(self, label: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    waiting_on: str
+    waiting_s: float
+    def __init__(self, label: _Optional[str] = ..., step: _Optional[int] = ..., waiting_on: _Optional[str] = ..., waiting_s: _Optional[float] = ...) -> None: ...
 
 class FailureReport(_message.Message):
     __slots__ = ("label", "message")

@@ -1,0 +1,105 @@
+"""A long-running job for the fault tests, run by the real launcher: it trains a
+small model over a few batches in a cycle, and can fail on purpose.
+
+    splitrun launch --workers 2 tests/scripts/fault_job.py --crash-rank 1 --crash-at 5
+
+--crash-rank R --crash-at N: worker R raises before its step N.
+--busy-rank R --busy-at N: worker R spins forever before its step N (its
+    heartbeat thread stays alive).
+--kill-rank R --kill-at N: worker R SIGKILLs itself before its step N, unless
+    the job was resumed (a restart under --max-restarts).
+--pause-at N --pause-file F: every worker waits (up to 120 s) before its step N
+    until file F exists (between steps: no peer waits on another meanwhile).
+--bad-optimizer: capture with an optimizer splitrun cannot split (a CaptureError).
+--mode ps: parameter-server mode (run with --servers 1 or more).
+--out PATH: worker 0 saves the losses and the final state there.
+
+The batch of step s is batch s % 8, so a resumed run sees the batches an
+uninterrupted one sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+
+import torch
+
+from ps_models import make
+from train_job import build
+
+from splitrun.runtime.job import Job
+from splitrun.splitter import ParameterServerMode, capture
+
+NUM_BATCHES = 8
+
+
+def wait_for_file(path: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.05)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", default="general", choices=["general", "ps"])
+    parser.add_argument("--steps", type=int, default=100000)
+    parser.add_argument("--crash-rank", type=int, default=-1)
+    parser.add_argument("--crash-at", type=int, default=-1)
+    parser.add_argument("--busy-rank", type=int, default=-1)
+    parser.add_argument("--busy-at", type=int, default=-1)
+    parser.add_argument("--kill-rank", type=int, default=-1)
+    parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--pause-at", type=int, default=-1)
+    parser.add_argument("--pause-file")
+    parser.add_argument("--bad-optimizer", action="store_true")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+
+    job = Job.from_env()
+    if args.mode == "ps":
+        program, _, batches = make("dense", "adam", job.cluster.num_workers, NUM_BATCHES)
+        mode = ParameterServerMode()
+    else:
+        program, batches = build("mlp", "adam", job.cluster.num_workers, NUM_BATCHES)
+        mode = None
+    if args.bad_optimizer:
+        model = torch.nn.Linear(12, 5)
+        capture(model, lambda m, x, y: m(x).sum(), torch.optim.LBFGS(model.parameters()),
+                batches[0])
+    trainer = job.start(program, mode, num_steps=args.steps)
+    logging.getLogger("fault_job").warning("training started")
+    shards = list(trainer.shard(batches))
+    resumed = trainer.steps_done > 0
+    losses = []
+    if job.is_worker:
+        for step in range(trainer.steps_done, args.steps):
+            if job.rank == args.kill_rank and step == args.kill_at and not resumed:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if step == args.pause_at:
+                logging.getLogger("fault_job").warning("paused at step %d", step)
+                wait_for_file(args.pause_file, 120.0)
+            if job.rank == args.crash_rank and step == args.crash_at:
+                raise ValueError(f"injected failure at step {step}")
+            if job.rank == args.busy_rank and step == args.busy_at:
+                logging.getLogger("fault_job").warning("spinning at step %d", step)
+                while True:
+                    pass
+            outputs = trainer.step(shards[step % len(shards)])
+            if "loss" in outputs:
+                losses.append(outputs["loss"])
+    final_state = trainer.finish()
+    if job.is_driver and args.out:
+        torch.save({"losses": losses, "first_step": 0 if not resumed else args.steps - len(losses),
+                    "state": final_state}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
