@@ -14,7 +14,6 @@ import grpc
 import pytest
 from cluster import JOB_TIMEOUT_S, SCRIPTS, Proc, pid_alive
 
-
 pytestmark = pytest.mark.slow
 
 FAULT_JOB = SCRIPTS / "fault_job.py"
@@ -98,7 +97,8 @@ def test_stopped_process_is_named_and_killed_at_once(local_cluster):
 
 
 def test_crash_names_the_process_its_error_and_step(local_cluster):
-    proc = local_cluster.start("launch", "--workers", 2, FAULT_JOB, "--crash-rank", 1, "--crash-at", 5)
+    proc = local_cluster.start("launch", "--workers", 2, FAULT_JOB, "--crash-rank", 1,
+                               "--crash-at", 5)
     code = proc.wait(JOB_TIMEOUT_S)
     assert code == 1
     line = last_line(proc)
@@ -183,7 +183,8 @@ def test_bad_checkpoint_is_one_line_from_the_launcher(local_cluster, tmp_path, p
 
 
 def test_busy_looping_worker_is_named(local_cluster):
-    proc = local_cluster.start("launch", "--workers", 2, FAULT_JOB, "--busy-rank", 1, "--busy-at", 5)
+    proc = local_cluster.start("launch", "--workers", 2, FAULT_JOB, "--busy-rank", 1,
+                               "--busy-at", 5)
     try:
         proc.wait_for(r"\[worker 1\].*spinning at step 5", JOB_TIMEOUT_S)
         spinning_at = time.monotonic()
@@ -213,7 +214,8 @@ def test_restart_resumes_from_the_last_checkpoint_and_ends_equal(local_cluster, 
     import torch
 
     out = tmp_path / "result.pt"
-    proc = local_cluster.start("launch", "--workers", 2, "--max-restarts", 1, "--checkpoint-every", 10,
+    proc = local_cluster.start("launch", "--workers", 2, "--max-restarts", 1,
+                               "--checkpoint-every", 10,
                     "--checkpoint-dir", tmp_path / "ckpt", FAULT_JOB, "--steps", 40,
                     "--kill-rank", 1, "--kill-at", 25, "--out", out)
     assert proc.wait(2 * JOB_TIMEOUT_S) == 0, proc.output()
@@ -231,7 +233,8 @@ def test_restart_resumes_from_the_last_checkpoint_and_ends_equal(local_cluster, 
 
 
 def test_without_restarts_the_job_fails_as_before(local_cluster, tmp_path):
-    proc = local_cluster.start("launch", "--workers", 2, "--max-restarts", 0, "--checkpoint-every", 10,
+    proc = local_cluster.start("launch", "--workers", 2, "--max-restarts", 0,
+                               "--checkpoint-every", 10,
                     FAULT_JOB, "--steps", 40, "--kill-rank", 1, "--kill-at", 25)
     assert proc.wait(JOB_TIMEOUT_S) == 128 + signal.SIGKILL
     output = proc.output()
@@ -285,7 +288,8 @@ def test_killed_scheduler_stops_every_process_naming_it(local_cluster, tmp_path,
     try:
         address = scheduler.wait_for(r"scheduler at (\S+);", 60).group(1)
         for rank in range(2):
-            workers.append(local_cluster.start("join", "--scheduler", address, "--token-file", token,
+            workers.append(local_cluster.start("join", "--scheduler", address,
+                                               "--token-file", token,
                                     "--rank", rank, FAULT_JOB))
         workers[0].wait_for(r"step \d+/100000", JOB_TIMEOUT_S)
         os.kill(scheduler.process.pid, signal.SIGKILL)

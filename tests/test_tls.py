@@ -87,8 +87,8 @@ def test_a_job_over_tls_equals_one_without(local_cluster, tmp_path, certificates
     from test_launcher_e2e import assert_same_as_unsplit
 
     out = tmp_path / "result.pt"
-    proc = local_cluster.start("launch", "--workers", 2, *certificates[0].args(), SCRIPTS / "train_job.py",
-                    "--steps", 8, "--out", out)
+    proc = local_cluster.start("launch", "--workers", 2, *certificates[0].args(),
+                               SCRIPTS / "train_job.py", "--steps", 8, "--out", out)
     assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
     assert_same_as_unsplit(out, "mlp", "adam", 2, 8)
     assert torch.load(out)["losses"].numel() == 8

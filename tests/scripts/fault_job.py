@@ -28,7 +28,6 @@ import sys
 import time
 
 import torch
-
 from ps_models import make
 from train_job import build
 
