@@ -24,8 +24,9 @@ def test_pipeline_split_equals_the_unsplit_step(local_cluster):
     assert "final parameters identical to the unsplit run: True" in proc.output()
 
 
-def test_recsys_cache_learns_and_caches(local_cluster):
-    proc = local_cluster.run(EXAMPLES / "recsys_cache.py", "--tables", 3, "--rows", 20000,
+def test_recsys_cache_learns_and_caches(local_cluster, tmp_path):
+    proc = local_cluster.run(EXAMPLES / "recsys_cache.py", "--data-dir", tmp_path / "data",
+                             "--tables", 3, "--rows", 20000,
                              "--steps", 60, "--batch-size", 512, "--cache-fraction", 0.1,
                              "--policy", "lfu", "--eval-samples", 20000, "--json",
                              workers=2, servers=2)

@@ -215,9 +215,9 @@ def test_restart_resumes_from_the_last_checkpoint_and_ends_equal(local_cluster, 
 
     out = tmp_path / "result.pt"
     proc = local_cluster.start("launch", "--workers", 2, "--max-restarts", 1,
-                               "--checkpoint-every", 10,
-                    "--checkpoint-dir", tmp_path / "ckpt", FAULT_JOB, "--steps", 40,
-                    "--kill-rank", 1, "--kill-at", 25, "--out", out)
+                               "--checkpoint-every", 10, "--checkpoint-dir", tmp_path / "ckpt",
+                               FAULT_JOB, "--steps", 40, "--kill-rank", 1, "--kill-at", 25,
+                               "--out", out)
     assert proc.wait(2 * JOB_TIMEOUT_S) == 0, proc.output()
     output = proc.output()
     # The step of a SIGKILLed process is its last heartbeat's: not asserted.
@@ -233,9 +233,10 @@ def test_restart_resumes_from_the_last_checkpoint_and_ends_equal(local_cluster, 
 
 
 def test_without_restarts_the_job_fails_as_before(local_cluster, tmp_path):
+    # An explicit directory: a failed job keeps its checkpoints (the test's tmp_path).
     proc = local_cluster.start("launch", "--workers", 2, "--max-restarts", 0,
-                               "--checkpoint-every", 10,
-                    FAULT_JOB, "--steps", 40, "--kill-rank", 1, "--kill-at", 25)
+                               "--checkpoint-every", 10, "--checkpoint-dir", tmp_path / "ckpt",
+                               FAULT_JOB, "--steps", 40, "--kill-rank", 1, "--kill-at", 25)
     assert proc.wait(JOB_TIMEOUT_S) == 128 + signal.SIGKILL
     output = proc.output()
     assert "restart" not in output
