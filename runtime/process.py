@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from splitrun.splitter.graph_splitter import SplitProgram
-from splitrun.splitter.labels import Label, Role
+from splitrun.splitter.labels import Label
 
 from .embedding.attach import attach_cache
 from .executor import Executor, ExecutorStats
@@ -118,10 +118,6 @@ class ProcessRuntime:
         """Take the replies of prefetches no step will use (the last batch's)."""
         if self._cache.client is not None:
             self._cache.client.drain_prefetch()
-
-    @property
-    def is_worker(self) -> bool:
-        return self.label.role is Role.WORKER
 
     def close(self) -> None:
         self._cache.close()
