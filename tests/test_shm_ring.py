@@ -267,3 +267,15 @@ def test_tensors_of_every_kind_round_trip(prefix):
     finally:
         reader.close()
         writer.close()
+
+
+def test_closing_before_the_first_send_reads_as_closed_not_dead(prefix):
+    # The consumer has connected (it waits in the listener's backlog) when the
+    # producer closes without ever sending: an orderly close, not a death.
+    writer = RingWriter(prefix, "w7-s0", owner="worker 7", peer="server 0",
+                        settings=RingSettings(capacity_bytes=SMALL_RING))
+    reader = attach(prefix)
+    writer.close()
+    with pytest.raises(RingClosed, match="worker 7 closed the ring after 0 messages"):
+        reader.recv_header(RECV_S)
+    reader.close()

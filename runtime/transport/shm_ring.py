@@ -560,10 +560,28 @@ class RingWriter:
                     pass  # the consumer is gone or stuck; closing anyway
                 self._conn.close()
             else:
+                self._tell_waiting_consumer()
                 self._listener.close()
             self._segment.close()
             _unlink_quietly(self.ring_path)
             _unlink_quietly(self.socket_path)
+
+
+    def _tell_waiting_consumer(self) -> None:
+        """Closing before the first send: a consumer that has connected already
+        (it waits in the listener's backlog) is told the ring closed, so it does
+        not take the closed listener for a dead producer."""
+        self._listener.settimeout(0)
+        try:
+            conn, _ = self._listener.accept()
+        except (BlockingIOError, TimeoutError, socket.timeout, OSError):
+            return  # nobody is waiting
+        try:
+            _send_record(conn, _CLOSED, time.monotonic() + _CLOSE_NOTICE_S)
+        except OSError:
+            pass  # the consumer is gone or stuck; closing anyway
+        finally:
+            conn.close()
 
 
 def _recv_exact(conn: socket.socket, nbytes: int) -> bytes:
