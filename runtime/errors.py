@@ -18,6 +18,7 @@ __all__ = [
     "WrongSender",
     "PeerFailed",
     "StepFailed",
+    "CollectiveFailed",
     "ClusterError",
     "CacheError",
     "CheckpointError",
@@ -49,6 +50,11 @@ class UnknownChannel(ChannelMismatch):
 
 class WrongSender(ChannelMismatch):
     """A message from another process than its channel's sender."""
+
+
+class CollectiveFailed(TransportError):
+    """A torch.distributed collective (or forming its process group) that failed
+    or missed its deadline."""
 
 
 class PeerFailed(SplitrunError):

@@ -16,6 +16,8 @@ import torch
 from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label
 
+from .cluster.rendezvous import Rendezvous
+from .collectives import attach_collectives
 from .embedding.attach import attach_cache
 from .executor import Executor, ExecutorStats
 from .transport.protocol import Transport
@@ -30,13 +32,14 @@ class ProcessRuntime:
 
     `state`: where the state starts (a full or partial dict: the initial state
     or a checkpoint's); each process takes what it owns. `first_step`: the step
-    a resumed job continues at.
+    a resumed job continues at. `rendezvous`: where a parallel split's
+    torch.distributed process groups are formed (needed only by such splits).
     """
 
     def __init__(self, split: SplitProgram, label: Label, transport: Transport, *,
                  incarnation: int = 0, device: str | torch.device = "cpu",
                  state: Mapping[str, torch.Tensor] | None = None, first_step: int = 0,
-                 recv_timeout_s: float = 120.0) -> None:
+                 recv_timeout_s: float = 120.0, rendezvous: Rendezvous | None = None) -> None:
         self.split = split
         self.label = label
         state = split.program.initial_state if state is None else state
@@ -46,9 +49,12 @@ class ProcessRuntime:
         self._cache = attach_cache(split, label, transport, incarnation, state=state,
                                    device=device, first_step=first_step,
                                    timeout_s=recv_timeout_s)
+        self._collectives = attach_collectives(split, label, rendezvous, device=device,
+                                               timeout_s=recv_timeout_s)
         self.executor = Executor(split.plan, split.program, label, transport, device=device,
                                  incarnation=incarnation, recv_timeout_s=recv_timeout_s,
-                                 bindings=self._cache.bindings)
+                                 bindings={**self._cache.bindings,
+                                           **self._collectives.bindings})
         self.executor.load_state(state)
 
     # -- steps --
@@ -121,3 +127,4 @@ class ProcessRuntime:
 
     def close(self) -> None:
         self._cache.close()
+        self._collectives.close()

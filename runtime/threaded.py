@@ -17,6 +17,7 @@ from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label, Role
 from splitrun.splitter.plan import ModeKind
 
+from .cluster.rendezvous import InProcessRendezvous
 from .data import shard_batch
 from .errors import PeerFailed, SplitrunError
 from .executor import ExecutorStats
@@ -51,8 +52,10 @@ def run_threaded(split: SplitProgram, num_steps: int,
     """
     plan = split.plan
     hub = LoopbackHub(plan.labels)
+    rendezvous = InProcessRendezvous(recv_timeout_s)  # parallel mode's process groups
     processes = {label: ProcessRuntime(split, label, hub.transport(label), device=device,
-                                       state=state, recv_timeout_s=recv_timeout_s)
+                                       state=state, recv_timeout_s=recv_timeout_s,
+                                       rendezvous=rendezvous)
                  for label in plan.labels}
     for label in plan.labels:  # every message is checked against its contract
         hub.transport(label).expect(receive_contracts(plan, split.program, label))

@@ -16,6 +16,7 @@ import torch
 from ..errors import PlanError
 from ..labels import Label
 from ..modes import ModeArtifacts
+from .collective_ops import CollectiveBackend
 from .cost import CollectiveKind
 from .placement import Placement
 from .propagate import ShardingLayout
@@ -72,6 +73,19 @@ class ParallelLayout(ModeArtifacts):
     state_shapes: dict[str, tuple[int, ...]]  # full shapes
     state_group: dict[str, int]              # full state key -> index of its group
     collectives: tuple[Collective, ...]
+    backend: CollectiveBackend = CollectiveBackend.CHANNELS
+
+    @property
+    def uses_process_groups(self) -> bool:
+        """Collectives run on torch.distributed process groups (one per group)."""
+        return self.backend is CollectiveBackend.TORCH_DISTRIBUTED
+
+    def group_index_of(self, label: Label) -> int | None:
+        """The index of the group `label` is a member of, or None."""
+        for index, group in enumerate(self.groups):
+            if label in group:
+                return index
+        return None
 
     @property
     def group_size(self) -> int:

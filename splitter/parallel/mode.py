@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
-from enum import Enum
 
 from ..errors import PlanError
 from ..labels import LABEL_ANNOTATION, Cluster, Label, Role
@@ -26,6 +25,7 @@ from ..modes import Mode
 from ..plan import CollectiveEntry, ModeKind, ParallelSummary, SplitPlan
 from ..program import InputKind, Program, node_annotation
 from ..resolve import FOLLOWER_OPS, describe_node
+from .collective_ops import CollectiveBackend
 from .layout import ParallelLayout
 from .placement import Placement, ShardingError, to_placement
 from .propagate import propagate
@@ -38,17 +38,15 @@ __all__ = ["ParallelMode", "CollectiveBackend"]
 logger = logging.getLogger(__name__)
 
 
-class CollectiveBackend(Enum):
-    CHANNELS = "channels"            # sends and receives on splitrun channels
-    TORCH_DISTRIBUTED = "torch_distributed"  # not built yet
-
-
 class ParallelMode(Mode):
     """Tensor parallelism over `groups` of workers (default: all workers).
 
     `policy` picks the propagation rule (`"global"`, `"greedy"`, `"first"`);
     `parameter_plan` pins parameters by name (`{"l1.weight": "S(0)"}` or a
-    strategy tuple such as `(2, 1)`).
+    strategy tuple such as `(2, 1)`). `backend`: collectives as splitrun
+    channels (`"channels"`, the default) or on a `torch.distributed` process
+    group per parallel group (`"torch_distributed"`: gloo on CPU, NCCL on CUDA),
+    formed through the job's scheduler.
     """
 
     kind = ModeKind.PARALLEL
@@ -60,11 +58,7 @@ class ParallelMode(Mode):
         self.groups = None if groups is None else [list(g) for g in groups]
         self.policy = Policy.parse(policy)
         self.parameter_plan = dict(parameter_plan or {})
-        self.backend = CollectiveBackend(backend)
-        if self.backend is not CollectiveBackend.CHANNELS:
-            raise PlanError(
-                "parallel mode's torch.distributed backend is not built yet; use the "
-                "default channel backend (backend='channels')")
+        self.backend = CollectiveBackend.parse(backend)
 
     # -- groups --
 
@@ -184,10 +178,12 @@ class ParallelMode(Mode):
         group_of = self._group_of(program, groups)
         n = len(groups[0])
         sharding = propagate(program, n, self._pins(program, n), self.policy, group_of)
-        expanded, layout = expand_program(program, sharding, groups, group_of)
-        logger.info("parallel mode over %s: %d collectives, %d bytes per step (%s policy)",
+        expanded, layout = expand_program(program, sharding, groups, group_of, self.backend)
+        logger.info("parallel mode over %s: %d collectives, %d bytes per step (%s policy, "
+                    "%s backend)",
                     " ".join("{" + ",".join(str(m) for m in g) + "}" for g in groups),
-                    len(layout.collectives), layout.bytes_per_step, self.policy.value)
+                    len(layout.collectives), layout.bytes_per_step, self.policy.value,
+                    self.backend.value)
         return expanded, layout
 
     def postbuild(self, plan: SplitPlan, program: Program,

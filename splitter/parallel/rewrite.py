@@ -14,6 +14,12 @@ member that read the other members' pieces:
   with no dimension divisible by N is summed whole, in rank order;
 - all-to-all: member i slices its shard for every j; j concatenates.
 
+Under the `torch.distributed` backend each of these is instead one node per
+member that reads only the member's own piece (`collective_ops.py`); the
+runtime binds it to the group's process group. A collective's nodes for all
+members sit next to each other in the graph's order, so the global order
+stays a valid schedule with each collective as one step.
+
 The GraphSplitter turns every read of another member's node into an
 ordinary channel, so lint, byte counters, the text and DOT forms, loopback
 and gRPC all keep working. Every sum is folded in rank order and every
@@ -44,6 +50,8 @@ from ..program import (
     Program,
     set_node_annotation,
 )
+from . import collective_ops
+from .collective_ops import CollectiveBackend, FinishGathered
 from .cost import CollectiveKind, chunk_dim, redistribute_bytes, redistribute_kind
 from .layout import Collective, ParallelLayout, member_key, relocate_state_dict, shard_of
 from .local_ops import AfterNllLoss
@@ -88,8 +96,10 @@ def _param_of_state(key: str, program: Program) -> str:
 
 class _Expander:
     def __init__(self, program: Program, layout: ShardingLayout,
-                 groups: tuple[tuple[Label, ...], ...], group_of: dict[str, int]):
+                 groups: tuple[tuple[Label, ...], ...], group_of: dict[str, int],
+                 backend: CollectiveBackend = CollectiveBackend.CHANNELS):
         self.program = program
+        self.uses_process_groups = backend is CollectiveBackend.TORCH_DISTRIBUTED
         self.layout = layout
         self.groups = groups
         self.group_of = group_of
@@ -237,9 +247,20 @@ class _Expander:
         """Every member reads every member's summary (in rank order) and finishes."""
         exchange = strategy.local
         self.naming = node.name
-        for j in range(self.n):
-            self.env[(node, j)] = self._call(
-                group[j], exchange.finish, (j, self.n, tuple(finishing[j]), *summaries), module)
+        if self.uses_process_groups:  # one all-gather of the summaries, then finish
+            index = self.group_of[node.name]
+            gathered = [self._call(group[j], collective_ops.all_gather_stacked,
+                                   (summaries[j], index, self.n), module)
+                        for j in range(self.n)]
+            finish = FinishGathered(exchange.finish)
+            for j in range(self.n):
+                self.env[(node, j)] = self._call(
+                    group[j], finish, (j, self.n, tuple(finishing[j]), gathered[j]), module)
+        else:
+            for j in range(self.n):
+                self.env[(node, j)] = self._call(
+                    group[j], exchange.finish, (j, self.n, tuple(finishing[j]), *summaries),
+                    module)
         nbytes = int(exchange_bytes(node, strategy, self.n))
         self.collectives.append(Collective(
             CollectiveKind.EXCHANGE, node.name, strategy.inputs[0], strategy.outputs[0],
@@ -315,6 +336,8 @@ class _Expander:
             zeros = _aten.zeros_like.default
             return [pieces[0]] + [self._call(group[j], zeros, (pieces[j],), module)
                                   for j in range(1, n)]
+        if self.uses_process_groups:
+            return self._on_process_group(kind, have, need, group, pieces, module)
         if kind is CollectiveKind.ALL_GATHER:
             return [self._call(group[j], gather_shards, (have.dim, *pieces), module)
                     for j in range(n)]
@@ -332,6 +355,22 @@ class _Expander:
             return [self._call(group[j], fold_sum, tuple(pieces), module) for j in range(n)]
         reduced = self._reduce_scatter(group, pieces, dim, module)
         return [self._call(group[j], gather_shards, (dim, *reduced), module) for j in range(n)]
+
+    def _on_process_group(self, kind: CollectiveKind, have: Placement, need: Placement,
+                          group, pieces, module) -> list[fx.Node]:
+        """One collective node per member, each reading only its own piece."""
+        n, index = self.n, self.groups.index(group)
+        if kind is CollectiveKind.ALL_GATHER:
+            target, extra = collective_ops.all_gather, (have.dim,)
+        elif kind is CollectiveKind.REDUCE_SCATTER:
+            target, extra = collective_ops.reduce_scatter, (need.dim,)
+        elif kind is CollectiveKind.ALL_TO_ALL:
+            target, extra = collective_ops.all_to_all, (have.dim, need.dim)
+        else:
+            assert kind is CollectiveKind.ALL_REDUCE, kind
+            target, extra = collective_ops.all_reduce, ()
+        return [self._call(group[j], target, (pieces[j], *extra, index, n), module)
+                for j in range(n)]
 
     def _reduce_scatter(self, group, pieces, dim: int, module) -> list[fx.Node]:
         n = self.n
@@ -391,14 +430,16 @@ def _propagate_values(gm: fx.GraphModule, program: Program, inputs: list[InputSp
 
 
 def expand_program(program: Program, layout: ShardingLayout,
-                   groups: tuple[tuple[Label, ...], ...], group_of: dict[str, int]
+                   groups: tuple[tuple[Label, ...], ...], group_of: dict[str, int],
+                   backend: CollectiveBackend = CollectiveBackend.CHANNELS
                    ) -> tuple[Program, ParallelLayout]:
     """The program every member runs its piece of, and what was decided.
 
     `group_of` maps every template node but the batch and hyperparameter
     inputs to the index of the group that runs it; groups have equal sizes.
+    `backend` says how collectives travel (module docstring).
     """
-    expander = _Expander(program, layout, groups, group_of)
+    expander = _Expander(program, layout, groups, group_of, backend)
     graph, inputs, outputs = expander.run()
     gm = fx.GraphModule(program.graph_module, graph, class_name="ParallelStep")
 
@@ -423,7 +464,7 @@ def expand_program(program: Program, layout: ShardingLayout,
     state_group = {spec.key: group_of[spec.node] for spec in program.inputs
                    if spec.kind.is_state}
     parallel = ParallelLayout(groups, layout, state_placement, state_shapes, state_group,
-                              tuple(expander.collectives))
+                              tuple(expander.collectives), backend)
     original_hparams = program.hparams_fn
 
     def hparams(step: int) -> dict[str, torch.Tensor]:
