@@ -2,6 +2,7 @@
 
     splitrun launch --workers 2 examples/tp_train.py [--steps 40]
     splitrun launch --workers 4 examples/tp_train.py
+    splitrun launch --workers 2 examples/tp_train.py --backend torch_distributed
     python examples/tp_train.py --local --workers 4   # every process as a thread
 
 The block: a vocabulary-parallel embedding, an MLP with a column-parallel then
@@ -11,6 +12,8 @@ stays sharded. Only those layers are marked; propagation places everything
 else (the layer norm, the optimizer's state, the backward). Worker 0 prints the
 loss, the bytes each step sends (plan and executor counters), the collectives,
 and checks the final parameters against the unsplit step (tolerance 1e-4).
+`--backend torch_distributed` runs the collectives on a gloo process group
+(NCCL on CUDA) instead of splitrun channels.
 """
 
 from __future__ import annotations
@@ -111,7 +114,8 @@ def compare(program: Program, batches, losses: list[float], final_state, sent_pe
 def run_launched(args) -> int:
     job = Job.from_env()
     program, batches = build(args.steps, args.lr)
-    trainer = job.start(program, ParallelMode(policy=args.policy), num_steps=args.steps)
+    trainer = job.start(program, ParallelMode(policy=args.policy, backend=args.backend),
+                        num_steps=args.steps)
     if job.is_driver:
         describe(trainer.split.artifacts, trainer.plan.bytes_per_step())
     started = time.perf_counter()
@@ -121,9 +125,14 @@ def run_launched(args) -> int:
         if "loss" in outputs:
             losses.append(outputs["loss"].item())
     sent = trainer.stats.bytes_sent
+    collectives = trainer.process.collective_stats
     final_state = trainer.finish()  # collected: full tensors, as in the unsplit model
     if not job.is_driver:
         return 0
+    if collectives is not None:
+        print(f"torch.distributed collectives: {collectives.calls / args.steps:.0f} per step "
+              f"per process, {collectives.input_bytes / args.steps:.0f} B of inputs per step "
+              f"per process")
     # Worker 0 sees its own counters; every member sends the same amount.
     return compare(program, batches, losses, final_state,
                    sent * job.cluster.num_workers / args.steps, time.perf_counter() - started)
@@ -132,7 +141,7 @@ def run_launched(args) -> int:
 def run_local(args) -> int:
     program, batches = build(args.steps, args.lr)
     split = split_program(program, Cluster(num_workers=args.workers),
-                          ParallelMode(policy=args.policy))
+                          ParallelMode(policy=args.policy, backend=args.backend))
     split.lint()
     print(split.plan.summary())
     describe(split.artifacts, split.plan.bytes_per_step())
@@ -150,6 +159,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--policy", default="global", choices=("first", "greedy", "global"))
+    parser.add_argument("--backend", default="channels",
+                        choices=("channels", "torch_distributed"),
+                        help="collectives as splitrun channels, or on a torch.distributed "
+                             "process group (gloo on CPU, NCCL on CUDA)")
     parser.add_argument("--local", action="store_true",
                         help="run every process as a thread of this one (loopback)")
     parser.add_argument("--workers", type=int, default=2, choices=(1, 2, 4),

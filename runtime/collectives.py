@@ -160,7 +160,8 @@ class ProcessGroupCollectives:
                    num: int) -> torch.Tensor:
         outgoing = torch.stack(piece.chunk(num, dst_dim)).contiguous()  # chunk j to member j
         incoming = torch.empty_like(outgoing)
-        self._run("all-to-all", group, piece, lambda pg: pg.alltoall_base(incoming, outgoing, [], []))
+        self._run("all-to-all", group, piece,
+                  lambda pg: pg.alltoall_base(incoming, outgoing, [], []))
         return torch.cat(incoming.unbind(0), src_dim)
 
     def all_gather_stacked(self, piece: torch.Tensor, group: int, num: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ from splitrun.splitter.program import Program
 
 from . import checkpoint
 from .cluster.membership import Heartbeat, SchedulerClient
+from .cluster.rendezvous import SchedulerRendezvous
 from .data import shard_batches
 from .env import ENV, ProcessEnvironment
 from .errors import ClusterError, JobFinished, PeerFailed, SplitrunError, TransportError
@@ -144,8 +145,10 @@ class Job:
     def __init__(self, label: Label, cluster: Cluster, device: torch.device,
                  settings: JobSettings, *, client: SchedulerClient | None = None,
                  transport: GrpcTransport | ShmTransport | None = None, incarnation: int = 0,
-                 heartbeat_interval_s: float = 0.5, plan_out: str | None = None) -> None:
+                 heartbeat_interval_s: float = 0.5, plan_out: str | None = None,
+                 host: str = "127.0.0.1") -> None:
         self.label = label
+        self.host = host  # the address peers reach this process by
         self.cluster = cluster
         self.device = device
         self.settings = settings
@@ -186,15 +189,15 @@ class Job:
             prefix=env.shm_prefix, choice=TransportChoice.parse(env.transport, ENV.TRANSPORT))
         bound = transport.start()
         port = bound.rsplit(":", 1)[1]
-        registration = client.register(env.role, env.rank,
-                                       f"{_advertised_host(env)}:{port}")
+        host = _advertised_host(env)
+        registration = client.register(env.role, env.rank, f"{host}:{port}")
         transport.set_identity(registration.label, registration.incarnation)
         logger.info("joined as %s of %s (incarnation %d, device %s, %d threads)",
                     registration.label.describe(), registration.cluster,
                     registration.incarnation, device, torch.get_num_threads())
         job = cls(registration.label, registration.cluster, device, settings,
                   client=client, transport=transport, incarnation=registration.incarnation,
-                  heartbeat_interval_s=registration.heartbeat_interval_s)
+                  heartbeat_interval_s=registration.heartbeat_interval_s, host=host)
         global _joined
         _joined = job
         return job
@@ -277,10 +280,14 @@ class Job:
                         first_step)
         if split.artifacts is not None:  # parallel mode keeps state in pieces
             state = split.artifacts.split_state(state)
+        # Parallel mode's torch.distributed groups meet through the scheduler.
+        rendezvous = SchedulerRendezvous(self.client, self.incarnation, self.host,
+                                         self.settings.register_timeout_s)
         process = ProcessRuntime(split, self.label, self.transport,
                                  incarnation=self.incarnation, device=self.device, state=state,
                                  first_step=first_step,
-                                 recv_timeout_s=self.settings.recv_timeout_s)
+                                 recv_timeout_s=self.settings.recv_timeout_s,
+                                 rendezvous=rendezvous)
         if self._heartbeat is not None:  # the scheduler names a peer this one waits on
             self._heartbeat.watch_waits(lambda: _waiting(process))
         # The plan's messages are let in only now that the process is assembled.

@@ -17,7 +17,7 @@ from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label
 
 from .cluster.rendezvous import Rendezvous
-from .collectives import attach_collectives
+from .collectives import CollectiveStats, attach_collectives
 from .embedding.attach import attach_cache
 from .executor import Executor, ExecutorStats
 from .transport.protocol import Transport
@@ -98,6 +98,13 @@ class ProcessRuntime:
     @property
     def stats(self) -> ExecutorStats:
         return self.executor.stats
+
+    @property
+    def collective_stats(self) -> CollectiveStats | None:
+        """Collectives run on a torch.distributed process group (parallel mode's
+        opt-in backend): calls and input bytes; None when there is no group."""
+        group = self._collectives.group
+        return None if group is None else group.stats
 
     @property
     def has_cache(self) -> bool:

@@ -62,8 +62,9 @@ def boundary_batches(num_workers: int):
     return lambda step: {"batch.0": data[step][0], "batch.1": data[step][1]}
 
 
-def train(program, num_workers, batches, policy="global"):
-    split = split_program(program, Cluster(num_workers=num_workers), ParallelMode(policy=policy))
+def train(program, num_workers, batches, policy="global", backend="channels"):
+    split = split_program(program, Cluster(num_workers=num_workers),
+                          ParallelMode(policy=policy, backend=backend))
     split.lint()
     run = run_threaded(split, NUM_STEPS, batches, recv_timeout_s=30)
     history, expected = program.train_unsplit(NUM_STEPS, batches)
@@ -75,14 +76,15 @@ def train(program, num_workers, batches, policy="global"):
     return split.artifacts, run
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("optimizer, backend", [("sgd", "channels"), ("adam", "channels"),
+                                                ("adam", "torch_distributed")])
 @pytest.mark.parametrize("num_workers", [2, 4])
-def test_vocab_parallel_embedding_head_and_cross_entropy(optimizer, num_workers):
+def test_vocab_parallel_embedding_head_and_cross_entropy(optimizer, num_workers, backend):
     torch.manual_seed(0)
     batches = boundary_batches(num_workers)
     program = capture(VocabModel(), vocab_loss, make_optimizer(optimizer),
                       tuple(batches(0).values()))
-    layout, _ = train(program, num_workers, batches)
+    layout, _ = train(program, num_workers, batches, backend=backend)
     assert layout.state["emb.weight"] == S(0)
     assert layout.state["head.weight"] == S(0)
     kinds = [c.kind for c in layout.collectives]
@@ -123,9 +125,10 @@ class NormBlock(nn.Module):
         return self.out(self.norm(hidden))
 
 
-@pytest.mark.parametrize("num_workers, policy", [(2, "first"), (2, "greedy"), (2, "global"),
-                                                 (4, "global")])
-def test_layer_norm_block_with_one_layer_pinned(num_workers, policy):
+@pytest.mark.parametrize("num_workers, policy, backend", [
+    (2, "first", "channels"), (2, "greedy", "channels"), (2, "global", "channels"),
+    (4, "global", "channels"), (4, "global", "torch_distributed")])
+def test_layer_norm_block_with_one_layer_pinned(num_workers, policy, backend):
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(5)
     data = [(torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen))
@@ -133,7 +136,7 @@ def test_layer_norm_block_with_one_layer_pinned(num_workers, policy):
     batches = lambda step: {"batch.0": data[step][0], "batch.1": data[step][1]}  # noqa: E731
     program = capture(NormBlock(), lambda m, x, y: nn.functional.mse_loss(m(x), y),
                       make_optimizer("adam"), data[0])
-    layout, _ = train(program, num_workers, batches, policy=policy)
+    layout, _ = train(program, num_workers, batches, policy=policy, backend=backend)
     assert layout.state["up.weight"] == S(0)
     if policy == "global":
         assert layout.state["norm.weight"] == R
@@ -162,7 +165,8 @@ class TwoStages(nn.Module):
         return self.head(self.b(self.a(x)))
 
 
-def test_pipeline_and_tensor_parallel_groups():
+@pytest.mark.parametrize("backend", ["channels", "torch_distributed"])
+def test_pipeline_and_tensor_parallel_groups(backend):
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(6)
     data = [(torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen))
@@ -170,7 +174,8 @@ def test_pipeline_and_tensor_parallel_groups():
     batches = lambda step: {"batch.0": data[step][0], "batch.1": data[step][1]}  # noqa: E731
     program = capture(TwoStages(), lambda m, x, y: nn.functional.mse_loss(m(x), y),
                       make_optimizer("adam"), data[0])
-    split = split_program(program, Cluster(num_workers=4), ParallelMode(groups=[[0, 1], [2, 3]]))
+    split = split_program(program, Cluster(num_workers=4),
+                          ParallelMode(groups=[[0, 1], [2, 3]], backend=backend))
     split.lint()
     plan = split.plan
     run = run_threaded(split, NUM_STEPS, batches, recv_timeout_s=30)
@@ -185,4 +190,11 @@ def test_pipeline_and_tensor_parallel_groups():
     assert layout.state["b.down.weight"] == S(1)
     assert any(c.kind is CollectiveKind.GROUP_TO_GROUP for c in layout.collectives)
     sent = sum(stats.bytes_sent for stats in run.stats.values())
-    assert sent == NUM_STEPS * layout.bytes_per_step == NUM_STEPS * plan.bytes_per_step()
+    if backend == "channels":
+        assert sent == NUM_STEPS * layout.bytes_per_step == NUM_STEPS * plan.bytes_per_step()
+    else:  # within a group: two process groups; between groups: channels, member to member
+        between = sum(c.nbytes for c in layout.collectives
+                      if c.kind is CollectiveKind.GROUP_TO_GROUP)
+        assert sent == NUM_STEPS * between == NUM_STEPS * plan.bytes_per_step()
+        pairs = {(c.src.rank, c.dst.rank) for c in plan.channels if c.values}
+        assert pairs == {(0, 2), (1, 3), (2, 0), (3, 1)}

@@ -26,11 +26,13 @@ NUM_STEPS = 10
 TOLERANCE = 1e-5
 
 
+@pytest.mark.parametrize("backend", ["channels", "torch_distributed"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("num_workers", [2, 4])
-def test_column_then_row_mlp_equals_the_unsplit_step(optimizer, num_workers):
+def test_column_then_row_mlp_equals_the_unsplit_step(optimizer, num_workers, backend):
     program = capture_mlp(optimizer)
-    trained = train_both(program, num_workers, NUM_STEPS, mlp_batches(NUM_STEPS))
+    trained = train_both(program, num_workers, NUM_STEPS, mlp_batches(NUM_STEPS),
+                         backend=backend)
     assert trained.full_state.keys() == trained.expected_state.keys()
     for key, value in trained.expected_state.items():
         torch.testing.assert_close(trained.full_state[key], value, rtol=0, atol=TOLERANCE)
@@ -60,8 +62,10 @@ def test_one_forward_all_reduce_and_predicted_bytes_equal_the_counters(num_worke
     assert set(per_rank.values()) == {NUM_STEPS * reduce.nbytes // num_workers}
 
 
-def test_replicated_state_is_bit_identical_across_ranks():
-    trained = train_both(capture_mlp("adam"), 4, NUM_STEPS, mlp_batches(NUM_STEPS))
+@pytest.mark.parametrize("backend", ["channels", "torch_distributed"])
+def test_replicated_state_is_bit_identical_across_ranks(backend):
+    trained = train_both(capture_mlp("adam"), 4, NUM_STEPS, mlp_batches(NUM_STEPS),
+                         backend=backend)
     layout = trained.layout
     replicated = [key for key, placement in layout.state.items() if placement == R]
     assert "l2.bias" in replicated

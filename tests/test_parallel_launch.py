@@ -11,9 +11,11 @@ SCRIPT = REPO / "tests" / "scripts" / "parallel_job.py"
 TOLERANCE = 1e-5
 
 
-def test_mlp_on_two_workers_equals_the_unsplit_step(tmp_path):
+@pytest.mark.parametrize("backend", ["channels", "torch_distributed"])
+def test_mlp_on_two_workers_equals_the_unsplit_step(tmp_path, backend):
     out = tmp_path / "result.pt"
-    proc = splitrun("launch", "--workers", 2, SCRIPT, "--steps", 10, "--out", out)
+    proc = splitrun("launch", "--workers", 2, SCRIPT, "--steps", 10, "--out", out,
+                    "--backend", backend)
     assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
     result = torch.load(out, weights_only=True)
     program = capture_mlp("adam")
@@ -22,8 +24,14 @@ def test_mlp_on_two_workers_equals_the_unsplit_step(tmp_path):
         torch.testing.assert_close(result["state"][key], value, rtol=0, atol=TOLERANCE)
     torch.testing.assert_close(result["losses"], torch.stack([h["loss"] for h in history]),
                                rtol=0, atol=TOLERANCE)
-    # every member sends the same: worker 0's counter is half the predicted total
-    assert result["sent"] * 2 == 10 * result["predicted"]
+    if backend == "channels":
+        # every member sends the same: worker 0's counter is half the predicted total
+        assert result["sent"] * 2 == 10 * result["predicted"]
+        assert result["collective_calls"] == 0
+    else:
+        # the one all-reduce per step ran on the gloo group, not on channels
+        assert result["sent"] == 0
+        assert result["collective_calls"] == 10
 
 
 def test_save_at_four_workers_resume_at_two(tmp_path):
@@ -42,11 +50,20 @@ def test_save_at_four_workers_resume_at_two(tmp_path):
         torch.testing.assert_close(result["state"][key], value, rtol=0, atol=TOLERANCE)
 
 
-def test_tp_train_example_reports_its_check():
-    proc = splitrun("launch", "--workers", 2, REPO / "examples" / "tp_train.py", "--steps", 8)
+@pytest.mark.parametrize("backend", ["channels", "torch_distributed"])
+def test_tp_train_example_reports_its_check(backend):
+    proc = splitrun("launch", "--workers", 2, REPO / "examples" / "tp_train.py", "--steps", 8,
+                    "--backend", backend)
     assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
     output = proc.output()
     assert "equal the unsplit run within 0.0001: True" in output
     predicted = int(output.split("bytes per step: ")[1].split(" ")[0])
     counted = float(output.split("(executor counters, all processes): ")[1].split()[0])
-    assert counted == predicted
+    if backend == "channels":
+        assert counted == predicted
+        assert "torch.distributed collectives" not in output
+    else:  # every collective ran on the process group
+        assert counted == 0 and predicted > 0
+        assert "joined gloo process group group-w0 as member 1 of 2" in output
+        calls = int(output.split("torch.distributed collectives: ")[1].split()[0])
+        assert calls == int(output.split("collectives per step (")[1].split(")")[0])

@@ -4,7 +4,9 @@ Mark what to shard (`shard`, `constrain`, the `Parallel*` layers, or the
 mode's `parameter_plan`), capture the step as usual, and split it with
 `ParallelMode`: propagation chooses every other value's placement so that the
 step sends the fewest bytes, and the rewrite gives each member its piece with
-the collectives as ordinary channels.
+the collectives as ordinary channels (or, with
+`ParallelMode(backend="torch_distributed")`, on a gloo/NCCL process group per
+parallel group).
 """
 
 from .api import (
@@ -15,6 +17,7 @@ from .api import (
     convert_parallel_linear,
     shard,
 )
+from .collective_ops import CollectiveBackend, CollectiveUnbound
 from .cost import CollectiveKind, redistribute_bytes
 from .layout import (
     Collective,
@@ -23,7 +26,7 @@ from .layout import (
     member_key,
     relocate_state_dict,
 )
-from .mode import CollectiveBackend, ParallelMode
+from .mode import ParallelMode
 from .placement import (
     P,
     Placement,
@@ -41,6 +44,7 @@ from .solver import Policy, Problem, Use, Value, brute_force, solve, total_cost
 __all__ = [
     "ParallelMode",
     "CollectiveBackend",
+    "CollectiveUnbound",
     "Policy",
     "shard",
     "constrain",

@@ -28,8 +28,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import PlanError, SplitrunError
 
-__all__ = ["CollectiveBackend", "CollectiveUnbound", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
-           "all_gather_stacked", "COLLECTIVE_OPS", "FinishGathered"]
+__all__ = ["CollectiveBackend", "CollectiveUnbound", "all_reduce", "all_gather",
+           "reduce_scatter", "all_to_all", "all_gather_stacked", "COLLECTIVE_OPS",
+           "FinishGathered"]
 
 
 class CollectiveBackend(Enum):

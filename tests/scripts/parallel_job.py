@@ -3,6 +3,7 @@
     splitrun launch --workers 2 tests/scripts/parallel_job.py --steps 10 --out result.pt
     splitrun launch --workers 4 tests/scripts/parallel_job.py --steps 5 --save ckpt.pt
     splitrun launch --workers 2 tests/scripts/parallel_job.py --steps 10 --resume ckpt.pt
+    splitrun launch --workers 2 tests/scripts/parallel_job.py --backend torch_distributed ...
 
 The column- then row-parallel MLP of the parallel-mode tests. Worker 0 saves
 the losses, the final state (collected: full tensors) and its send counters to
@@ -32,13 +33,15 @@ def main() -> int:
     parser.add_argument("--out", type=pathlib.Path)
     parser.add_argument("--save", type=pathlib.Path)
     parser.add_argument("--resume", type=pathlib.Path)
+    parser.add_argument("--backend", default="channels")
     args = parser.parse_args()
 
     from splitrun.runtime.job import Job
     job = Job.from_env()
     program = capture_mlp(args.optimizer)
     batches = mlp_batches(args.steps)
-    trainer = job.start(program, ParallelMode(), num_steps=args.steps, resume=args.resume)
+    trainer = job.start(program, ParallelMode(backend=args.backend), num_steps=args.steps,
+                        resume=args.resume)
     losses = []
     for step in range(trainer.steps_done, args.steps):
         outputs = trainer.step(batches(step))
@@ -48,10 +51,13 @@ def main() -> int:
         trainer.save(args.save)
     sent = trainer.stats.bytes_sent
     predicted = trainer.split.artifacts.bytes_per_step
+    collectives = trainer.process.collective_stats
+    calls = 0 if collectives is None else collectives.calls
     final_state = trainer.finish()
     if job.is_driver and args.out:
         torch.save({"losses": torch.stack(losses) if losses else torch.zeros(0),
-                    "state": final_state, "sent": sent, "predicted": predicted}, args.out)
+                    "state": final_state, "sent": sent, "predicted": predicted,
+                    "collective_calls": calls}, args.out)
     return 0
 
 
