@@ -80,19 +80,22 @@ def _rows(shape: tuple[int, ...], dim: int) -> int:
 
 
 def _log_softmax_summary(index, num, x, dim, half_to_float=False):
+    """This member's log-sum-exp of its classes, per row: one number per row."""
     top = x.amax(dim, keepdim=True)
-    return torch.cat([top, (x - top).exp().sum(dim, keepdim=True)], dim)
+    return top + (x - top).exp().sum(dim, keepdim=True).log()
 
 
 def _log_softmax_finish(index, num, args, *summaries):
-    x, dim = args[0], args[1]
-    tops = [s.narrow(dim, 0, 1) for s in summaries]
-    top = tops[0]
-    for other in tops[1:]:
+    """The rows' log-sum-exp over every member's classes, from the members'
+    own (the largest first, so no exponential overflows)."""
+    x = args[0]
+    top = summaries[0]
+    for other in summaries[1:]:
         top = torch.maximum(top, other)
+    top = top.masked_fill(top.isinf(), 0)  # rows of -inf everywhere stay -inf below
     total = None
-    for s, t in zip(summaries, tops):
-        part = s.narrow(dim, 1, 1) * (t - top).exp()
+    for summary in summaries:
+        part = (summary - top).exp()
         total = part if total is None else total + part
     return x - (top + total.log())
 
@@ -109,11 +112,12 @@ def _log_softmax_backward_finish(index, num, args, *summaries):
     return grad - out.exp() * total
 
 
-# log-softmax over a sharded class dimension: each member sends its rows' max
-# and sum of exponentials (one message), every member forms the same log-sum-exp.
+# log-softmax over a sharded class dimension: each member sends its rows'
+# log-sum-exp (one number per row, one message), every member forms the same
+# log-sum-exp of the whole row from them.
 VOCAB_LOG_SOFTMAX = Exchange(
     "vocab_log_softmax", _log_softmax_summary, _log_softmax_finish,
-    lambda shapes, dim: 2 * _rows(shapes[0], dim), dim_arg=1)
+    lambda shapes, dim: _rows(shapes[0], dim), dim_arg=1)
 VOCAB_LOG_SOFTMAX_BACKWARD = Exchange(
     "vocab_log_softmax_backward", _log_softmax_backward_summary,
     _log_softmax_backward_finish, lambda shapes, dim: _rows(shapes[0], dim), dim_arg=2)

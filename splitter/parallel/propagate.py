@@ -10,6 +10,12 @@ Pinned values (from `constrain`, `shard`, the parallel layers and the mode's
 same variable as the parameter, so it always takes its placement; the new
 value of a state slot must come out with the slot's placement (else the
 difference is paid for), and the loss must come out whole.
+
+The objective is bytes per step plus, when asked, a fixed cost per
+collective (`collective_cost`: the α of the α-β model, in bytes, all members
+together): every collective is a round of messages whose latency does not
+shrink with its size, so a layout that sends a little less in more
+collectives is not better. The layout reports the bytes alone.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 from torch import fx
 
 from ..program import InputKind, OutputKind, Program, node_annotation
-from .cost import INFEASIBLE, bytes_of, redistribute_bytes
+from .cost import INFEASIBLE, CollectiveKind, bytes_of, redistribute_bytes, redistribute_kind
 from .placement import Placement, R, S, ShardingError, to_placement
 from .registry import Exchange, OpStrategy, has_strategy, strategies_for, tensor_args, value_shapes
 from .solver import Policy, Problem, Use, Value, local_costs, solve, total_cost
@@ -127,10 +133,12 @@ def _param_of(key: str, program: Program) -> str | None:
 
 
 def build_problem(program: Program, group_size: int, pins: dict[str, Placement] | None = None,
-                  group_of: dict[str, int] | None = None) -> tuple[Problem, _Vars]:
+                  group_of: dict[str, int] | None = None, collective_cost: float = 0.0
+                  ) -> tuple[Problem, _Vars]:
     """The step as a `Problem`; `pins` maps node names to fixed placements;
     `group_of` (pipeline + tensor parallel) the group that runs each node: a
     value read by another group also pays for the move, member j to member j.
+    `collective_cost`: added for every collective (module docstring).
 
     Raises `ShardingError` for a pin that cannot be honoured (uneven, or an
     op that cannot produce it).
@@ -194,7 +202,7 @@ def build_problem(program: Program, group_size: int, pins: dict[str, Placement] 
         vars_.var_of[node] = vars_.var_of[param]
 
     values: dict[fx.Node, Value] = {}
-    unary = [[float(exchange_bytes(node, c, n)) for c in cands]
+    unary = [[_with_latency(float(exchange_bytes(node, c, n)), collective_cost) for c in cands]
              for node, cands in zip(vars_.nodes, vars_.candidates)]
     followers: dict[int, list[int]] = defaultdict(list)
 
@@ -205,7 +213,8 @@ def build_problem(program: Program, group_size: int, pins: dict[str, Placement] 
             shape, size = value_shapes(node)[0], _itemsize(node)
             found = values[node] = Value(
                 src, tuple(c.outputs[index] for c in vars_.candidates[src]), [],
-                functools.partial(_redistribute_cost, shape=shape, itemsize=size, n=n))
+                functools.partial(_redistribute_cost, shape=shape, itemsize=size, n=n,
+                                  collective_cost=collective_cost))
         return found
 
     for var, node in enumerate(vars_.nodes):
@@ -257,15 +266,28 @@ def _producer(node: fx.Node) -> fx.Node:
     return node.args[0] if node.target is operator.getitem else node
 
 
-def _redistribute_cost(made: Placement, needed, *, shape, itemsize: int, n: int) -> float:
-    if isinstance(needed, tuple):  # to another group: then member j sends j its piece
-        placement = needed[1]
+_COLLECTIVES = frozenset({CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER,
+                          CollectiveKind.ALL_REDUCE, CollectiveKind.ALL_TO_ALL})
+
+
+def _with_latency(nbytes: float, collective_cost: float) -> float:
+    """An exchange's cost: its bytes, and one collective's fixed cost if it sends."""
+    return nbytes + collective_cost if nbytes > 0 else nbytes
+
+
+def _redistribute_cost(made: Placement, needed, *, shape, itemsize: int, n: int,
+                       collective_cost: float = 0.0) -> float:
+    cross = isinstance(needed, tuple)  # to another group: member j sends j its piece
+    placement = needed[1] if cross else needed
+    cost = redistribute_bytes(made, placement, shape, itemsize, n)
+    if collective_cost and n > 1 and redistribute_kind(made, placement) in _COLLECTIVES:
+        cost += collective_cost
+    if cross:
         size = itemsize
         for extent in shape:
             size *= extent
-        moved = size if placement.is_shard else n * size
-        return redistribute_bytes(made, placement, shape, itemsize, n) + moved
-    return redistribute_bytes(made, needed, shape, itemsize, n)
+        cost += (size if placement.is_shard else n * size) + collective_cost
+    return cost
 
 
 def _packet(node: fx.Node):
@@ -299,12 +321,16 @@ def _pin_parameters_through_constraints(program: Program, pins: dict[str, Placem
 
 
 def propagate(program: Program, group_size: int, pins: dict[str, Placement] | None = None,
-              policy: Policy | str = Policy.GLOBAL, group_of: dict[str, int] | None = None
-              ) -> ShardingLayout:
-    """Choose every value's placement under `policy`; see the module docstring."""
+              policy: Policy | str = Policy.GLOBAL, group_of: dict[str, int] | None = None,
+              collective_cost: float = 0.0) -> ShardingLayout:
+    """Choose every value's placement under `policy`; see the module docstring.
+    `collective_cost`: bytes (all members together) each collective costs on
+    top of what it sends, when choosing; the layout's costs are bytes alone."""
     policy = Policy.parse(policy)
-    problem, vars_ = build_problem(program, group_size, pins, group_of)
+    problem, vars_ = build_problem(program, group_size, pins, group_of, collective_cost)
     choice = solve(problem, policy)
+    if collective_cost:  # report bytes: the same choice, costed without the latency
+        problem, _ = build_problem(program, group_size, pins, group_of)
     cost = total_cost(problem, choice)
     if cost == INFEASIBLE:
         raise ShardingError("no feasible placement: a pinned value needs a partial sum "
