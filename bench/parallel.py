@@ -26,7 +26,21 @@ Step times: splitrun runs every member as a thread over loopback
 (`run_threaded`), DTensor as N processes over gloo, the unsharded step in one
 process; all on the same 2 shared cores, so no speed-up is expected.
 
+Collective backends (`backends` row per model and group size): the `global`
+layout run with its collectives as splitrun channels and on a gloo process
+group (`backend="torch_distributed"`), alternately, in the same run: the
+median step time of each (steps after the first, which forms the gloo group;
+the slowest member per step), and their ratio. Threads of one process by
+default (channels then ride the in-process loopback, gloo real sockets on
+127.0.0.1); with `--launched`, real processes started by `splitrun launch`
+(channels over shared memory/gRPC).
+
+`global` chooses with a fixed cost per collective (`collective_latency_bytes`,
+8 KiB per rank by default); `global_bytes_only` is the same search on bytes
+alone, for comparison.
+
     python bench/parallel.py [--ranks 2 4] [--steps 6] [--no-dtensor]
+                             [--backend-steps 12] [--backend-repeats 3] [--launched]
 """
 
 from __future__ import annotations
@@ -34,9 +48,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 import torch
@@ -44,7 +62,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 
-from splitrun.runtime import run_threaded
+from splitrun.runtime import LoopbackHub, ProcessRuntime, receive_contracts, run_threaded
+from splitrun.runtime.cluster.rendezvous import InProcessRendezvous
 from splitrun.splitter import Cluster, capture, optim, split_program
 from splitrun.splitter.parallel import (
     ParallelCrossEntropyLoss,
@@ -140,16 +159,23 @@ def batches(name: str, steps: int):
 
 # -- splitrun --------------------------------------------------------------------------
 
-def splitrun_side(name: str, n: int, steps: int) -> dict:
+def build(name: str, steps: int):
     cls, loss_fn = MODELS[name]
     data = batches(name, steps)
     torch.manual_seed(0)
     program = capture(cls(), loss_fn, optim.Adam(lr=LR), data[0])
     feeds = lambda s: {"batch.0": data[s][0], "batch.1": data[s][1]}  # noqa: E731
+    return program, feeds
+
+
+def splitrun_side(name: str, n: int, steps: int) -> dict:
+    program, feeds = build(name, steps)
     result = {}
-    for policy in POLICIES:
+    for policy in (*POLICIES, "global_bytes_only"):
         started = time.perf_counter()
-        split = split_program(program, Cluster(num_workers=n), ParallelMode(policy=policy))
+        mode = ParallelMode(policy="global", collective_latency_bytes=0) \
+            if policy == "global_bytes_only" else ParallelMode(policy=policy)
+        split = split_program(program, Cluster(num_workers=n), mode)
         plan_s = time.perf_counter() - started
         layout = split.artifacts
         entry = {"bytes_total": layout.bytes_per_step,
@@ -169,6 +195,107 @@ def splitrun_side(name: str, n: int, steps: int) -> dict:
     program.train_unsplit(steps, feeds)
     result["unsharded_step_s"] = round((time.perf_counter() - started) / steps, 5)
     return result
+
+
+# -- the two collective backends ------------------------------------------------------
+
+BACKENDS = ("channels", "torch_distributed")
+# Bounds one receive or collective of a benchmarked step.
+STEP_TIMEOUT_S = 120.0
+# Bounds one launched job (start, steps, teardown) on a loaded machine.
+LAUNCH_TIMEOUT_S = 600.0
+
+
+def _threaded_step_times(split, steps: int, feeds) -> list[float]:
+    """Every member a thread (as `run_threaded`), timing each step: per step
+    the slowest member's time."""
+    plan = split.plan
+    hub = LoopbackHub(plan.labels)
+    rendezvous = InProcessRendezvous(STEP_TIMEOUT_S)
+    processes = {label: ProcessRuntime(split, label, hub.transport(label),
+                                       recv_timeout_s=STEP_TIMEOUT_S, rendezvous=rendezvous)
+                 for label in plan.labels}
+    for label in plan.labels:
+        hub.transport(label).expect(receive_contracts(plan, split.program, label))
+    times = {label: [] for label in plan.labels}
+    failures = []
+
+    def work(label, process):
+        try:
+            for step in range(steps):
+                started = time.perf_counter()
+                process.run_step(step, feeds(step))
+                times[label].append(time.perf_counter() - started)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            failures.append(exc)
+            hub.abort(exc)
+
+    threads = [threading.Thread(target=work, args=item, daemon=True)
+               for item in processes.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(steps * STEP_TIMEOUT_S)
+    for process in processes.values():
+        process.close()
+    if failures or any(t.is_alive() for t in threads):
+        raise RuntimeError(f"benchmark run failed: {failures or 'a member hangs'}")
+    return [max(per[step] for per in times.values()) for step in range(steps)]
+
+
+def _launched_step_times(name: str, n: int, steps: int, backend: str) -> list[float]:
+    """A real job: `splitrun launch --workers n` of this file's `--job` mode."""
+    with tempfile.TemporaryDirectory() as workdir:
+        out = pathlib.Path(workdir) / "times.json"
+        launcher = pathlib.Path(sys.executable).with_name("splitrun")
+        proc = subprocess.run(
+            [str(launcher), "launch", "--workers", str(n), __file__, "--job", name,
+             "--backend", backend, "--backend-steps", str(steps), "--out", str(out)],
+            capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise RuntimeError(f"launched {backend} job failed:\n{proc.stdout[-3000:]}"
+                               f"{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())["step_s"]
+
+
+def backends_side(name: str, n: int, steps: int, repeats: int, launched: bool) -> dict:
+    """Median step time (steps after the first) per backend, runs alternating."""
+    program, feeds = build(name, steps)
+    medians: dict[str, list[float]] = {b: [] for b in BACKENDS}
+    for _ in range(repeats):
+        for backend in BACKENDS:
+            if launched:
+                times = _launched_step_times(name, n, steps, backend)
+            else:
+                split = split_program(program, Cluster(num_workers=n),
+                                      ParallelMode(backend=backend))
+                times = _threaded_step_times(split, steps, feeds)
+            medians[backend].append(statistics.median(times[1:]))
+    result = {"where": "processes (splitrun launch)" if launched else "threads",
+              "steps": steps, "repeats": repeats}
+    for backend in BACKENDS:
+        result[f"{backend}_step_s"] = round(statistics.median(medians[backend]), 5)
+    result["torch_distributed_vs_channels"] = round(
+        result["torch_distributed_step_s"] / result["channels_step_s"], 3)
+    return result
+
+
+def run_job(args) -> int:
+    """`--job NAME` under `splitrun launch`: train, worker 0 writes step times."""
+    from splitrun.runtime import Job
+
+    job = Job.from_env()
+    program, feeds = build(args.job, args.backend_steps)
+    trainer = job.start(program, ParallelMode(backend=args.backend))
+    times = []
+    for step in range(args.backend_steps):
+        started = time.perf_counter()
+        trainer.step(feeds(step))
+        times.append(time.perf_counter() - started)
+    trainer.finish()
+    if job.is_driver:
+        pathlib.Path(args.out).write_text(json.dumps({"step_s": times}))
+    return 0
 
 
 # -- DTensor ---------------------------------------------------------------------------
@@ -309,12 +436,26 @@ def main() -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--no-dtensor", action="store_true")
+    parser.add_argument("--backend-steps", type=int, default=12,
+                        help="steps per run of the backends row")
+    parser.add_argument("--backend-repeats", type=int, default=3)
+    parser.add_argument("--launched", action="store_true",
+                        help="the backends row from real processes (splitrun launch)")
+    parser.add_argument("--no-backends", action="store_true")
+    parser.add_argument("--job", choices=list(MODELS), help=argparse.SUPPRESS)
+    parser.add_argument("--backend", default="channels", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.job:
+        return run_job(args)
     results = []
     for name in args.models:
         for n in args.ranks:
             entry = {"model": name, "ranks": n, "splitrun": splitrun_side(name, n, args.steps)}
+            if not args.no_backends:
+                entry["backends"] = backends_side(name, n, args.backend_steps,
+                                                  args.backend_repeats, args.launched)
             if not args.no_dtensor:
                 entry["dtensor"] = dtensor_side(name, n, args.steps)
                 ours = entry["splitrun"]["global"]

@@ -11,7 +11,7 @@ from parallel_models import make_optimizer
 from torch import nn
 
 from splitrun.runtime import run_threaded
-from splitrun.splitter import Cluster, Label, capture, place, split_program
+from splitrun.splitter import Cluster, Label, PlanError, capture, place, split_program
 from splitrun.splitter.parallel import (
     CollectiveKind,
     ParallelCrossEntropyLoss,
@@ -198,3 +198,28 @@ def test_pipeline_and_tensor_parallel_groups(backend):
         assert sent == NUM_STEPS * between == NUM_STEPS * plan.bytes_per_step()
         pairs = {(c.src.rank, c.dst.rank) for c in plan.channels if c.values}
         assert pairs == {(0, 2), (1, 3), (2, 0), (3, 1)}
+
+
+def test_a_cost_per_collective_trades_a_few_bytes_for_fewer_collectives():
+    torch.manual_seed(0)
+    batches = boundary_batches(4)
+    program = capture(VocabModel(), vocab_loss, make_optimizer("adam"),
+                      tuple(batches(0).values()))
+    cluster = Cluster(num_workers=4)
+    bytes_only = split_program(program, cluster, ParallelMode(collective_latency_bytes=0))
+    default = split_program(program, cluster, ParallelMode())
+    latency = ParallelMode().collective_latency_bytes
+    assert latency > 0
+
+    def cost(layout):
+        return layout.bytes_per_step + 4 * latency * len(layout.collectives)
+
+    fewest_bytes, fewest_rounds = bytes_only.artifacts, default.artifacts
+    assert fewest_bytes.bytes_per_step < fewest_rounds.bytes_per_step
+    assert len(fewest_rounds.collectives) < len(fewest_bytes.collectives)
+    assert cost(fewest_rounds) <= cost(fewest_bytes)
+    # the log-softmax's members exchange one log-sum-exp per row
+    (exchange,) = [c for c in fewest_rounds.collectives if c.kind is CollectiveKind.EXCHANGE]
+    assert exchange.nbytes == 4 * 3 * BATCH * TOKENS * 4
+    with pytest.raises(PlanError, match="collective_latency_bytes must be .* got -1"):
+        ParallelMode(collective_latency_bytes=-1)
