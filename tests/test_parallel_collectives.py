@@ -167,3 +167,6 @@ def test_the_split_holds_collective_nodes_and_no_channels_inside_the_group():
     assert split.artifacts.uses_process_groups
     assert [p.label for p in split.plan.processes] == [Label(0, Role.WORKER),
                                                         Label(1, Role.WORKER)]
+    text = split.plan.to_text()
+    assert type(split.plan).from_text(text) == split.plan
+    assert "addmm_1__all_reduce__w1" in text  # the collective is a node of each member
