@@ -39,10 +39,10 @@ logger = logging.getLogger(__name__)
 
 
 # A collective's fixed latency, as the bytes one rank sends meanwhile: 8 KiB is
-# 8 µs at 1 GB/s, below any collective's latency measured on loopback here
-# (gloo or channels: tens of µs and more) and far below NCCL's α/β on fast
-# links. It only decides between layouts whose bytes differ by less than
-# that per collective saved.
+# 8 µs at 1 GB/s, well below the latencies measured on loopback here (a 4-byte
+# gloo all-reduce about 110 µs, a shared-memory channel round trip 132 µs) and
+# far below NCCL's α/β on fast links. It only decides between layouts whose
+# bytes differ by less than that per collective saved.
 DEFAULT_COLLECTIVE_LATENCY_BYTES = 8192
 
 
