@@ -281,8 +281,8 @@ class Job:
         if split.artifacts is not None:  # parallel mode keeps state in pieces
             state = split.artifacts.split_state(state)
         # Parallel mode's torch.distributed groups meet through the scheduler.
-        rendezvous = SchedulerRendezvous(self.client, self.incarnation, self.host,
-                                         self.settings.register_timeout_s)
+        rendezvous = None if self.client is None else SchedulerRendezvous(
+            self.client, self.incarnation, self.host, self.settings.register_timeout_s)
         process = ProcessRuntime(split, self.label, self.transport,
                                  incarnation=self.incarnation, device=self.device, state=state,
                                  first_step=first_step,
