@@ -99,9 +99,10 @@ class ProcessGroupCollectives:
                 options = dist.ProcessGroupGloo._Options()
                 options._devices = [dist.ProcessGroupGloo.create_device(
                     hostname=self._rendezvous.host)]
-                options._timeout = ops
-                self._store.set_timeout(init)  # connecting waits on the store
+                options._timeout = init  # connecting to the others is bounded by this
+                self._store.set_timeout(init)
                 group = dist.ProcessGroupGloo(self._store, self.position, self.size, options)
+                group.set_timeout(ops)  # and every collective by this
         except (RuntimeError, ClusterError) as exc:
             raise CollectiveFailed(
                 f"{self._tag} forming the {self.backend_name} process group {self.group_name} "
