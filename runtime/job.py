@@ -481,7 +481,8 @@ class Trainer:
             if label.role is Role.SERVER:
                 job.transport.send(label, MessageKey(job.incarnation, step,
                                                      checkpoint.CONTROL_CHANNEL), command)
-        reports = self.process.save_rows(directory, step)
+        reports = {f"{server}-rows": report
+                   for server, report in self.process.save_rows(directory, step).items()}
         info = {"cluster": str(job.cluster), "plan": self.plan.fingerprint}
         objects, counts = sharded_checkpoint.driver_objects(self.source, step, info)
         reports[str(job.label)] = self._write_own(directory, counts, objects)
