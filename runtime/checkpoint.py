@@ -30,7 +30,8 @@ from splitrun.splitter.program import InputKind, Program
 from .errors import CheckpointError
 from .transport.protocol import OUT_OF_PLAN
 
-__all__ = ["CONTROL_CHANNEL", "SAVE", "SAVE_SHARDED", "sharded_save_key", "save_channel", "final_state_channel",
+__all__ = ["CONTROL_CHANNEL", "SAVE", "SAVE_SHARDED", "sharded_save_key", "save_channel",
+           "final_state_channel",
            "to_checkpoint", "from_checkpoint", "write_checkpoint", "read_checkpoint",
            "load_checkpoint", "checksum_path", "verify_checksum", "periodic_path",
            "latest_checkpoint", "prune_periodic"]

@@ -26,20 +26,17 @@ import torch
 from splitrun.splitter.graph_splitter import SplitProgram, split_program
 from splitrun.splitter.labels import Cluster, Label, Role
 from splitrun.splitter.modes import Mode
-from splitrun.splitter.parallel.layout import ParallelLayout, split_member_key
 from splitrun.splitter.plan import ModeKind, SplitPlan
 from splitrun.splitter.program import Program
 
 from . import checkpoint, sharded_checkpoint
 from .cluster.membership import Heartbeat, SchedulerClient
-from .embedding.attach import cached_tables_of
-from .embedding.sharding import RowSharding
 from .data import shard_batches
+from .embedding.store import ShardSnapshot
 from .env import ENV, ProcessEnvironment
 from .errors import ClusterError, JobFinished, PeerFailed, SplitrunError, TransportError
 from .process import ProcessRuntime
 from .progress import Progress
-from .embedding.store import ShardSnapshot
 from .transport.contract import ChannelContract, receive_contracts
 from .transport.grpc import GrpcTransport
 from .transport.protocol import MessageKey
@@ -277,7 +274,7 @@ class Job:
         if self.settings.restart_from is not None:  # a restart: the launcher's checkpoint wins
             resume = self.settings.restart_from
         if resume is not None and os.path.isdir(resume):
-            state, first_step = _load_sharded(program, split, self.label, resume)
+            state, first_step = sharded_checkpoint.load_for(program, split, self.label, resume)
             logger.info("[%s] resuming from %s at step %d", self.label.describe(), resume,
                         first_step)
         elif resume is not None:
@@ -494,48 +491,16 @@ class Trainer:
                     job.label.describe(), step, directory, len(reports))
 
     def _write_own(self, directory: str, extra=(), objects=None) -> bytes:
-        """Write the state this process owns (parallel mode: its piece of each
-        sharded tensor; a replica by its group's first member only)."""
-        paths = sharded_checkpoint.state_paths(self.source)
-        layout = self.split.artifacts
-        pieces = list(extra)
-        for key in self.process.state_keys:
-            value = self.process.state[key]
-            member = split_member_key(key) if isinstance(layout, ParallelLayout) else None
-            if member is None:
-                if key in paths:
-                    pieces.append(sharded_checkpoint.Piece.whole(paths[key], value))
-                continue
-            base, label = member
-            placement, holders = layout.state[base], layout.members_of(base)
-            index, size = holders.index(label), layout.state_shapes[base]
-            if placement.is_shard:
-                sizes = [c.shape[placement.dim] for c in
-                         torch.empty(size, device="meta").chunk(len(holders), placement.dim)]
-                offsets = [0] * len(size)
-                offsets[placement.dim] = sum(sizes[:index])
-                pieces.append(sharded_checkpoint.Piece(paths[base], tuple(size), tuple(offsets),
-                                                       value))
-            elif index == 0:
-                pieces.append(sharded_checkpoint.Piece.whole(paths[base], value))
-        return sharded_checkpoint.write_pieces(directory, str(self.job.label), pieces, objects)
+        pieces = sharded_checkpoint.owned_pieces(self.source, self.split.artifacts,
+                                                 self.process.state)
+        return sharded_checkpoint.write_pieces(directory, str(self.job.label),
+                                               [*extra, *pieces], objects)
 
-    def _write_rows(self, directory: str, step: int,
-                    shards: list[ShardSnapshot]) -> bytes:
-        """A server's rows of the cached tables, in hash order (called by its
-        embedding store when worker 0 asks)."""
-        paths = sharded_checkpoint.state_paths(self.source)
-        pieces = []
-        for shard in shards:
-            pieces.append(sharded_checkpoint.Piece(
-                sharded_checkpoint.ids_path(shard.table), (shard.num_rows,), (shard.first_row,),
-                shard.ids))
-            for key, rows in shard.tensors.items():
-                pieces.append(sharded_checkpoint.Piece(
-                    sharded_checkpoint.row_paths(shard.table, paths[key]),
-                    (shard.num_rows, *rows.shape[1:]), (shard.first_row,) + (0,) * (rows.dim() - 1),
-                    rows))
-        return sharded_checkpoint.write_pieces(directory, f"{self.job.label}-rows", pieces)
+    def _write_rows(self, directory: str, step: int, shards: list[ShardSnapshot]) -> bytes:
+        """A server's rows of the cached tables (its embedding store calls this
+        when worker 0 asks)."""
+        return sharded_checkpoint.write_pieces(directory, f"{self.job.label}-rows",
+                                               sharded_checkpoint.row_pieces(self.source, shards))
 
     def _full(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         artifacts = self.split.artifacts
@@ -641,27 +606,6 @@ class Trainer:
         else:
             self._send_state(checkpoint.final_state_channel(self.job.label), self.steps_done)
             self.process.drain_prefetch()
-
-
-def _load_sharded(program: Program, split: SplitProgram, label: Label, directory: str
-                  ) -> tuple[dict[str, torch.Tensor], int]:
-    """This process's part of a sharded checkpoint: the state it owns (in
-    parallel mode the whole tensors it holds a piece of), and on a server of
-    an embedding-cache split its rows of every table."""
-    keys = []
-    for key in split.plan.process(label).state:
-        member = split_member_key(key) if isinstance(split.artifacts, ParallelLayout) else None
-        keys.append(key if member is None else member[0])
-    ranges = []
-    cache = cached_tables_of(split)
-    if cache is not None and label.role is Role.SERVER:
-        for table in cache.tables:
-            sharding = RowSharding(table.num_rows, split.plan.cluster.num_servers)
-            ranges.append(sharded_checkpoint.RowRange(
-                table.key, (table.key, *(f"{table.key}.{n}" for n in table.state_names)),
-                sharding.bounds[label.rank], sharding.bounds[label.rank + 1],
-                sharding.ids_of(label.rank)))
-    return sharded_checkpoint.load_state(program, directory, keys, ranges)
 
 
 def _waiting(process: ProcessRuntime) -> tuple[Label, float] | None:

@@ -67,15 +67,22 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
 
+from splitrun.splitter.graph_splitter import SplitProgram
+from splitrun.splitter.labels import Label, Role
+from splitrun.splitter.modes import ModeArtifacts
+from splitrun.splitter.parallel.layout import ParallelLayout, split_member_key
 from splitrun.splitter.program import InputKind, Program
 
 from . import checkpoint
+from .embedding.attach import cached_tables_of
+from .embedding.sharding import RowSharding
+from .embedding.store import ShardSnapshot
 from .errors import CheckpointError
 
 __all__ = ["Piece", "CHECKSUMS", "METADATA", "is_directory_path", "state_paths",
            "fqn_of", "row_paths", "ids_path", "write_pieces", "finish_checkpoint",
            "ShardedCheckpoint", "export_checkpoint", "RowRange", "load_state",
-           "driver_objects", "start_checkpoint"]
+           "driver_objects", "start_checkpoint", "owned_pieces", "row_pieces", "load_for"]
 
 CHECKSUMS = "checksums.sha256"
 METADATA = ".metadata"
@@ -496,7 +503,7 @@ def export_checkpoint(directory: str | os.PathLike, out: str | os.PathLike) -> d
                if isinstance(opened.metadata.state_dict_metadata.get(fqn), BytesStorageMetadata)]
     for fqn, value in opened.read_objects(objects).items():
         _set(result, opened.paths[fqn], value)
-    for fqn, path in opened.paths.items():
+    for path in opened.paths.values():
         if path[0] != ROWS and opened.tensor_md(path) is not None:
             _set(result, path, opened.read_whole(path))
     for table, paths in opened.row_tables().items():
@@ -629,3 +636,66 @@ def load_state(program: Program, directory: str | os.PathLike, keys: Iterable[st
             full[rows.ids] = check_finite(opened, key, value)
             state[key] = full
     return state, step
+
+
+# -- what each process writes and reads --
+
+def owned_pieces(program: Program, artifacts: ModeArtifacts | None,
+                 state: Mapping[str, torch.Tensor]) -> list[Piece]:
+    """The pieces of the state a process owns (`state`, keyed like its split
+    program): whole tensors, or in parallel mode its piece of each sharded
+    tensor (a replica is written by its group's first member only)."""
+    paths = state_paths(program)
+    pieces = []
+    for key, value in state.items():
+        member = split_member_key(key) if isinstance(artifacts, ParallelLayout) else None
+        if member is None:
+            if key in paths:
+                pieces.append(Piece.whole(paths[key], value))
+            continue
+        base, label = member
+        placement, holders = artifacts.state[base], artifacts.members_of(base)
+        index, size = holders.index(label), tuple(artifacts.state_shapes[base])
+        if placement.is_shard:
+            cut = torch.empty(size, device="meta").chunk(len(holders), placement.dim)
+            offsets = [0] * len(size)
+            offsets[placement.dim] = sum(c.shape[placement.dim] for c in cut[:index])
+            pieces.append(Piece(paths[base], size, tuple(offsets), value))
+        elif index == 0:
+            pieces.append(Piece.whole(paths[base], value))
+    return pieces
+
+
+def row_pieces(program: Program, shards: Sequence[ShardSnapshot]) -> list[Piece]:
+    """A server's rows of the cached tables, in hash order, with their ids."""
+    paths = state_paths(program)
+    pieces = []
+    for shard in shards:
+        pieces.append(Piece(ids_path(shard.table), (shard.num_rows,), (shard.first_row,),
+                            shard.ids))
+        for key, rows in shard.tensors.items():
+            pieces.append(Piece(row_paths(shard.table, paths[key]),
+                                (shard.num_rows, *rows.shape[1:]),
+                                (shard.first_row,) + (0,) * (rows.dim() - 1), rows))
+    return pieces
+
+
+def load_for(program: Program, split: SplitProgram, label: Label,
+             directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int]:
+    """`label`'s part of a sharded checkpoint: the state it owns (in parallel
+    mode the whole tensors it holds a piece of), and on a server of an
+    embedding-cache split its rows of every table."""
+    keys = []
+    for key in split.plan.process(label).state:
+        member = split_member_key(key) if isinstance(split.artifacts, ParallelLayout) else None
+        keys.append(key if member is None else member[0])
+    ranges = []
+    cache = cached_tables_of(split)
+    if cache is not None and label.role is Role.SERVER:
+        for table in cache.tables:
+            sharding = RowSharding(table.num_rows, split.plan.cluster.num_servers)
+            ranges.append(RowRange(
+                table.key, (table.key, *(f"{table.key}.{n}" for n in table.state_names)),
+                sharding.bounds[label.rank], sharding.bounds[label.rank + 1],
+                sharding.ids_of(label.rank)))
+    return load_state(program, directory, keys, ranges)

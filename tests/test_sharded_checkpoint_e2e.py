@@ -3,23 +3,27 @@ with two servers (every process writing its own files) resumes with one and
 with three, and ends where the uninterrupted job ends; `splitrun export`
 turns the directory into a plain file a plain model loads."""
 
-import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from cache_models import TinyRecommender
+from cache_models import feeds as cache_feeds
 from cache_models import make as make_cache
 from cluster import REPO, SCRIPTS
+from parallel_models import capture_mlp, mlp_batches
+from ps_models import DenseNet
+from ps_models import feeds as ps_feeds
 from ps_models import make as make_ps
 
-from splitrun.runtime.sharded_checkpoint import CHECKSUMS, METADATA
+from splitrun.runtime.sharded_checkpoint import CHECKSUMS, METADATA, ShardedCheckpoint
 
 pytestmark = pytest.mark.slow
 
 PS_JOB = SCRIPTS / "ps_job.py"
 CACHE_JOB = SCRIPTS / "cache_job.py"
+PARALLEL_JOB = SCRIPTS / "parallel_job.py"
 EXPORT_TIMEOUT_S = 120.0  # one `splitrun export` process: start python, read, write
 
 
@@ -63,19 +67,19 @@ def test_ps_saved_with_two_servers_resumes_with_one_and_three(launch, tmp_path):
         assert resumed["steps"] == 20
         assert_equal_states(resumed["state"], straight["state"], atol=1e-6)
 
-    # Export: a plain file a plain model (and optimizer) loads.
+    # Export: one plain file that a plain model and optimizer load.
     out = tmp_path / "model.pt"
     result = export(directory, out)
     assert result.returncode == 0, result.stderr
     plain = torch.load(out, weights_only=True)
     assert plain["step"] == 10
-    _, full, _ = make_ps("dense", "adam", 1, 20)
-    model = full.module if hasattr(full, "module") else None
-    program, _, _ = make_ps("dense", "adam", 2, 20)
-    assert set(plain["model"]) == {k for k in program.initial_state
-                                   if not k.endswith(("exp_avg", "exp_avg_sq"))}
-    if model is not None:
-        model.load_state_dict(plain["model"])
+    model = DenseNet()
+    model.load_state_dict(plain["model"])  # strict: every key, every shape
+    torch.optim.Adam(model.parameters(), lr=0.01).load_state_dict(plain["optimizer"])
+    _, full, batches = make_ps("dense", "adam", 1, 10)
+    at_ten = full.train_unsplit(10, ps_feeds(batches))[1]
+    for key, param in model.named_parameters():
+        torch.testing.assert_close(param.detach(), at_ten[key], rtol=0, atol=1e-5, msg=key)
 
 
 def test_cache_saved_with_two_servers_resumes_with_one_and_three(launch, tmp_path):
@@ -89,14 +93,41 @@ def test_cache_saved_with_two_servers_resumes_with_one_and_three(launch, tmp_pat
         for key, value in straight["state"].items():
             assert torch.equal(resumed["state"][key], value), key
 
+    # Export puts the rows back in id order, dirty rows written back included.
     out = tmp_path / "model.pt"
     result = export(directory, out)
     assert result.returncode == 0, result.stderr
     plain = torch.load(out, weights_only=True)
     program, batches = make_cache("adagrad", 1, 10, cache_rows=None, sparse_tables=True)
-    from cache_models import feeds
-    at_ten = program.train_unsplit(10, feeds(batches))[1]
-    for key in ("tables.0.weight", "tables.1.weight"):  # back in id order
-        assert torch.equal(plain["model"][key], at_ten[key]), key
-    json.dumps(plain["splitrun"])
-    os.fspath(out)
+    at_ten = program.train_unsplit(10, cache_feeds(batches))[1]
+    model = TinyRecommender()
+    model.load_state_dict(plain["model"])
+    for key, param in model.named_parameters():
+        assert torch.equal(param.detach(), at_ten[key]), key
+
+
+def test_export_of_a_corrupt_directory_fails_naming_the_file(launch, tmp_path):
+    directory = tmp_path / "ckpt"
+    launch(PS_JOB, "first", 1, 2, "--steps", 4, "--save", directory)
+    shard = directory / "__s1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    result = export(directory, tmp_path / "model.pt")
+    assert result.returncode == 1
+    assert "__s1_0.distcp is corrupt" in result.stderr, result.stderr
+
+
+def test_parallel_saved_at_four_workers_resumes_at_two(local_cluster, tmp_path):
+    directory = tmp_path / "ckpt"
+    local_cluster.run(PARALLEL_JOB, "--steps", 5, "--save", directory, workers=4)
+    assert written_by(directory) == {"w0", "w1", "w2", "w3"}
+    saved = ShardedCheckpoint(directory).tensor_md(("model", "l1.weight"))
+    assert saved.size == (16, 8) and len(saved.chunks) == 4, "one piece per member"
+    out = tmp_path / "result.pt"
+    local_cluster.run(PARALLEL_JOB, "--steps", 10, "--resume", directory, "--out", out,
+                      workers=2)
+    result = torch.load(out, weights_only=True)
+    _, expected = capture_mlp("adam").train_unsplit(10, mlp_batches(10))
+    for key, value in expected.items():
+        torch.testing.assert_close(result["state"][key], value, rtol=0, atol=1e-5, msg=key)
