@@ -8,7 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
 from splitrun.runtime import sharded_checkpoint as sc
+from splitrun.runtime.checkpoint import load_checkpoint
 from splitrun.runtime.errors import CheckpointError
 from splitrun.splitter import capture, optim
 
@@ -123,6 +126,19 @@ def test_export_loads_into_a_plain_model_and_optimizer(tmp_path, rows):
     moments = optimizer.state[model[0].weight]
     assert torch.equal(moments["exp_avg"], state["0.weight.exp_avg"])
     assert float(moments["step"]) == 3.0
+    # The exported file is also a checkpoint splitrun resumes from.
+    resumed, step = load_checkpoint(program, tmp_path / "model.pt")
+    assert step == 3 and all(torch.equal(resumed[k], v) for k, v in state.items())
+
+
+def test_dcp_itself_reads_the_directory(tmp_path):
+    program, state = trained()
+    write(tmp_path / "ckpt", program, state)
+    dcp_to_torch_save(tmp_path / "ckpt", tmp_path / "dcp.pt")
+    converted = torch.load(tmp_path / "dcp.pt", weights_only=True)
+    assert converted["step"] == 3
+    for key, value in converted["model"].items():
+        assert torch.equal(value, state[key]), key
 
 
 # -- refused --

@@ -11,7 +11,7 @@ import torch
 from cache_models import TinyRecommender
 from cache_models import feeds as cache_feeds
 from cache_models import make as make_cache
-from cluster import REPO, SCRIPTS
+from cluster import JOB_TIMEOUT_S, REPO, SCRIPTS
 from parallel_models import capture_mlp, mlp_batches
 from ps_models import DenseNet
 from ps_models import feeds as ps_feeds
@@ -106,7 +106,7 @@ def test_cache_saved_with_two_servers_resumes_with_one_and_three(launch, tmp_pat
         assert torch.equal(param.detach(), at_ten[key]), key
 
 
-def test_export_of_a_corrupt_directory_fails_naming_the_file(launch, tmp_path):
+def test_a_corrupt_directory_is_refused_by_resume_and_export(local_cluster, launch, tmp_path):
     directory = tmp_path / "ckpt"
     launch(PS_JOB, "first", 1, 2, "--steps", 4, "--save", directory)
     shard = directory / "__s1_0.distcp"
@@ -116,6 +116,11 @@ def test_export_of_a_corrupt_directory_fails_naming_the_file(launch, tmp_path):
     result = export(directory, tmp_path / "model.pt")
     assert result.returncode == 1
     assert "__s1_0.distcp is corrupt" in result.stderr, result.stderr
+    # Resumed with one server, server 0 reads that file and stops the job naming it.
+    proc = local_cluster.launch(PS_JOB, "--steps", 8, "--resume", directory, workers=1,
+                                servers=1)
+    assert proc.wait(JOB_TIMEOUT_S) != 0
+    assert "CheckpointError" in proc.output() and "__s1_0.distcp is corrupt" in proc.output()
 
 
 def test_parallel_saved_at_four_workers_resumes_at_two(local_cluster, tmp_path):
