@@ -587,6 +587,12 @@ def read_step(opened: ShardedCheckpoint) -> int:
     return step
 
 
+def _region(tensor: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    for dim, (start, length) in enumerate(zip(offsets, sizes)):
+        tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
 @dataclass(frozen=True)
 class RowRange:
     """The rows of a row-sharded table one server holds: hash-order rows
@@ -600,18 +606,31 @@ class RowRange:
 
 
 def load_state(program: Program, directory: str | os.PathLike, keys: Iterable[str],
-               row_ranges: Sequence[RowRange] = ()) -> tuple[dict[str, torch.Tensor], int]:
+               row_ranges: Sequence[RowRange] = (),
+               regions: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None
+               ) -> tuple[dict[str, torch.Tensor], int]:
     """The state one process starts from: the captured program's initial state
     with `keys` (captured-program keys this process owns) read from the
-    checkpoint, and of each table in `row_ranges` just those rows. Reads
-    nothing else; returns (state, step)."""
+    checkpoint; of a key in `regions` (offsets, sizes) only that region, of
+    each table in `row_ranges` only those rows. Reads nothing else; returns
+    (state, step)."""
     opened = ShardedCheckpoint(directory)
     step = read_step(opened)
     paths = state_paths(program)
     initial = program.initial_state
     state = dict(initial)
+    regions = regions or {}
     for key in sorted(set(keys)):
-        if key in paths:
+        if key not in paths:
+            continue
+        if key in regions and opened.tensor_md(paths[key]) is not None:
+            check_against(opened, paths[key], key, initial[key])
+            offsets, sizes = regions[key]
+            value = check_finite(opened, key, opened.read([(paths[key], offsets, sizes)])[0])
+            full = initial[key].clone()
+            _region(full, offsets, sizes).copy_(value)
+            state[key] = full
+        else:
             state[key] = _read_key(opened, key, paths[key], initial[key])
     for rows in row_ranges:
         if opened.tensor_md(ids_path(rows.table)) is None:  # saved in another mode: plain
@@ -640,6 +659,21 @@ def load_state(program: Program, directory: str | os.PathLike, keys: Iterable[st
 
 # -- what each process writes and reads --
 
+def _member_region(layout: ParallelLayout, base: str, member: Label
+                   ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Where `member`'s piece of the sharded tensor `base` lies (offsets,
+    sizes); None for a replica."""
+    placement, holders = layout.state[base], layout.members_of(base)
+    size = tuple(layout.state_shapes[base])
+    if not placement.is_shard:
+        return None
+    index = holders.index(member)
+    cut = torch.empty(size, device="meta").chunk(len(holders), placement.dim)
+    offsets = [0] * len(size)
+    offsets[placement.dim] = sum(c.shape[placement.dim] for c in cut[:index])
+    return tuple(offsets), tuple(cut[index].shape)
+
+
 def owned_pieces(program: Program, artifacts: ModeArtifacts | None,
                  state: Mapping[str, torch.Tensor]) -> list[Piece]:
     """The pieces of the state a process owns (`state`, keyed like its split
@@ -654,14 +688,11 @@ def owned_pieces(program: Program, artifacts: ModeArtifacts | None,
                 pieces.append(Piece.whole(paths[key], value))
             continue
         base, label = member
-        placement, holders = artifacts.state[base], artifacts.members_of(base)
-        index, size = holders.index(label), tuple(artifacts.state_shapes[base])
-        if placement.is_shard:
-            cut = torch.empty(size, device="meta").chunk(len(holders), placement.dim)
-            offsets = [0] * len(size)
-            offsets[placement.dim] = sum(c.shape[placement.dim] for c in cut[:index])
-            pieces.append(Piece(paths[base], size, tuple(offsets), value))
-        elif index == 0:
+        region = _member_region(artifacts, base, label)
+        if region is not None:
+            size = tuple(artifacts.state_shapes[base])
+            pieces.append(Piece(paths[base], size, region[0], value))
+        elif artifacts.members_of(base).index(label) == 0:
             pieces.append(Piece.whole(paths[base], value))
     return pieces
 
@@ -683,12 +714,19 @@ def row_pieces(program: Program, shards: Sequence[ShardSnapshot]) -> list[Piece]
 def load_for(program: Program, split: SplitProgram, label: Label,
              directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int]:
     """`label`'s part of a sharded checkpoint: the state it owns (in parallel
-    mode the whole tensors it holds a piece of), and on a server of an
+    mode just its piece of each sharded tensor), and on a server of an
     embedding-cache split its rows of every table."""
-    keys = []
+    keys, regions = [], {}
+    layout = split.artifacts if isinstance(split.artifacts, ParallelLayout) else None
     for key in split.plan.process(label).state:
-        member = split_member_key(key) if isinstance(split.artifacts, ParallelLayout) else None
-        keys.append(key if member is None else member[0])
+        member = split_member_key(key) if layout is not None else None
+        if member is None:
+            keys.append(key)
+            continue
+        keys.append(member[0])
+        region = _member_region(layout, *member)
+        if region is not None:
+            regions[member[0]] = region
     ranges = []
     cache = cached_tables_of(split)
     if cache is not None and label.role is Role.SERVER:
@@ -698,4 +736,4 @@ def load_for(program: Program, split: SplitProgram, label: Label,
                 table.key, (table.key, *(f"{table.key}.{n}" for n in table.state_names)),
                 sharding.bounds[label.rank], sharding.bounds[label.rank + 1],
                 sharding.ids_of(label.rank)))
-    return load_state(program, directory, keys, ranges)
+    return load_state(program, directory, keys, ranges, regions)

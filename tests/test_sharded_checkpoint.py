@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from splitrun.runtime import sharded_checkpoint as sc
@@ -86,6 +85,19 @@ def test_a_process_reads_only_its_own_keys(tmp_path):
     loaded, _ = sc.load_state(program, tmp_path / "ckpt", ["2.bias"])
     assert torch.equal(loaded["2.bias"], state["2.bias"])
     assert torch.equal(loaded["0.weight"], program.initial_state["0.weight"])
+
+
+def test_a_region_is_read_across_the_pieces_that_hold_it(tmp_path):
+    program, state = trained()
+    write(tmp_path / "ckpt", program, state)  # rows 0-3 by one writer, 4-7 by another
+    region = ((2, 1), (4, 3))                  # rows 2-5, columns 1-3
+    loaded, _ = sc.load_state(program, tmp_path / "ckpt", ["0.weight"],
+                              regions={"0.weight": region})
+    inside = loaded["0.weight"][2:6, 1:4]
+    assert torch.equal(inside, state["0.weight"][2:6, 1:4])
+    outside = loaded["0.weight"].clone()
+    outside[2:6, 1:4] = program.initial_state["0.weight"][2:6, 1:4]
+    assert torch.equal(outside, program.initial_state["0.weight"])
 
 
 @pytest.mark.parametrize("num_servers", [1, 2, 3])
