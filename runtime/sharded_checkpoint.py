@@ -541,10 +541,6 @@ def check_finite(opened: ShardedCheckpoint, key: str, value: torch.Tensor) -> to
     return value
 
 
-def info_object(program: Program, info: Mapping[str, object]) -> dict:
-    return {**info, "format": _FORMAT}
-
-
 def driver_objects(program: Program, step: int, info: Mapping[str, object]
                    ) -> tuple[dict[Path, object], list[Piece]]:
     """What worker 0 writes beside its state: the step, the optimizer's
@@ -555,7 +551,7 @@ def driver_objects(program: Program, step: int, info: Mapping[str, object]
         index += len(group.params)
         groups.append({**group.settings, "params": indices})
     objects = {("step",): step, ("optimizer", "param_groups"): groups,
-               ("splitrun",): info_object(program, info)}
+               ("splitrun",): {**info, "format": _FORMAT}}
     counts = [Piece.whole(path, torch.tensor(float(step))) for path in step_paths(program)]
     return objects, counts
 
