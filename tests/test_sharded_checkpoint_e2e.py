@@ -3,6 +3,7 @@ with two servers (every process writing its own files) resumes with one and
 with three, and ends where the uninterrupted job ends; `splitrun export`
 turns the directory into a plain file a plain model loads."""
 
+import shutil
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import torch
 from cache_models import TinyRecommender
 from cache_models import feeds as cache_feeds
 from cache_models import make as make_cache
-from cluster import JOB_TIMEOUT_S, REPO, SCRIPTS
+from cluster import JOB_TIMEOUT_S, REPO, SCRIPTS, splitrun
 from parallel_models import capture_mlp, mlp_batches
 from ps_models import DenseNet
 from ps_models import feeds as ps_feeds
@@ -139,3 +140,35 @@ def test_parallel_saved_at_four_workers_resumes_at_two(local_cluster, tmp_path):
     _, expected = capture_mlp("adam").train_unsplit(10, mlp_batches(10))
     for key, value in expected.items():
         torch.testing.assert_close(result["state"][key], value, rtol=0, atol=1e-5, msg=key)
+
+
+def test_each_machine_writes_locally_and_the_files_are_gathered_later(local_cluster, tmp_path):
+    """Three processes joined from three working directories (as on three
+    machines without a shared filesystem) each save into their own `ckpt/`;
+    export refuses worker 0's directory until the servers' files are copied in."""
+    scheduler, address, token = local_cluster.scheduler(workers=1, servers=2)
+    machines = []
+    for role, rank in (("worker", 0), ("server", 0), ("server", 1)):
+        cwd = tmp_path / f"{role}{rank}"
+        cwd.mkdir()
+        proc = splitrun("join", "--scheduler", address, "--token-file", token, "--role", role,
+                        "--rank", rank, PS_JOB, "--steps", 4, "--save", "ckpt", cwd=cwd)
+        local_cluster.procs.append(proc)
+        machines.append((cwd / "ckpt", proc))
+    for _, proc in machines:
+        assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
+    assert scheduler.wait(30) == 0
+    (gathered, _), (server0, _), (server1, _) = machines
+    assert sorted(p.name for p in server0.iterdir()) == ["__s0_0.distcp"]
+    assert sorted(p.name for p in server1.iterdir()) == ["__s1_0.distcp"]
+
+    result = export(gathered, tmp_path / "model.pt")
+    assert result.returncode == 1
+    assert "__s0_0.distcp is missing" in result.stderr and "gather" in result.stderr
+    for part in (server0 / "__s0_0.distcp", server1 / "__s1_0.distcp"):
+        shutil.copy(part, gathered)
+    result = export(gathered, tmp_path / "model.pt")
+    assert result.returncode == 0, result.stderr
+    plain = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert plain["step"] == 4
+    DenseNet().load_state_dict(plain["model"])
