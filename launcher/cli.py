@@ -235,7 +235,27 @@ def _parser() -> argparse.ArgumentParser:
     _add_tls_args(scheduler)
     scheduler.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
                            help="seconds without a heartbeat before a process counts as lost")
+
+    export = commands.add_parser(
+        "export", help="turn a sharded checkpoint directory into one plain file",
+        description="Read the sharded checkpoint CKPT_DIR (Trainer.save to a directory; every "
+                    "process's files gathered into it) and write one plain checkpoint file, "
+                    "loadable with torch.load and load_state_dict (and by resume=).")
+    export.add_argument("checkpoint_dir", metavar="CKPT_DIR")
+    export.add_argument("out", metavar="OUT.pt")
     return parser
+
+
+def _export(args) -> int:
+    from splitrun.runtime.sharded_checkpoint import export_checkpoint
+    try:
+        result = export_checkpoint(args.checkpoint_dir, args.out)
+    except SplitrunError as exc:
+        print(f"splitrun export: {exc}", file=sys.stderr)
+        return 1
+    print(f"splitrun export: step {result.get('step')}, {len(result.get('model', {}))} model "
+          f"tensors written to {args.out} (checksum in {checkpoint.checksum_path(args.out)})")
+    return 0
 
 
 def _new_incarnation() -> int:
@@ -482,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "workers", 1) < 1 or getattr(args, "servers", 0) < 0:
         print("splitrun: need --workers >= 1 and --servers >= 0", file=sys.stderr)
         return 2
-    command = {"launch": _launch, "plan": _plan, "join": _join, "scheduler": _scheduler}
+    command = {"launch": _launch, "plan": _plan, "join": _join, "scheduler": _scheduler,
+               "export": _export}
     return command[args.command](args)
 
 

@@ -30,7 +30,8 @@ from splitrun.splitter.program import InputKind, Program
 from .errors import CheckpointError
 from .transport.protocol import OUT_OF_PLAN
 
-__all__ = ["CONTROL_CHANNEL", "SAVE", "save_channel", "final_state_channel",
+__all__ = ["CONTROL_CHANNEL", "SAVE", "SAVE_SHARDED", "sharded_save_key", "save_channel",
+           "final_state_channel",
            "to_checkpoint", "from_checkpoint", "write_checkpoint", "read_checkpoint",
            "load_checkpoint", "checksum_path", "verify_checksum", "periodic_path",
            "latest_checkpoint", "prune_periodic"]
@@ -41,6 +42,14 @@ _CHUNK = 1 << 20
 # Worker 0 -> a serving process, between steps: one int64 command.
 CONTROL_CHANNEL = f"{OUT_OF_PLAN}ctl"
 SAVE = 1
+SAVE_SHARDED = 2  # write your own part of a sharded checkpoint (sharded_checkpoint.py)
+
+
+def sharded_save_key(incarnation: int, number: int) -> str:
+    """The scheduler key-value prefix of the job's `number`-th sharded save:
+    `/dir` holds the directory (worker 0 puts it), `/<label>` each process's
+    report of what it wrote."""
+    return f"splitrun/save/{incarnation}/{number}"
 
 
 def save_channel(owner: Label) -> str:

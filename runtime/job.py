@@ -29,10 +29,11 @@ from splitrun.splitter.modes import Mode
 from splitrun.splitter.plan import ModeKind, SplitPlan
 from splitrun.splitter.program import Program
 
-from . import checkpoint
+from . import checkpoint, sharded_checkpoint
 from .cluster.membership import Heartbeat, SchedulerClient
 from .cluster.rendezvous import SchedulerRendezvous
 from .data import shard_batches
+from .embedding.store import ShardSnapshot
 from .env import ENV, ProcessEnvironment
 from .errors import ClusterError, JobFinished, PeerFailed, SplitrunError, TransportError
 from .process import ProcessRuntime
@@ -255,7 +256,8 @@ class Job:
         `gather_state`: at `finish()`, worker 0 receives every process's final
         state. `num_steps` (optional) sizes the progress bar. `resume`: a
         checkpoint written by `Trainer.save` (any number of servers) to start
-        from; training continues at its step.
+        from, a file or a sharded directory (each process reads only its own
+        part); training continues at its step.
         """
         split = split_program(program, self.cluster, mode)
         split.lint()
@@ -274,7 +276,11 @@ class Job:
         state, first_step = program.initial_state, 0
         if self.settings.restart_from is not None:  # a restart: the launcher's checkpoint wins
             resume = self.settings.restart_from
-        if resume is not None:
+        if resume is not None and os.path.isdir(resume):
+            state, first_step = sharded_checkpoint.load_for(program, split, self.label, resume)
+            logger.info("[%s] resuming from %s at step %d", self.label.describe(), resume,
+                        first_step)
+        elif resume is not None:
             state, first_step = checkpoint.load_checkpoint(program, resume)
             logger.info("[%s] resuming from %s at step %d", self.label.describe(), resume,
                         first_step)
@@ -336,6 +342,9 @@ class Trainer:
         self.final_state: dict[str, torch.Tensor] | None = None
         self._progress = Progress(num_steps, enabled=job.is_driver)
         self._finished = False
+        self._num_sharded_saves = 0
+        if job.is_server:
+            process.set_row_writer(self._write_rows)
 
     @property
     def plan(self) -> SplitPlan:
@@ -425,11 +434,18 @@ class Trainer:
     def save(self, path: str | os.PathLike) -> None:
         """Write a checkpoint of the whole job's state after the steps done so
         far. Every worker calls it at the same point of its loop; servers answer
-        between steps; worker 0 writes the file. (Servers, which have no loop,
-        must not call it.)"""
+        between steps. (Servers, which have no loop, must not call it.)
+
+        `path` ending in .pt or .pth: one plain file, gathered on worker 0.
+        Any other path: a sharded `torch.distributed.checkpoint` directory in
+        which every process writes what it owns, on its own machine
+        (`sharded_checkpoint.py`)."""
         if not self.job.is_worker:
             raise SplitrunError("save() is called by the workers; servers answer it between "
                                 "steps (guard it with `if job.is_worker:`)")
+        if sharded_checkpoint.is_directory_path(path):
+            self._save_sharded(os.fspath(path))
+            return
         job, step = self.job, self.steps_done
         if not job.is_driver:
             self._send_state(checkpoint.save_channel(job.label), step)
@@ -446,6 +462,52 @@ class Trainer:
             checkpoint.to_checkpoint(self.source, self._full(state), step, info), path)
         logger.info("[%s] checkpoint of step %d written to %s", job.label.describe(), step,
                     path)
+
+    # -- sharded checkpoints --
+
+    def _save_sharded(self, directory: str) -> None:
+        """Every process that owns state writes it into `directory` and reports
+        what it wrote through the scheduler's key-value store; worker 0 writes
+        the metadata once every report is in."""
+        job, step = self.job, self.steps_done
+        key = checkpoint.sharded_save_key(job.incarnation, self._num_sharded_saves)
+        self._num_sharded_saves += 1
+        if not job.is_driver:
+            if self.process.state_keys:
+                job.client.kv_put(f"{key}/{job.label}", self._write_own(directory))
+            return
+        sharded_checkpoint.start_checkpoint(directory)
+        job.client.kv_put(f"{key}/dir", directory.encode())
+        command = [torch.tensor(checkpoint.SAVE_SHARDED, dtype=torch.int64)]
+        owners = [proc.label for proc in self.plan.processes
+                  if proc.state and proc.label != job.label]
+        for label in owners:
+            if label.role is Role.SERVER:
+                job.transport.send(label, MessageKey(job.incarnation, step,
+                                                     checkpoint.CONTROL_CHANNEL), command)
+        reports = {f"{server}-rows": report
+                   for server, report in self.process.save_rows(directory, step).items()}
+        info = {"cluster": str(job.cluster), "plan": self.plan.fingerprint}
+        objects, counts = sharded_checkpoint.driver_objects(self.source, step, info)
+        reports[str(job.label)] = self._write_own(directory, counts, objects)
+        for label in owners:
+            reports[str(label)] = job.client.kv_get(f"{key}/{label}",
+                                                    job.settings.finish_timeout_s)
+        sharded_checkpoint.finish_checkpoint(directory, reports)
+        logger.info("[%s] sharded checkpoint of step %d written to %s (%d processes wrote)",
+                    job.label.describe(), step, directory, len(reports))
+
+    def _write_own(self, directory: str, extra=(), objects=None) -> bytes:
+        pieces = sharded_checkpoint.owned_pieces(self.source, self.split.artifacts,
+                                                 self.process.state)
+        return sharded_checkpoint.write_pieces(directory, str(self.job.label),
+                                               [*extra, *pieces], objects)
+
+    def _write_rows(self, directory: str, step: int, shards: list[ShardSnapshot]) -> bytes:
+        """A server's rows of the cached tables (its embedding store calls this
+        when worker 0 asks)."""
+        return sharded_checkpoint.write_pieces(directory, f"{self.job.label}-rows",
+                                               sharded_checkpoint.row_pieces(self.source, shards))
 
     def _full(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         artifacts = self.split.artifacts
@@ -472,6 +534,13 @@ class Trainer:
     def _on_control(self, sender: Label, tensors: list[torch.Tensor]) -> None:
         """A serving process, between steps: worker 0 asks for a checkpoint."""
         command = int(tensors[0]) if tensors else None
+        if command == checkpoint.SAVE_SHARDED:
+            job = self.job
+            key = checkpoint.sharded_save_key(job.incarnation, self._num_sharded_saves)
+            self._num_sharded_saves += 1
+            directory = job.client.kv_get(f"{key}/dir", job.settings.finish_timeout_s).decode()
+            job.client.kv_put(f"{key}/{job.label}", self._write_own(directory))
+            return
         if command != checkpoint.SAVE:
             raise SplitrunError(f"unknown control command {command} from {sender.describe()}")
         self._send_state(checkpoint.save_channel(self.job.label), self.steps_done)

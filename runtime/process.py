@@ -127,6 +127,18 @@ class ProcessRuntime:
         client = self._cache.client
         return {} if client is None else client.dump(steps_done)
 
+    def save_rows(self, directory: str, steps_done: int) -> dict[str, bytes]:
+        """Worker 0 of an embedding-cache split: every server writes its rows
+        of the cached tables into `directory`; their reports, by server."""
+        client = self._cache.client
+        return {} if client is None else client.save_rows(directory, steps_done)
+
+    def set_row_writer(self, handler) -> None:
+        """A server of an embedding-cache split: what writes its rows at a
+        sharded save (`EmbeddingStore.set_save_handler`)."""
+        if self._cache.store is not None:
+            self._cache.store.set_save_handler(handler)
+
     def drain_prefetch(self) -> None:
         """Take the replies of prefetches no step will use (the last batch's)."""
         if self._cache.client is not None:

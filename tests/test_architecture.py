@@ -24,6 +24,9 @@ TORCH_PRIVATE = {
     "_input_nodes": "torch.fx.Node: all_input_nodes without copying a list per node",
     "_cdata": "torch storage handle, to read its reference count (guarded)",
     "_reparametrize_module": "torch.nn.utils.stateless: capture runs the module functionally",
+    "_StorageInfo": "torch.distributed.checkpoint: where an item lies in a data file; the "
+                    ".metadata worker 0 writes from the other processes' reports must hold "
+                    "DCP's own type, or DCP cannot read it",
 }
 # aten ops whose names start with an underscore (`aten._to_copy`) are public op names.
 ATEN_RECEIVER = re.compile(r"(^|\.)_?aten$")

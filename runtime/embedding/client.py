@@ -235,6 +235,19 @@ class EmbeddingClient:
             for server, seq, _ in self._prefetched.pop(table):
                 self._reply(server, seq)
 
+    def save_rows(self, directory: str, steps_done: int) -> dict[str, bytes]:
+        """Worker 0, for a sharded checkpoint: every server writes its rows of
+        every table into `directory` (after the dirty rows went back and every
+        step's updates are in); their reports, by server."""
+        self.drain_prefetch()
+        self.flush()
+        path = torch.frombuffer(bytearray(directory.encode()), dtype=torch.uint8)
+        first = self.tables[0].key
+        requests = [(server, self._request(server, Op.SAVE, first, steps_done, [path]))
+                    for server in self.servers]
+        return {str(server): bytes(self._reply(server, seq)[0].numpy())
+                for server, seq in requests}
+
     def dump(self, steps_done: int) -> dict[str, torch.Tensor]:
         """Worker 0: every table and its row state, whole, from the servers."""
         self.drain_prefetch()

@@ -10,6 +10,8 @@ header `[op, table index, step]`:
     PUSH   [header, ids, rows, *state]        (write-back: evicted or flushed dirty rows)
     GRADS  [header, ids, grads, lr, step]     (several workers: this worker's gradient)
     DUMP   [header]                           -> [rows, *state] of the whole shard
+    SAVE   [header, directory (uint8, utf-8)] -> [report (uint8)]: the server writes
+                                                 its rows of every table there
 
 `step` in a PULL's header is the step the rows must be fresh for: with several
 workers the server answers once the updates of every earlier step are applied.
@@ -34,6 +36,7 @@ class Op(IntEnum):
     PUSH = 2
     GRADS = 3
     DUMP = 4
+    SAVE = 5
 
 
 PREFIX = f"{OUT_OF_PLAN}emb:"

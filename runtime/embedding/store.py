@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -27,12 +27,28 @@ from ..errors import MessageRejected, SplitrunError
 from .sharding import RowSharding
 from ..transport.protocol import MessageKey, Transport
 
-__all__ = ["EmbeddingStore"]
+__all__ = ["EmbeddingStore", "ShardSnapshot"]
 
 logger = logging.getLogger(__name__)
 
 # How often the serving thread looks at its stop flag while idle.
 _IDLE_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class ShardSnapshot:
+    """A server's rows of one table, for a sharded checkpoint: rows
+    [first_row, first_row + len(ids)) of the table in hash order."""
+
+    table: str                          # the table's state key
+    num_rows: int                       # rows of the whole table
+    first_row: int
+    ids: torch.Tensor                   # the ids of these rows
+    tensors: dict[str, torch.Tensor]    # state key -> these rows (the table, its row state)
+
+
+# A sharded save: (directory, step, this server's shards) -> the writer's report.
+SaveHandler = Callable[[str, int, list[ShardSnapshot]], bytes]
 
 
 @dataclass
@@ -70,6 +86,11 @@ class EmbeddingStore:
         self._thread = threading.Thread(target=self._serve, daemon=True,
                                         name=f"splitrun-embedding-{label}")
         self.error: BaseException | None = None
+        self._save_handler: SaveHandler | None = None
+
+    def set_save_handler(self, handler: SaveHandler) -> None:
+        """What writes this server's rows when worker 0 asks for a sharded save."""
+        self._save_handler = handler
 
     def start(self) -> None:
         self._thread.start()
@@ -118,6 +139,11 @@ class EmbeddingStore:
             if len(shard.pending[step]) == self.cluster.num_workers:
                 self._apply(shard, step, shard.pending.pop(step))
                 self._retry_parked()
+        elif op is Op.SAVE:
+            if all(self._ready(s, op, step) for s in self.shards):
+                self._save(key, src, step, tensors[1])
+            else:
+                self._parked.append((key, src, tensors))
         elif op in (Op.PULL, Op.DUMP):
             if self._ready(shard, op, step):
                 self._answer(key, src, op, shard, tensors)
@@ -146,6 +172,23 @@ class EmbeddingStore:
             reply = [shard.rows.clone(), *(shard.state[n].clone() for n in shard.table.state_names)]
         self.transport.send(src, MessageKey(self.incarnation, key.step, reply_channel(self.label)),
                             reply)
+
+    def _save(self, key: MessageKey, src: Label, step: int, directory: torch.Tensor) -> None:
+        if self._save_handler is None:
+            raise MessageRejected(f"{self._tag} got a sharded save request from "
+                                  f"{src.describe()} but has no checkpoint writer")
+        snapshots = []
+        for shard in self.shards:
+            rank = self.label.rank
+            tensors = {shard.table.key: shard.rows}
+            tensors.update({f"{shard.table.key}.{n}": shard.state[n]
+                            for n in shard.table.state_names})
+            snapshots.append(ShardSnapshot(shard.table.key, shard.table.num_rows,
+                                           shard.sharding.bounds[rank],
+                                           shard.sharding.ids_of(rank), tensors))
+        report = self._save_handler(bytes(directory.numpy()).decode(), step, snapshots)
+        self.transport.send(src, MessageKey(self.incarnation, key.step, reply_channel(self.label)),
+                            [torch.frombuffer(bytearray(report), dtype=torch.uint8)])
 
     def _apply(self, shard: _Shard, step: int, grads: dict[int, tuple]) -> None:
         """The step's update from every worker's gradient: concatenated in worker

@@ -1,0 +1,222 @@
+"""Sharded checkpoint directories in one process: written by several writers
+(as processes write them), read back piece by piece with another cut, exported
+to a plain file that plain PyTorch loads, and refused with one line naming the
+file when corrupt, incomplete or of another model."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from splitrun.runtime import sharded_checkpoint as sc
+from splitrun.runtime.checkpoint import load_checkpoint
+from splitrun.runtime.errors import CheckpointError
+from splitrun.splitter import capture, optim
+
+TABLE = "0.weight"  # stands for a row-sharded table here: 8 rows of 6
+TABLE_KEYS = (TABLE, f"{TABLE}.exp_avg", f"{TABLE}.exp_avg_sq")
+
+
+def net(width=8):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, 3))
+
+
+def trained(width=8, steps=3):
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    generator = torch.Generator().manual_seed(3)
+    data = [(torch.randn(10, 6, generator=generator),
+             torch.randint(0, 3, (10,), generator=generator)) for _ in range(steps)]
+    program = capture(net(width), loss_fn, optim.Adam(lr=0.01), data[0])
+    _, state = program.train_unsplit(
+        steps, lambda s: {"batch.0": data[s][0], "batch.1": data[s][1]})
+    return program, state
+
+
+def hash_order(num_rows):
+    """Some permutation of the rows, as the servers' hash order is."""
+    return torch.randperm(num_rows, generator=torch.Generator().manual_seed(7))
+
+
+def write(directory, program, state, step=3, *, rows=False):
+    """As a job writes it: "w0" the step, param groups and a part of each
+    tensor, "s0" the rest; with `rows`, the table in hash order by two
+    servers. Returns the ids in hash order."""
+    paths = sc.state_paths(program)
+    objects, counts = sc.driver_objects(program, step, {"cluster": "test"})
+    w0, s0, table = list(counts), [], {}
+    for key, value in state.items():
+        if rows and key in TABLE_KEYS:
+            continue
+        if value.dim() and value.shape[0] > 1:  # cut along rows between two writers
+            half = value.shape[0] // 2
+            w0.append(sc.Piece(paths[key], tuple(value.shape), (0,) * value.dim(), value[:half]))
+            s0.append(sc.Piece(paths[key], tuple(value.shape), (half,) + (0,) * (value.dim() - 1),
+                               value[half:]))
+        else:
+            s0.append(sc.Piece.whole(paths[key], value))
+    ids = hash_order(state[TABLE].shape[0])
+    if rows:
+        for name, (first, end) in (("s0-rows", (0, 3)), ("s1-rows", (3, 8))):
+            pieces = [sc.Piece(sc.ids_path(TABLE), (8,), (first,), ids[first:end])]
+            pieces += [sc.Piece(sc.row_paths(TABLE, paths[key]), (8, 6), (first, 0),
+                                state[key][ids[first:end]]) for key in TABLE_KEYS]
+            table[name] = sc.write_pieces(directory, name, pieces)
+    sc.start_checkpoint(directory)
+    reports = {"w0": sc.write_pieces(directory, "w0", w0, objects),
+               "s0": sc.write_pieces(directory, "s0", s0), **table}
+    sc.finish_checkpoint(directory, reports)
+    return ids
+
+
+def test_pieces_of_several_writers_load_back_whole(tmp_path):
+    program, state = trained()
+    write(tmp_path / "ckpt", program, state)
+    loaded, step = sc.load_state(program, tmp_path / "ckpt", state.keys())
+    assert step == 3
+    for key, value in state.items():
+        assert torch.equal(loaded[key], value), key
+
+
+def test_a_process_reads_only_its_own_keys(tmp_path):
+    program, state = trained()
+    write(tmp_path / "ckpt", program, state)
+    loaded, _ = sc.load_state(program, tmp_path / "ckpt", ["2.bias"])
+    assert torch.equal(loaded["2.bias"], state["2.bias"])
+    assert torch.equal(loaded["0.weight"], program.initial_state["0.weight"])
+
+
+def test_a_region_is_read_across_the_pieces_that_hold_it(tmp_path):
+    program, state = trained()
+    write(tmp_path / "ckpt", program, state)  # rows 0-3 by one writer, 4-7 by another
+    region = ((2, 1), (4, 3))                  # rows 2-5, columns 1-3
+    loaded, _ = sc.load_state(program, tmp_path / "ckpt", ["0.weight"],
+                              regions={"0.weight": region})
+    inside = loaded["0.weight"][2:6, 1:4]
+    assert torch.equal(inside, state["0.weight"][2:6, 1:4])
+    outside = loaded["0.weight"].clone()
+    outside[2:6, 1:4] = program.initial_state["0.weight"][2:6, 1:4]
+    assert torch.equal(outside, program.initial_state["0.weight"])
+
+
+@pytest.mark.parametrize("num_servers", [1, 2, 3])
+def test_rows_in_hash_order_reshard_to_any_number_of_servers(tmp_path, num_servers):
+    program, state = trained()
+    ids = write(tmp_path / "ckpt", program, state, rows=True)
+    bounds = [k * 8 // num_servers for k in range(num_servers + 1)]
+    for server in range(num_servers):
+        first, end = bounds[server], bounds[server + 1]
+        rows = sc.RowRange(TABLE, TABLE_KEYS, first, end, ids[first:end])
+        loaded, _ = sc.load_state(program, tmp_path / "ckpt", [], [rows])
+        for key in TABLE_KEYS:  # this server's rows from the checkpoint, others initial
+            mine = ids[first:end]
+            assert torch.equal(loaded[key][mine], state[key][mine]), key
+
+
+def test_rows_saved_in_hash_order_load_whole_in_another_mode(tmp_path):
+    program, state = trained()
+    write(tmp_path / "ckpt", program, state, rows=True)
+    loaded, _ = sc.load_state(program, tmp_path / "ckpt", TABLE_KEYS)
+    for key in TABLE_KEYS:
+        assert torch.equal(loaded[key], state[key]), key
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_export_loads_into_a_plain_model_and_optimizer(tmp_path, rows):
+    program, state = trained()
+    write(tmp_path / "ckpt", program, state, rows=rows)
+    sc.export_checkpoint(tmp_path / "ckpt", tmp_path / "model.pt")
+    plain = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert plain["step"] == 3 and (tmp_path / "model.pt.sha256").exists()
+    model = net()
+    model.load_state_dict(plain["model"])  # strict: every key, every shape
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    optimizer.load_state_dict(plain["optimizer"])
+    for key, param in model.named_parameters():
+        assert torch.equal(param.detach(), state[key]), key
+    moments = optimizer.state[model[0].weight]
+    assert torch.equal(moments["exp_avg"], state["0.weight.exp_avg"])
+    assert float(moments["step"]) == 3.0
+    # The exported file is also a checkpoint splitrun resumes from.
+    resumed, step = load_checkpoint(program, tmp_path / "model.pt")
+    assert step == 3 and all(torch.equal(resumed[k], v) for k, v in state.items())
+
+
+def test_dcp_itself_reads_the_directory(tmp_path):
+    program, state = trained()
+    write(tmp_path / "ckpt", program, state)
+    dcp_to_torch_save(tmp_path / "ckpt", tmp_path / "dcp.pt")
+    converted = torch.load(tmp_path / "dcp.pt", weights_only=True)
+    assert converted["step"] == 3
+    for key, value in converted["model"].items():
+        assert torch.equal(value, state[key]), key
+
+
+# -- refused --
+
+def refused(program, directory, keys=None) -> str:
+    with pytest.raises(CheckpointError) as info:
+        sc.load_state(program, directory, program.initial_state.keys() if keys is None else keys)
+    message = str(info.value)
+    assert "\n" not in message and str(directory) in message, message
+    return message
+
+
+@pytest.fixture
+def saved(tmp_path):
+    program, state = trained()
+    write(tmp_path / "ckpt", program, state)
+    return program, tmp_path / "ckpt"
+
+
+def test_a_flipped_byte_in_a_shard_is_refused_naming_the_file(saved):
+    program, directory = saved
+    shard = directory / "__s0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    assert "__s0_0.distcp is corrupt" in refused(program, directory)
+
+
+def test_missing_metadata_is_refused(saved):
+    program, directory = saved
+    (directory / sc.METADATA).unlink()
+    assert ".metadata is missing" in refused(program, directory)
+
+
+def test_a_save_that_did_not_complete_is_refused(saved):
+    program, directory = saved
+    (directory / sc.CHECKSUMS).unlink()
+    assert "the save did not complete" in refused(program, directory)
+
+
+def test_a_shard_not_gathered_is_refused_naming_it(saved):
+    program, directory = saved
+    (directory / "__s0_0.distcp").unlink()
+    message = refused(program, directory)
+    assert "__s0_0.distcp is missing" in message and "gather" in message
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(saved):
+    _, directory = saved
+    other, _ = trained(width=16)
+    message = refused(other, directory)
+    assert "'0.bias' is float32[8], the model has float32[16]" in message
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_plain_dcp_directory_is_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    dcp.save({"x": torch.zeros(2)}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    program, _ = trained()
+    assert "no checksums.sha256" in refused(program, tmp_path / "dcp")
+
+
+def test_export_refuses_a_corrupt_directory(saved, tmp_path):
+    _, directory = saved
+    shard = directory / "__w0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match=r"__w0_0.distcp is corrupt"):
+        sc.export_checkpoint(directory, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
