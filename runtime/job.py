@@ -14,6 +14,7 @@ report that they finished.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -30,6 +31,7 @@ from splitrun.splitter.plan import ModeKind, SplitPlan
 from splitrun.splitter.program import Program
 
 from . import checkpoint
+from .cluster.hosted import HostedScheduler
 from .cluster.membership import Heartbeat, SchedulerClient
 from .cluster.rendezvous import SchedulerRendezvous
 from .data import shard_batches
@@ -124,10 +126,17 @@ class PlanWritten(BaseException):  # noqa: N818 - a signal, named for what happe
     ends the process with status 0 on it."""
 
 
-def pick_device(text: str) -> torch.device:
-    """`auto`: CUDA where there is a device, else the CPU."""
+def pick_device(text: str, local_rank: int = 0) -> torch.device:
+    """The device of a process whose local rank (its index among the job's
+    processes on this machine) is `local_rank`. `auto`: CUDA where there is a
+    device, else the CPU. CUDA without an index means the GPU of the local
+    rank, `cuda:(local_rank % visible devices)`, so the processes on one machine
+    spread over its GPUs instead of all sharing `cuda:0`. Under `srun` or
+    `torchrun` each process sees every GPU of its node and picks its own this
+    way; a launcher that gives each process one GPU (`CUDA_VISIBLE_DEVICES`)
+    leaves one to pick."""
     if text in ("", "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        text = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(text)
     except RuntimeError:
@@ -136,6 +145,8 @@ def pick_device(text: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ClusterError(f"{ENV.DEVICE}={text} but this machine has no CUDA device; "
                            f"launch with --device cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
     return device
 
 
@@ -146,7 +157,8 @@ class Job:
                  settings: JobSettings, *, client: SchedulerClient | None = None,
                  transport: GrpcTransport | ShmTransport | None = None, incarnation: int = 0,
                  heartbeat_interval_s: float = 0.5, plan_out: str | None = None,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1",
+                 hosted_scheduler: HostedScheduler | None = None) -> None:
         self.label = label
         self.host = host  # the address peers reach this process by
         self.cluster = cluster
@@ -158,6 +170,8 @@ class Job:
         self.plan_out = plan_out
         self._heartbeat: Heartbeat | None = None
         self._failure_reported = False
+        # Task 0 of a Slurm or torchrun job hosts the job's scheduler.
+        self._hosted_scheduler = hosted_scheduler
         if client is not None:
             self._heartbeat = Heartbeat(
                 client, label, heartbeat_interval_s, settings.heartbeat_timeout_s,
@@ -173,10 +187,11 @@ class Job:
         if env.threads is not None:
             torch.set_num_threads(env.threads)
         settings = JobSettings.from_environment(env)
-        device = pick_device(env.device)
+        device = pick_device(env.device, env.local_rank)
         if env.plan_out is not None:
             return cls(Label.worker(0), env.plan_cluster, device, settings,
                        plan_out=env.plan_out)
+        hosted = _host_scheduler(env, settings)
         client = SchedulerClient(env.scheduler, env.token, env.tls)
         # The tensor server starts before registering: its address is part of
         # the registration. Its label is provisional until the scheduler assigns
@@ -197,7 +212,8 @@ class Job:
                     registration.incarnation, device, torch.get_num_threads())
         job = cls(registration.label, registration.cluster, device, settings,
                   client=client, transport=transport, incarnation=registration.incarnation,
-                  heartbeat_interval_s=registration.heartbeat_interval_s, host=host)
+                  heartbeat_interval_s=registration.heartbeat_interval_s, host=host,
+                  hosted_scheduler=hosted)
         global _joined
         _joined = job
         return job
@@ -319,6 +335,35 @@ class Job:
             self.transport.close()
         if self.client is not None:
             self.client.close()
+        if self._hosted_scheduler is not None:
+            self._hosted_scheduler.close(self.settings.finish_timeout_s)
+
+
+def _host_scheduler(env: ProcessEnvironment, settings: JobSettings) -> HostedScheduler | None:
+    """Task 0 of a job started by srun or torchrun (no scheduler named): start
+    the job's scheduler in this process, where every task will look for it."""
+    identity = env.identity
+    if identity is None or not identity.hosts_scheduler:
+        return None
+    if not env.token:
+        raise ClusterError(
+            f"{identity.describe()} hosts the job's scheduler, which needs the job's token: "
+            f"set {ENV.TOKEN} to the same secret in every task (export "
+            f"{ENV.TOKEN}=$(openssl rand -hex 16) before srun or torchrun), or pass "
+            f"--token-file to splitrun join")
+    hosted = HostedScheduler(identity.cluster, env.token,
+                             heartbeat_timeout_s=settings.heartbeat_timeout_s)
+    try:
+        hosted.start(env.host, identity.scheduler_port, env.tls)
+    except ClusterError as exc:
+        raise ClusterError(f"{identity.describe()}: {exc} (every task derives the port from "
+                           f"{ENV.SCHEDULER_PORT}, MASTER_PORT + 1 or SLURM_JOB_ID; set "
+                           f"{ENV.SCHEDULER_PORT} to a free one)") from None
+    # On a failed exit, the peers still hear why (bounded); a clean exit
+    # closes it in Job.close first.
+    atexit.register(hosted.close, 2 * settings.heartbeat_timeout_s)
+    logger.info("%s: hosting the scheduler at %s", identity.describe(), env.scheduler)
+    return hosted
 
 
 class Trainer:
