@@ -24,6 +24,7 @@ from splitrun.runtime.transport.shm_ring import new_job_prefix, remove_job_segme
 from splitrun.splitter.errors import SplitrunError
 from splitrun.splitter.labels import Label, Role
 
+from .process_logs import ProcessLogs
 from .render import render_plan
 from .supervisor import Supervisor
 
@@ -289,6 +290,39 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Tee:
+    """Writes to the console and to the launcher's log file (--log-dir)."""
+
+    def __init__(self, *streams) -> None:
+        self._streams = streams
+
+    def write(self, text: str) -> None:
+        for stream in self._streams:
+            stream.write(text)
+
+    def flush(self) -> None:
+        for stream in self._streams:
+            stream.flush()
+
+
+def new_supervisor(args) -> Supervisor:
+    """A supervisor for the processes of one start of the job: their lines on
+    the console, prefixed, and with --log-dir in one file per process too."""
+    if getattr(args, "log_dir", None) is None:
+        return Supervisor()
+    logs = ProcessLogs(args.log_dir)
+    return Supervisor(out=_Tee(sys.stdout, logs.open_launcher()), logs=logs)
+
+
+def _log_to_dir(args) -> None:
+    """With --log-dir, the launcher's own log records go to launcher.log too."""
+    if getattr(args, "log_dir", None) is None or args.command == "join":
+        return
+    handler = logging.StreamHandler(ProcessLogs(args.log_dir).open_launcher())
+    handler.setFormatter(logging.Formatter("[splitrun] %(levelname)s %(message)s"))
+    logging.getLogger().addHandler(handler)
+
+
 def _new_incarnation() -> int:
     # Distinct per start of a job, so a restarted peer's stale messages are refused.
     return time.time_ns() & ((1 << 62) - 1)
@@ -373,7 +407,7 @@ def _launch(args) -> int:
     try:
         restart_from, attempt = None, 0
         while True:
-            supervisor = Supervisor()
+            supervisor = new_supervisor(args)
             current.append(supervisor)
             if interrupted:
                 supervisor.interrupt(interrupted[0])
@@ -439,7 +473,7 @@ def _run_once(args, token: str, tls: TlsFiles | None, supervisor: Supervisor,
 def _plan(args) -> int:
     """Run the script once as worker 0 in plan mode: it writes the plan's text
     form and stops at `job.start()`; then render it as `--out` asks."""
-    supervisor = Supervisor()
+    supervisor = new_supervisor(args)
     with tempfile.TemporaryDirectory(prefix="splitrun-plan-") as scratch:
         text_path = os.path.join(scratch, "plan.txt")
         env = dict(os.environ)
@@ -578,6 +612,7 @@ def _scheduler(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="[splitrun] %(levelname)s %(message)s")
+    _log_to_dir(args)
     if args.command != "join" and (args.workers < 1 or args.servers < 0):
         print("splitrun: need --workers >= 1 and --servers >= 0", file=sys.stderr)
         return 2

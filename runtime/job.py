@@ -37,6 +37,7 @@ from .cluster.rendezvous import SchedulerRendezvous
 from .data import shard_batches
 from .env import ENV, ProcessEnvironment
 from .errors import ClusterError, JobFinished, PeerFailed, SplitrunError, TransportError
+from .metrics import StepMetrics
 from .process import ProcessRuntime
 from .progress import Progress
 from .transport.contract import ChannelContract, receive_contracts
@@ -107,6 +108,8 @@ class JobSettings:
     checkpoint_every: int | None = None
     checkpoint_dir: str | None = None
     restart_from: str | None = None
+    # `splitrun --metrics-dir DIR`: TensorBoard scalars of each step in DIR/<process>/.
+    metrics_dir: str | None = None
 
     @classmethod
     def from_environment(cls, env: ProcessEnvironment) -> JobSettings:
@@ -116,7 +119,7 @@ class JobSettings:
                    idle_timeout_s=given(env.idle_timeout_s, cls.idle_timeout_s),
                    heartbeat_timeout_s=given(env.heartbeat_timeout_s, cls.heartbeat_timeout_s),
                    checkpoint_every=env.checkpoint_every, checkpoint_dir=env.checkpoint_dir,
-                   restart_from=env.restart_from)
+                   restart_from=env.restart_from, metrics_dir=env.metrics_dir)
 
 
 class PlanWritten(BaseException):  # noqa: N818 - a signal, named for what happened
@@ -380,6 +383,8 @@ class Trainer:
         self.steps_done = first_step
         self.final_state: dict[str, torch.Tensor] | None = None
         self._progress = Progress(num_steps, enabled=job.is_driver)
+        self._metrics = (StepMetrics(job.settings.metrics_dir, job.label)
+                         if job.settings.metrics_dir else None)
         self._finished = False
 
     @property
@@ -440,10 +445,17 @@ class Trainer:
         self.job.report_progress(self.steps_done)
         self._checkpoint_periodically()
         loss = outputs.get("loss")
+        loss_value = None if loss is None else loss.item()
         hit_rate = self.process.cache_hit_rate()
         extra = "" if hit_rate is None else f"hit rate {hit_rate:.3f}"
-        self._progress.update(self.steps_done - 1, None if loss is None else loss.item(), extra)
+        self._progress.update(self.steps_done - 1, loss_value, extra)
+        self._record_metrics(loss_value)
         return outputs
+
+    def _record_metrics(self, loss: float | None) -> None:
+        if self._metrics is not None:
+            self._metrics.record(self.steps_done - 1, loss=loss, stats=self.process.stats,
+                                 cache_counters=self.cache_counters)
 
     def _checkpoint_periodically(self) -> None:
         """Under `splitrun launch --checkpoint-every K`: save every K steps (every
@@ -539,6 +551,7 @@ class Trainer:
                 raise
             self.steps_done += 1
             self.job.report_progress(self.steps_done)
+            self._record_metrics(None)
 
     def finish(self) -> dict[str, torch.Tensor] | None:
         """End training on this process and leave the job.
@@ -577,6 +590,8 @@ class Trainer:
             for table, counters in self.cache_counters.items():
                 logger.info("[%s] cache %s: %s", job.label.describe(), table,
                             {k: v for k, v in counters.items() if k != "last_step"})
+            if self._metrics is not None:
+                self._metrics.close()
             self.process.close()
             job.close()
         return self.final_state
