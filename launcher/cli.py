@@ -25,7 +25,7 @@ from splitrun.splitter.errors import SplitrunError
 from splitrun.splitter.labels import Label, Role
 
 from .process_logs import ProcessLogs
-from .render import render_plan
+from .render import read_module_map, render_plan
 from .supervisor import Supervisor
 
 # A silent process is named within this long (plus a poll): fast, and still
@@ -476,8 +476,10 @@ def _plan(args) -> int:
     supervisor = new_supervisor(args)
     with tempfile.TemporaryDirectory(prefix="splitrun-plan-") as scratch:
         text_path = os.path.join(scratch, "plan.txt")
+        modules_path = os.path.join(scratch, "modules.json")
         env = dict(os.environ)
-        env.update({ENV.PLAN_OUT: text_path, ENV.NUM_WORKERS: str(args.workers),
+        env.update({ENV.PLAN_OUT: text_path, ENV.PLAN_MODULES_OUT: modules_path,
+                    ENV.NUM_WORKERS: str(args.workers),
                     ENV.NUM_SERVERS: str(args.servers), ENV.LOG_LEVEL: args.log_level,
                     "PYTHONUNBUFFERED": "1"})
         env.pop(ENV.SCHEDULER, None)
@@ -492,7 +494,7 @@ def _plan(args) -> int:
             return 1
         with open(text_path) as text:
             try:
-                plan = render_plan(text.read(), args.out)
+                plan = render_plan(text.read(), args.out, read_module_map(modules_path))
             except SplitrunError as exc:
                 supervisor.say(str(exc))
                 return 1

@@ -38,6 +38,7 @@ class ENV:
     THREADS = "SPLITRUN_THREADS"          # intra-op threads (torch.set_num_threads)
     LOG_LEVEL = "SPLITRUN_LOG_LEVEL"      # read by the launcher's bootstrap
     PLAN_OUT = "SPLITRUN_PLAN_OUT"        # `splitrun plan`: write the plan's text form here
+    PLAN_MODULES_OUT = "SPLITRUN_PLAN_MODULES_OUT"  # ...and each node's module (JSON) here
     NUM_WORKERS = "SPLITRUN_NUM_WORKERS"  # cluster size for `splitrun plan`
     NUM_SERVERS = "SPLITRUN_NUM_SERVERS"
     TRANSPORT = "SPLITRUN_TRANSPORT"      # auto (default) | grpc | shm: see TransportChoice
@@ -83,6 +84,7 @@ class ProcessEnvironment:
     # says this process is (task 0 hosts the scheduler); see identity.py.
     identity: ForeignIdentity | None = None
     metrics_dir: str | None = None       # splitrun --metrics-dir: TensorBoard scalars
+    plan_modules_out: str | None = None  # `splitrun plan`: node -> module map, for the picture
 
     @classmethod
     def parse(cls, environ: Mapping[str, str]) -> ProcessEnvironment:
@@ -128,7 +130,8 @@ class ProcessEnvironment:
             tls=TlsFiles.from_paths(environ.get(ENV.TLS_CERT), environ.get(ENV.TLS_KEY),
                                     environ.get(ENV.TLS_CA)),
             local_rank=max(local_rank, 0), identity=identity,
-            metrics_dir=environ.get(ENV.METRICS_DIR) or None)
+            metrics_dir=environ.get(ENV.METRICS_DIR) or None,
+            plan_modules_out=environ.get(ENV.PLAN_MODULES_OUT) or None)
 
 
 def _check_identity_alone(environ: Mapping[str, str], identity: ForeignIdentity) -> None:

@@ -15,6 +15,7 @@ report that they finished.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import socket
@@ -161,7 +162,8 @@ class Job:
                  transport: GrpcTransport | ShmTransport | None = None, incarnation: int = 0,
                  heartbeat_interval_s: float = 0.5, plan_out: str | None = None,
                  host: str = "127.0.0.1",
-                 hosted_scheduler: HostedScheduler | None = None) -> None:
+                 hosted_scheduler: HostedScheduler | None = None,
+                 plan_modules_out: str | None = None) -> None:
         self.label = label
         self.host = host  # the address peers reach this process by
         self.cluster = cluster
@@ -171,6 +173,7 @@ class Job:
         self.client = client
         self.transport = transport
         self.plan_out = plan_out
+        self.plan_modules_out = plan_modules_out
         self._heartbeat: Heartbeat | None = None
         self._failure_reported = False
         # Task 0 of a Slurm or torchrun job hosts the job's scheduler.
@@ -193,7 +196,7 @@ class Job:
         device = pick_device(env.device, env.local_rank)
         if env.plan_out is not None:
             return cls(Label.worker(0), env.plan_cluster, device, settings,
-                       plan_out=env.plan_out)
+                       plan_out=env.plan_out, plan_modules_out=env.plan_modules_out)
         hosted = _host_scheduler(env, settings)
         client = SchedulerClient(env.scheduler, env.token, env.tls)
         # The tensor server starts before registering: its address is part of
@@ -281,6 +284,8 @@ class Job:
         if self.plan_out is not None:
             with open(self.plan_out, "w") as out:
                 out.write(split.plan.to_text())
+            if self.plan_modules_out is not None:  # names the picture's blocks by module
+                _write_module_map(split.program, self.plan_modules_out)
             logger.info("plan written to %s\n%s", self.plan_out, split.plan.summary())
             raise PlanWritten()
         plan = split.plan
@@ -604,6 +609,17 @@ class Trainer:
         else:
             self._send_state(checkpoint.final_state_channel(self.job.label), self.steps_done)
             self.process.drain_prefetch()
+
+
+def _write_module_map(program: Program, path: str) -> None:
+    """Each op's module path (as the capture annotated it), as JSON."""
+    modules = {}
+    for node in program.graph.nodes:
+        module = program.module_of(node)
+        if module is not None:
+            modules[node.name] = module
+    with open(path, "w") as out:
+        json.dump(modules, out, sort_keys=True)
 
 
 def _waiting(process: ProcessRuntime) -> tuple[Label, float] | None:
