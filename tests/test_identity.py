@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from cluster import JOB_TIMEOUT_S, REPO, Proc, child_env
+from cluster import JOB_TIMEOUT_S, REPO, LocalCluster, Proc, child_env
 
 from splitrun.runtime.env import ENV, ProcessEnvironment
 from splitrun.runtime.errors import ClusterError
@@ -169,12 +169,16 @@ def accuracy_line(output: str) -> str:
     return line[line.index("held-out accuracy"):]  # without the launcher's prefix
 
 
-@pytest.fixture
-def launched_reference(local_cluster, tmp_path):
+@pytest.fixture(scope="module")
+def launched_reference(tmp_path_factory):
     """examples/ps_train.py for one epoch through `splitrun launch`, 2 workers + 1 server."""
-    reference = tmp_path / "launch.pt"
-    proc = local_cluster.run(PS_TRAIN, "--epochs", 1, "--save", reference, workers=2,
-                             servers=1)
+    directory = tmp_path_factory.mktemp("launch")
+    reference = directory / "launch.pt"
+    cluster = LocalCluster(cwd=directory)
+    try:
+        proc = cluster.run(PS_TRAIN, "--epochs", 1, "--save", reference, workers=2, servers=1)
+    finally:
+        cluster.close()
     return reference, accuracy_line(proc.output())
 
 
@@ -242,4 +246,29 @@ def test_torchrun_processes_train_the_main_job_like_splitrun_launch(tmp_path,
     assert f"hosting the scheduler at 127.0.0.1:{master_port + 1}" in procs[0].output()
     assert "joined as server 0" in procs[2].output()
     assert accuracy_line(procs[0].output()) == accuracy
+    assert_same_checkpoints(out, reference)
+
+
+@pytest.mark.slow
+def test_real_torchrun_trains_the_main_job_like_splitrun_launch(tmp_path, launched_reference):
+    """`torchrun --nproc-per-node 3 examples/ps_train.py`, torchrun's own agent
+    on 127.0.0.1 (its store on MASTER_PORT, the scheduler on another port)."""
+    reference, accuracy = launched_reference
+    out = tmp_path / "torchrun.pt"
+    master_port = free_port()
+    scheduler_port = free_port()
+    while scheduler_port == master_port:
+        scheduler_port = free_port()
+    env = child_env({ENV.TOKEN: TOKEN, ENV.NUM_SERVERS: "1",
+                     ENV.SCHEDULER_PORT: str(scheduler_port)})
+    for variable in (ENV.SCHEDULER, ENV.ROLE, ENV.RANK):
+        env.pop(variable, None)
+    proc = Proc([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+                 "--master-addr", "127.0.0.1", "--master-port", str(master_port),
+                 str(PS_TRAIN), "--epochs", "1", "--save", str(out)], env=env, cwd=tmp_path)
+    try:
+        assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
+    finally:
+        proc.kill()
+    assert accuracy_line(proc.output()) == accuracy
     assert_same_checkpoints(out, reference)
