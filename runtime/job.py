@@ -322,7 +322,17 @@ class Job:
 
     def report_failure(self, error: BaseException) -> None:
         """Tell the scheduler this process failed with `error` (once), after a
-        heartbeat with the step it reached. A peer's failure is not reported."""
+        heartbeat with the step it reached. A peer's failure is not reported.
+        A process hosting the scheduler then keeps it up until every peer has
+        heard of the failure (bounded), since it is about to exit."""
+        try:
+            self._report_failure(error)
+        finally:
+            if self._hosted_scheduler is not None and not isinstance(error, JobFinished):
+                self._hosted_scheduler.linger_after_failure(
+                    2 * self.settings.heartbeat_timeout_s)
+
+    def _report_failure(self, error: BaseException) -> None:
         if (self.client is None or isinstance(error, (PeerFailed, JobFinished))
                 or self._failure_reported):
             return
@@ -367,9 +377,9 @@ def _host_scheduler(env: ProcessEnvironment, settings: JobSettings) -> HostedSch
         raise ClusterError(f"{identity.describe()}: {exc} (every task derives the port from "
                            f"{ENV.SCHEDULER_PORT}, MASTER_PORT + 1 or SLURM_JOB_ID; set "
                            f"{ENV.SCHEDULER_PORT} to a free one)") from None
-    # On a failed exit, the peers still hear why (bounded); a clean exit
-    # closes it in Job.close first.
-    atexit.register(hosted.close, 2 * settings.heartbeat_timeout_s)
+    # A failure keeps it up until the peers heard (Job.report_failure); a clean
+    # exit closes it in Job.close. Any other exit stops it here, at once.
+    atexit.register(hosted.close, 0.0)
     logger.info("%s: hosting the scheduler at %s", identity.describe(), env.scheduler)
     return hosted
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from cluster import JOB_TIMEOUT_S, REPO, LocalCluster, Proc, child_env
+from cluster import JOB_TIMEOUT_S, REPO, SCRIPTS, LocalCluster, Proc, child_env
 
 from splitrun.runtime.env import ENV, ProcessEnvironment
 from splitrun.runtime.errors import ClusterError
@@ -272,3 +272,32 @@ def test_real_torchrun_trains_the_main_job_like_splitrun_launch(tmp_path, launch
         proc.kill()
     assert accuracy_line(proc.output()) == accuracy
     assert_same_checkpoints(out, reference)
+
+
+@pytest.mark.slow
+def test_when_task_0_fails_its_peers_are_told_why(tmp_path):
+    """Task 0 hosts the scheduler; when its script raises, the scheduler stays up
+    until the peers heard the failure, so they name it (not a lost scheduler)."""
+    port = str(free_port())
+
+    def env_of(task):
+        return {"RANK": str(task), "WORLD_SIZE": "2", "LOCAL_RANK": str(task),
+                "MASTER_ADDR": "127.0.0.1", ENV.SCHEDULER_PORT: port, ENV.LOG_LEVEL: "INFO"}
+
+    procs = []
+    try:
+        for task in range(2):
+            env = child_env({ENV.TOKEN: TOKEN, **env_of(task)})
+            for variable in (ENV.SCHEDULER, ENV.ROLE, ENV.RANK):
+                env.pop(variable, None)
+            procs.append(Proc([sys.executable, "-m", "splitrun.launcher.bootstrap",
+                               str(SCRIPTS / "fault_job.py"), "--crash-rank", "0",
+                               "--crash-at", "3"], env=env, cwd=tmp_path))
+        codes = [proc.wait(JOB_TIMEOUT_S) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert codes[0] != 0 and codes[1] != 0
+    peer = procs[1].output()
+    assert "worker 0 failed at step 3" in peer, peer
+    assert "unreachable" not in peer

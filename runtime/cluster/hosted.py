@@ -5,6 +5,8 @@ process of task 0 (worker 0) starts one before it registers, at the address
 every task derived from the same variables (`runtime/identity.py`), and keeps
 it until every process is done. If the job fails, it stays up (bounded) until
 every peer has heard why, so they report the cause instead of a lost scheduler.
+That wait happens before the process starts to exit: once the interpreter shuts
+down, gRPC's thread pool takes no new calls, and the scheduler goes silent.
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ class HostedScheduler:
         address = self._scheduler.start(host, port, tls)
         logger.info("hosting the job's scheduler at %s", address)
         return address
+
+    def linger_after_failure(self, timeout_s: float) -> bool:
+        """After this process's failure (or the job's): wait, at most
+        `timeout_s`, until every peer has heard of it. False if the job did
+        not fail or some peer did not hear in time."""
+        if self._closed or self._scheduler.failure is None:
+            return False
+        return self._scheduler.wait_failure_told(timeout_s)
 
     def close(self, timeout_s: float) -> None:
         """Wait (at most `timeout_s`) until every process is done, or, after a
