@@ -9,9 +9,9 @@ import pytest
 from cluster import REPO
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from splitrun.runtime.metrics import channel_tag
-
-pytestmark = pytest.mark.slow
+from splitrun.runtime.executor import ExecutorStats
+from splitrun.runtime.metrics import StepMetrics, channel_tag
+from splitrun.splitter.labels import Label
 
 PS_TRAIN = REPO / "examples" / "ps_train.py"
 # examples/ps_train.py, one epoch: 1437 training digits in global batches of 64.
@@ -25,6 +25,31 @@ def scalars(directory) -> EventAccumulator:
     return events
 
 
+def test_step_metrics_are_per_step_differences_and_cache_hit_rates(tmp_path):
+    stats = ExecutorStats()
+    metrics = StepMetrics(tmp_path, Label.worker(1))
+    for step, (sent, waited, hits) in enumerate([(100, 0.5, 3), (250, 0.75, 8)]):
+        stats.sent["w1->s0#0"].bytes += sent
+        stats.received["s0->w1#0"].bytes += 2 * sent
+        stats.received["s0->w1#0"].wait_s += waited
+        stats.recv_wait_s += waited
+        counters = {"emb": {"last_step": {"hits": hits, "unique_ids": 10, "evictions": step}}}
+        metrics.record(step, loss=1.0 / (step + 1), stats=stats, cache_counters=counters)
+    metrics.close()
+    events = scalars(tmp_path / "worker1")
+
+    def values(tag):
+        return [event.value for event in events.Scalars(tag)]
+    assert values("loss") == [1.0, 0.5]
+    assert values("sent_bytes/w1_to_s0_0") == [100, 250]
+    assert values("received_bytes/s0_to_w1_0") == [200, 500]
+    assert values("recv_wait_s/s0_to_w1_0") == [0.5, 0.75]
+    assert values("cache/emb/hit_rate") == pytest.approx([0.3, 0.8])
+    assert values("cache/emb/evictions") == [0, 1]
+    assert len(values("steps_per_s")) == 1
+
+
+@pytest.mark.slow
 def test_log_dir_and_metrics_dir_write_one_file_per_process(local_cluster, tmp_path):
     logs, metrics = tmp_path / "logs", tmp_path / "metrics"
     # Global options before the subcommand and after it.
