@@ -518,6 +518,11 @@ def _join(args) -> int:
     env = dict(os.environ)
     env.update({ENV.DEVICE: args.device, ENV.HOST: args.host, ENV.LOG_LEVEL: args.log_level})
     if args.scheduler is not None:
+        if args.workers is not None or args.servers is not None:
+            print("splitrun: --workers/--servers assign roles under srun or torchrun (no "
+                  "--scheduler); the scheduler at --scheduler already has the job's size "
+                  "(splitrun scheduler --workers/--servers)", file=sys.stderr)
+            return 2
         env[ENV.SCHEDULER] = args.scheduler
         env[ENV.ROLE] = args.role or "worker"
     else:

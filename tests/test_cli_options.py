@@ -40,3 +40,18 @@ def test_python_m_splitrun_is_the_splitrun_command(tmp_path):
                            "x.py"], cwd=tmp_path, env=child_env(), capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and "need --workers >= 1" in done.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["join", "x.py"], "join needs --scheduler HOST:PORT, or to run under srun or torchrun"),
+    (["join", "--scheduler", "127.0.0.1:1", "--workers", "2", "x.py"],
+     "--workers/--servers assign roles under srun or torchrun"),
+    (["--log-dir", "logs", "join", "x.py"], "--log-dir is for splitrun launch"),
+])
+def test_join_refuses_what_it_cannot_do(tmp_path, argv, message):
+    env = child_env({"SPLITRUN_TOKEN": "t"})
+    for variable in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SPLITRUN_SCHEDULER"):
+        env.pop(variable, None)
+    done = subprocess.run([sys.executable, "-m", "splitrun", *argv], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
