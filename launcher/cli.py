@@ -537,6 +537,8 @@ def _join(args) -> int:
     env[ENV.TOKEN] = token
     env.update(_tls_env(tls))
     env.update(_metrics_env(args))
+    if args.insecure:
+        env[ENV.INSECURE] = "1"
     if args.rank is not None:
         env[ENV.RANK] = str(args.rank)
     if args.advertise:

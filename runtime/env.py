@@ -51,6 +51,8 @@ class ENV:
     TLS_CA = "SPLITRUN_TLS_CA"            # ...and the CA peers' certificates are checked against
     LOCAL_RANK = "SPLITRUN_LOCAL_RANK"    # index among the job's processes on this machine
     METRICS_DIR = "SPLITRUN_METRICS_DIR"  # TensorBoard scalars go to METRICS_DIR/<process>/
+    INSECURE = "SPLITRUN_INSECURE"        # Slurm/torchrun: 1 lets a process serve off
+                                          # loopback without TLS (splitrun join --insecure)
     SCHEDULER_PORT = SCHEDULER_PORT_VARIABLE  # Slurm/torchrun: task 0's scheduler port
 
 
@@ -85,6 +87,7 @@ class ProcessEnvironment:
     identity: ForeignIdentity | None = None
     metrics_dir: str | None = None       # splitrun --metrics-dir: TensorBoard scalars
     plan_modules_out: str | None = None  # `splitrun plan`: node -> module map, for the picture
+    is_insecure: bool = False            # SPLITRUN_INSECURE=1
 
     @classmethod
     def parse(cls, environ: Mapping[str, str]) -> ProcessEnvironment:
@@ -131,7 +134,8 @@ class ProcessEnvironment:
                                     environ.get(ENV.TLS_CA)),
             local_rank=max(local_rank, 0), identity=identity,
             metrics_dir=environ.get(ENV.METRICS_DIR) or None,
-            plan_modules_out=environ.get(ENV.PLAN_MODULES_OUT) or None)
+            plan_modules_out=environ.get(ENV.PLAN_MODULES_OUT) or None,
+            is_insecure=environ.get(ENV.INSECURE, "") == "1")
 
 
 def _check_identity_alone(environ: Mapping[str, str], identity: ForeignIdentity) -> None:

@@ -43,6 +43,7 @@ from .process import ProcessRuntime
 from .progress import Progress
 from .transport.contract import ChannelContract, receive_contracts
 from .transport.grpc import GrpcTransport
+from .transport.grpc.tls import is_loopback
 from .transport.protocol import MessageKey
 from .transport.shm_transport import ShmTransport, TransportChoice
 
@@ -361,7 +362,18 @@ def _host_scheduler(env: ProcessEnvironment, settings: JobSettings) -> HostedSch
     """Task 0 of a job started by srun or torchrun (no scheduler named): start
     the job's scheduler in this process, where every task will look for it."""
     identity = env.identity
-    if identity is None or not identity.hosts_scheduler:
+    if identity is None:
+        return None
+    # No splitrun launcher checked this process's bind (`splitrun join` did, and
+    # passes --insecure on): off loopback, TLS or an explicit opt-out.
+    if env.tls is None and not env.is_insecure and not is_loopback(env.host):
+        raise ClusterError(
+            f"{identity.describe()} would listen on {env.host} ({ENV.HOST}) without TLS: "
+            f"tensors and the job's token would cross the network unencrypted; give "
+            f"{ENV.TLS_CERT}, {ENV.TLS_KEY} and {ENV.TLS_CA} (splitrun join --tls-cert, "
+            f"--tls-key, --tls-ca), or set {ENV.INSECURE}=1 (--insecure) on a network "
+            f"you trust")
+    if not identity.hosts_scheduler:
         return None
     if not env.token:
         raise ClusterError(

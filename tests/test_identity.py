@@ -301,3 +301,12 @@ def test_when_task_0_fails_its_peers_are_told_why(tmp_path):
     peer = procs[1].output()
     assert "worker 0 failed at step 3" in peer, peer
     assert "unreachable" not in peer
+
+
+def test_off_loopback_without_tls_is_refused_under_slurm_too():
+    from splitrun.runtime.job import Job
+
+    env = slurm(1, 2, SPLITRUN_HOST="0.0.0.0", SPLITRUN_TOKEN=TOKEN)
+    with pytest.raises(ClusterError, match=r"slurm task 1 of 2 .* would listen on 0.0.0.0 "
+                                           r"\(SPLITRUN_HOST\) without TLS.*SPLITRUN_INSECURE=1"):
+        Job.from_env(env)
