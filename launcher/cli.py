@@ -18,12 +18,14 @@ from splitrun.runtime import checkpoint
 from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
 from splitrun.runtime.env import ENV
 from splitrun.runtime.errors import ClusterError
+from splitrun.runtime.identity import foreign_identity
 from splitrun.runtime.transport.grpc.tls import TlsFiles, check_bind
 from splitrun.runtime.transport.shm_ring import new_job_prefix, remove_job_segments
 from splitrun.splitter.errors import SplitrunError
 from splitrun.splitter.labels import Label, Role
 
-from .render import render_plan
+from .process_logs import ProcessLogs
+from .render import read_module_map, render_plan
 from .supervisor import Supervisor
 
 # A silent process is named within this long (plus a poll): fast, and still
@@ -74,6 +76,15 @@ Runs one process of a job whose scheduler was started elsewhere (by
 `splitrun scheduler`, under Slurm, Kubernetes, or a shell loop). Copy the
 token file (mode 0600) to each machine; the token never goes on a command
 line. Off loopback, TLS is required unless you pass --insecure.
+
+under Slurm or torchrun (no --scheduler), every task runs the same command:
+  export SPLITRUN_TOKEN=$(openssl rand -hex 16)
+  srun -n 3 splitrun join --workers 2 --servers 1 --host 0.0.0.0 --insecure train.py
+  torchrun --nproc-per-node 3 -m splitrun join --workers 2 --servers 1 train.py
+Tasks 0..W-1 are the workers, the rest the servers; task 0 hosts the
+scheduler at MASTER_ADDR (else the first node of the Slurm step), port
+SPLITRUN_SCHEDULER_PORT, else MASTER_PORT + 1, else 20000 + SLURM_JOB_ID % 10000.
+Each process uses the GPU of its local rank (cuda:LOCAL_RANK modulo the GPUs).
 """
 
 _EPILOG_SCHEDULER = """\
@@ -154,16 +165,44 @@ def _add_script_args(parser: argparse.ArgumentParser) -> None:
                              "before SCRIPT)")
 
 
+# splitrun's global options and their defaults. They are accepted before the
+# subcommand (`splitrun --log-level DEBUG launch ...`) and after it (`splitrun
+# launch --log-level DEBUG ...`); given in both places, the later one wins.
+_GLOBAL_DEFAULTS = {"log_level": "INFO", "log_dir": None, "metrics_dir": None}
+
+
+def _global_options(*, in_subcommand: bool) -> argparse.ArgumentParser:
+    """The global options as an argparse parent. The copy inside each
+    subcommand has no defaults (SUPPRESS), so it only overrides what was
+    given before the subcommand when it is given itself."""
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("global options (before or after the subcommand)")
+
+    def default(name: str):
+        return argparse.SUPPRESS if in_subcommand else _GLOBAL_DEFAULTS[name]
+    group.add_argument("--log-level", default=default("log_level"),
+                       choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    group.add_argument("--log-dir", default=default("log_dir"), metavar="DIR",
+                       help="also write each process's output to DIR/<process>.log "
+                            "(worker0.log, server0.log; appended across restarts) and the "
+                            "launcher's own lines to DIR/launcher.log")
+    group.add_argument("--metrics-dir", default=default("metrics_dir"), metavar="DIR",
+                       help="each process writes TensorBoard scalars (loss, steps/s, bytes "
+                            "and receive wait per channel, cache hit rates) to "
+                            "DIR/<process>/; view with `tensorboard --logdir DIR` (needs "
+                            "pip install 'splitrun[metrics]')")
+    return parent
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="splitrun",
+        prog="splitrun", parents=[_global_options(in_subcommand=False)],
         description="Run one PyTorch training step split across processes.")
-    parser.add_argument("--log-level", default="INFO",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     commands = parser.add_subparsers(dest="command", required=True)
+    sub_globals = _global_options(in_subcommand=True)
 
     launch = commands.add_parser(
-        "launch", help="start a local cluster and supervise it",
+        "launch", help="start a local cluster and supervise it", parents=[sub_globals],
         description="Start the scheduler and W workers + S servers on this machine.",
         epilog=_EPILOG_LAUNCH, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_cluster_args(launch)
@@ -192,7 +231,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_script_args(launch)
 
     plan = commands.add_parser(
-        "plan", help="write the split plan without running it",
+        "plan", help="write the split plan without running it", parents=[sub_globals],
         description="Show how SCRIPT's step would be split.",
         epilog=_EPILOG_PLAN, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_cluster_args(plan)
@@ -200,15 +239,27 @@ def _parser() -> argparse.ArgumentParser:
     _add_script_args(plan)
 
     join = commands.add_parser(
-        "join", help="run one process of a job started elsewhere",
-        description="Join the job of the scheduler at --scheduler.",
+        "join", help="run one process of a job started elsewhere", parents=[sub_globals],
+        description="Join the job of the scheduler at --scheduler, or, under srun or "
+                    "torchrun, the job their variables describe (task 0 hosts the "
+                    "scheduler).",
         epilog=_EPILOG_JOIN, formatter_class=argparse.RawDescriptionHelpFormatter)
-    join.add_argument("--scheduler", required=True, help="HOST:PORT of the scheduler")
+    join.add_argument("--scheduler", default=None,
+                      help="HOST:PORT of the scheduler (default under srun or torchrun: "
+                           "task 0 hosts it at MASTER_ADDR, else the first node of the "
+                           "Slurm step; see README)")
+    join.add_argument("--workers", type=int, default=None,
+                      help="under srun/torchrun: tasks 0..W-1 are the workers "
+                           "(default: every task that is not a server)")
+    join.add_argument("--servers", type=int, default=None,
+                      help="under srun/torchrun: the last S tasks are the servers (default 0)")
     join.add_argument("--token-file", default=None,
                       help=f"a file (mode 0600) holding the job's token, as `splitrun "
                            f"scheduler` wrote it (default: ${ENV.TOKEN}); never on the "
                            f"command line, where `ps` shows it")
-    join.add_argument("--role", default="worker", choices=["worker", "server"])
+    join.add_argument("--role", default=None, choices=["worker", "server"],
+                      help="with --scheduler (default worker); under srun/torchrun the task "
+                           "number decides")
     join.add_argument("--rank", type=int, default=None, help="rank to ask for (default: next free)")
     join.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     join.add_argument("--host", default="127.0.0.1",
@@ -223,6 +274,7 @@ def _parser() -> argparse.ArgumentParser:
 
     scheduler = commands.add_parser(
         "scheduler", help="run a standalone scheduler for `splitrun join`",
+        parents=[sub_globals],
         description="Run the membership service of one job.",
         epilog=_EPILOG_SCHEDULER, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_cluster_args(scheduler)
@@ -256,6 +308,39 @@ def _export(args) -> int:
     print(f"splitrun export: step {result.get('step')}, {len(result.get('model', {}))} model "
           f"tensors written to {args.out} (checksum in {checkpoint.checksum_path(args.out)})")
     return 0
+
+
+class _Tee:
+    """Writes to the console and to the launcher's log file (--log-dir)."""
+
+    def __init__(self, *streams) -> None:
+        self._streams = streams
+
+    def write(self, text: str) -> None:
+        for stream in self._streams:
+            stream.write(text)
+
+    def flush(self) -> None:
+        for stream in self._streams:
+            stream.flush()
+
+
+def new_supervisor(args) -> Supervisor:
+    """A supervisor for the processes of one start of the job: their lines on
+    the console, prefixed, and with --log-dir in one file per process too."""
+    if getattr(args, "log_dir", None) is None:
+        return Supervisor()
+    logs = ProcessLogs(args.log_dir)
+    return Supervisor(out=_Tee(sys.stdout, logs.open_launcher()), logs=logs)
+
+
+def _log_to_dir(args) -> None:
+    """With --log-dir, the launcher's own log records go to launcher.log too."""
+    if getattr(args, "log_dir", None) is None or args.command == "join":
+        return
+    handler = logging.StreamHandler(ProcessLogs(args.log_dir).open_launcher())
+    handler.setFormatter(logging.Formatter("[splitrun] %(levelname)s %(message)s"))
+    logging.getLogger().addHandler(handler)
 
 
 def _new_incarnation() -> int:
@@ -307,6 +392,7 @@ def _child_env(args, address: str, token: str, label: Label,
         env[ENV.RECV_TIMEOUT_S] = str(args.recv_timeout)
     if shm_prefix is not None:
         env[ENV.SHM_PREFIX] = shm_prefix
+    env.update(_metrics_env(args))
     return env
 
 
@@ -341,7 +427,7 @@ def _launch(args) -> int:
     try:
         restart_from, attempt = None, 0
         while True:
-            supervisor = Supervisor()
+            supervisor = new_supervisor(args)
             current.append(supervisor)
             if interrupted:
                 supervisor.interrupt(interrupted[0])
@@ -392,9 +478,10 @@ def _run_once(args, token: str, tls: TlsFiles | None, supervisor: Supervisor,
     try:
         labels = ([Label(r, Role.WORKER) for r in range(args.workers)]
                   + [Label(r, Role.SERVER) for r in range(args.servers)])
-        for label in labels:
+        for local_rank, label in enumerate(labels):
             env = _child_env(args, address, token, label, shm_prefix)
             env.update(extra)
+            env[ENV.LOCAL_RANK] = str(local_rank)  # its GPU: cuda:local_rank % GPUs
             supervisor.spawn(label, _script_argv(args, die_with_launcher=True), env)
         return supervisor.run(external_failure=lambda: scheduler.failure,
                               step_of=scheduler.member_step)
@@ -406,11 +493,13 @@ def _run_once(args, token: str, tls: TlsFiles | None, supervisor: Supervisor,
 def _plan(args) -> int:
     """Run the script once as worker 0 in plan mode: it writes the plan's text
     form and stops at `job.start()`; then render it as `--out` asks."""
-    supervisor = Supervisor()
+    supervisor = new_supervisor(args)
     with tempfile.TemporaryDirectory(prefix="splitrun-plan-") as scratch:
         text_path = os.path.join(scratch, "plan.txt")
+        modules_path = os.path.join(scratch, "modules.json")
         env = dict(os.environ)
-        env.update({ENV.PLAN_OUT: text_path, ENV.NUM_WORKERS: str(args.workers),
+        env.update({ENV.PLAN_OUT: text_path, ENV.PLAN_MODULES_OUT: modules_path,
+                    ENV.NUM_WORKERS: str(args.workers),
                     ENV.NUM_SERVERS: str(args.servers), ENV.LOG_LEVEL: args.log_level,
                     "PYTHONUNBUFFERED": "1"})
         env.pop(ENV.SCHEDULER, None)
@@ -425,7 +514,7 @@ def _plan(args) -> int:
             return 1
         with open(text_path) as text:
             try:
-                plan = render_plan(text.read(), args.out)
+                plan = render_plan(text.read(), args.out, read_module_map(modules_path))
             except SplitrunError as exc:
                 supervisor.say(str(exc))
                 return 1
@@ -434,6 +523,11 @@ def _plan(args) -> int:
 
 
 def _join(args) -> int:
+    if args.log_dir is not None:
+        print("splitrun: join runs one process in this terminal; keep its output with your "
+              "launcher's own option (srun --output=DIR/%t.log) or a redirect; --log-dir "
+              "is for splitrun launch", file=sys.stderr)
+        return 2
     try:
         tls = _tls_of(args, "splitrun join")
         token = (_read_token_file(args.token_file) if args.token_file
@@ -441,14 +535,30 @@ def _join(args) -> int:
     except ClusterError as exc:
         print(f"splitrun: {exc}", file=sys.stderr)
         return 2
+    env = dict(os.environ)
+    env.update({ENV.DEVICE: args.device, ENV.HOST: args.host, ENV.LOG_LEVEL: args.log_level})
+    if args.scheduler is not None:
+        if args.workers is not None or args.servers is not None:
+            print("splitrun: --workers/--servers assign roles under srun or torchrun (no "
+                  "--scheduler); the scheduler at --scheduler already has the job's size "
+                  "(splitrun scheduler --workers/--servers)", file=sys.stderr)
+            return 2
+        env[ENV.SCHEDULER] = args.scheduler
+        env[ENV.ROLE] = args.role or "worker"
+    else:
+        problem = _identity_env(args, env)
+        if problem is not None:
+            print(f"splitrun: {problem}", file=sys.stderr)
+            return 2
     if not token:
         print(f"splitrun: join needs the job's token: --token-file PATH (the file `splitrun "
               f"scheduler` wrote) or ${ENV.TOKEN}", file=sys.stderr)
         return 2
-    env = dict(os.environ)
-    env.update({ENV.SCHEDULER: args.scheduler, ENV.TOKEN: token, ENV.ROLE: args.role,
-                ENV.DEVICE: args.device, ENV.HOST: args.host, ENV.LOG_LEVEL: args.log_level})
+    env[ENV.TOKEN] = token
     env.update(_tls_env(tls))
+    env.update(_metrics_env(args))
+    if args.insecure:
+        env[ENV.INSECURE] = "1"
     if args.rank is not None:
         env[ENV.RANK] = str(args.rank)
     if args.advertise:
@@ -458,6 +568,38 @@ def _join(args) -> int:
     argv = _script_argv(args, die_with_launcher=False)
     os.execvpe(argv[0], argv, env)  # this process becomes the job's process
     return 1  # not reached
+
+
+def _identity_env(args, env: dict[str, str]) -> str | None:
+    """`splitrun join` without --scheduler, under srun or torchrun: put the
+    cluster size in `env` (the task number then decides the role, see
+    runtime/identity.py) and check the variables; the problem, or None."""
+    env.pop(ENV.SCHEDULER, None)
+    if args.workers is not None and args.workers < 1:
+        return f"need --workers >= 1, got {args.workers}"
+    if args.servers is not None and args.servers < 0:
+        return f"need --servers >= 0, got {args.servers}"
+    for variable, value in ((ENV.NUM_WORKERS, args.workers), (ENV.NUM_SERVERS, args.servers)):
+        if value is not None:
+            env[variable] = str(value)
+    if args.role is not None:
+        env[ENV.ROLE] = args.role
+    try:
+        identity = foreign_identity(env)
+    except ClusterError as exc:
+        return str(exc)
+    if identity is None:
+        return ("join needs --scheduler HOST:PORT, or to run under srun or torchrun "
+                "(SLURM_PROCID/SLURM_NTASKS or RANK/WORLD_SIZE set)")
+    logger.info("%s; scheduler at %s%s", identity.describe(), identity.scheduler,
+                " (hosted by this task)" if identity.hosts_scheduler else "")
+    return None
+
+
+def _metrics_env(args) -> dict[str, str]:
+    if args.metrics_dir is None:
+        return {}
+    return {ENV.METRICS_DIR: os.path.abspath(args.metrics_dir)}
 
 
 def _scheduler(args) -> int:
@@ -499,7 +641,9 @@ def _scheduler(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="[splitrun] %(levelname)s %(message)s")
-    if getattr(args, "workers", 1) < 1 or getattr(args, "servers", 0) < 0:
+    _log_to_dir(args)
+    if args.command != "join" and (getattr(args, "workers", 1) < 1
+                                   or getattr(args, "servers", 0) < 0):
         print("splitrun: need --workers >= 1 and --servers >= 0", file=sys.stderr)
         return 2
     command = {"launch": _launch, "plan": _plan, "join": _join, "scheduler": _scheduler,

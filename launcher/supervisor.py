@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from splitrun.splitter.labels import Label
 
 from .bootstrap import ERROR_MARK
+from .process_logs import ProcessLogs
 
 __all__ = ["Child", "Supervisor", "Outcome"]
 
@@ -146,9 +147,11 @@ class Supervisor:
     """Runs one command per label; `run()` returns when all exited cleanly or
     after the first failure has stopped the rest."""
 
-    def __init__(self, out=None) -> None:
+    def __init__(self, out=None, logs: ProcessLogs | None = None) -> None:
         self.children: list[Child] = []
         self._out = out or sys.stdout
+        # --log-dir: each child's lines also go to a file of its own.
+        self._logs = logs
         self._write_lock = threading.Lock()
         self._interrupted = threading.Event()
         self._signal = signal.SIGINT
@@ -162,7 +165,8 @@ class Supervisor:
             list(argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True)
         child = Child(label, process)
-        child.reader = threading.Thread(target=self._relay, args=(child,), daemon=True,
+        log = self._logs.open(label) if self._logs is not None else None
+        child.reader = threading.Thread(target=self._relay, args=(child, log), daemon=True,
                                         name=f"relay-{label}")
         child.reader.start()
         self.children.append(child)
@@ -174,13 +178,15 @@ class Supervisor:
             self._out.write(f"[splitrun] {text}\n")
             self._out.flush()
 
-    def _relay(self, child: Child) -> None:
+    def _relay(self, child: Child, log=None) -> None:
         prefix = f"[{child.label.describe()}] "
         errors = _ErrorLine()
         for raw in iter(child.process.stdout.readline, b""):
             line = raw.decode(errors="replace").rstrip("\r\n")
             # A carriage-return progress bar would glue lines together.
             line = line.rsplit("\r", 1)[-1]
+            if log is not None:
+                log.write(line + "\n")
             errors.feed(line)
             if errors.line is not None and errors.line != child.error:
                 child.error, child.error_seen = errors.line, time.monotonic()
@@ -190,6 +196,8 @@ class Supervisor:
                 self._out.write(prefix + line + "\n")
                 self._out.flush()
         child.process.stdout.close()
+        if log is not None:
+            log.close()
 
     def interrupt(self, signum: int = signal.SIGINT) -> None:
         self._signal = signal.Signals(signum)

@@ -2,7 +2,8 @@
 
 `splitrun launch` and `splitrun join` set these variables; `Job.from_env()`
 reads them through `ProcessEnvironment.parse`. Nothing else in splitrun reads
-the environment, so this module is the whole contract.
+the environment, so this module (with `identity.py`, which reads what Slurm and
+torchrun set when no splitrun launcher named the scheduler) is the whole contract.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from splitrun.splitter.errors import LabelError
 from splitrun.splitter.labels import Cluster, Role
 
 from .errors import ClusterError
+from .identity import SCHEDULER_PORT_VARIABLE, ForeignIdentity, foreign_identity
 from .transport.grpc.tls import TlsFiles
 
 __all__ = ["ENV", "ProcessEnvironment"]
@@ -36,6 +38,7 @@ class ENV:
     THREADS = "SPLITRUN_THREADS"          # intra-op threads (torch.set_num_threads)
     LOG_LEVEL = "SPLITRUN_LOG_LEVEL"      # read by the launcher's bootstrap
     PLAN_OUT = "SPLITRUN_PLAN_OUT"        # `splitrun plan`: write the plan's text form here
+    PLAN_MODULES_OUT = "SPLITRUN_PLAN_MODULES_OUT"  # ...and each node's module (JSON) here
     NUM_WORKERS = "SPLITRUN_NUM_WORKERS"  # cluster size for `splitrun plan`
     NUM_SERVERS = "SPLITRUN_NUM_SERVERS"
     TRANSPORT = "SPLITRUN_TRANSPORT"      # auto (default) | grpc | shm: see TransportChoice
@@ -46,6 +49,11 @@ class ENV:
     TLS_CERT = "SPLITRUN_TLS_CERT"        # this process's certificate (PEM)...
     TLS_KEY = "SPLITRUN_TLS_KEY"          # ...its key...
     TLS_CA = "SPLITRUN_TLS_CA"            # ...and the CA peers' certificates are checked against
+    LOCAL_RANK = "SPLITRUN_LOCAL_RANK"    # index among the job's processes on this machine
+    METRICS_DIR = "SPLITRUN_METRICS_DIR"  # TensorBoard scalars go to METRICS_DIR/<process>/
+    INSECURE = "SPLITRUN_INSECURE"        # Slurm/torchrun: 1 lets a process serve off
+                                          # loopback without TLS (splitrun join --insecure)
+    SCHEDULER_PORT = SCHEDULER_PORT_VARIABLE  # Slurm/torchrun: task 0's scheduler port
 
 
 @dataclass(frozen=True)
@@ -71,22 +79,40 @@ class ProcessEnvironment:
     checkpoint_dir: str | None = None
     restart_from: str | None = None      # a restarted job's checkpoint
     tls: TlsFiles | None = None          # TLS for the tensor service and the scheduler
+    # Picks this process's GPU (cuda:local_rank modulo the visible devices):
+    # SPLITRUN_LOCAL_RANK, else torchrun's LOCAL_RANK or Slurm's SLURM_LOCALID.
+    local_rank: int = 0
+    # Started by srun or torchrun with no scheduler named: who Slurm or torchrun
+    # says this process is (task 0 hosts the scheduler); see identity.py.
+    identity: ForeignIdentity | None = None
+    metrics_dir: str | None = None       # splitrun --metrics-dir: TensorBoard scalars
+    plan_modules_out: str | None = None  # `splitrun plan`: node -> module map, for the picture
+    is_insecure: bool = False            # SPLITRUN_INSECURE=1
 
     @classmethod
     def parse(cls, environ: Mapping[str, str]) -> ProcessEnvironment:
         plan_out = environ.get(ENV.PLAN_OUT) or None
         scheduler = environ.get(ENV.SCHEDULER) or None
-        if plan_out is None and scheduler is None:
+        identity = foreign_identity(environ) if plan_out is None and scheduler is None else None
+        if plan_out is None and scheduler is None and identity is None:
             raise ClusterError(
                 f"{ENV.SCHEDULER} is not set: this script joins a splitrun job; start it "
-                f"with `splitrun launch --workers N {sys.argv[0]}` or `splitrun join "
-                f"--scheduler HOST:PORT {sys.argv[0]}`")
+                f"with `splitrun launch --workers N {sys.argv[0]}`, `splitrun join "
+                f"--scheduler HOST:PORT {sys.argv[0]}`, or under srun or torchrun (their "
+                f"SLURM_PROCID/SLURM_NTASKS or RANK/WORLD_SIZE name the process)")
         try:
             role = Role.parse(environ.get(ENV.ROLE, "worker"))
         except LabelError as exc:
             raise ClusterError(f"{ENV.ROLE}: {exc}") from None
         host = environ.get(ENV.HOST, "127.0.0.1")
         rank = _integer(environ, ENV.RANK)
+        if identity is not None:
+            _check_identity_alone(environ, identity)
+            scheduler, role, rank = identity.scheduler, identity.label.role, identity.label.rank
+        local_rank = _integer(environ, ENV.LOCAL_RANK)
+        if local_rank is None:
+            local_rank = identity.local_rank if identity is not None else _foreign_local_rank(
+                environ)
         return cls(
             scheduler=scheduler, token=environ.get(ENV.TOKEN, ""), role=role,
             rank=None if rank is None or rank < 0 else rank,
@@ -105,7 +131,32 @@ class ProcessEnvironment:
             checkpoint_dir=environ.get(ENV.CHECKPOINT_DIR) or None,
             restart_from=environ.get(ENV.RESTART_FROM) or None,
             tls=TlsFiles.from_paths(environ.get(ENV.TLS_CERT), environ.get(ENV.TLS_KEY),
-                                    environ.get(ENV.TLS_CA)))
+                                    environ.get(ENV.TLS_CA)),
+            local_rank=max(local_rank, 0), identity=identity,
+            metrics_dir=environ.get(ENV.METRICS_DIR) or None,
+            plan_modules_out=environ.get(ENV.PLAN_MODULES_OUT) or None,
+            is_insecure=environ.get(ENV.INSECURE, "") == "1")
+
+
+def _check_identity_alone(environ: Mapping[str, str], identity: ForeignIdentity) -> None:
+    """Under Slurm or torchrun the task number decides the role and rank; a
+    different role or rank asked for as well would contradict it."""
+    asked = {ENV.ROLE: identity.label.role.value, ENV.RANK: str(identity.label.rank)}
+    for key, expected in asked.items():
+        if environ.get(key, "") not in ("", "-1", expected):
+            raise ClusterError(
+                f"{key}={environ[key]} is set, but {identity.describe()} takes its role "
+                f"and rank from its task number; drop --role/--rank (assign roles with "
+                f"--workers/--servers), or name the scheduler with --scheduler HOST:PORT")
+
+
+def _foreign_local_rank(environ: Mapping[str, str]) -> int:
+    """The local rank torchrun or Slurm set, where a splitrun launcher did not."""
+    for key in ("LOCAL_RANK", "SLURM_LOCALID"):
+        value = _integer(environ, key)
+        if value is not None:
+            return value
+    return 0
 
 
 def _integer(environ: Mapping[str, str], key: str) -> int | None:

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 class ChannelStats:
     messages: int = 0
     bytes: int = 0
+    wait_s: float = 0.0  # receives only: time blocked waiting for this channel
 
 
 @dataclass
@@ -277,7 +278,8 @@ class Executor:
                 tensors = self.transport.recv(src, key, timeout_s, control=control)
         finally:
             self._waiting = None
-        self.stats.recv_wait_s += time.perf_counter() - waited
+        waited = time.perf_counter() - waited
+        self.stats.recv_wait_s += waited
         if len(tensors) != len(recv_names):
             raise MessageRejected(
                 f"{self._tag} step {step}: channel {channel!r} from {src.describe()} "
@@ -287,6 +289,7 @@ class Executor:
         counter = self.stats.received[channel]
         counter.messages += 1
         counter.bytes += nbytes_of(tensors)
+        counter.wait_s += waited
 
     def abort(self, error: BaseException) -> None:
         self.transport.abort(error)

@@ -14,6 +14,8 @@ report that they finished.
 
 from __future__ import annotations
 
+import atexit
+import json
 import logging
 import os
 import socket
@@ -30,16 +32,19 @@ from splitrun.splitter.plan import ModeKind, SplitPlan
 from splitrun.splitter.program import Program
 
 from . import checkpoint, sharded_checkpoint
+from .cluster.hosted import HostedScheduler
 from .cluster.membership import Heartbeat, SchedulerClient
 from .cluster.rendezvous import SchedulerRendezvous
 from .data import shard_batches
 from .embedding.store import ShardSnapshot
 from .env import ENV, ProcessEnvironment
 from .errors import ClusterError, JobFinished, PeerFailed, SplitrunError, TransportError
+from .metrics import StepMetrics
 from .process import ProcessRuntime
 from .progress import Progress
 from .transport.contract import ChannelContract, receive_contracts
 from .transport.grpc import GrpcTransport
+from .transport.grpc.tls import is_loopback
 from .transport.protocol import MessageKey
 from .transport.shm_transport import ShmTransport, TransportChoice
 
@@ -106,6 +111,8 @@ class JobSettings:
     checkpoint_every: int | None = None
     checkpoint_dir: str | None = None
     restart_from: str | None = None
+    # `splitrun --metrics-dir DIR`: TensorBoard scalars of each step in DIR/<process>/.
+    metrics_dir: str | None = None
 
     @classmethod
     def from_environment(cls, env: ProcessEnvironment) -> JobSettings:
@@ -115,7 +122,7 @@ class JobSettings:
                    idle_timeout_s=given(env.idle_timeout_s, cls.idle_timeout_s),
                    heartbeat_timeout_s=given(env.heartbeat_timeout_s, cls.heartbeat_timeout_s),
                    checkpoint_every=env.checkpoint_every, checkpoint_dir=env.checkpoint_dir,
-                   restart_from=env.restart_from)
+                   restart_from=env.restart_from, metrics_dir=env.metrics_dir)
 
 
 class PlanWritten(BaseException):  # noqa: N818 - a signal, named for what happened
@@ -125,10 +132,17 @@ class PlanWritten(BaseException):  # noqa: N818 - a signal, named for what happe
     ends the process with status 0 on it."""
 
 
-def pick_device(text: str) -> torch.device:
-    """`auto`: CUDA where there is a device, else the CPU."""
+def pick_device(text: str, local_rank: int = 0) -> torch.device:
+    """The device of a process whose local rank (its index among the job's
+    processes on this machine) is `local_rank`. `auto`: CUDA where there is a
+    device, else the CPU. CUDA without an index means the GPU of the local
+    rank, `cuda:(local_rank % visible devices)`, so the processes on one machine
+    spread over its GPUs instead of all sharing `cuda:0`. Under `srun` or
+    `torchrun` each process sees every GPU of its node and picks its own this
+    way; a launcher that gives each process one GPU (`CUDA_VISIBLE_DEVICES`)
+    leaves one to pick."""
     if text in ("", "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        text = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(text)
     except RuntimeError:
@@ -137,6 +151,8 @@ def pick_device(text: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ClusterError(f"{ENV.DEVICE}={text} but this machine has no CUDA device; "
                            f"launch with --device cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
     return device
 
 
@@ -147,7 +163,9 @@ class Job:
                  settings: JobSettings, *, client: SchedulerClient | None = None,
                  transport: GrpcTransport | ShmTransport | None = None, incarnation: int = 0,
                  heartbeat_interval_s: float = 0.5, plan_out: str | None = None,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1",
+                 hosted_scheduler: HostedScheduler | None = None,
+                 plan_modules_out: str | None = None) -> None:
         self.label = label
         self.host = host  # the address peers reach this process by
         self.cluster = cluster
@@ -157,8 +175,11 @@ class Job:
         self.client = client
         self.transport = transport
         self.plan_out = plan_out
+        self.plan_modules_out = plan_modules_out
         self._heartbeat: Heartbeat | None = None
         self._failure_reported = False
+        # Task 0 of a Slurm or torchrun job hosts the job's scheduler.
+        self._hosted_scheduler = hosted_scheduler
         if client is not None:
             self._heartbeat = Heartbeat(
                 client, label, heartbeat_interval_s, settings.heartbeat_timeout_s,
@@ -174,10 +195,11 @@ class Job:
         if env.threads is not None:
             torch.set_num_threads(env.threads)
         settings = JobSettings.from_environment(env)
-        device = pick_device(env.device)
+        device = pick_device(env.device, env.local_rank)
         if env.plan_out is not None:
             return cls(Label.worker(0), env.plan_cluster, device, settings,
-                       plan_out=env.plan_out)
+                       plan_out=env.plan_out, plan_modules_out=env.plan_modules_out)
+        hosted = _host_scheduler(env, settings)
         client = SchedulerClient(env.scheduler, env.token, env.tls)
         # The tensor server starts before registering: its address is part of
         # the registration. Its label is provisional until the scheduler assigns
@@ -198,7 +220,8 @@ class Job:
                     registration.incarnation, device, torch.get_num_threads())
         job = cls(registration.label, registration.cluster, device, settings,
                   client=client, transport=transport, incarnation=registration.incarnation,
-                  heartbeat_interval_s=registration.heartbeat_interval_s, host=host)
+                  heartbeat_interval_s=registration.heartbeat_interval_s, host=host,
+                  hosted_scheduler=hosted)
         global _joined
         _joined = job
         return job
@@ -264,6 +287,8 @@ class Job:
         if self.plan_out is not None:
             with open(self.plan_out, "w") as out:
                 out.write(split.plan.to_text())
+            if self.plan_modules_out is not None:  # names the picture's blocks by module
+                _write_module_map(split.program, self.plan_modules_out)
             logger.info("plan written to %s\n%s", self.plan_out, split.plan.summary())
             raise PlanWritten()
         plan = split.plan
@@ -304,7 +329,17 @@ class Job:
 
     def report_failure(self, error: BaseException) -> None:
         """Tell the scheduler this process failed with `error` (once), after a
-        heartbeat with the step it reached. A peer's failure is not reported."""
+        heartbeat with the step it reached. A peer's failure is not reported.
+        A process hosting the scheduler then keeps it up until every peer has
+        heard of the failure (bounded), since it is about to exit."""
+        try:
+            self._report_failure(error)
+        finally:
+            if self._hosted_scheduler is not None and not isinstance(error, JobFinished):
+                self._hosted_scheduler.linger_after_failure(
+                    2 * self.settings.heartbeat_timeout_s)
+
+    def _report_failure(self, error: BaseException) -> None:
         if (self.client is None or isinstance(error, (PeerFailed, JobFinished))
                 or self._failure_reported):
             return
@@ -325,6 +360,46 @@ class Job:
             self.transport.close()
         if self.client is not None:
             self.client.close()
+        if self._hosted_scheduler is not None:
+            self._hosted_scheduler.close(self.settings.finish_timeout_s)
+
+
+def _host_scheduler(env: ProcessEnvironment, settings: JobSettings) -> HostedScheduler | None:
+    """Task 0 of a job started by srun or torchrun (no scheduler named): start
+    the job's scheduler in this process, where every task will look for it."""
+    identity = env.identity
+    if identity is None:
+        return None
+    # No splitrun launcher checked this process's bind (`splitrun join` did, and
+    # passes --insecure on): off loopback, TLS or an explicit opt-out.
+    if env.tls is None and not env.is_insecure and not is_loopback(env.host):
+        raise ClusterError(
+            f"{identity.describe()} would listen on {env.host} ({ENV.HOST}) without TLS: "
+            f"tensors and the job's token would cross the network unencrypted; give "
+            f"{ENV.TLS_CERT}, {ENV.TLS_KEY} and {ENV.TLS_CA} (splitrun join --tls-cert, "
+            f"--tls-key, --tls-ca), or set {ENV.INSECURE}=1 (--insecure) on a network "
+            f"you trust")
+    if not identity.hosts_scheduler:
+        return None
+    if not env.token:
+        raise ClusterError(
+            f"{identity.describe()} hosts the job's scheduler, which needs the job's token: "
+            f"set {ENV.TOKEN} to the same secret in every task (export "
+            f"{ENV.TOKEN}=$(openssl rand -hex 16) before srun or torchrun), or pass "
+            f"--token-file to splitrun join")
+    hosted = HostedScheduler(identity.cluster, env.token,
+                             heartbeat_timeout_s=settings.heartbeat_timeout_s)
+    try:
+        hosted.start(env.host, identity.scheduler_port, env.tls)
+    except ClusterError as exc:
+        raise ClusterError(f"{identity.describe()}: {exc} (every task derives the port from "
+                           f"{ENV.SCHEDULER_PORT}, MASTER_PORT + 1 or SLURM_JOB_ID; set "
+                           f"{ENV.SCHEDULER_PORT} to a free one)") from None
+    # A failure keeps it up until the peers heard (Job.report_failure); a clean
+    # exit closes it in Job.close. Any other exit stops it here, at once.
+    atexit.register(hosted.close, 0.0)
+    logger.info("%s: hosting the scheduler at %s", identity.describe(), env.scheduler)
+    return hosted
 
 
 class Trainer:
@@ -341,6 +416,8 @@ class Trainer:
         self.steps_done = first_step
         self.final_state: dict[str, torch.Tensor] | None = None
         self._progress = Progress(num_steps, enabled=job.is_driver)
+        self._metrics = (StepMetrics(job.settings.metrics_dir, job.label)
+                         if job.settings.metrics_dir else None)
         self._finished = False
         self._num_sharded_saves = 0
         if job.is_server:
@@ -404,10 +481,17 @@ class Trainer:
         self.job.report_progress(self.steps_done)
         self._checkpoint_periodically()
         loss = outputs.get("loss")
+        loss_value = None if loss is None else loss.item()
         hit_rate = self.process.cache_hit_rate()
         extra = "" if hit_rate is None else f"hit rate {hit_rate:.3f}"
-        self._progress.update(self.steps_done - 1, None if loss is None else loss.item(), extra)
+        self._progress.update(self.steps_done - 1, loss_value, extra)
+        self._record_metrics(loss_value)
         return outputs
+
+    def _record_metrics(self, loss: float | None) -> None:
+        if self._metrics is not None:
+            self._metrics.record(self.steps_done - 1, loss=loss, stats=self.process.stats,
+                                 cache_counters=self.cache_counters)
 
     def _checkpoint_periodically(self) -> None:
         """Under `splitrun launch --checkpoint-every K`: save every K steps (every
@@ -563,6 +647,7 @@ class Trainer:
                 raise
             self.steps_done += 1
             self.job.report_progress(self.steps_done)
+            self._record_metrics(None)
 
     def finish(self) -> dict[str, torch.Tensor] | None:
         """End training on this process and leave the job.
@@ -601,6 +686,8 @@ class Trainer:
             for table, counters in self.cache_counters.items():
                 logger.info("[%s] cache %s: %s", job.label.describe(), table,
                             {k: v for k, v in counters.items() if k != "last_step"})
+            if self._metrics is not None:
+                self._metrics.close()
             self.process.close()
             job.close()
         return self.final_state
@@ -613,6 +700,17 @@ class Trainer:
         else:
             self._send_state(checkpoint.final_state_channel(self.job.label), self.steps_done)
             self.process.drain_prefetch()
+
+
+def _write_module_map(program: Program, path: str) -> None:
+    """Each op's module path (as the capture annotated it), as JSON."""
+    modules = {}
+    for node in program.graph.nodes:
+        module = program.module_of(node)
+        if module is not None:
+            modules[node.name] = module
+    with open(path, "w") as out:
+        json.dump(modules, out, sort_keys=True)
 
 
 def _waiting(process: ProcessRuntime) -> tuple[Label, float] | None:

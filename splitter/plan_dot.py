@@ -10,6 +10,8 @@ changes its values serve (`addmm_1: P→R all-reduce 256 B`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from .plan import ChannelKind, OpKind, SplitPlan
 
 __all__ = ["plan_to_dot"]
@@ -38,7 +40,13 @@ def _names(values: tuple[str, ...]) -> str:
     return shown + (f", +{more} more" if more > 0 else "")
 
 
-def plan_to_dot(plan: SplitPlan) -> str:
+def plan_to_dot(plan: SplitPlan,
+                describe_ops: Callable[[Sequence[str]], str] | None = None,
+                describe_values: Callable[[Sequence[str]], str] | None = None) -> str:
+    """The picture of `plan`. `describe_ops(ops)` (optional) gives a block's
+    label from its node names, and `describe_values(values)` a channel's
+    from the names of the values it carries, as lines joined by `\\n`; by
+    default the number of ops and the first few names."""
     lines = ["digraph splitrun_plan {", "  rankdir=LR;",
              '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];',
              '  edge [fontname="Helvetica", fontsize=9];']
@@ -71,7 +79,8 @@ def plan_to_dot(plan: SplitPlan) -> str:
             name = previous
             if ops:
                 name = f"{proc.label}_b{number}"
-                text = f"{len(ops)} ops\\n{_names(tuple(ops))}"
+                text = (describe_ops(ops) if describe_ops is not None
+                        else f"{len(ops)} ops\\n{_names(tuple(ops))}")
                 lines.append(f"    {name} [label={_quote(text)}, fillcolor=white];")
                 lines.append(f"    {previous} -> {name} [style=invis];")
             recv_block.update((channel, name) for channel in recvs)
@@ -89,8 +98,9 @@ def plan_to_dot(plan: SplitPlan) -> str:
             style, label = "dotted", f"{channel.name}\\ncontrol"
         else:
             style = "dashed" if channel.name in syncing else "solid"
-            label = (f"{channel.name}\\n{_names(channel.values)}\\n"
-                     f"{_size(channel.nbytes)}/step")
+            carried = (describe_values(channel.values) if describe_values is not None
+                       else _names(channel.values))
+            label = f"{channel.name}\\n{carried}\\n{_size(channel.nbytes)}/step"
             served = _collectives_of(plan, channel.values)
             if served:
                 label = f"{channel.name}\\n{served}\\n{_size(channel.nbytes)}/step"

@@ -24,7 +24,8 @@ TOKEN = "secret-token"
 
 @pytest.fixture
 def scheduler():
-    scheduler = Scheduler(SchedulerSettings(2, 0, TOKEN, 7, heartbeat_timeout_s=30))
+    scheduler = Scheduler(SchedulerSettings(2, 0, TOKEN, 7, heartbeat_timeout_s=30,
+                                              dial_back_timeout_s=None))  # made-up addresses
     scheduler.start("127.0.0.1", 0)
     yield scheduler
     scheduler.stop(0)

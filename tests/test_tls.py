@@ -33,7 +33,7 @@ def certificates(tmp_path_factory):
 
 def test_scheduler_over_tls_takes_clients_with_the_ca_only(certificates):
     job, other = certificates
-    scheduler = Scheduler(SchedulerSettings(1, 0, TOKEN, 3))
+    scheduler = Scheduler(SchedulerSettings(1, 0, TOKEN, 3, dial_back_timeout_s=None))
     address = scheduler.start("127.0.0.1", 0, tls_of(job))
     try:
         client = SchedulerClient(address, TOKEN, tls_of(job))

@@ -12,6 +12,7 @@ It runs inside `splitrun launch` or alone (`splitrun scheduler`), on gRPC.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from concurrent import futures
@@ -38,6 +39,9 @@ _TOKEN_HINT = ("processes of this job get the token from SPLITRUN_TOKEN (set by 
                "launch; for splitrun join, from the file splitrun scheduler wrote)")
 # Upper bound on any single blocking call a client may ask for.
 _MAX_WAIT_S = 3600.0
+# At registration the scheduler dials the address a process advertises; a
+# connection not made within this long means peers cannot reach it either.
+DIAL_BACK_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,10 @@ class SchedulerSettings:
     # waited on it inside a step for as long (and it waits on no one) is
     # stalled: a busy loop or a deadlock with its heartbeat thread alive.
     stall_timeout_s: float = 20.0
+    # At registration the scheduler connects to the address each process
+    # advertises, within this long, and refuses an address it cannot reach
+    # (None: it does not check; for tests that register made-up addresses).
+    dial_back_timeout_s: float | None = DIAL_BACK_TIMEOUT_S
 
     @property
     def num_processes(self) -> int:
@@ -85,6 +93,7 @@ class _State:
     num_steps: int = 0
     kv: dict[str, bytes] = field(default_factory=dict)
     barriers: dict[str, set[Label]] = field(default_factory=dict)
+    failed_at: float = 0.0      # time.monotonic() of the failure
 
 
 class Scheduler(pb_grpc.SchedulerServicer):
@@ -163,6 +172,23 @@ class Scheduler(pb_grpc.SchedulerServicer):
         with self._cond:
             self._fail(label, reason)
 
+    def wait_failure_told(self, timeout_s: float) -> bool:
+        """After a failure: True once every other live process has sent a
+        heartbeat since (its reply told it the job failed), False after
+        `timeout_s`. A scheduler hosted by a process that is about to exit
+        waits here, so its peers hear why instead of finding it gone."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                state = self._state
+                untold = [m for m in state.members.values()
+                          if str(m.label) != state.failed_label and not m.done
+                          and m.last_seen < state.failed_at]
+                remaining = deadline - time.monotonic()
+                if not untold or remaining <= 0:
+                    return not untold
+                self._cond.wait(min(remaining, _MONITOR_PERIOD_S))
+
     def member_step(self, label: Label) -> int | None:
         with self._cond:
             member = self._state.members.get(label)
@@ -179,6 +205,7 @@ class Scheduler(pb_grpc.SchedulerServicer):
         if self._state.status == pb.JobStatus.FAILED:
             return
         self._state.status = pb.JobStatus.FAILED
+        self._state.failed_at = time.monotonic()
         self._state.reason = reason
         self._state.failed_label = label
         logger.debug("job failed: %s", reason)  # the launcher (or `splitrun scheduler`) says it
@@ -212,6 +239,18 @@ class Scheduler(pb_grpc.SchedulerServicer):
             role = Role.parse(request.role)
         except Exception as exc:  # noqa: BLE001
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, one_line(str(exc)))
+        timeout_s = self.settings.dial_back_timeout_s
+        unreachable = None if timeout_s is None else dial_back(request.address, timeout_s)
+        if unreachable is not None:
+            asked = "" if request.rank < 0 else f" {request.rank}"
+            who = f"{role.value}{asked} (pid {request.pid} on {request.host})"
+            reason = (f"{who} advertises {request.address}, but the scheduler cannot connect "
+                      f"to it ({unreachable}); its peers could not either. Pass --advertise "
+                      f"with an address of that machine the others can reach (or bind "
+                      f"--host 0.0.0.0 without --advertise)")
+            with self._cond:
+                self._fail(who, reason)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
         size = {Role.WORKER: self.settings.num_workers,
                 Role.SERVER: self.settings.num_servers}.get(role, 0)
         with self._cond:
@@ -411,3 +450,20 @@ class Scheduler(pb_grpc.SchedulerServicer):
                              f"{peer.label.describe()} has waited on it for {waited:.1f} s; "
                              f"is it stuck in a loop or waiting on something else?")
             return
+
+
+def dial_back(address: str, timeout_s: float) -> str | None:
+    """Why a TCP connection to `address` (HOST:PORT, the host maybe in
+    brackets) fails within `timeout_s`, or None when it succeeds. Only the
+    connection is made (no TLS, no call): it proves the address is reachable."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return None
+    except ValueError:
+        return f"{address!r} is not HOST:PORT"
+    except TimeoutError:
+        return f"no answer within {timeout_s:g} s"
+    except OSError as exc:
+        return exc.strerror or str(exc)

@@ -1,0 +1,39 @@
+"""A wrong advertise address is found when the process joins: the scheduler
+dials the address back and refuses it, naming the process and the address."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from cluster import JOB_TIMEOUT_S, SCRIPTS
+
+from splitrun.runtime.cluster.scheduler import dial_back
+
+TRAIN_JOB = SCRIPTS / "train_job.py"
+
+
+def test_dial_back_names_why_an_address_cannot_be_reached():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert dial_back(f"127.0.0.1:{port}", 5) is None
+        # Same port on another loopback address: nothing listens there.
+        assert "refused" in dial_back(f"127.0.0.2:{port}", 5).lower()
+    assert "not HOST:PORT" in dial_back("127.0.0.1:http", 5)
+
+
+@pytest.mark.slow
+def test_a_wrong_advertise_address_is_reported_at_join(local_cluster, tmp_path):
+    scheduler, address, token = local_cluster.scheduler(workers=1)
+    # The tensor server binds 127.0.0.1 but tells its peers 127.0.0.2.
+    joined = local_cluster.start("join", "--scheduler", address, "--token-file", token,
+                                 "--advertise", "127.0.0.2", TRAIN_JOB, "--steps", 3,
+                                 "--out", tmp_path / "never.pt")
+    assert joined.wait(JOB_TIMEOUT_S) != 0
+    output = joined.output()
+    assert "worker (pid" in output and "advertises 127.0.0.2:" in output, output
+    assert "scheduler cannot connect" in output and "--advertise" in output
+    assert scheduler.wait(60) == 1
+    assert "job failed: worker (pid" in scheduler.output()

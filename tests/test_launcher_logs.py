@@ -1,0 +1,93 @@
+"""`--log-dir` and `--metrics-dir` through the real launcher: one log file and
+one TensorBoard event file per process, and the event file holds the loss curve."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from cluster import REPO
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from splitrun.runtime.executor import ExecutorStats
+from splitrun.runtime.metrics import StepMetrics, channel_tag
+from splitrun.splitter.labels import Label
+
+PS_TRAIN = REPO / "examples" / "ps_train.py"
+# examples/ps_train.py, one epoch: 1437 training digits in global batches of 64.
+NUM_STEPS = 1437 // 64
+PROCESSES = ("worker0", "worker1", "server0")
+
+
+def scalars(directory) -> EventAccumulator:
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    return events
+
+
+def test_step_metrics_are_per_step_differences_and_cache_hit_rates(tmp_path):
+    stats = ExecutorStats()
+    metrics = StepMetrics(tmp_path, Label.worker(1))
+    for step, (sent, waited, hits) in enumerate([(100, 0.5, 3), (250, 0.75, 8)]):
+        stats.sent["w1->s0#0"].bytes += sent
+        stats.received["s0->w1#0"].bytes += 2 * sent
+        stats.received["s0->w1#0"].wait_s += waited
+        stats.recv_wait_s += waited
+        counters = {"emb": {"last_step": {"hits": hits, "unique_ids": 10, "evictions": step}}}
+        metrics.record(step, loss=1.0 / (step + 1), stats=stats, cache_counters=counters)
+    metrics.close()
+    events = scalars(tmp_path / "worker1")
+
+    def values(tag):
+        return [event.value for event in events.Scalars(tag)]
+    assert values("loss") == [1.0, 0.5]
+    assert values("sent_bytes/w1_to_s0_0") == [100, 250]
+    assert values("received_bytes/s0_to_w1_0") == [200, 500]
+    assert values("recv_wait_s/s0_to_w1_0") == [0.5, 0.75]
+    assert values("cache/emb/hit_rate") == pytest.approx([0.3, 0.8])
+    assert values("cache/emb/evictions") == [0, 1]
+    assert len(values("steps_per_s")) == 1
+
+
+@pytest.mark.slow
+def test_log_dir_and_metrics_dir_write_one_file_per_process(local_cluster, tmp_path):
+    logs, metrics = tmp_path / "logs", tmp_path / "metrics"
+    # Global options before the subcommand and after it.
+    proc = local_cluster.start("--log-dir", logs, "launch", "--metrics-dir", metrics,
+                               "--workers", 2, "--servers", 1, PS_TRAIN, "--epochs", 1)
+    assert proc.wait() == 0, proc.output()
+
+    assert sorted(p.name for p in logs.iterdir()) == sorted(
+        [f"{name}.log" for name in PROCESSES] + ["launcher.log"])
+    for name, label in zip(PROCESSES, ("worker 0", "worker 1", "server 0")):
+        text = (logs / f"{name}.log").read_text()
+        assert f"joined as {label} " in text, text  # its own lines, without the prefix
+        assert not any(line.startswith(f"[{label}] ") for line in text.splitlines())
+        assert f"[{label}] " in proc.output()  # the console keeps the prefixed lines
+    assert "held-out accuracy" in (logs / "worker0.log").read_text()
+    assert "held-out accuracy" not in (logs / "worker1.log").read_text()
+    assert "all 3 processes finished" in (logs / "launcher.log").read_text()
+
+    assert sorted(p.name for p in metrics.iterdir()) == sorted(PROCESSES)
+    for name in PROCESSES:
+        files = list((metrics / name).iterdir())
+        assert len(files) == 1 and files[0].name.startswith("events.out.tfevents."), files
+
+    worker = scalars(metrics / "worker0")
+    losses = worker.Scalars("loss")
+    assert [event.step for event in losses] == list(range(NUM_STEPS))
+    assert all(math.isfinite(event.value) for event in losses)
+    assert losses[-1].value < losses[0].value < 2.6  # ln(10) = 2.30 at the start
+    assert len(worker.Scalars("steps_per_s")) == NUM_STEPS - 1
+    # In parameter-server mode each worker has the loss of its own shard.
+    assert len(scalars(metrics / "worker1").Scalars("loss")) == NUM_STEPS
+
+    server = scalars(metrics / "server0")
+    tags = server.Tags()["scalars"]
+    received = [tag for tag in tags if tag.startswith("received_bytes/")]
+    assert f"received_bytes/{channel_tag('w0->s0#0')}" in received, tags
+    for tag in received:
+        per_step = server.Scalars(tag)
+        assert len(per_step) == NUM_STEPS and all(e.value > 0 for e in per_step), tag
+    assert any(tag.startswith("recv_wait_s/") for tag in tags)
+    assert any(tag.startswith("sent_bytes/") for tag in tags)
