@@ -26,10 +26,13 @@ recommendation job. Prints JSON.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
 import pathlib
 import platform
+import pstats
 import statistics
 import subprocess
 import sys
@@ -250,6 +253,9 @@ GOAL_SPEEDUP = 3.0
 # Bounds one launched job (start, data, steps, shutdown) on 2 cores.
 RUN_TIMEOUT_S = 900
 BENCH_PREFIX = "BENCH "
+# --part profile: steps profiled after the warm-up, and rows of each table kept.
+PROFILED_STEPS = 10
+PROFILE_ROWS = 25
 
 
 def run_job(args: argparse.Namespace) -> None:
@@ -268,9 +274,15 @@ def run_job(args: argparse.Namespace) -> None:
         batches = recsys_cache.global_batches(spec, hidden, job_args.batch_size, job_args.steps)
     # No final state: the whole tables' dump is no part of a training step.
     trainer = job.start(program, EmbeddingCacheMode(), gather_state=False)
+    profiler = _StepProfiler(args.profile_dir, args.profile_after) if (
+        args.profile_dir and job.is_driver) else None
     stamps = [time.perf_counter()]
-    for _ in trainer.run(trainer.shard(batches)):
+    for step, _ in enumerate(trainer.run(trainer.shard(batches))):
         stamps.append(time.perf_counter())
+        if profiler is not None:
+            profiler.after_step(step)
+    if profiler is not None:
+        profiler.stop()
     trainer.finish()
     if job.is_driver:
         counters = trainer.cache_counters.values()
@@ -282,10 +294,48 @@ def run_job(args: argparse.Namespace) -> None:
             "bytes_pushed": sum(c["bytes_pushed"] for c in counters)}), flush=True)
 
 
-def launch(variant: str, steps: int) -> dict:
+class _StepProfiler:
+    """Worker 0's steps after `after` (the cache is warm by then), under
+    torch.profiler (ops: self CPU time) and cProfile (Python functions); the
+    tables are written to `directory` when it stops."""
+
+    def __init__(self, directory: str, after: int) -> None:
+        self.directory = pathlib.Path(directory)
+        self.after = after
+        self.torch_profile = torch.profiler.profile(activities=[
+            torch.profiler.ProfilerActivity.CPU])
+        self.python_profile = cProfile.Profile()
+        self.steps = 0
+
+    def after_step(self, step: int) -> None:
+        if step + 1 == self.after:
+            self.torch_profile.start()
+            self.python_profile.enable()
+        elif step + 1 > self.after:
+            self.steps += 1
+
+    def stop(self) -> None:
+        if self.steps == 0:
+            return
+        self.python_profile.disable()
+        self.torch_profile.stop()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        table = self.torch_profile.key_averages().table(sort_by="self_cpu_time_total",
+                                                       row_limit=PROFILE_ROWS)
+        (self.directory / "ops.txt").write_text(f"{self.steps} steps\n{table}\n")
+        text = io.StringIO()
+        stats = pstats.Stats(self.python_profile, stream=text)
+        stats.sort_stats("tottime").print_stats(PROFILE_ROWS)
+        (self.directory / "python.txt").write_text(f"{self.steps} steps\n{text.getvalue()}")
+
+
+def launch(variant: str, steps: int, profile_dir: str | None = None,
+           profile_after: int = 0) -> dict:
+    profile = ["--profile-dir", profile_dir, "--profile-after", str(profile_after)] if (
+        profile_dir) else []
     command = [sys.executable, "-m", "splitrun.launcher", "--log-level", "WARNING", "launch",
                "--workers", str(THROUGHPUT_WORKERS), "--servers", str(THROUGHPUT_SERVERS),
-               "--device", "cpu", str(HERE), "--job", "--",
+               "--device", "cpu", str(HERE), "--job", *profile, "--",
                *THROUGHPUT_JOB, *VARIANTS[variant], "--steps", str(steps)]
     out = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     for line in out.stdout.splitlines():
@@ -339,12 +389,28 @@ def throughput(quick: bool, repeats: int) -> dict:
             "goal_speedup_at_least": GOAL_SPEEDUP, "goal_met": speedup >= GOAL_SPEEDUP}
 
 
+def profile(quick: bool, directory: str) -> dict:
+    """One worker step profiled: the cached (LRU 20 %) and uncached jobs,
+    steps after the warm-up; tables in `directory`/<variant>/."""
+    warmup = QUICK_WARMUP_STEPS if quick else WARMUP_STEPS
+    steps = warmup + PROFILED_STEPS
+    report = {}
+    for variant in (CACHED, UNCACHED):
+        where = str(pathlib.Path(directory) / variant)
+        launch(variant, steps, where, warmup)
+        report[variant] = where
+    return {"profiled_steps": PROFILED_STEPS, "after_step": warmup, "tables": report}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short runs, one repeat")
     parser.add_argument("--repeats", type=int, default=3, help="throughput runs per policy")
-    parser.add_argument("--part", choices=["hit_rates", "throughput"],
-                        help="run only this part")
+    parser.add_argument("--part", choices=["hit_rates", "throughput", "profile"],
+                        help="run only this part (profile: only when asked)")
+    parser.add_argument("--profile-dir", help="--part profile: where the tables go "
+                        "(default: bench_profile/ in the working directory)")
+    parser.add_argument("--profile-after", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("job_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -361,6 +427,8 @@ def main() -> None:
         report["hit_rates"] = hit_rates(args.quick)
     if args.part in (None, "throughput"):
         report["throughput"] = throughput(args.quick, 1 if args.quick else args.repeats)
+    if args.part == "profile":
+        report["profile"] = profile(args.quick, args.profile_dir or "bench_profile")
     report["total_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(report, indent=2))
 
