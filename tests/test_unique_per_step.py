@@ -17,8 +17,8 @@ from splitrun.runtime.embedding import StepIds
 from splitrun.runtime.embedding.protocol import Op, read_header
 from splitrun.runtime.embedding.store import EmbeddingStore
 from splitrun.splitter import Cluster, ParameterServerMode, split_program
-from splitrun.splitter.labels import Role
 from splitrun.splitter.cache_mode import EmbeddingCacheMode
+from splitrun.splitter.labels import Role
 from splitrun.splitter.sparse_optim import coalesce
 
 NUM_STEPS = 6
