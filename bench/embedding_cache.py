@@ -526,8 +526,9 @@ def profile(quick: bool, directory: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="short runs, one repeat")
-    parser.add_argument("--repeats", type=int, default=3, help="throughput runs per policy")
+    parser.add_argument("--quick", action="store_true", help="short runs")
+    parser.add_argument("--repeats", type=int,
+                        help="throughput runs per variant (default 3; 1 with --quick)")
     parser.add_argument("--part", choices=["hit_rates", "throughput", "profile"],
                         help="run only this part (profile: only when asked)")
     parser.add_argument("--one-host", action="store_true",
@@ -553,7 +554,8 @@ def main() -> None:
         report["hit_rates"] = hit_rates(args.quick)
     if args.part in (None, "throughput"):
         rates = () if args.one_host else tuple(args.rates_mbit)
-        report["throughput"] = throughput(args.quick, 1 if args.quick else args.repeats, rates)
+        repeats = args.repeats or (1 if args.quick else 3)
+        report["throughput"] = throughput(args.quick, repeats, rates)
     if args.part == "profile":
         report["profile"] = profile(args.quick, args.profile_dir or "bench_profile")
     report["total_s"] = round(time.perf_counter() - started, 1)
