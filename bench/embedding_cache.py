@@ -16,20 +16,33 @@ recommendation job. Prints JSON.
 (b) Throughput. The DLRM job of examples/recsys_cache.py through the real
     launcher (1 worker, 2 servers), with LRU caches against the same job with
     policy none (every lookup pulls its rows from the servers and every
-    gradient goes back), interleaved, median of --repeats runs; samples/s over
+    gradient goes back) and with the whole tables cached (the ceiling: no
+    misses once warm), interleaved, median of --repeats runs; samples/s over
     the steps after a warm-up (the cache is full by then) and over the whole
-    run. Goal: the cached job at least 3x the uncached one's samples/s.
+    run. The same three jobs then run across two simulated hosts
+    (bench/hosts.py, needs root): scheduler and servers on one side of a link
+    shaped to 10 Gbit/s, then 1 Gbit/s, the worker on the other. Goals (ratios
+    in one run, at 10 Gbit/s): the LRU 20 % cache at least 3x the uncached
+    job's samples/s and at least 0.85x the whole-table-cached ceiling's.
 
-    python bench/embedding_cache.py [--quick] [--repeats 3] [--part hit_rates|throughput]
+(c) Profile (only with --part profile): worker 0's steps after the warm-up
+    of the cached and uncached jobs on one host, under torch.profiler (aten
+    ops by self CPU time) and cProfile; the tables go to --profile-dir.
+
+    python bench/embedding_cache.py [--quick] [--repeats 3] [--one-host]
+        [--rates-mbit 10000 1000] [--part hit_rates|throughput|profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
 import pathlib
 import platform
+import pstats
 import statistics
 import subprocess
 import sys
@@ -247,9 +260,14 @@ MEASURED_STEPS = 60
 QUICK_WARMUP_STEPS = 15
 QUICK_MEASURED_STEPS = 20
 GOAL_SPEEDUP = 3.0
+# ... and the cached job at least this share of the whole-table-cached one's.
+GOAL_OF_CEILING = 0.85
 # Bounds one launched job (start, data, steps, shutdown) on 2 cores.
 RUN_TIMEOUT_S = 900
 BENCH_PREFIX = "BENCH "
+# --part profile: steps profiled after the warm-up, and rows of each table kept.
+PROFILED_STEPS = 10
+PROFILE_ROWS = 25
 
 
 def run_job(args: argparse.Namespace) -> None:
@@ -268,9 +286,15 @@ def run_job(args: argparse.Namespace) -> None:
         batches = recsys_cache.global_batches(spec, hidden, job_args.batch_size, job_args.steps)
     # No final state: the whole tables' dump is no part of a training step.
     trainer = job.start(program, EmbeddingCacheMode(), gather_state=False)
+    profiler = _StepProfiler(args.profile_dir, args.profile_after) if (
+        args.profile_dir and job.is_driver) else None
     stamps = [time.perf_counter()]
-    for _ in trainer.run(trainer.shard(batches)):
+    for step, _ in enumerate(trainer.run(trainer.shard(batches))):
         stamps.append(time.perf_counter())
+        if profiler is not None:
+            profiler.after_step(step)
+    if profiler is not None:
+        profiler.stop()
     trainer.finish()
     if job.is_driver:
         counters = trainer.cache_counters.values()
@@ -282,10 +306,48 @@ def run_job(args: argparse.Namespace) -> None:
             "bytes_pushed": sum(c["bytes_pushed"] for c in counters)}), flush=True)
 
 
-def launch(variant: str, steps: int) -> dict:
+class _StepProfiler:
+    """Worker 0's steps after `after` (the cache is warm by then), under
+    torch.profiler (ops: self CPU time) and cProfile (Python functions); the
+    tables are written to `directory` when it stops."""
+
+    def __init__(self, directory: str, after: int) -> None:
+        self.directory = pathlib.Path(directory)
+        self.after = after
+        self.torch_profile = torch.profiler.profile(activities=[
+            torch.profiler.ProfilerActivity.CPU])
+        self.python_profile = cProfile.Profile()
+        self.steps = 0
+
+    def after_step(self, step: int) -> None:
+        if step + 1 == self.after:
+            self.torch_profile.start()
+            self.python_profile.enable()
+        elif step + 1 > self.after:
+            self.steps += 1
+
+    def stop(self) -> None:
+        if self.steps == 0:
+            return
+        self.python_profile.disable()
+        self.torch_profile.stop()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        table = self.torch_profile.key_averages().table(sort_by="self_cpu_time_total",
+                                                       row_limit=PROFILE_ROWS)
+        (self.directory / "ops.txt").write_text(f"{self.steps} steps\n{table}\n")
+        text = io.StringIO()
+        stats = pstats.Stats(self.python_profile, stream=text)
+        stats.sort_stats("tottime").print_stats(PROFILE_ROWS)
+        (self.directory / "python.txt").write_text(f"{self.steps} steps\n{text.getvalue()}")
+
+
+def launch(variant: str, steps: int, profile_dir: str | None = None,
+           profile_after: int = 0) -> dict:
+    profile = ["--profile-dir", profile_dir, "--profile-after", str(profile_after)] if (
+        profile_dir) else []
     command = [sys.executable, "-m", "splitrun.launcher", "--log-level", "WARNING", "launch",
                "--workers", str(THROUGHPUT_WORKERS), "--servers", str(THROUGHPUT_SERVERS),
-               "--device", "cpu", str(HERE), "--job", "--",
+               "--device", "cpu", str(HERE), "--job", *profile, "--",
                *THROUGHPUT_JOB, *VARIANTS[variant], "--steps", str(steps)]
     out = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     for line in out.stdout.splitlines():
@@ -293,6 +355,78 @@ def launch(variant: str, steps: int) -> dict:
             return json.loads(line.split(BENCH_PREFIX, 1)[1])
     raise RuntimeError(f"the {variant} job failed ({out.returncode}):\n"
                        f"{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
+
+
+# -- across two simulated hosts (bench/hosts.py) --------------------------------
+
+# Link rates of the two-host runs (Mbit/s): 10 and 1 Gbit/s.
+TWO_HOST_RATES_MBIT = (10_000, 1_000)
+# Bounds the scheduler's start (it prints its address).
+SCHEDULER_START_S = 120
+
+
+def _job_command(variant: str, steps: int) -> list[str]:
+    return [str(HERE), "--job", "--", *THROUGHPUT_JOB, *VARIANTS[variant], "--steps", str(steps)]
+
+
+def _bench_result(path: pathlib.Path) -> dict:
+    for line in path.read_text(errors="replace").splitlines():
+        if BENCH_PREFIX in line:
+            return json.loads(line.split(BENCH_PREFIX, 1)[1])
+    raise RuntimeError(f"no {BENCH_PREFIX.strip()} line in {path}:\n"
+                       f"{path.read_text(errors='replace')[-4000:]}")
+
+
+def launch_two_hosts(hosts, workdir: pathlib.Path, variant: str, steps: int) -> dict:
+    """Scheduler and the servers on host a, the worker on host b: every pull,
+    write-back and gradient crosses the shaped link."""
+    import re
+
+    a, b = hosts.a, hosts.b
+    launcher = [sys.executable, "-m", "splitrun.launcher", "--log-level", "WARNING"]
+    run_dir = workdir / f"{variant}-{time.monotonic_ns()}"
+    run_dir.mkdir()
+    scheduler_log = run_dir / "scheduler.log"
+    token = run_dir / "job.token"
+    with open(scheduler_log, "w") as out:
+        # The bench's own namespaces: --insecure; the token goes through a 0600 file.
+        scheduler = a.popen([*launcher, "scheduler", "--workers", str(THROUGHPUT_WORKERS),
+                             "--servers", str(THROUGHPUT_SERVERS), "--host", a.address,
+                             "--insecure", "--token-file", str(token)],
+                            stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + SCHEDULER_START_S
+    match = None
+    while match is None:
+        match = re.search(r"scheduler at (\S+);", scheduler_log.read_text())
+        if match is None:
+            if scheduler.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the scheduler did not start:\n{scheduler_log.read_text()}")
+            time.sleep(0.1)  # polls a log file: there is no event to wait on
+    address = match.group(1)
+    members = [(a, "server", rank) for rank in range(THROUGHPUT_SERVERS)]
+    members += [(b, "worker", rank) for rank in range(THROUGHPUT_WORKERS)]
+    processes, logs = [], []
+    for host, role, rank in members:
+        log = run_dir / f"{role}{rank}.log"
+        with open(log, "w") as out:
+            processes.append(host.popen(
+                [*launcher, "join", "--scheduler", address, "--token-file", str(token),
+                 "--role", role, "--rank", str(rank), "--host", host.address, "--insecure",
+                 "--device", "cpu", *_job_command(variant, steps)],
+                stdout=out, stderr=subprocess.STDOUT))
+        logs.append(log)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    for process, log in zip(processes, logs):
+        try:
+            code = process.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{variant}: {log.name} did not finish in {RUN_TIMEOUT_S} s"
+                               ) from None
+        if code != 0:
+            raise RuntimeError(f"{variant}: {log.name} exited {code}:\n"
+                               f"{log.read_text(errors='replace')[-4000:]}")
+    scheduler.wait(timeout=60)
+    return _bench_result(logs[THROUGHPUT_SERVERS])
 
 
 def samples_per_s(stamps: list[float], first_step: int, batch_size: int) -> float:
@@ -317,7 +451,25 @@ def summarize(measured: list[dict], warmup: int, steps: int, batch_size: int) ->
                                         / steps / 1e6, 2)}
 
 
-def throughput(quick: bool, repeats: int) -> dict:
+def _compare(runs: dict[str, list[dict]], warmup: int, steps: int, batch_size: int) -> dict:
+    results = {v: summarize(r, warmup, steps, batch_size) for v, r in runs.items()}
+    speedup = results[CACHED]["samples_per_s"] / results[UNCACHED]["samples_per_s"]
+    of_ceiling = results[CACHED]["samples_per_s"] / results[CEILING]["samples_per_s"]
+    return {"results": results,
+            "speedup": round(speedup, 3),
+            "speedup_whole_run": round(results[CACHED]["samples_per_s_whole_run"]
+                                       / results[UNCACHED]["samples_per_s_whole_run"], 3),
+            "speedup_ceiling_whole_table_cached": round(
+                results[CEILING]["samples_per_s"] / results[UNCACHED]["samples_per_s"], 3),
+            "cached_of_ceiling": round(of_ceiling, 3),
+            "goal_speedup_at_least": GOAL_SPEEDUP, "goal_met": speedup >= GOAL_SPEEDUP,
+            "goal_of_ceiling_at_least": GOAL_OF_CEILING,
+            "goal_of_ceiling_met": of_ceiling >= GOAL_OF_CEILING}
+
+
+def throughput(quick: bool, repeats: int, rates_mbit: tuple[float, ...]) -> dict:
+    """One host (loopback and shared memory), then, for each rate, servers and
+    worker on two simulated hosts joined by a link shaped to that rate."""
     warmup = QUICK_WARMUP_STEPS if quick else WARMUP_STEPS
     steps = warmup + (QUICK_MEASURED_STEPS if quick else MEASURED_STEPS)
     batch_size = int(THROUGHPUT_JOB[THROUGHPUT_JOB.index("--batch-size") + 1])
@@ -325,26 +477,67 @@ def throughput(quick: bool, repeats: int) -> dict:
     for _ in range(repeats):  # interleaved, so drift hits every variant alike
         for variant in VARIANTS:
             runs[variant].append(launch(variant, steps))
-    results = {v: summarize(r, warmup, steps, batch_size) for v, r in runs.items()}
-    speedup = results[CACHED]["samples_per_s"] / results[UNCACHED]["samples_per_s"]
-    return {"job": " ".join(THROUGHPUT_JOB), "variants": {v: " ".join(a) for v, a in
-                                                          VARIANTS.items()},
-            "workers": THROUGHPUT_WORKERS, "servers": THROUGHPUT_SERVERS, "steps": steps,
-            "timed_after_step": warmup, "repeats": repeats, "results": results,
-            "speedup": round(speedup, 3),
-            "speedup_whole_run": round(results[CACHED]["samples_per_s_whole_run"]
-                                       / results[UNCACHED]["samples_per_s_whole_run"], 3),
-            "speedup_ceiling_whole_table_cached": round(
-                results[CEILING]["samples_per_s"] / results[UNCACHED]["samples_per_s"], 3),
-            "goal_speedup_at_least": GOAL_SPEEDUP, "goal_met": speedup >= GOAL_SPEEDUP}
+    report = {"job": " ".join(THROUGHPUT_JOB), "variants": {v: " ".join(a) for v, a in
+                                                            VARIANTS.items()},
+              "workers": THROUGHPUT_WORKERS, "servers": THROUGHPUT_SERVERS, "steps": steps,
+              "timed_after_step": warmup, "repeats": repeats,
+              "one_host": _compare(runs, warmup, steps, batch_size)}
+    if rates_mbit:
+        report["two_hosts"] = two_host_throughput(rates_mbit, repeats, warmup, steps,
+                                                  batch_size)
+    return report
+
+
+def two_host_throughput(rates_mbit: tuple[float, ...], repeats: int, warmup: int, steps: int,
+                        batch_size: int) -> dict:
+    import contextlib
+    import tempfile
+
+    sys.path.insert(0, str(HERE.parent))
+    from hosts import require_root, two_hosts
+
+    require_root()
+    report = {}
+    for rate in rates_mbit:
+        runs: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
+        with contextlib.ExitStack() as stack:
+            workdir = pathlib.Path(stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="splitrun-bench-cache-hosts-")))
+            hosts = stack.enter_context(two_hosts(rate))
+            for _ in range(repeats):
+                for variant in VARIANTS:
+                    runs[variant].append(launch_two_hosts(hosts, workdir, variant, steps))
+        report[f"{rate:g}_mbit"] = _compare(runs, warmup, steps, batch_size)
+    return report
+
+
+def profile(quick: bool, directory: str) -> dict:
+    """One worker step profiled: the cached (LRU 20 %) and uncached jobs,
+    steps after the warm-up; tables in `directory`/<variant>/."""
+    warmup = QUICK_WARMUP_STEPS if quick else WARMUP_STEPS
+    steps = warmup + PROFILED_STEPS
+    report = {}
+    for variant in (CACHED, UNCACHED):
+        where = str(pathlib.Path(directory) / variant)
+        launch(variant, steps, where, warmup)
+        report[variant] = where
+    return {"profiled_steps": PROFILED_STEPS, "after_step": warmup, "tables": report}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="short runs, one repeat")
-    parser.add_argument("--repeats", type=int, default=3, help="throughput runs per policy")
-    parser.add_argument("--part", choices=["hit_rates", "throughput"],
-                        help="run only this part")
+    parser.add_argument("--quick", action="store_true", help="short runs")
+    parser.add_argument("--repeats", type=int,
+                        help="throughput runs per variant (default 3; 1 with --quick)")
+    parser.add_argument("--part", choices=["hit_rates", "throughput", "profile"],
+                        help="run only this part (profile: only when asked)")
+    parser.add_argument("--one-host", action="store_true",
+                        help="throughput on this host only (the two-host runs need root)")
+    parser.add_argument("--rates-mbit", type=float, nargs="+", default=TWO_HOST_RATES_MBIT,
+                        help="link rates of the two-host throughput runs")
+    parser.add_argument("--profile-dir", help="--part profile: where the tables go "
+                        "(default: bench_profile/ in the working directory)")
+    parser.add_argument("--profile-after", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("job_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -360,7 +553,11 @@ def main() -> None:
     if args.part in (None, "hit_rates"):
         report["hit_rates"] = hit_rates(args.quick)
     if args.part in (None, "throughput"):
-        report["throughput"] = throughput(args.quick, 1 if args.quick else args.repeats)
+        rates = () if args.one_host else tuple(args.rates_mbit)
+        repeats = args.repeats or (1 if args.quick else 3)
+        report["throughput"] = throughput(args.quick, repeats, rates)
+    if args.part == "profile":
+        report["profile"] = profile(args.quick, args.profile_dir or "bench_profile")
     report["total_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(report, indent=2))
 

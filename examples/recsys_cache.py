@@ -22,7 +22,7 @@ settings, reused by later runs with the same settings), with a held-out file
 and the hidden model's logits for it, so the report can say how close the
 model gets to the labels' own model.
 
-The model: dense features through a bottom MLP; one `nn.Embedding` per
+The model: dense features through a bottom MLP; one `nn.EmbeddingBag` (mode sum) per
 categorical feature (sum-pooled over its ids); DLRM's interaction (the pairwise
 dot products of the embedding vectors and the bottom MLP's output); a top MLP
 to a click logit. Dense parameters live on the servers, the tables on the
@@ -146,8 +146,10 @@ class DLRM(nn.Module):
                  top: list[int]) -> None:
         super().__init__()
         self.bottom = mlp([NUM_DENSE, *bottom, dim], last_relu=True)
-        # skip_init: initialize million-row tables once, not twice.
-        self.tables = nn.ModuleList(nn.utils.skip_init(nn.Embedding, n, dim) for n in rows)
+        # Multi-hot features pooled by sum bags, as DLRM's. skip_init:
+        # initialize million-row tables once, not twice.
+        self.tables = nn.ModuleList(nn.utils.skip_init(nn.EmbeddingBag, n, dim, mode="sum")
+                                    for n in rows)
         for table in self.tables:
             nn.init.normal_(table.weight, std=EMBEDDING_INIT_STD)
         self.num_features = len(rows) + 1
@@ -156,7 +158,7 @@ class DLRM(nn.Module):
 
     def forward(self, dense: torch.Tensor, *ids: torch.Tensor) -> torch.Tensor:
         bottom = self.bottom(dense)
-        vectors = [bottom] + [table(i).sum(1) for table, i in zip(self.tables, ids)]
+        vectors = [bottom] + [table(i) for table, i in zip(self.tables, ids)]
         stacked = torch.stack(vectors, 1)                       # [B, F, D]
         gram = torch.bmm(stacked, stacked.transpose(1, 2))      # [B, F, F]
         # The strictly lower triangle, row by row: every pair once, static slices.

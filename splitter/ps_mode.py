@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from .labels import ANY_SERVER, MODULE_ANNOTATION, Cluster, Label, Role
 from .modes import ChannelDraft, Edge, Mode, ModeArtifacts
 from .plan import Channel, ChannelKind, DataSync, Instruction, ModeKind, OpKind, SplitPlan
 from .program import InputKind, OutputKind, OutputSpec, Program, node_annotation, set_node_annotation
+from .sparse_optim import coalesce
 
 __all__ = ["ParameterServerMode", "ServerAssignment", "gradient_slot", "assign_servers"]
 
@@ -100,9 +102,10 @@ class ParameterServerMode(Mode):
         nodes = {n.name: n for n in graph.nodes}
         owner = self._owners(program, nodes, cluster)
         self._relabel(program, graph, owner)
+        sparse = self._coalesce_on_workers(program, graph, nodes, owner)
         slots = {}
         if cluster.num_workers >= 2:
-            slots = self._accumulate(program, graph, nodes, owner, cluster.num_workers)
+            slots = self._accumulate(program, graph, nodes, owner, cluster.num_workers, sparse)
         graph.output(returned)
         gm = fx.GraphModule(program.graph_module, graph, class_name="ParameterServerStep")
         return dataclasses.replace(program, graph_module=gm), ServerAssignment(owner, slots)
@@ -151,12 +154,50 @@ class ParameterServerMode(Mode):
                     # ops run on the workers.
                     set_node_annotation(node, worker)
 
-    def _accumulate(self, program, graph, nodes, owner, num_workers
-                    ) -> dict[str, tuple[str, ...]]:
+    def _coalesce_on_workers(self, program, graph, nodes, owner
+                             ) -> dict[str, tuple[str, str]]:
+        """Every server-side sparse gradient, one row per lookup, is summed per
+        unique id on the worker (`coalesce`, the padding row left out) before
+        it is sent: the server gets each id once per worker. Returns the
+        parameter -> (indices, values) node names the servers now read; their
+        shapes depend on the data (no static `val`: their channels are
+        checked for the sender only)."""
+        coalesced = {}
+        for param, (indices_name, values_name) in sorted(program.sparse_grads.items()):
+            if param not in owner:
+                continue
+            indices, values = nodes[indices_name], nodes[values_name]
+            updates = [user for user in values.users
+                       if node_annotation(user, MODULE_ANNOTATION) == _OPTIMIZER_PREFIX + param]
+            if not updates:
+                continue
+            padding_idx = updates[0].kwargs.get("padding_idx")
+            label = node_annotation(values)
+            with graph.inserting_after(max(indices, values, key=_position(graph))):
+                summed = graph.call_function(coalesce, (indices, values),
+                                             {"padding_idx": padding_idx})
+            with graph.inserting_after(summed):
+                rows = graph.call_function(operator.getitem, (summed, 0))
+            with graph.inserting_after(rows):
+                sums = graph.call_function(operator.getitem, (summed, 1))
+            for node in (summed, rows, sums):
+                node.meta["val"] = None
+                if label is not None:
+                    set_node_annotation(node, label)
+            for update in updates:
+                update.replace_input_with(indices, rows)
+                update.replace_input_with(values, sums)
+            nodes.update({rows.name: rows, sums.name: sums})
+            coalesced[param] = (rows.name, sums.name)
+        return coalesced
+
+    def _accumulate(self, program, graph, nodes, owner, num_workers,
+                    coalesced: Mapping[str, tuple[str, str]]) -> dict[str, tuple[str, ...]]:
         """Per server-side gradient, W slots (one per worker) and their mean:
         dense gradients are summed in worker order, then divided by W; sparse
-        ones have their indices and values concatenated, the values divided by W."""
-        grad_of, sparse_of = program.grads, program.sparse_grads
+        ones (coalesced per worker) have their indices and values concatenated,
+        the values divided by W."""
+        grad_of, sparse_of = program.grads, {**program.sparse_grads, **coalesced}
         if not grad_of and not sparse_of:
             raise PlanError("parameter-server mode needs a program from splitrun's capture "
                             "(it records each parameter's gradient)")

@@ -31,11 +31,17 @@ __all__ = ["coalesce", "sparse_sgd", "sparse_adagrad", "sparse_adam", "sparse_sg
 
 
 def coalesce(indices: torch.Tensor, values: torch.Tensor,
-             padding_idx: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unique rows (sorted, `padding_idx` left out) and the summed values of each."""
+             padding_idx: int | None = None, *, is_coalesced: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique rows (sorted, `padding_idx` left out) and the summed values of each.
+
+    `is_coalesced`: the caller already summed each row's values (the indices
+    are unique): they are returned as they are, `padding_idx` still left out."""
     if padding_idx is not None:
         keep = indices.reshape(-1) != padding_idx
         indices, values = indices.reshape(-1)[keep], values.reshape(-1, *values.shape[1:])[keep]
+    if is_coalesced:
+        return indices.reshape(-1), values.reshape(-1, *values.shape[1:])
     rows, inverse = torch.unique(indices.reshape(-1), sorted=True, return_inverse=True)
     summed = torch.zeros((rows.numel(), *values.shape[1:]), dtype=values.dtype,
                          device=values.device)
@@ -51,18 +57,18 @@ def _like(scalar, tensor: torch.Tensor):
     return scalar
 
 
-def _sgd_rows(indices, values, lr, maximize, padding_idx=None):
+def _sgd_rows(indices, values, lr, maximize, padding_idx=None, is_coalesced=False):
     """(rows, what to add to them)."""
-    rows, grad = coalesce(indices, values, padding_idx)
+    rows, grad = coalesce(indices, values, padding_idx, is_coalesced=is_coalesced)
     grad = -grad if maximize else grad
     return rows, _like(-lr, grad) * grad
 
 
 def _adagrad_rows(indices, values, lr, step, state_sum, lr_decay, eps, maximize,
-                  padding_idx=None):
+                  padding_idx=None, is_coalesced=False):
     """(rows, what to add to them, their new sums): the dense Adagrad's ops on
     the touched rows (untouched rows would not move)."""
-    rows, grad = coalesce(indices, values, padding_idx)
+    rows, grad = coalesce(indices, values, padding_idx, is_coalesced=is_coalesced)
     grad = -grad if maximize else grad
     clr = lr / (1 + (step - 1) * lr_decay)
     row_sum = torch.addcmul(state_sum.index_select(0, rows), grad, grad, value=1)
@@ -84,28 +90,30 @@ def sparse_adagrad(param, indices, values, lr, step, state_sum, *, lr_decay: flo
 
 
 def sparse_sgd_(param, indices, values, lr, step, *, maximize: bool = False,
-                padding_idx: int | None = None) -> None:
-    """`sparse_sgd`, in place: for tables their owner does not send meanwhile."""
-    rows, delta = _sgd_rows(indices, values, lr, maximize, padding_idx)
+                padding_idx: int | None = None, is_coalesced: bool = False) -> None:
+    """`sparse_sgd`, in place: for tables their owner does not send meanwhile.
+    The in-place twins take `is_coalesced=True` for unique indices whose
+    values are already summed per row (see `coalesce`)."""
+    rows, delta = _sgd_rows(indices, values, lr, maximize, padding_idx, is_coalesced)
     param.index_add_(0, rows, delta)
 
 
 def sparse_adagrad_(param, indices, values, lr, step, state_sum, *, lr_decay: float = 0.0,
                     eps: float = 1e-10, maximize: bool = False,
-                    padding_idx: int | None = None) -> None:
+                    padding_idx: int | None = None, is_coalesced: bool = False) -> None:
     """`sparse_adagrad`, in place."""
     rows, delta, row_sum = _adagrad_rows(indices, values, lr, step, state_sum, lr_decay, eps,
-                                         maximize, padding_idx)
+                                         maximize, padding_idx, is_coalesced)
     param.index_add_(0, rows, delta)
     state_sum.index_copy_(0, rows, row_sum)
 
 
 def _adam_rows(indices, values, lr, step, exp_avg, exp_avg_sq, betas, eps, maximize,
-               padding_idx=None):
+               padding_idx=None, is_coalesced=False):
     """(rows, what to add to them, their new moments): lazy Adam, as
     torch.optim.SparseAdam; the bias corrections use the global step count."""
     beta1, beta2 = betas
-    rows, grad = coalesce(indices, values, padding_idx)
+    rows, grad = coalesce(indices, values, padding_idx, is_coalesced=is_coalesced)
     grad = -grad if maximize else grad
     old_avg = exp_avg.index_select(0, rows)
     old_avg_sq = exp_avg_sq.index_select(0, rows)
@@ -130,10 +138,11 @@ def sparse_adam(param, indices, values, lr, step, exp_avg, exp_avg_sq, *,
 
 def sparse_adam_(param, indices, values, lr, step, exp_avg, exp_avg_sq, *,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 maximize: bool = False, padding_idx: int | None = None) -> None:
+                 maximize: bool = False, padding_idx: int | None = None,
+                 is_coalesced: bool = False) -> None:
     """`sparse_adam`, in place: the same ops on the same rows."""
     rows, update, avg, avg_sq = _adam_rows(indices, values, lr, step, exp_avg, exp_avg_sq,
-                                           betas, eps, maximize, padding_idx)
+                                           betas, eps, maximize, padding_idx, is_coalesced)
     param.index_add_(0, rows, update)
     exp_avg.index_copy_(0, rows, avg)
     exp_avg_sq.index_copy_(0, rows, avg_sq)

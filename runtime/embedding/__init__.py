@@ -6,7 +6,8 @@ from .attach import CacheParts, attach_cache, cached_tables_of
 from .client import EmbeddingClient
 from .row_cache import RowCache
 from .sharding import RowSharding
+from .step_ids import StepIds
 from .store import EmbeddingStore
 
 __all__ = ["CacheParts", "attach_cache", "cached_tables_of", "EmbeddingClient", "RowCache", "RowSharding",
-           "EmbeddingStore"]
+           "StepIds", "EmbeddingStore"]

@@ -5,6 +5,12 @@ cache (evicting, writing dirty rows back, pulling misses: one message per
 server) and gathers the rows; `cached_update` applies the table's row-wise
 optimizer.
 
+Each table's ids are made unique once per step (`StepIds`; a step early when
+the next batch's rows are prefetched): the cache plans, counts and pulls by
+unique id, and the gradient, one row per lookup, is summed per unique id with
+one `index_add_` over that step's inverse before it is applied to the cached
+rows or sent to the servers (so a server receives each id once per worker).
+
 Consistency model:
 - One worker: write-back. The update runs on the cached rows, whose optimizer
   state is cached with them; a dirty row goes back to its server when evicted
@@ -38,6 +44,7 @@ from splitrun.splitter.sparse_optim import IN_PLACE
 from .protocol import Op, header, reply_channel, request_channel
 from .row_cache import BatchPlan, RowCache
 from .sharding import RowSharding
+from .step_ids import StepIds
 from ..transport.dtypes import nbytes_of
 from ..transport.protocol import MessageKey, Transport
 
@@ -65,6 +72,8 @@ class EmbeddingClient:
         self._next_feeds: Mapping[str, torch.Tensor] | None = None
         self._plans: dict[str, BatchPlan] = {}
         self._prefetched: dict[str, list[tuple[Label, int, torch.Tensor]]] = {}
+        # The next step's ids per table, made unique when they were prefetched.
+        self._next_ids: dict[str, StepIds] = {}
         self._prefetch_fresh: dict[int, int] = {}  # request seq -> step its rows are fresh for
         self._seq = itertools.count()
 
@@ -109,10 +118,19 @@ class EmbeddingClient:
 
     # -- bound to the graph's marker ops --
 
+    def _step_ids(self, table: str, ids: torch.Tensor) -> StepIds:
+        """`ids` made unique: by the prefetch of this step's rows if it saw
+        these very ids, else now."""
+        prepared = self._next_ids.pop(table, None)
+        if prepared is not None and prepared.holds(ids):
+            return prepared
+        return StepIds.of(ids)
+
     def lookup(self, ids: torch.Tensor, *, table: str) -> torch.Tensor:
         cache = self.caches[table]
         settings = cache.table.settings
-        plan = cache.plan(ids, self._step, write_back=self.write_back[table],
+        plan = cache.plan(self._step_ids(table, ids), self._step,
+                          write_back=self.write_back[table],
                           max_staleness=settings.max_staleness)
         pushed = self._write_back(table, plan.evicted_ids, plan.evicted_rows, plan.evicted_state)
         pulled = self._pull(table, plan)
@@ -127,21 +145,30 @@ class EmbeddingClient:
 
     def update(self, indices: torch.Tensor, values: torch.Tensor, lr: torch.Tensor,
                step: torch.Tensor, *, table: str) -> None:
+        """The table's gradient, one row per lookup (`indices`: the ids looked
+        up), summed per unique id with the lookup's `StepIds`, then applied to
+        the cached rows (write-back) or sent to the servers."""
         cache = self.caches[table]
-        ids = indices.reshape(-1).to("cpu", torch.int64)
+        plan = self._plans.pop(table, None)
+        if plan is not None and plan.ids.holds(indices):
+            step_ids, slots = plan.ids, plan.slots
+        else:  # not this step's lookup (a table looked up twice): unique again
+            step_ids, slots = StepIds.of(indices), None
+        ids, summed = step_ids.unique, step_ids.reduce(values)
         padding_idx = cache.table.padding_idx
         if padding_idx is not None:  # the padding row gets no update
             keep = ids != padding_idx
-            ids, values = ids[keep], values.reshape(keep.numel(), -1)[keep.to(values.device)]
+            ids, summed = ids[keep], summed[keep.to(summed.device)]
+            slots = None if slots is None else slots[keep]
         if self.write_back[table]:
-            slots = cache.slots_of(ids).to(cache.device)
+            slots = (cache.slots_of(ids) if slots is None else slots).to(cache.device)
             # In place: rows leave the cache only as copies (gathers, pushes).
-            IN_PLACE[cache.table.optimizer](cache.rows, slots, values, lr, step,
+            IN_PLACE[cache.table.optimizer](cache.rows, slots, summed, lr, step,
                                             *(cache.state[n] for n in cache.table.state_names),
-                                            **cache.table.optimizer_settings)
+                                            is_coalesced=True, **cache.table.optimizer_settings)
             cache.dirty[slots.cpu()] = True
             return
-        values = values.reshape(ids.numel(), -1).cpu()
+        values = summed.cpu()
         owner = self.sharding[table].server_of(ids)
         pushed = 0
         for server in self.servers:  # every server hears from every worker each step
@@ -197,7 +224,9 @@ class EmbeddingClient:
         if not self.write_back[table] and (settings.max_staleness < 1
                                            or settings.policy is EvictionPolicy.NONE):
             return
-        ids = torch.unique(self._next_feeds[feed].reshape(-1).to("cpu", torch.int64))
+        next_ids = StepIds.of(self._next_feeds[feed])
+        self._next_ids[table] = next_ids  # the next step's lookup reuses this unique
+        ids = next_ids.unique
         cache.check_ids(ids)
         ids = ids[cache.slot_of_id[ids] < 0]
         requests = []

@@ -17,6 +17,7 @@ import torch
 from splitrun.splitter.cached_tables import CachedTable, EvictionPolicy
 
 from ..errors import CacheError
+from .step_ids import StepIds
 
 __all__ = ["RowCache", "BatchPlan", "TableCounters"]
 
@@ -76,8 +77,7 @@ class BatchPlan:
     the rows to pull are installed), the ids to pull into which slots, and the
     evicted dirty rows to write back."""
 
-    unique_ids: torch.Tensor
-    inverse: torch.Tensor        # batch position -> index into unique_ids
+    ids: StepIds                 # the batch's ids and their one unique
     slots: torch.Tensor          # slot of each unique id
     pull_ids: torch.Tensor
     pull_slots: torch.Tensor
@@ -85,6 +85,15 @@ class BatchPlan:
     evicted_rows: torch.Tensor
     evicted_state: dict[str, torch.Tensor]
     evictions: int
+
+    @property
+    def unique_ids(self) -> torch.Tensor:
+        return self.ids.unique
+
+    @property
+    def inverse(self) -> torch.Tensor:
+        """Batch position -> index into `unique_ids`."""
+        return self.ids.inverse
 
 
 class RowCache:
@@ -122,18 +131,19 @@ class RowCache:
                 f"table {self.table.key!r} has {self.table.num_rows} rows (ids 0-"
                 f"{self.table.num_rows - 1}) but the batch looks up id {bad}")
 
-    def plan(self, ids: torch.Tensor, step: int, *, write_back: bool, max_staleness: int
-             ) -> BatchPlan:
+    def plan(self, ids: torch.Tensor | StepIds, step: int, *, write_back: bool,
+             max_staleness: int) -> BatchPlan:
         """Make room for the batch's ids and say which rows to pull.
 
+        `ids`: the batch's ids, or their `StepIds` when the caller has made
+        them unique already (the client does, once per table and step).
         Rows of this batch are pinned: never chosen for eviction. Misses go to
         free slots first, then to the policy's victims; with several workers,
         cached rows older than `max_staleness` steps are pulled again.
         """
-        ids = ids.reshape(-1).to("cpu", torch.int64)
-        self.check_ids(ids)
-        unique_ids, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True,
-                                                   return_counts=True)
+        step_ids = ids if isinstance(ids, StepIds) else StepIds.of(ids)
+        unique_ids, counts = step_ids.unique, step_ids.counts
+        self.check_ids(unique_ids)
         if unique_ids.numel() > self.capacity:
             raise CacheError(
                 f"table {self.table.key!r}: this batch looks up {unique_ids.numel()} distinct "
@@ -163,7 +173,7 @@ class RowCache:
         if self.frequency is not None:
             self.frequency[unique_ids] += counts
         pull_mask = ~cached | stale
-        return BatchPlan(unique_ids, inverse, slots, unique_ids[pull_mask], slots[pull_mask],
+        return BatchPlan(step_ids, slots, unique_ids[pull_mask], slots[pull_mask],
                          dirty_ids, evicted_rows, evicted_state, evicted.numel())
 
     def _make_room(self, needed: int, pinned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

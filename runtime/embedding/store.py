@@ -192,7 +192,9 @@ class EmbeddingStore:
 
     def _apply(self, shard: _Shard, step: int, grads: dict[int, tuple]) -> None:
         """The step's update from every worker's gradient: concatenated in worker
-        order, averaged, then the row-wise optimizer (as parameter-server mode)."""
+        order, averaged, then the row-wise optimizer (as parameter-server mode).
+        Each worker sends each id once (its gradient summed per unique id): with
+        one worker the rows need no coalescing here."""
         ordered = [grads[rank] for rank in range(self.cluster.num_workers)]
         ids = torch.cat([g[0] for g in ordered])
         values = torch.cat([g[1] for g in ordered]) / self.cluster.num_workers
@@ -201,5 +203,6 @@ class EmbeddingStore:
         # In place: replies and dumps send copies of the rows.
         IN_PLACE[shard.table.optimizer](shard.rows, local, values, lr, step_count,
                                         *(shard.state[n] for n in shard.table.state_names),
+                                        is_coalesced=self.cluster.num_workers == 1,
                                         **shard.table.optimizer_settings)
         shard.applied_step = step
