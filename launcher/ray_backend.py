@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import signal
 import sys
 import time
@@ -228,12 +229,14 @@ class _RayJob:
         self.labels = ([Label(r, Role.WORKER) for r in range(args.workers)]
                        + [Label(r, Role.SERVER) for r in range(args.servers)])
         self.members: list[_Member] = []
+        # The placement group's name; its actors are named NAME-w0, NAME-s1, ...
+        self.name = f"splitrun-{os.getpid()}-{secrets.token_hex(3)}"
 
     def run(self, started: float) -> int:
         from ray.util.placement_group import placement_group, remove_placement_group
 
         bundles = [self.resources[label.role] for label in self.labels]
-        group = placement_group(bundles, strategy="PACK", name=f"splitrun-{os.getpid()}")
+        group = placement_group(bundles, strategy="PACK", name=self.name)
         scheduler = None
         shm_prefix = new_job_prefix()
         try:
@@ -245,7 +248,7 @@ class _RayJob:
             address = self._scheduler_address(scheduler.start(self.args.host, 0, self.tls))
             _say(f"scheduler at {address}; starting {self.args.workers} workers and "
                  f"{self.args.servers} servers running {self.args.script} as Ray actors "
-                 f"(placement group {group.id.hex()}, "
+                 f"(placement group {self.name}, "
                  f"{time.monotonic() - started:.1f} s after start)")
             self._start_actors(group, nodes, address, shm_prefix)
             _say(f"every actor started {time.monotonic() - started:.1f} s after start")
@@ -298,7 +301,7 @@ class _RayJob:
                 group, placement_group_bundle_index=index,
                 placement_group_capture_child_tasks=False)
             actor = remote_host.options(
-                name=None, max_concurrency=4, max_restarts=0, scheduling_strategy=strategy,
+                name=f"{self.name}-{label}", max_concurrency=4, max_restarts=0, scheduling_strategy=strategy,
                 **_actor_options(self.resources[label.role])).remote(str(label))
             self.members.append(_Member(label, actor, node_ips.get(nodes[index], "?")))
         cwd = os.getcwd()
