@@ -95,7 +95,7 @@ def _actor_options(resources: dict[str, float]) -> dict:
     options = {"num_cpus": resources.get("CPU", 0.0), "num_gpus": resources.get("GPU", 0.0),
                "resources": custom}
     if "memory" in resources:
-        options["memory"] = resources["memory"]
+        options["memory"] = int(resources["memory"])  # bytes
     return options
 
 
@@ -241,8 +241,10 @@ class _RayJob:
         shm_prefix = new_job_prefix()
         try:
             nodes = self._place(group, bundles)
+            logger.info("same-host peers share memory under /dev/shm/%s*", shm_prefix)
             scheduler = Scheduler(SchedulerSettings(
-                self.args.workers, self.args.servers, self.token, time.time_ns() & ((1 << 62) - 1),
+                self.args.workers, self.args.servers, self.token,
+                time.time_ns() & ((1 << 62) - 1),  # the incarnation, as launch's
                 heartbeat_timeout_s=self.args.heartbeat_timeout,
                 stall_timeout_s=self.args.stall_timeout))
             address = self._scheduler_address(scheduler.start(self.args.host, 0, self.tls))
@@ -301,7 +303,8 @@ class _RayJob:
                 group, placement_group_bundle_index=index,
                 placement_group_capture_child_tasks=False)
             actor = remote_host.options(
-                name=f"{self.name}-{label}", max_concurrency=4, max_restarts=0, scheduling_strategy=strategy,
+                name=f"{self.name}-{label}", max_concurrency=4, max_restarts=0,
+                scheduling_strategy=strategy,
                 **_actor_options(self.resources[label.role])).remote(str(label))
             self.members.append(_Member(label, actor, node_ips.get(nodes[index], "?")))
         cwd = os.getcwd()

@@ -1,18 +1,12 @@
 """`splitrun launch --backend ray` on a real local Ray cluster: one `ray start
---head` per module (2 CPUs, custom resources for workers and servers), on
-127.0.0.2 with free ports, ended by its process group when the module's tests
-are done. The jobs run through the real launcher, as users run them."""
+--head` per module (2 CPUs, custom resources for workers and servers) on
+127.0.0.2 with free ports (bench/ray_head.py), ended by its process group when
+the module's tests are done. The jobs run through the real launcher, as users
+run them."""
 
-import json
 import os
-import pathlib
 import re
-import shutil
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 
 import pytest
@@ -21,95 +15,23 @@ from cluster import REPO, child_env, pid_alive
 from splitrun.launcher.cli import main
 
 ray = pytest.importorskip("ray")
+from ray_head import RAY_ENV, RayHead  # noqa: E402 - after the skip: it needs Ray
 
 EXAMPLES = REPO / "examples"
-# Ray resolves 127.0.0.1 to the machine's outward address; any other loopback
-# address it keeps, so the cluster's traffic stays on loopback.
-NODE_IP = "127.0.0.2"
-# Token authentication is for clusters other people can reach; this one is on
-# loopback and the test's own.
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 WORKER = '{"CPU": 0.5, "sr_worker": 1}'
 SERVER = '{"CPU": 0.5, "sr_server": 1}'
-# Bounds on a loaded 2-core machine: the cluster's start, a small job.
-RAY_START_TIMEOUT_S = 120.0
+# Bounds on a loaded 2-core machine: a small job, its actors' end.
 JOB_TIMEOUT_S = 240.0
 GONE_TIMEOUT_S = 30.0
 STARTED = re.compile(r"started (worker|server) (\d+) \(pid (\d+), actor pid (\d+)\) on host "
                      r"(\S+) node (\S+)")
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((NODE_IP, 0))
-        return probe.getsockname()[1]
-
-
-class RayHead:
-    """`ray start --head --block` as a process group of its own; `close()`
-    ends the group (SIGTERM, then SIGKILL) and removes its temporary folder."""
-
-    def __init__(self) -> None:
-        self.temp_dir = tempfile.mkdtemp(prefix="srray-", dir="/tmp")  # short: Ray's sockets
-        self.address = f"{NODE_IP}:{_free_port()}"
-        ports = {option: _free_port() for option in (
-            "--node-manager-port", "--object-manager-port", "--dashboard-agent-grpc-port",
-            "--dashboard-agent-listen-port", "--dashboard-port", "--metrics-export-port",
-            "--runtime-env-agent-port", "--ray-client-server-port")}
-        argv = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head",
-                "--block", "--node-ip-address", NODE_IP,
-                "--port", self.address.rsplit(":", 1)[1], "--num-cpus", "2",
-                "--resources", json.dumps({"sr_worker": 2, "sr_server": 1}),
-                "--include-dashboard", "false", "--disable-usage-stats",
-                "--temp-dir", self.temp_dir, "--object-store-memory", str(100 << 20)]
-        for option, port in ports.items():
-            argv += [option, str(port)]
-        self.log = open(os.path.join(self.temp_dir, "head.log"), "w")
-        self.process = subprocess.Popen(argv, env=child_env(RAY_ENV), stdin=subprocess.DEVNULL,
-                                        stdout=self.log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-
-    def connect(self) -> None:
-        """Connect this process to the cluster once it is up (bounded)."""
-        os.environ.update(RAY_ENV)
-        deadline = time.monotonic() + RAY_START_TIMEOUT_S
-        while True:
-            if self.process.poll() is not None:
-                raise AssertionError(f"ray start exited with {self.process.returncode}:\n"
-                                     f"{open(self.log.name).read()}")
-            try:
-                ray.init(address=self.address, logging_level="WARNING", log_to_driver=False)
-                return
-            except ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1.0)  # polling a cluster that is starting, with a deadline
-
-    def close(self) -> None:
-        if ray.is_initialized():
-            ray.shutdown()
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            pass
-        except ProcessLookupError:
-            pass
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # what did not stop on SIGTERM
-        except ProcessLookupError:
-            pass
-        if self.process.poll() is None:
-            self.process.wait(timeout=15)
-        self.log.close()
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def ray_head():
-    head = RayHead()
+    head = RayHead(num_cpus=2, resources={"sr_worker": 2, "sr_server": 1}, env=child_env())
     try:
-        head.connect()
+        head.wait_up()
         yield head
     finally:
         head.close()
