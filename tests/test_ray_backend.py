@@ -6,11 +6,14 @@ run them."""
 
 import os
 import re
+import shutil
 import signal
+import sys
+import tempfile
 import time
 
 import pytest
-from cluster import REPO, child_env, pid_alive
+from cluster import REPO, Proc, child_env, pid_alive
 
 from splitrun.launcher.cli import main
 
@@ -23,6 +26,7 @@ SERVER = '{"CPU": 0.5, "sr_server": 1}'
 # Bounds on a loaded 2-core machine: a small job, its actors' end.
 JOB_TIMEOUT_S = 240.0
 GONE_TIMEOUT_S = 30.0
+RAY_NODE_START_S = 120.0
 STARTED = re.compile(r"started (worker|server) (\d+) \(pid (\d+), actor pid (\d+)\) on host "
                      r"(\S+) node (\S+)")
 
@@ -115,3 +119,58 @@ def test_a_killed_actor_stops_the_job_naming_it(ray_head, local_cluster):
     assert f"the Ray actor of worker 1 (pid {script_pid} on" in summary, output
     assert "died" in summary and "stopped the other 2 processes" in summary, output
     _assert_nothing_left(placements)
+
+
+def _ray_node(host, temp_dir: str, *options) -> Proc:
+    """`ray start --block` inside `host`'s namespace, ended with the namespaces."""
+    argv = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block",
+            "--node-ip-address", host.address, "--disable-usage-stats", "--temp-dir", temp_dir,
+            "--object-store-memory", str(100 << 20), *options]
+    proc = Proc(host.argv(argv), env=child_env(RAY_ENV))
+    host.adopt(proc.process)
+    return proc
+
+
+@pytest.mark.slow
+def test_two_ray_nodes_servers_on_one_workers_on_the_other(tmp_path):
+    """A Ray head in host a of the two-host harness (bench/hosts.py) offering
+    `sr_server`, a second Ray node in host b offering `sr_worker`: the server
+    runs on a, both workers on b, over the harness's 1 Gbit/s link, and the
+    job trains to its accuracy."""
+    from hosts import require_root, two_hosts
+
+    require_root()
+    temp_dirs = [tempfile.mkdtemp(prefix="srray-", dir="/tmp") for _ in range(2)]
+    try:
+        with two_hosts(rate_mbit=1000) as hosts:
+            a, b = hosts.a, hosts.b
+            gcs = f"{a.address}:6379"  # the namespaces are fresh: every port is free
+            head = _ray_node(a, temp_dirs[0], "--head", "--port", "6379",
+                             "--include-dashboard", "false", "--num-cpus", "1",
+                             "--resources", '{"sr_server": 1}')
+            head.wait_for(r"Ray runtime started", RAY_NODE_START_S)
+            node = _ray_node(b, temp_dirs[1], "--address", gcs, "--num-cpus", "2",
+                             "--resources", '{"sr_worker": 2}')
+            node.wait_for(r"Ray runtime started", RAY_NODE_START_S)
+            launcher = Proc(a.argv([
+                sys.executable, "-m", "splitrun.launcher", "launch", "--backend", "ray",
+                "--address", gcs, "--host", "0.0.0.0", "--insecure", "--workers", 2,
+                "--servers", 1, "--worker-resources", WORKER, "--server-resources", SERVER,
+                EXAMPLES / "ps_train.py", "--epochs", 8, "--min-accuracy", 0.95]),
+                env=child_env(RAY_ENV), cwd=tmp_path)
+            a.adopt(launcher.process)
+            code = launcher.wait(JOB_TIMEOUT_S * 2)
+            output = launcher.output()
+            assert code == 0, output
+            nodes = {f"{m[1]} {m[2]}": m[6] for m in STARTED.finditer(output)}
+            assert nodes == {"server 0": a.address, "worker 0": b.address,
+                             "worker 1": b.address}, output
+            accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)", output).group(1))
+            assert accuracy >= 0.95, output
+            assert f"advertising {b.address} " in output  # workers bound 0.0.0.0 on b
+            placements = _placements(output)
+        pids = [pid for pair in placements.values() for pid in pair if pid_alive(pid)]
+        assert not pids, f"left behind: {pids}"
+    finally:
+        for temp_dir in temp_dirs:
+            shutil.rmtree(temp_dir, ignore_errors=True)
