@@ -268,7 +268,12 @@ class _RayJob:
         """Wait for the placement group; the node id of each bundle."""
         from ray.util.placement_group import placement_group_table
 
-        ready, _ = self.ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        deadline = time.monotonic() + PLACEMENT_TIMEOUT_S
+        ready: list = []
+        while not ready and time.monotonic() < deadline:
+            if self.interrupted:
+                raise RayBackendError("interrupted while Ray placed the job")
+            ready, _ = self.ray.wait([group.ready()], timeout=_POLL_WAIT_S)
         if not ready:
             raise RayBackendError(
                 f"Ray could not place the job within {PLACEMENT_TIMEOUT_S:g} s: it needs "
