@@ -187,10 +187,17 @@ def launch_on_ray(args, tls: TlsFiles | None, token: str, process_env: ProcessEn
         print("splitrun: --max-restarts and --checkpoint-every are not supported with "
               "--backend ray yet", file=sys.stderr)
         return 2
-    _say(f"connecting to Ray ({args.address or 'RAY_ADDRESS, else a new local cluster'})")
+    where = args.address or os.environ.get("RAY_ADDRESS") or "a new local cluster"
+    _say(f"connecting to Ray ({where})")
     started = time.monotonic()
-    ray.init(address=args.address, log_to_driver=False,
-             logging_level=logging.DEBUG if args.log_level == "DEBUG" else logging.WARNING)
+    try:
+        ray.init(address=args.address, log_to_driver=False,
+                 logging_level=logging.DEBUG if args.log_level == "DEBUG" else logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        print(f"splitrun: cannot connect to Ray ({where}): {_first_line(exc)}; is a cluster "
+              f"running there (`ray start --head`), and is --address HOST:PORT its GCS "
+              f"address?", file=sys.stderr)
+        return 1
     interrupted: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, _frame: interrupted.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -343,6 +350,11 @@ class _RayJob:
         full = self.process_env(address, label, shm_prefix)
         env = {k: v for k, v in full.items()
                if k.startswith("SPLITRUN_") or k in _THREAD_VARIABLES or os.environ.get(k) != v}
+        if self.args.threads_per_process is None and "OMP_NUM_THREADS" not in os.environ:
+            # The process's share is its actor's CPUs, not this machine's cores.
+            threads = str(max(1, int(self.resources[label.role].get("CPU", 1.0))))
+            env.update({ENV.THREADS: threads, "OMP_NUM_THREADS": threads,
+                        "MKL_NUM_THREADS": threads})
         if not _is_loopback(self.args.host):
             # Each node's process binds its own interfaces and advertises its
             # address on the route to the scheduler (Job's rule for 0.0.0.0).
