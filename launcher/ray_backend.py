@@ -131,6 +131,7 @@ class _Member:
     label: Label
     actor: object
     node_ip: str
+    is_driver_node: bool             # on the launcher's node (its /dev/shm)
     placement: Placement | None = None
     poll: object | None = None       # the outstanding poll's ObjectRef
     exit_code: int | None = None
@@ -211,7 +212,9 @@ def launch_on_ray(args, tls: TlsFiles | None, token: str, process_env: ProcessEn
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        disconnect = time.monotonic()
         ray.shutdown()
+        logger.debug("disconnected from Ray in %.1f s", time.monotonic() - disconnect)
     return code
 
 
@@ -263,13 +266,17 @@ class _RayJob:
             _say(f"every actor started {time.monotonic() - started:.1f} s after start")
             outcome_code, summary = self._supervise(scheduler)
             _say(summary)
+            logger.debug("job over %.1f s after start", time.monotonic() - started)
             return outcome_code
         finally:
+            cleanup = time.monotonic()
             self._remove_actors()
             remove_placement_group(group)
             if scheduler is not None:
                 scheduler.stop()
             remove_job_segments(shm_prefix)
+            logger.info("removed %d actors and the placement group in %.1f s",
+                        len(self.members), time.monotonic() - cleanup)
 
     def _place(self, group, bundles) -> list[str]:
         """Wait for the placement group; the node id of each bundle."""
@@ -309,6 +316,7 @@ class _RayJob:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         node_ips = {node["NodeID"]: node["NodeManagerAddress"] for node in self.ray.nodes()}
+        here = self.ray.get_runtime_context().get_node_id()
         remote_host = self.ray.remote(ProcessHost)
         for index, label in enumerate(self.labels):
             strategy = PlacementGroupSchedulingStrategy(
@@ -318,7 +326,8 @@ class _RayJob:
                 name=f"{self.name}-{label}", max_concurrency=4, max_restarts=0,
                 scheduling_strategy=strategy,
                 **_actor_options(self.resources[label.role])).remote(str(label))
-            self.members.append(_Member(label, actor, node_ips.get(nodes[index], "?")))
+            self.members.append(_Member(label, actor, node_ips.get(nodes[index], "?"),
+                                        nodes[index] == here))
         cwd = os.getcwd()
         starts = {}
         for member in self.members:
@@ -383,6 +392,7 @@ class _RayJob:
             for ref in ready:
                 sign = self._take(polls[ref], ref, now)
                 if sign is not None:
+                    logger.debug("failure sign %.1f s into the job: %s", now - started, sign.what)
                     signs.append(sign)
             if not reported:
                 failure = scheduler.failure
@@ -390,6 +400,8 @@ class _RayJob:
                     reported = True
                     signs.append(_Sign(_Kind.REPORTED, now, _parse_label(failure[0]), 1,
                                        failure[1]))
+                    logger.debug("failure sign %.1f s into the job: %s", now - started,
+                                failure[1])
             running = [m for m in self.members if m.is_running and not m.is_stopped]
             if signs and blame_at is None:
                 blame_at = now + BLAME_WINDOW_S
@@ -437,7 +449,10 @@ class _RayJob:
 
     def _blame(self, signs: list[_Sign], scheduler: Scheduler) -> tuple[int, str]:
         running = [m for m in self.members if m.is_running]
-        self._stop_all()  # reads every process's last lines (its error) too
+        stopping = time.monotonic()
+        self._stop_all()
+        # Stopping reads every process's last lines (its error) too.
+        logger.debug("stopped in %.1f s", time.monotonic() - stopping)
         # Judge exits with an error by the error line read by now.
         by_label = {m.label: m for m in self.members}
         judged = []
@@ -461,13 +476,16 @@ class _RayJob:
     def _stop_all(self) -> None:
         """Stop every script still running (SIGTERM, then SIGKILL after the
         grace period, in its actor) and relay its last lines."""
-        stops = {m.label: m.actor.stop.remote(TERMINATE_GRACE_S)
+        stops = {m.label: m.actor.stop.remote(TERMINATE_GRACE_S, not m.is_driver_node)
                  for m in self.members if not m.is_dead and m.placement is not None}
+        if stops:  # all at once: an actor Ray has not yet found dead answers no one
+            self.ray.wait(list(stops.values()), num_returns=len(stops),
+                          timeout=TERMINATE_GRACE_S * 2)
         for member in self.members:
             if member.label not in stops:
                 continue
             try:
-                self.ray.get(stops[member.label], timeout=TERMINATE_GRACE_S * 3)
+                self.ray.get(stops[member.label], timeout=0.1)
                 while True:  # what it printed last
                     polled = self.ray.get(member.actor.poll.remote(0.0),
                                           timeout=TERMINATE_GRACE_S)

@@ -111,10 +111,11 @@ class ProcessHost:
             code = self._wait_code(1.0)
         return Polled(lines, code, code is None and self._is_stopped())
 
-    def stop(self, grace_s: float) -> int | None:
+    def stop(self, grace_s: float, remove_shm: bool) -> int | None:
         """SIGTERM the script's process group (SIGKILL at once when it is
-        stopped), SIGKILL what is left after `grace_s`, reap it, and remove the
-        job's shared-memory files on this node. Returns the exit code."""
+        stopped), SIGKILL what is left after `grace_s`, reap it, and with
+        `remove_shm` remove the job's shared-memory files on this node (the
+        driver removes those on its own node). Returns the exit code."""
         process = self._process
         if process is not None:
             if self._code() is None:
@@ -125,8 +126,10 @@ class ProcessHost:
                 process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 pass
-        if self._shm_prefix is not None and _has_files(_SHM_DIR, self._shm_prefix):
-            # What a killed process left on this node (shm_ring checks the prefix).
+        if (remove_shm and self._shm_prefix is not None
+                and _has_files(_SHM_DIR, self._shm_prefix)):
+            # What a killed process left on this node (shm_ring checks the
+            # prefix). Imports torch, seconds on a busy machine: only then.
             from splitrun.runtime.transport.shm_ring import remove_job_segments
             remove_job_segments(self._shm_prefix, _SHM_DIR)
         return None if process is None else process.returncode
