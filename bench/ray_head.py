@@ -29,7 +29,7 @@ NODE_IP = "127.0.0.2"
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 # `ray start` on a loaded 2-core machine.
 START_TIMEOUT_S = 120.0
-STOP_GRACE_S = 15.0
+STOP_GRACE_S = 5.0  # then SIGKILL: every process of the group is this cluster's
 _PORT_OPTIONS = ("--node-manager-port", "--object-manager-port", "--dashboard-agent-grpc-port",
                  "--dashboard-agent-listen-port", "--dashboard-port", "--metrics-export-port",
                  "--runtime-env-agent-port", "--ray-client-server-port")

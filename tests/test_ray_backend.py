@@ -33,7 +33,7 @@ STARTED = re.compile(r"started (worker|server) (\d+) \(pid (\d+), actor pid (\d+
 
 @pytest.fixture(scope="module")
 def ray_head():
-    head = RayHead(num_cpus=2, resources={"sr_worker": 2, "sr_server": 1}, env=child_env())
+    head = RayHead(num_cpus=2, resources={"sr_worker": 3, "sr_server": 1}, env=child_env())
     try:
         head.wait_up()
         yield head
@@ -102,6 +102,17 @@ def test_ps_train_on_ray_matches_the_local_backend(ray_head, local_cluster):
     assert set(placements) == {"worker 0", "worker 1", "server 0"}
     assert "all 3 processes finished" in output
     _assert_nothing_left(placements)
+
+
+@pytest.mark.slow
+def test_pipeline_split_on_ray_equals_the_unsplit_step(ray_head, local_cluster):
+    proc = _launch_ray(local_cluster, ray_head, EXAMPLES / "pipeline_split.py", "--steps", 15,
+                       workers=3, servers=0)
+    code = proc.wait(JOB_TIMEOUT_S)
+    output = proc.output()
+    assert code == 0, output
+    assert "final parameters identical to the unsplit run: True" in output
+    _assert_nothing_left(_placements(output))
 
 
 @pytest.mark.slow
