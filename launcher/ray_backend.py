@@ -135,7 +135,8 @@ class _Member:
     placement: Placement | None = None
     poll: object | None = None       # the outstanding poll's ObjectRef
     exit_code: int | None = None
-    is_dead: bool = False            # the actor died
+    is_dead: bool = False            # the actor died (or stopped answering)
+    death: str | None = None         # Ray's word on how it died
     is_stopped: bool = False
     error: str | None = None         # the last error line it printed
     in_traceback: bool = False
@@ -417,10 +418,8 @@ class _RayJob:
         try:
             polled: Polled = self.ray.get(ref)
         except self.ray.exceptions.RayActorError as exc:
-            member.is_dead = True
-            return _Sign(_Kind.KILLED, now, member.label, 1,
-                         f"the Ray actor of {member.describe()} died "
-                         f"({type(exc).__name__}: {_first_line(exc)})")
+            member.is_dead, member.death = True, f"({type(exc).__name__}: {_first_line(exc)})"
+            return self._death_sign(member, now)
         self._relay(member, polled.lines)
         if polled.exit_code is None:
             member.poll = member.actor.poll.remote(_POLL_WAIT_S)
@@ -435,6 +434,11 @@ class _RayJob:
         kind = _Kind.KILLED if polled.exit_code < 0 else _error_kind(member.error)
         return _Sign(kind, now, member.label, shell_code(polled.exit_code),
                      f"{member.describe()} {describe_exit(polled.exit_code)}")
+
+    @staticmethod
+    def _death_sign(member: _Member, now: float) -> _Sign:
+        return _Sign(_Kind.KILLED, now, member.label, 1,
+                     f"the Ray actor of {member.describe()} died {member.death}")
 
     def _relay(self, member: _Member, lines) -> None:
         prefix = f"[{member.label.describe()}] "
@@ -462,6 +466,11 @@ class _RayJob:
                 sign = _Sign(_error_kind(member.error), sign.seen, sign.label,
                              sign.exit_code, sign.what)
             judged.append(sign)
+        # An actor Ray reported dead only while it was being stopped: its death
+        # may have come first (Ray takes a while to tell on a busy machine).
+        signed = {sign.label for sign in signs}
+        judged += [self._death_sign(m, min(s.seen for s in signs)) for m in running
+                   if m.death is not None and m.label not in signed]
         culprit = min(judged, key=lambda s: (s.kind, s.seen))
         if culprit.kind is _Kind.REPORTED:
             return culprit.exit_code, f"job failed: {culprit.what}; stopped every process"
@@ -494,8 +503,11 @@ class _RayJob:
                         break
                 if member.exit_code is None:
                     member.exit_code = polled.exit_code
+            except self.ray.exceptions.RayActorError as exc:
+                member.is_dead = True  # its script died with it (the bootstrap's parent pid)
+                member.death = f"({type(exc).__name__}: {_first_line(exc)})"
             except self.ray.exceptions.RayError:
-                member.is_dead = True  # its script dies with it (the bootstrap's parent pid)
+                member.is_dead = True  # did not answer: ray.kill ends it and its script
             member.poll = None
 
     def _remove_actors(self) -> None:

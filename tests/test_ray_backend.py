@@ -128,7 +128,10 @@ def test_a_killed_actor_stops_the_job_naming_it(ray_head, local_cluster):
     assert code != 0, output
     summary = next(line for line in proc.lines if line.startswith("[splitrun] the Ray actor"))
     assert f"the Ray actor of worker 1 (pid {script_pid} on" in summary, output
-    assert "died" in summary and "stopped the other 2 processes" in summary, output
+    # The peers may have ended by themselves (they see worker 1's end of the
+    # ring go) before the launcher stops them: any count, then none left.
+    assert re.search(r" died \(ActorDiedError: .*; stopped the other [0-2] processes$",
+                     summary), output
     _assert_nothing_left(placements)
 
 
