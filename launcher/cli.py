@@ -158,6 +158,23 @@ def _add_stall_arg(parser: argparse.ArgumentParser) -> None:
                              "on it inside a step, before it counts as stalled")
 
 
+def _add_ray_args(parser: argparse.ArgumentParser) -> None:
+    ray = parser.add_argument_group(
+        "Ray", "--backend ray runs each process as a Ray actor (pip install 'splitrun[ray]')")
+    ray.add_argument("--backend", default="local", choices=["local", "ray"],
+                     help="local: child processes of this launcher (default); ray: one "
+                          "Ray actor per process in one placement group")
+    ray.add_argument("--address", default=None,
+                     help="the Ray cluster: auto, or HOST:PORT (default: $RAY_ADDRESS, "
+                          "else a new local cluster)")
+    ray.add_argument("--worker-resources", default=None, metavar="JSON",
+                     help='each worker\'s Ray resources, e.g. \'{"CPU": 1, "GPU": 1}\' '
+                          '(default {"CPU": 1})')
+    ray.add_argument("--server-resources", default=None, metavar="JSON",
+                     help='each server\'s Ray resources, e.g. \'{"CPU": 2, "memory": 4e9}\' '
+                          '(default {"CPU": 1})')
+
+
 def _add_script_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script", help="the training script every process runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER,
@@ -228,6 +245,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="intra-op threads of each process (default: this machine's "
                              "cores divided by the processes started here, at least 1); "
                              "OMP_NUM_THREADS/MKL_NUM_THREADS set by you win")
+    _add_ray_args(launch)
     _add_script_args(launch)
 
     plan = commands.add_parser(
@@ -411,6 +429,10 @@ def _launch(args) -> int:
         print(f"splitrun: {exc}", file=sys.stderr)
         return 2
     token = secrets.token_hex(16)
+    if args.backend == "ray":
+        from .ray_backend import launch_on_ray  # imports Ray
+        return launch_on_ray(args, tls, token, lambda address, label, shm: {
+            **_child_env(args, address, token, label, shm), **_tls_env(tls)})
     own_dir = args.checkpoint_every is not None and args.checkpoint_dir is None
     directory = (tempfile.mkdtemp(prefix="splitrun-checkpoints-") if own_dir
                  else args.checkpoint_dir)

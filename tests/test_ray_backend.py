@@ -1,0 +1,190 @@
+"""`splitrun launch --backend ray` on a real local Ray cluster: one `ray start
+--head` per module (2 CPUs, custom resources for workers and servers) on
+127.0.0.2 with free ports (bench/ray_head.py), ended by its process group when
+the module's tests are done. The jobs run through the real launcher, as users
+run them."""
+
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+
+import pytest
+from cluster import REPO, Proc, child_env, pid_alive
+
+from splitrun.launcher.cli import main
+
+ray = pytest.importorskip("ray")
+from ray_head import RAY_ENV, RayHead  # noqa: E402 - after the skip: it needs Ray
+
+EXAMPLES = REPO / "examples"
+WORKER = '{"CPU": 0.5, "sr_worker": 1}'
+SERVER = '{"CPU": 0.5, "sr_server": 1}'
+# Bounds on a loaded 2-core machine: a small job, its actors' end.
+JOB_TIMEOUT_S = 240.0
+GONE_TIMEOUT_S = 30.0
+RAY_NODE_START_S = 120.0
+STARTED = re.compile(r"started (worker|server) (\d+) \(pid (\d+), actor pid (\d+)\) on host "
+                     r"(\S+) node (\S+)")
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    head = RayHead(num_cpus=2, resources={"sr_worker": 3, "sr_server": 1}, env=child_env())
+    try:
+        head.wait_up()
+        yield head
+    finally:
+        head.close()
+
+
+def _launch_ray(local_cluster, head: RayHead, script, *args, workers: int, servers: int):
+    return local_cluster.start(
+        "launch", "--backend", "ray", "--address", head.address, "--workers", workers,
+        "--servers", servers, "--worker-resources", WORKER, "--server-resources", SERVER,
+        script, *args, env_extra=RAY_ENV)
+
+
+def _placements(output: str) -> dict[str, tuple[int, int]]:
+    """`worker 1` -> (script pid, actor pid), from the launcher's log."""
+    return {f"{m[1]} {m[2]}": (int(m[3]), int(m[4])) for m in STARTED.finditer(output)}
+
+
+def _assert_nothing_left(placements: dict[str, tuple[int, int]]) -> None:
+    """No splitrun actor or placement group in the cluster, no script or actor
+    process on this machine (ray.kill ends an actor asynchronously: bounded wait)."""
+    from ray.util.placement_group import placement_group_table
+
+    deadline = time.monotonic() + GONE_TIMEOUT_S
+    while True:
+        actors = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith("splitrun-")]
+        groups = {k: v["name"] for k, v in placement_group_table().items()
+                  if v["state"] != "REMOVED"}
+        pids = [pid for pair in placements.values() for pid in pair if pid_alive(pid)]
+        if not actors and not groups and not pids:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"left behind after {GONE_TIMEOUT_S} s: actors {actors}, "
+                                 f"placement groups {groups}, processes {pids}")
+        time.sleep(0.2)  # polling Ray's tables and /proc, with a deadline
+
+
+def _result(output: str) -> tuple[str, str, str]:
+    """What the job computed: its plan, final loss and held-out accuracy."""
+    plan = re.search(r"\[worker 0\] plan (\w+):", output).group(1)
+    loss = re.findall(r"\[worker 0\] .*step (\d+/\d+ loss [0-9.]+)", output)[-1]  # the last
+    accuracy = re.search(r"held-out accuracy: ([0-9.]+)", output).group(1)
+    return plan, loss, accuracy
+
+
+def test_bad_resources_are_refused_before_ray_starts(capsys):
+    code = main(["launch", "--backend", "ray", "--worker-resources", '{"GPU": -1}',
+                 str(EXAMPLES / "ps_train.py")])
+    assert code == 2
+    assert '--worker-resources: every amount must be a number > 0; got {"GPU": -1}' in \
+        capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ps_train_on_ray_matches_the_local_backend(ray_head, local_cluster):
+    args = (EXAMPLES / "ps_train.py", "--epochs", 3)
+    local = local_cluster.run(*args, workers=2, servers=1)
+    proc = _launch_ray(local_cluster, ray_head, *args, workers=2, servers=1)
+    code = proc.wait(JOB_TIMEOUT_S)
+    output = proc.output()
+    assert code == 0, output
+    assert _result(output) == _result(local.output())
+    placements = _placements(output)
+    assert set(placements) == {"worker 0", "worker 1", "server 0"}
+    assert "all 3 processes finished" in output
+    _assert_nothing_left(placements)
+
+
+@pytest.mark.slow
+def test_pipeline_split_on_ray_equals_the_unsplit_step(ray_head, local_cluster):
+    proc = _launch_ray(local_cluster, ray_head, EXAMPLES / "pipeline_split.py", "--steps", 15,
+                       workers=3, servers=0)
+    code = proc.wait(JOB_TIMEOUT_S)
+    output = proc.output()
+    assert code == 0, output
+    assert "final parameters identical to the unsplit run: True" in output
+    _assert_nothing_left(_placements(output))
+
+
+@pytest.mark.slow
+def test_a_killed_actor_stops_the_job_naming_it(ray_head, local_cluster):
+    proc = _launch_ray(local_cluster, ray_head, EXAMPLES / "ps_train.py", "--epochs", 500,
+                       workers=2, servers=1)
+    proc.wait_for(r"\[worker 0\] .*step \d+/\d+", JOB_TIMEOUT_S)  # training
+    placements = _placements(proc.output())
+    script_pid, actor_pid = placements["worker 1"]
+    os.kill(actor_pid, signal.SIGKILL)  # the Ray worker process holding worker 1's actor
+    code = proc.wait(JOB_TIMEOUT_S)
+    output = proc.output()
+    assert code != 0, output
+    summary = next(line for line in proc.lines if line.startswith("[splitrun] the Ray actor"))
+    assert f"the Ray actor of worker 1 (pid {script_pid} on" in summary, output
+    # The peers may have ended by themselves (they see worker 1's end of the
+    # ring go) before the launcher stops them: any count, then none left.
+    assert re.search(r" died \(ActorDiedError: .*; stopped the other [0-2] processes$",
+                     summary), output
+    _assert_nothing_left(placements)
+
+
+def _ray_node(host, temp_dir: str, *options) -> Proc:
+    """`ray start --block` inside `host`'s namespace, ended with the namespaces."""
+    argv = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block",
+            "--node-ip-address", host.address, "--disable-usage-stats", "--temp-dir", temp_dir,
+            "--object-store-memory", str(100 << 20), *options]
+    proc = Proc(host.argv(argv), env=child_env(RAY_ENV))
+    host.adopt(proc.process)
+    return proc
+
+
+@pytest.mark.slow
+def test_two_ray_nodes_servers_on_one_workers_on_the_other(tmp_path):
+    """A Ray head in host a of the two-host harness (bench/hosts.py) offering
+    `sr_server`, a second Ray node in host b offering `sr_worker`: the server
+    runs on a, both workers on b, over the harness's 1 Gbit/s link, and the
+    job trains to its accuracy."""
+    from hosts import require_root, two_hosts
+
+    require_root()
+    temp_dirs = [tempfile.mkdtemp(prefix="srray-", dir="/tmp") for _ in range(2)]
+    try:
+        with two_hosts(rate_mbit=1000) as hosts:
+            a, b = hosts.a, hosts.b
+            gcs = f"{a.address}:6379"  # the namespaces are fresh: every port is free
+            head = _ray_node(a, temp_dirs[0], "--head", "--port", "6379",
+                             "--include-dashboard", "false", "--num-cpus", "1",
+                             "--resources", '{"sr_server": 1}')
+            head.wait_for(r"Ray runtime started", RAY_NODE_START_S)
+            node = _ray_node(b, temp_dirs[1], "--address", gcs, "--num-cpus", "2",
+                             "--resources", '{"sr_worker": 2}')
+            node.wait_for(r"Ray runtime started", RAY_NODE_START_S)
+            launcher = Proc(a.argv([
+                sys.executable, "-m", "splitrun.launcher", "launch", "--backend", "ray",
+                "--address", gcs, "--host", "0.0.0.0", "--insecure", "--workers", 2,
+                "--servers", 1, "--worker-resources", WORKER, "--server-resources", SERVER,
+                EXAMPLES / "ps_train.py", "--epochs", 8, "--min-accuracy", 0.95]),
+                env=child_env(RAY_ENV), cwd=tmp_path)
+            a.adopt(launcher.process)
+            code = launcher.wait(JOB_TIMEOUT_S * 2)
+            output = launcher.output()
+            assert code == 0, output
+            nodes = {f"{m[1]} {m[2]}": m[6] for m in STARTED.finditer(output)}
+            assert nodes == {"server 0": a.address, "worker 0": b.address,
+                             "worker 1": b.address}, output
+            accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)", output).group(1))
+            assert accuracy >= 0.95, output
+            assert f"advertising {b.address} " in output  # workers bound 0.0.0.0 on b
+            placements = _placements(output)
+        pids = [pid for pair in placements.values() for pid in pair if pid_alive(pid)]
+        assert not pids, f"left behind: {pids}"
+    finally:
+        for temp_dir in temp_dirs:
+            shutil.rmtree(temp_dir, ignore_errors=True)
