@@ -157,6 +157,18 @@ class LocalCluster:
             proc.kill()
 
 
+# Lines a successful job never prints: a traceback (ours, or a thread's, which
+# Python prints as "Exception in thread"), and gRPC's complaint about a channel
+# closed under its connectivity poller.
+UNCLEAN_OUTPUT = ("Traceback", "Exception in thread", "Channel closed")
+
+
+def assert_clean_output(proc: Proc) -> None:
+    """`proc` (a job that succeeded) printed no traceback and no gRPC thread error."""
+    found = [marker for marker in UNCLEAN_OUTPUT if marker in proc.output()]
+    assert not found, f"{found} in the output of a successful job:\n{proc.output()}"
+
+
 def pid_alive(pid: int) -> bool:
     """True while `pid` exists and is not a zombie."""
     try:

@@ -6,6 +6,7 @@ and leave the job alone, and waits end with errors that name the peer.
 Every wait is bounded; no sleep synchronises anything; timings decide nothing.
 """
 
+import dataclasses
 import hashlib
 import logging
 import re
@@ -386,6 +387,36 @@ def test_flush_confirms_delivery_and_close_is_idempotent(pair):
     a.close()
     with pytest.raises(TransportError, match="the transport is closed"):
         a.send(W1, key(9), [torch.zeros(2, 3)])
+
+
+def test_closing_after_a_job_raises_nothing_in_any_thread(monkeypatch):
+    """A job's end: streams opened one after another, then close at once. gRPC's
+    connectivity poller (started by `channel_ready_future`) used to outlive the
+    connect wait and raise `ValueError: Cannot invoke RPC: Channel closed!` in its
+    own thread on the closed channel, in every one of these rounds."""
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(
+        f"{args.thread.name if args.thread else '?'}: {args.exc_type.__name__}: "
+        f"{args.exc_value}"))
+    settings = dataclasses.replace(SETTINGS, stream_idle_s=0.01)
+    contracts = {"w0->w1#0": ChannelContract(W0, FLOAT_2x3)}
+    for _ in range(10):
+        a = GrpcTransport(W0, token=TOKEN, incarnation=INCARNATION, settings=settings)
+        b = GrpcTransport(W1, token=TOKEN, incarnation=INCARNATION, settings=settings,
+                          contracts=contracts)
+        connect(a, b)
+        try:
+            for step in range(5):
+                a.send(W1, key(step), [torch.ones(2, 3)])
+                a.flush(RECV_TIMEOUT_S)  # the stream ends: the next send opens another
+        finally:
+            close_all(a, b)
+    # gRPC's threads that were still running at close end within their poll
+    # period (0.2 s); join them, bounded, before looking.
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and thread.daemon:
+            thread.join(timeout=1.0)
+    assert raised == []
 
 
 def test_a_process_takes_its_identity_after_its_server_is_up():

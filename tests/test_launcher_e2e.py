@@ -7,7 +7,7 @@ import signal
 
 import pytest
 import torch
-from cluster import JOB_TIMEOUT_S, SCRIPTS, pid_alive
+from cluster import JOB_TIMEOUT_S, SCRIPTS, assert_clean_output, pid_alive
 from train_job import build
 
 pytestmark = pytest.mark.slow
@@ -45,6 +45,7 @@ def test_launched_split_equals_unsplit(local_cluster, tmp_path, num_workers, mod
     proc = local_cluster.run(TRAIN_JOB, "--model", model, "--optimizer", optimizer,
                              "--steps", steps, "--out", out, workers=num_workers)
     assert f"all {num_workers} processes finished" in proc.output()
+    assert_clean_output(proc)
     for rank in range(num_workers):
         assert f"[worker {rank}]" in proc.output()
     assert_same_as_unsplit(out, model, optimizer, num_workers, steps)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from cluster import JOB_TIMEOUT_S, SCRIPTS, pid_alive
+from cluster import JOB_TIMEOUT_S, SCRIPTS, assert_clean_output, pid_alive
 
 from splitrun.runtime.transport.shm_ring import SHM_DIR
 
@@ -43,6 +43,7 @@ def run(local_cluster, tmp_path, name, env_extra=None):
                                "--steps", 8, "--out", out, env_extra=env_extra)
     prefix = job_prefix(proc)
     assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
+    assert_clean_output(proc)
     assert job_files(prefix) == [], "the job's shared-memory files outlived it"
     return torch.load(out), chosen(proc.output())
 

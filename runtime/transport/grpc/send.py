@@ -10,6 +10,12 @@ ends when idle (or old), and the server's trailing metadata says how many
 messages it delivered, so every message is confirmed. A peer that is not up
 yet is retried until a connect deadline; any other failure is fatal: it
 aborts this process's mailbox and is raised from the next `send`/`recv`.
+
+Reaching a peer is a `Ping` call with `wait_for_ready`, made before the first
+stream and after the peer was unavailable: not `grpc.channel_ready_future`,
+whose connectivity-polling thread (gRPC's, not ours) outlives the future and
+raised `ValueError: Cannot invoke RPC: Channel closed!` when the channel
+closed at the end of a successful job.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from ..framing import frame_message
 from ..keys import MessageKey
 from .endpoint import Endpoint, GrpcSettings
 from .outgoing import Outgoing, SendQueue
-from .service import DELIVER_STREAM_METHOD, DELIVERED_METADATA_KEY
+from .service import DELIVER_STREAM_METHOD, DELIVERED_METADATA_KEY, PING_METHOD
 
 # The parts `GrpcTransport` is built from.
 __all__ = ["JOIN_GRACE_S", "PeerSender", "channel_options", "open_channel"]
@@ -44,6 +50,8 @@ _IDLE_POLL_S = 1.0
 _RETRY_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
 # Bounds the last joins of close() after its own deadline passed.
 JOIN_GRACE_S = 2.0
+# The shortest deadline a connect ping gets (gRPC refuses a deadline in the past).
+_MIN_CALL_TIMEOUT_S = 0.01
 
 
 @dataclass(eq=False)
@@ -70,6 +78,10 @@ class PeerSender:
         self._channel = open_channel(address, endpoint)
         self._stream = self._channel.stream_unary(
             DELIVER_STREAM_METHOD, request_serializer=None, response_deserializer=None)
+        self._ping = self._channel.unary_unary(
+            PING_METHOD, request_serializer=None, response_deserializer=None)
+        # False until a call reached the peer, and again once it was unavailable.
+        self._is_reachable = False
         self._queue = SendQueue(self._settings.max_queued_bytes)
         self._stop = threading.Event()
         # The stream call or connect wait in progress, so close() can cancel it.
@@ -147,6 +159,8 @@ class PeerSender:
             f"{self.address} within close_timeout_s={self._settings.close_timeout_s:g} s")
 
     def shutdown(self) -> None:
+        """Close the channel; after `join`, so no call of ours is in flight."""
+        self._stop.set()
         self._channel.close()
 
     # -- the thread --
@@ -167,6 +181,11 @@ class PeerSender:
                     unreachable_since = None
         except TransportError as error:
             self._fail(error)
+        except ValueError as exc:
+            if not self._stop.is_set():
+                raise
+            # The channel was closed under a thread that outlived join()'s grace.
+            logger.debug("%s sender to %s stopped: %s", self._tag, self.peer.describe(), exc)
         except Exception as exc:  # noqa: BLE001 - any bug here must reach the caller
             logger.exception("%s sender to %s crashed", self._tag, self.peer.describe())
             self._fail(TransportError(
@@ -184,21 +203,34 @@ class PeerSender:
         self._on_fatal(error)
 
     def _connect(self, head: Outgoing, since: float) -> None:
-        """Wait until the peer accepts connections, up to the connect deadline."""
+        """Wait until the peer answers a ping, up to the connect deadline (once,
+        and again after the peer was unavailable)."""
+        if self._is_reachable:
+            return
         remaining = since + self._settings.connect_timeout_s - time.monotonic()
-        ready = grpc.channel_ready_future(self._channel)
-        self._future = ready
+        future = self._ping.future(b"", timeout=max(remaining, _MIN_CALL_TIMEOUT_S),
+                                   metadata=self._metadata, wait_for_ready=True)
+        self._future = future
         try:
-            ready.result(timeout=max(remaining, 0))
-        except (grpc.FutureTimeoutError, grpc.FutureCancelledError):
-            ready.cancel()
+            future.result()
+        except grpc.FutureCancelledError:
             raise TransportError(
-                f"{self._tag} cannot reach {self.peer.describe()} at {self.address} to "
-                f"send {head.key}: no connection within "
-                f"connect_timeout_s={self._settings.connect_timeout_s:g} s; is "
-                f"{self.peer.describe()} running? (it may have exited; check its log)") from None
+                f"{self._tag} transport closed while connecting to "
+                f"{self.peer.describe()} at {self.address} to send {head.key}") from None
+        except grpc.RpcError as err:
+            if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                raise TransportError(
+                    f"{self._tag} cannot reach {self.peer.describe()} at {self.address} to "
+                    f"send {head.key}: no connection within "
+                    f"connect_timeout_s={self._settings.connect_timeout_s:g} s; is "
+                    f"{self.peer.describe()} running? (it may have exited; check its "
+                    f"log)") from None
+            raise TransportError(
+                f"{self._tag} {self.peer.describe()} at {self.address} refused a ping before "
+                f"{head.key}: {err.code().name}: {err.details()}") from None
         finally:
             self._future = None
+        self._is_reachable = True
 
     def _stream_once(self, unreachable_since: float) -> bool:
         """Carry messages over one DeliverStream call until it idles; True once
@@ -235,6 +267,7 @@ class PeerSender:
         if status is grpc.StatusCode.UNAVAILABLE and (not state.sent
                                                      or delivered == len(state.sent)):
             self._confirmed(len(state.sent))
+            self._is_reachable = False
             self._backoff(unreachable_since, status, details)
             return False
         raise self._stream_error(state, status, details, delivered)
