@@ -6,6 +6,11 @@ dies with the launcher from the moment it starts (the launcher starts it
 through `bootstrap.py`, which sets PR_SET_PDEATHSIG before the script runs).
 Only processes this supervisor started are ever signalled, by id.
 
+Shared memory: a child whose environment names the job's shared-memory prefix
+is watched by a `Janitor`, a small process that removes the prefix's files
+once the children are gone, also when this launcher was SIGKILLed and the
+children died with it (nobody else of the job is left to remove them then).
+
 Blame: after the first sign of failure (a child exits with an error, is
 stopped, or the scheduler reports a failure), the supervisor keeps collecting
 exits for `BLAME_WINDOW_S` and blames, in this order: a child killed by a signal
@@ -28,9 +33,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from splitrun.runtime.env import ENV
+from splitrun.runtime.transport.shm_ring import SHM_DIR
 from splitrun.splitter.labels import Label
 
 from .bootstrap import ERROR_MARK
+from .janitor import Janitor
 from .process_logs import ProcessLogs
 
 __all__ = ["Child", "Supervisor", "Outcome"]
@@ -155,6 +163,7 @@ class Supervisor:
         self._write_lock = threading.Lock()
         self._interrupted = threading.Event()
         self._signal = signal.SIGINT
+        self._janitor = Janitor()
 
     def spawn(self, label: Label, argv: Sequence[str], env: dict[str, str]) -> Child:
         # No preexec_fn: Python then starts the child with vfork/posix_spawn,
@@ -165,6 +174,9 @@ class Supervisor:
             list(argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True)
         child = Child(label, process)
+        shm_prefix = env.get(ENV.SHM_PREFIX)
+        if shm_prefix:
+            self._janitor.watch(SHM_DIR, shm_prefix, process.pid)
         log = self._logs.open(label) if self._logs is not None else None
         child.reader = threading.Thread(target=self._relay, args=(child, log), daemon=True,
                                         name=f"relay-{label}")
@@ -206,7 +218,17 @@ class Supervisor:
     def run(self, external_failure: Callable[[], tuple[str, str] | None] | None = None,
             step_of: Callable[[Label], int | None] | None = None) -> Outcome:
         """Wait for the children. `external_failure()` may report a failure the
-        scheduler saw (a hung process, a plan mismatch) as (label, reason)."""
+        scheduler saw (a hung process, a plan mismatch) as (label, reason).
+        Every child is gone when it returns, and so are its shared-memory files."""
+        try:
+            outcome = self._watch(external_failure, step_of)
+        except BaseException:
+            self._janitor.close(wait=False)  # the children may still run: die with us
+            raise
+        self._janitor.close()
+        return outcome
+
+    def _watch(self, external_failure, step_of) -> Outcome:
         started = time.monotonic()
         signs: list[_Sign] = []
         seen: set[int] = set()  # pids already counted as failure signs

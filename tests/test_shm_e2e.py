@@ -80,3 +80,41 @@ def test_a_sigkilled_process_leaves_no_segment_and_no_process(local_cluster, vic
     for name, pid in pids.items():
         assert not pid_alive(pid), f"{name} (pid {pid}) outlived the launcher"
     assert job_files(prefix) == [], "the job's shared-memory files outlived it"
+
+
+def wait_until(condition, timeout_s: float) -> bool:
+    """Poll `condition()` until it holds or `timeout_s` passed (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_sigkilled_launcher_leaves_no_segment_and_no_process(local_cluster):
+    """The launcher (and with it the scheduler, which runs inside it) SIGKILLed
+    mid-job: its children die with it, and the janitor it started removes the
+    job's files from /dev/shm, then exits."""
+    proc = local_cluster.launch(PS_JOB, "--steps", 200000, workers=2, servers=1)
+    try:
+        prefix = job_prefix(proc)
+        janitor = int(proc.wait_for(r"janitor \(pid (\d+)\)", 60).group(1))
+        pids = {name: int(proc.wait_for(rf"started {name} \(pid (\d+)\)", 60).group(1))
+                for name in ("worker 0", "worker 1", "server 0")}
+        proc.wait_for(r"\[worker 0\].*step \d+/200000", JOB_TIMEOUT_S)
+        assert set(chosen(proc.output()).values()) == {"shm"}
+        assert job_files(prefix), "a running job has its markers under /dev/shm"
+        os.kill(proc.process.pid, signal.SIGKILL)
+        proc.process.wait(timeout=10)
+        gone = wait_until(lambda: not any(pid_alive(p) for p in (*pids.values(), janitor)),
+                          FAULT_DEADLINE_S)
+        left = [] if wait_until(lambda: not job_files(prefix), FAULT_DEADLINE_S) \
+            else job_files(prefix)
+    finally:
+        proc.kill()
+        for pid in (*pids.values(), janitor):
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert gone, {name: pid for name, pid in pids.items() if pid_alive(pid)}
+    assert left == [], "the job's shared-memory files outlived the killed launcher"

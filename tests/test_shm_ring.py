@@ -5,6 +5,7 @@ import hashlib
 import os
 import signal
 import stat
+import subprocess
 import sys
 import threading
 
@@ -279,3 +280,38 @@ def test_closing_before_the_first_send_reads_as_closed_not_dead(prefix):
     with pytest.raises(RingClosed, match="worker 7 closed the ring after 0 messages"):
         reader.recv_header(RECV_S)
     reader.close()
+
+
+def test_the_janitor_removes_the_prefix_once_the_watched_processes_are_gone(tmp_path):
+    """The launcher's janitor (launcher/janitor.py): after its pipe closes it
+    waits for every watched pid, then removes the job's files, only those."""
+    from splitrun.launcher.janitor import PREFIX_PATTERN, Janitor
+
+    prefix = new_job_prefix()
+    assert PREFIX_PATTERN.match(prefix), "the janitor must accept new_job_prefix()'s prefixes"
+    mine = [tmp_path / f"{prefix}port1.peer", tmp_path / f"{prefix}1-w0-w1.ring"]
+    other = tmp_path / f"{new_job_prefix()}port1.peer"
+    for path in (*mine, other):
+        path.write_bytes(b"x")
+    # A watched process of the job: it runs until its stdin closes.
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    janitor = Janitor()
+    try:
+        janitor.watch(str(tmp_path), prefix, child.pid)
+        janitor.close(wait=False)  # the launcher is gone, the job's process is not
+        # (The janitor may not have read the end of its pipe yet; if it has, it
+        # is waiting for the child now.)
+        assert all(path.exists() for path in mine), "removed under a live process"
+        child.stdin.close()
+        child.wait(timeout=START_S)
+        janitor.wait(START_S)  # it waits at most WAIT_FOR_PIDS_S for the child
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
+    assert janitor.pid is not None and not pid_alive(janitor.pid)
+    assert not any(path.exists() for path in mine)
+    assert other.exists(), "another job's file was removed"
+    with pytest.raises(ValueError, match="not a job prefix"):
+        Janitor().watch(str(tmp_path), "../etc-", 1)

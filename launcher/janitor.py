@@ -1,0 +1,167 @@
+"""Remove a job's shared-memory files when its launcher dies without doing so.
+
+The launcher's children die with it (PR_SET_PDEATHSIG, SIGKILL): after a
+SIGKILLed launcher, nobody of the job is left to remove what it put under
+/dev/shm. So the supervisor starts one small process beside the children:
+
+    python -m splitrun.launcher.janitor
+
+which reads lines from its stdin, a pipe only the launcher holds:
+
+    prefix /dev/shm splitrun-0123456789abcdef-
+    pid 4242
+
+At end of file (the launcher closed the pipe, or died, any way) it waits until
+every pid it was given is gone (bounded by `WAIT_FOR_PIDS_S`), so that no
+process of the job creates a file after it looked, then removes every file
+under each directory whose name starts with a prefix it was given, and exits.
+Only the standard library is imported: it starts in milliseconds and costs no
+torch import beside the job's processes. It ignores SIGINT and SIGHUP (a Ctrl-C
+at the terminal reaches the whole process group; the launcher handles it and
+closes the pipe).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+__all__ = ["Janitor", "PREFIX_PATTERN", "main", "remove_prefix"]
+
+logger = logging.getLogger(__name__)
+
+# The prefixes `splitrun.runtime.transport.shm_ring.new_job_prefix()` makes (the
+# same pattern as there; tests/test_shm_ring.py checks that they agree): the
+# janitor removes files by no other prefix.
+PREFIX_PATTERN = re.compile(r"^splitrun-[0-9a-f]{12,64}-$")
+# Bounds the wait for the job's processes to be gone after the launcher is
+# (they die with it, within milliseconds; the bound covers a loaded machine).
+WAIT_FOR_PIDS_S = 30.0
+# How often the janitor looks whether those processes are gone.
+_POLL_S = 0.02
+# Bounds the launcher's wait for the janitor to finish after closing its pipe.
+CLOSE_TIMEOUT_S = WAIT_FOR_PIDS_S + 5.0
+
+
+class Janitor:
+    """The launcher's handle on the janitor process: `watch()` each child's
+    prefix and pid as it starts, `close()` once the children are gone."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen | None = None
+        self._prefixes: set[tuple[str, str]] = set()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def watch(self, directory: str, prefix: str, pid: int) -> None:
+        """Remove `directory`/`prefix`* once the launcher is gone and so is `pid`."""
+        if not PREFIX_PATTERN.match(prefix):
+            raise ValueError(f"shared-memory prefix {prefix!r} is not a job prefix "
+                             f"('splitrun-<hex>-'); the janitor removes files by no other")
+        if self._process is not None and self._process.stdin.closed:
+            raise ValueError("the janitor was closed; a new job needs a new one")
+        if self._process is None:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "splitrun.launcher.janitor"], stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL, close_fds=True)
+            logger.info("janitor (pid %d) removes the job's shared-memory files if this "
+                        "launcher dies", self._process.pid)
+        lines = []
+        if (directory, prefix) not in self._prefixes:
+            self._prefixes.add((directory, prefix))
+            lines.append(f"prefix {directory} {prefix}\n")
+        lines.append(f"pid {pid}\n")
+        try:
+            self._process.stdin.write("".join(lines).encode())
+            self._process.stdin.flush()
+        except OSError as exc:  # it died: the launcher's own removal still runs
+            logger.warning("the shared-memory janitor is gone (%s); files of a killed "
+                           "launcher may stay under %s", exc, directory)
+
+    def close(self, wait: bool = True) -> None:
+        """Close the pipe: the janitor removes the files once the children are
+        gone, and exits; with `wait`, this waits for that (bounded)."""
+        process = self._process
+        if process is None or process.stdin.closed:
+            return
+        try:
+            process.stdin.close()
+        except OSError:
+            pass
+        if wait:
+            self.wait(CLOSE_TIMEOUT_S)
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait until the janitor exited (after `close`); kill it past `timeout_s`."""
+        process = self._process
+        if process is None:
+            return
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("the shared-memory janitor (pid %d) did not exit within %g s; "
+                           "killing it", process.pid, timeout_s)
+            process.kill()
+            process.wait(timeout=5.0)
+
+
+def remove_prefix(directory: str, prefix: str) -> list[str]:
+    """Remove every file under `directory` whose name starts with `prefix`."""
+    if not PREFIX_PATTERN.match(prefix):
+        return []
+    removed = []
+    try:
+        entries = sorted(os.listdir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        if entry.startswith(prefix):
+            path = os.path.join(directory, entry)
+            try:
+                os.unlink(path)
+            except OSError:
+                continue
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def main() -> int:
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    prefixes: list[tuple[str, str]] = []
+    pids: list[int] = []
+    for line in sys.stdin.buffer:  # until end of file: the launcher is done or gone
+        words = line.decode(errors="replace").split()
+        if len(words) == 3 and words[0] == "prefix":
+            prefixes.append((words[1], words[2]))
+        elif len(words) == 2 and words[0] == "pid" and words[1].isdigit():
+            pids.append(int(words[1]))
+    deadline = time.monotonic() + WAIT_FOR_PIDS_S
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    for directory, prefix in prefixes:
+        removed = remove_prefix(directory, prefix)
+        if removed:
+            sys.stderr.write(f"[splitrun] janitor removed {len(removed)} shared-memory files "
+                             f"of job {prefix} left under {directory}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
