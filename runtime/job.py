@@ -59,9 +59,13 @@ _joined: Job | None = None
 def report_uncaught(error: BaseException) -> None:
     """The launcher's bootstrap, when the script ends with `error`: tell the
     scheduler (the step this process reached, and the error) before the
-    process's slow teardown, so the failure is blamed here and at that step."""
+    process's slow teardown, so the failure is blamed here and at that step.
+    The job is over: its shared-memory files go too (a SIGKILLed peer's among
+    them; the process exits without closing its transport)."""
     if _joined is not None:
         _joined.report_failure(error)
+        if isinstance(_joined.transport, ShmTransport):
+            _joined.transport.remove_job_files()
 
 
 # Hosts that bind every interface: a peer cannot connect to them.
@@ -206,10 +210,17 @@ class Job:
         # the rank.
         provisional = Label(env.rank or 0, env.role)
         # Shared memory to peers on this host, gRPC to the others (and for control).
+        # The prefix is the launcher's, or (`splitrun join`) the scheduler's.
+        choice = TransportChoice.parse(env.transport, ENV.TRANSPORT)
+        shm_prefix = env.shm_prefix
+        if shm_prefix is None and choice is not TransportChoice.GRPC:
+            shm_prefix = client.shm_prefix()
+            logger.info("same-host peers share memory under /dev/shm/%s* (the scheduler's "
+                        "prefix)", shm_prefix)
         transport = ShmTransport(
             GrpcTransport(provisional, token=env.token, incarnation=0, host=env.host, port=0,
                           tls=env.tls),
-            prefix=env.shm_prefix, choice=TransportChoice.parse(env.transport, ENV.TRANSPORT))
+            prefix=shm_prefix, choice=choice)
         bound = transport.start()
         port = bound.rsplit(":", 1)[1]
         host = _advertised_host(env)

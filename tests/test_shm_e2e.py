@@ -1,7 +1,9 @@
 """Shared memory between the processes of a job on one host, through the real
 launcher: every peer pair chooses it (and `SPLITRUN_TRANSPORT=grpc` none), the
 result equals the gRPC run bit for bit, and nothing of the job is left under
-/dev/shm (nor any process) after a normal end or a SIGKILLed worker or server.
+/dev/shm (nor any process) after a normal end or a SIGKILLed worker, server or
+launcher. Processes started by `splitrun join` (no launcher) share memory under
+the scheduler's prefix, with the same guarantees.
 """
 
 import os
@@ -18,6 +20,8 @@ from splitrun.runtime.transport.shm_ring import SHM_DIR
 pytestmark = pytest.mark.slow
 
 PS_JOB = SCRIPTS / "ps_job.py"
+TRAIN_JOB = SCRIPTS / "train_job.py"
+FAULT_JOB = SCRIPTS / "fault_job.py"
 FAULT_DEADLINE_S = 15.0
 WORKERS, SERVERS = 2, 2
 NAMES = ([f"worker {r}" for r in range(WORKERS)] + [f"server {r}" for r in range(SERVERS)])
@@ -118,3 +122,49 @@ def test_a_sigkilled_launcher_leaves_no_segment_and_no_process(local_cluster):
                 os.kill(pid, signal.SIGKILL)
     assert gone, {name: pid for name, pid in pids.items() if pid_alive(pid)}
     assert left == [], "the job's shared-memory files outlived the killed launcher"
+
+
+def test_joined_processes_share_memory_and_train_like_the_unsplit_step(local_cluster, tmp_path):
+    from test_launcher_e2e import assert_same_as_unsplit
+
+    out = tmp_path / "result.pt"
+    scheduler, address, token = local_cluster.scheduler(workers=2)
+    workers = [local_cluster.join(address, token, TRAIN_JOB, "--steps", 10, "--out", out,
+                                  rank=rank)
+               for rank in range(2)]
+    prefix = job_prefix(workers[0])
+    for worker in workers:
+        assert worker.wait(JOB_TIMEOUT_S) == 0, worker.output()
+        assert_clean_output(worker)
+    assert scheduler.wait(30) == 0, scheduler.output()
+    assert job_prefix(workers[1]) == prefix, "both joined under the scheduler's prefix"
+    assert re.search(r"transport to worker 1: shm ", workers[0].output()), workers[0].output()
+    assert re.search(r"transport to worker 0: shm ", workers[1].output()), workers[1].output()
+    assert job_files(prefix) == [], "the job's shared-memory files outlived it"
+    assert_same_as_unsplit(out, "mlp", "adam", 2, 10)
+
+
+@pytest.mark.parametrize("victim", ["worker 1", "scheduler"])
+def test_a_sigkilled_joined_process_or_scheduler_leaves_no_segment(local_cluster, victim):
+    """Without a launcher, the survivors (and the scheduler, if it survives)
+    remove the job's files: a SIGKILLed process leaves at least its marker."""
+    scheduler, address, token = local_cluster.scheduler(workers=2)
+    workers = [local_cluster.join(address, token, FAULT_JOB, rank=rank) for rank in range(2)]
+    try:
+        prefix = job_prefix(workers[0])
+        workers[0].wait_for(r"step \d+/100000", JOB_TIMEOUT_S)
+        assert re.search(r"transport to worker 1: shm ", workers[0].output())
+        assert job_files(prefix), "a running job has its markers under /dev/shm"
+        pids = {"scheduler": scheduler.process.pid, "worker 0": workers[0].process.pid,
+                "worker 1": workers[1].process.pid}
+        os.kill(pids[victim], signal.SIGKILL)
+        codes = [proc.wait(FAULT_DEADLINE_S + 20) for proc in (scheduler, *workers)]
+        left = [] if wait_until(lambda: not job_files(prefix), FAULT_DEADLINE_S) \
+            else job_files(prefix)
+    finally:
+        for proc in (scheduler, *workers):
+            proc.kill()
+    assert all(code != 0 for code in codes), codes
+    for name, pid in pids.items():
+        assert not pid_alive(pid), f"{name} (pid {pid}) is still running"
+    assert left == [], "the job's shared-memory files outlived it"

@@ -20,6 +20,7 @@ from ..transport.grpc.service import TOKEN_METADATA_KEY
 from ..transport.grpc.tls import TlsFiles
 from ..transport.wire import splitrun_pb2 as pb
 from ..transport.wire import splitrun_pb2_grpc as pb_grpc
+from .scheduler import SHM_PREFIX_KEY
 
 __all__ = ["Registration", "SchedulerClient", "Heartbeat"]
 
@@ -79,6 +80,12 @@ class SchedulerClient:
         return Registration(Label(reply.rank, role), reply.incarnation,
                             Cluster(reply.num_workers, reply.num_servers),
                             reply.heartbeat_interval_s)
+
+    def shm_prefix(self) -> str:
+        """The job's shared-memory prefix (for a process no launcher gave one);
+        asked before registering, so it waits for a scheduler not up yet."""
+        return self._call("KvGet", pb.KvGetRequest(key=SHM_PREFIX_KEY, timeout_s=0),
+                          timeout_s=CONNECT_TIMEOUT_S, wait_for_ready=True).value.decode()
 
     def wait_for_peers(self, label: Label, timeout_s: float) -> dict[Label, str]:
         table = self._call("WaitForPeers", pb.WaitForPeersRequest(

@@ -26,10 +26,11 @@ from ..errors import ClusterError
 from ..transport.grpc.auth import TokenInterceptor, one_line
 from ..transport.grpc.service import TOKEN_METADATA_KEY
 from ..transport.grpc.tls import TlsFiles
+from ..transport.shm_ring import new_job_prefix, remove_job_segments
 from ..transport.wire import splitrun_pb2 as pb
 from ..transport.wire import splitrun_pb2_grpc as pb_grpc
 
-__all__ = ["SchedulerSettings", "Scheduler", "TOKEN_METADATA_KEY"]
+__all__ = ["SchedulerSettings", "Scheduler", "SHM_PREFIX_KEY", "TOKEN_METADATA_KEY"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,9 @@ _MAX_WAIT_S = 3600.0
 # At registration the scheduler dials the address a process advertises; a
 # connection not made within this long means peers cannot reach it either.
 DIAL_BACK_TIMEOUT_S = 10.0
+# The key-value entry holding the job's shared-memory prefix, for processes no
+# launcher gave one (`splitrun join`): same-host peers share memory under it.
+SHM_PREFIX_KEY = "splitrun/shm-prefix"
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,9 @@ class SchedulerSettings:
     # advertises, within this long, and refuses an address it cannot reach
     # (None: it does not check; for tests that register made-up addresses).
     dial_back_timeout_s: float | None = DIAL_BACK_TIMEOUT_S
+    # The job's shared-memory prefix for processes no launcher gave one; files
+    # under it on the scheduler's host are removed when it stops.
+    shm_prefix: str = field(default_factory=new_job_prefix)
 
     @property
     def num_processes(self) -> int:
@@ -103,6 +110,7 @@ class Scheduler(pb_grpc.SchedulerServicer):
     def __init__(self, settings: SchedulerSettings) -> None:
         self.settings = settings
         self._state = _State()
+        self._state.kv[SHM_PREFIX_KEY] = settings.shm_prefix.encode()
         self._cond = threading.Condition()
         self._server: grpc.Server | None = None
         self._stopped = threading.Event()
@@ -147,6 +155,8 @@ class Scheduler(pb_grpc.SchedulerServicer):
             self._cond.notify_all()
         if self._server is not None:
             self._server.stop(grace_s).wait(grace_s + 1.0)
+        # What joined processes on this host left (a SIGKILLed one's marker).
+        remove_job_segments(self.settings.shm_prefix)
 
     def wait_done(self, timeout_s: float | None = None) -> bool:
         """True once every process is done or the job failed."""

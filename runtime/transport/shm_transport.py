@@ -24,8 +24,11 @@ ring whose writer dies (end-of-file without a close) fails this transport
 with an error naming that peer.
 
 Files. Rings are unlinked as soon as both ends hold them; the marker when the
-transport closes. After a SIGKILL, `remove_job_segments(prefix)` (the
-launcher, at its exit) removes what is left.
+transport closes. A process SIGKILLed leaves its marker (and rings nobody
+attached yet): a transport that closes after the job failed (`abort`, or a
+failure of its own), and a process that ends with an error (`remove_job_files`
+from the bootstrap), remove every file of the job's prefix, the job being over;
+so do the launcher's janitor and a standalone scheduler at their end.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from .shm_ring import (
     RingWriter,
     boot_id,
     job_file_path,
+    remove_job_segments,
 )
 
 __all__ = ["ShmTransport", "ShmSettings", "TransportChoice", "TransportKind"]
@@ -279,6 +283,7 @@ class ShmTransport:
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._is_closed = False
+        self._job_failed = False  # abort() or fail(): close() removes the job's files
         grpc.route(_REFUSED_CHANNEL, self._on_refused)
 
     def __enter__(self) -> ShmTransport:
@@ -460,6 +465,7 @@ class ShmTransport:
         return self.grpc.recv(src, key, timeout_s, control)
 
     def abort(self, error: BaseException) -> None:
+        self._job_failed = True
         self.grpc.abort(error)
 
     def finish_at(self, num_steps: int) -> None:
@@ -510,11 +516,20 @@ class ShmTransport:
                 os.unlink(self._marker)
             except FileNotFoundError:
                 pass
+        if self._job_failed or self.grpc.has_failed:
+            self.remove_job_files()
         self.grpc.close()
+
+    def remove_job_files(self) -> None:
+        """Remove every file of the job's prefix (this host's /dev/shm), once the
+        job failed: a SIGKILLed peer's files are nobody's to remove otherwise."""
+        if self.prefix is not None:
+            remove_job_segments(self.prefix, self.directory)
 
     # -- internals --
 
     def fail(self, error: TransportError) -> None:
+        self._job_failed = True
         self.grpc.fail(error)
 
     def _on_refused(self, key: MessageKey, src: Label, tensors: list[torch.Tensor]) -> None:

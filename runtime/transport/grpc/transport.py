@@ -306,6 +306,11 @@ class GrpcTransport:
                     self._senders[peer] = sender
         return sender
 
+    @property
+    def has_failed(self) -> bool:
+        """True once a fatal error failed this transport (see `fail`)."""
+        return self._error is not None
+
     def raise_if_failed(self) -> None:
         """Raise the transport's failure, if it has one."""
         if self._error is not None:
