@@ -69,6 +69,10 @@ def test_killed_process_stops_the_job_and_leaves_no_child(local_cluster, tmp_pat
 
 
 def test_join_runs_a_job_without_the_launcher(local_cluster, tmp_path):
+    """Joined processes on one host share memory under the scheduler's prefix
+    (tests/test_shm_e2e.py has the same after SIGKILLs)."""
+    from test_shm_e2e import job_files, job_prefix
+
     out = tmp_path / "result.pt"
     scheduler, address, token = local_cluster.scheduler(workers=2)
     workers = [local_cluster.join(address, token, TRAIN_JOB, "--steps", 10, "--out", out,
@@ -76,9 +80,15 @@ def test_join_runs_a_job_without_the_launcher(local_cluster, tmp_path):
                for rank in range(2)]
     for worker in workers:
         assert worker.wait(JOB_TIMEOUT_S) == 0, worker.output()
+        assert_clean_output(worker)
     assert scheduler.wait(30) == 0, scheduler.output()
     assert "every process is done" in scheduler.output()
     assert_same_as_unsplit(out, "mlp", "adam", 2, 10)
+    prefix = job_prefix(workers[0])
+    assert job_prefix(workers[1]) == prefix, "both use the scheduler's prefix"
+    assert "transport to worker 1: shm " in workers[0].output(), workers[0].output()
+    assert "transport to worker 0: shm " in workers[1].output(), workers[1].output()
+    assert job_files(prefix) == [], "the job's shared-memory files outlived it"
 
 
 def test_plan_mismatch_is_refused_at_join(local_cluster):

@@ -20,7 +20,6 @@ from splitrun.runtime.transport.shm_ring import SHM_DIR
 pytestmark = pytest.mark.slow
 
 PS_JOB = SCRIPTS / "ps_job.py"
-TRAIN_JOB = SCRIPTS / "train_job.py"
 FAULT_JOB = SCRIPTS / "fault_job.py"
 FAULT_DEADLINE_S = 15.0
 WORKERS, SERVERS = 2, 2
@@ -122,26 +121,6 @@ def test_a_sigkilled_launcher_leaves_no_segment_and_no_process(local_cluster):
                 os.kill(pid, signal.SIGKILL)
     assert gone, {name: pid for name, pid in pids.items() if pid_alive(pid)}
     assert left == [], "the job's shared-memory files outlived the killed launcher"
-
-
-def test_joined_processes_share_memory_and_train_like_the_unsplit_step(local_cluster, tmp_path):
-    from test_launcher_e2e import assert_same_as_unsplit
-
-    out = tmp_path / "result.pt"
-    scheduler, address, token = local_cluster.scheduler(workers=2)
-    workers = [local_cluster.join(address, token, TRAIN_JOB, "--steps", 10, "--out", out,
-                                  rank=rank)
-               for rank in range(2)]
-    prefix = job_prefix(workers[0])
-    for worker in workers:
-        assert worker.wait(JOB_TIMEOUT_S) == 0, worker.output()
-        assert_clean_output(worker)
-    assert scheduler.wait(30) == 0, scheduler.output()
-    assert job_prefix(workers[1]) == prefix, "both joined under the scheduler's prefix"
-    assert re.search(r"transport to worker 1: shm ", workers[0].output()), workers[0].output()
-    assert re.search(r"transport to worker 0: shm ", workers[1].output()), workers[1].output()
-    assert job_files(prefix) == [], "the job's shared-memory files outlived it"
-    assert_same_as_unsplit(out, "mlp", "adam", 2, 10)
 
 
 @pytest.mark.parametrize("victim", ["worker 1", "scheduler"])
