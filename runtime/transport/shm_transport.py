@@ -21,7 +21,9 @@ puts it in the mailbox. A refused message is skipped and its refusal sent to
 the sender over gRPC (channel `@shm-refused:<receiver>`), which fails the
 sender's transport as a gRPC refusal would; it never reaches the mailbox. A
 ring whose writer dies (end-of-file without a close) fails this transport
-with an error naming that peer.
+with an error naming that peer, unless the job's failure arrives first (within
+`peer_gone_grace_s`): then the peer exited because of it, and saying it died
+would hide the cause.
 
 Files. Rings are unlinked as soon as both ends hold them; the marker when the
 transport closes. A process SIGKILLed leaves its marker (and rings nobody
@@ -112,6 +114,13 @@ class ShmSettings:
     message_timeout_s: float = 600.0
     # How often a ring's reader thread looks whether the transport is closing.
     poll_s: float = 0.5
+    # A same-host peer whose ring ends without a close has died; it fails this
+    # transport after this long, unless the job's failure (`abort`) comes first:
+    # a process that exits because the job failed (a lost scheduler, a peer's
+    # error) is a consequence, and this process's error should say the cause.
+    # Bounds a wait on an event; the scheduler's heartbeats (every 0.5 s) tell
+    # every process of a failure well within it.
+    peer_gone_grace_s: float = 2.0
 
 
 def _marker_path(prefix: str, address: str) -> str | None:
@@ -157,11 +166,17 @@ class _IncomingRing:
                 self._take(header, nbytes)
         except RingClosed:
             logger.debug("%s ring from %s closed", owner.tag, peer.describe())
+        except RingPeerGone as exc:
+            if owner.is_closing or owner.job_failed.wait(settings.peer_gone_grace_s):
+                logger.debug("%s %s is gone after the job failed: %s", owner.tag,
+                             peer.describe(), exc)
+            elif not owner.is_closing:
+                owner.fail(TransportError(f"{owner.tag} {peer.describe()} died (its end of "
+                                          f"the shared-memory ring is gone): {exc}"))
         except RingError as exc:
             if not owner.is_closing:
-                why = ("died (its end of the shared-memory ring is gone)"
-                       if isinstance(exc, RingPeerGone) else "broke the shared-memory ring")
-                owner.fail(TransportError(f"{owner.tag} {peer.describe()} {why}: {exc}"))
+                owner.fail(TransportError(f"{owner.tag} {peer.describe()} broke the "
+                                          f"shared-memory ring: {exc}"))
         except Exception as exc:  # noqa: BLE001 - a bug here must fail the job, loudly
             logger.exception("%s reading the ring from %s failed", owner.tag, peer.describe())
             owner.fail(TransportError(f"{owner.tag} reading the ring from {peer.describe()} "
@@ -283,7 +298,8 @@ class ShmTransport:
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._is_closed = False
-        self._job_failed = False  # abort() or fail(): close() removes the job's files
+        # Set by abort() and fail(): the job failed (close() removes its files).
+        self.job_failed = threading.Event()
         grpc.route(_REFUSED_CHANNEL, self._on_refused)
 
     def __enter__(self) -> ShmTransport:
@@ -465,7 +481,7 @@ class ShmTransport:
         return self.grpc.recv(src, key, timeout_s, control)
 
     def abort(self, error: BaseException) -> None:
-        self._job_failed = True
+        self.job_failed.set()
         self.grpc.abort(error)
 
     def finish_at(self, num_steps: int) -> None:
@@ -516,20 +532,21 @@ class ShmTransport:
                 os.unlink(self._marker)
             except FileNotFoundError:
                 pass
-        if self._job_failed or self.grpc.has_failed:
+        if self.job_failed.is_set() or self.grpc.has_failed:
             self.remove_job_files()
         self.grpc.close()
 
     def remove_job_files(self) -> None:
         """Remove every file of the job's prefix (this host's /dev/shm), once the
         job failed: a SIGKILLed peer's files are nobody's to remove otherwise."""
+        self.job_failed.set()
         if self.prefix is not None:
             remove_job_segments(self.prefix, self.directory)
 
     # -- internals --
 
     def fail(self, error: TransportError) -> None:
-        self._job_failed = True
+        self.job_failed.set()
         self.grpc.fail(error)
 
     def _on_refused(self, key: MessageKey, src: Label, tensors: list[torch.Tensor]) -> None:
