@@ -55,6 +55,7 @@ __all__ = [
     "SHM_DIR",
     "RingSettings",
     "RingError",
+    "RingAttachTimeout",
     "RingPeerGone",
     "RingClosed",
     "RingWriter",
@@ -95,6 +96,11 @@ class RingError(TransportError):
 class RingPeerGone(RingError):
     """The process at the other end of the ring died (or dropped its end)
     without closing it in order."""
+
+
+class RingAttachTimeout(RingError):
+    """The consumer did not attach within the wait (`RingWriter.wait_attached`);
+    waiting again may still see it attach."""
 
 
 class RingClosed(RingError):
@@ -386,10 +392,12 @@ class RingWriter:
         try:
             conn, _ = self._listener.accept()
         except (TimeoutError, socket.timeout):
-            raise RingError(
+            raise RingAttachTimeout(
                 f"{self._tag}: {self.peer} did not attach to {self.ring_path} within "
                 f"{timeout_s:g} s; is it running and on this host?") from None
-        conn.settimeout(timeout_s)
+        # The greeting follows the connection at once; a short wait (a slice of
+        # a longer one) must not cut it off on a loaded machine.
+        conn.settimeout(max(timeout_s, self.settings.attach_timeout_s))
         try:
             hello = _recv_exact(conn, _RECORD.size)
         except OSError:

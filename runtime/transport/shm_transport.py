@@ -56,6 +56,7 @@ from .grpc import GrpcTransport
 from .keys import MessageKey
 from .shm_ring import (
     SHM_DIR,
+    RingAttachTimeout,
     RingClosed,
     RingError,
     RingPeerGone,
@@ -153,7 +154,7 @@ class _IncomingRing:
                                             timeout_s=settings.attach_timeout_s,
                                             directory=owner.directory)
         except RingError as exc:
-            if not owner.is_closing:
+            if not (owner.is_closing or owner.job_failed.is_set()):
                 owner.fail(TransportError(f"{owner.tag} shared memory from {peer.describe()}: "
                                           f"{exc}"))
             return
@@ -300,6 +301,7 @@ class ShmTransport:
         self._is_closed = False
         # Set by abort() and fail(): the job failed (close() removes its files).
         self.job_failed = threading.Event()
+        self._abort_error: BaseException | None = None
         grpc.route(_REFUSED_CHANNEL, self._on_refused)
 
     def __enter__(self) -> ShmTransport:
@@ -412,17 +414,44 @@ class ShmTransport:
         incoming.thread.start()
 
     def _attach_writer(self, peer: Label) -> None:
+        try:
+            self._await_attach(peer)
+        except Exception as exc:  # noqa: BLE001 - reported below unless the job ended
+            # close() closes the writers first: a wait it cut short is no failure;
+            # nor is one the job's failure ended.
+            if not (self._is_closed or self.is_closing or self.job_failed.is_set()):
+                self.fail(TransportError(f"{self.tag} shared memory to "
+                                         f"{peer.describe()}: {exc}"))
+
+    def _await_attach(self, peer: Label) -> None:
+        """Wait until `peer` attached to our ring to it, up to attach_timeout_s,
+        in slices of poll_s: a job that fails meanwhile (`abort`, a peer that
+        failed before it ever attached) ends the wait with its error at once."""
         writer = self._writers[peer]
-        with self._attach_locks[peer]:
-            if writer.is_attached or self.is_closing:
-                return
+        lock = self._attach_locks[peer]
+        deadline = time.monotonic() + self.settings.attach_timeout_s
+        while not writer.is_attached:
+            if self._is_closed or self.is_closing or self.job_failed.is_set():
+                self.grpc.raise_if_failed()
+                if self._abort_error is not None:
+                    raise self._abort_error
+                raise TransportError(f"{self.tag} stopped waiting for {peer.describe()} to "
+                                     f"attach to shared memory: the transport is closing")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RingError(f"{self.tag} ring to {peer.describe()}: {peer.describe()} did "
+                                f"not attach within {self.settings.attach_timeout_s:g} s; is it "
+                                f"running and on this host?")
+            wait_s = min(self.settings.poll_s, remaining)
+            if not lock.acquire(timeout=wait_s):
+                continue
             try:
-                writer.wait_attached(self.settings.attach_timeout_s)
-            except (RingError, OSError) as exc:
-                # close() closes the writers first: a wait it cut short is no failure.
-                if not (self._is_closed or self.is_closing):
-                    self.fail(TransportError(f"{self.tag} shared memory to "
-                                             f"{peer.describe()}: {exc}"))
+                if not writer.is_attached:
+                    writer.wait_attached(wait_s)
+            except RingAttachTimeout:
+                continue
+            finally:
+                lock.release()
 
     def kind_of(self, peer: Label) -> TransportKind:
         """How messages to and from `peer` travel (decided by `set_peers`)."""
@@ -459,9 +488,7 @@ class ShmTransport:
                 f"{self.tag} send {key} to {dst.describe()}: the transport is closed")
         try:
             if not writer.is_attached:
-                with self._attach_locks[dst]:
-                    if not writer.is_attached:
-                        writer.wait_attached(self.settings.attach_timeout_s)
+                self._await_attach(dst)
             if any(tensor.is_cuda for tensor in tensors):
                 ready = tuple(tensor.detach().contiguous() for tensor in tensors)
                 header = self._envelopes.serialize(key, EncodedTensors(ready, (), 0))
@@ -481,6 +508,8 @@ class ShmTransport:
         return self.grpc.recv(src, key, timeout_s, control)
 
     def abort(self, error: BaseException) -> None:
+        if self._abort_error is None:
+            self._abort_error = error
         self.job_failed.set()
         self.grpc.abort(error)
 
