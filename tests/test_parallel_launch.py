@@ -50,7 +50,10 @@ def test_save_at_four_workers_resume_at_two(tmp_path):
         torch.testing.assert_close(result["state"][key], value, rtol=0, atol=TOLERANCE)
 
 
-@pytest.mark.parametrize("backend", ["channels", "torch_distributed"])
+# The channel backend through the launcher is test_mlp_on_two_workers_...[channels];
+# the example runs with both backends by hand (README), here with the opt-in one only,
+# to keep `make test` under 20 minutes.
+@pytest.mark.parametrize("backend", ["torch_distributed"])
 def test_tp_train_example_reports_its_check(backend):
     proc = splitrun("launch", "--workers", 2, REPO / "examples" / "tp_train.py", "--steps", 8,
                     "--backend", backend)
