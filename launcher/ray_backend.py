@@ -15,7 +15,6 @@ Ray is imported here only, when this backend runs: `pip install splitrun[ray]`.
 
 from __future__ import annotations
 
-import enum
 import ipaddress
 import json
 import logging
@@ -37,7 +36,13 @@ from splitrun.splitter.labels import Label, Role
 
 from .bootstrap import ERROR_MARK
 from .ray_process import Placement, Polled, ProcessHost
-from .supervisor import BLAME_WINDOW_S, TERMINATE_GRACE_S, describe_exit, shell_code
+from .supervisor import (
+    BLAME_WINDOW_S,
+    TERMINATE_GRACE_S,
+    FailureKind,
+    describe_exit,
+    shell_code,
+)
 
 __all__ = ["launch_on_ray", "parse_resources", "DEFAULT_RESOURCES"]
 
@@ -106,18 +111,9 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-class _Kind(enum.IntEnum):
-    """What a failure sign is, in the order of blame (as the local supervisor's)."""
-
-    KILLED = 0       # the script killed by a signal or stopped, or its actor died
-    OWN_ERROR = 1    # exited non-zero with its own error
-    REPORTED = 2     # the scheduler's report
-    CONSEQUENCE = 3  # exited because a peer failed
-
-
 @dataclass(frozen=True)
 class _Sign:
-    kind: _Kind
+    kind: FailureKind
     seen: float
     label: Label | None
     exit_code: int
@@ -161,10 +157,10 @@ class _Member:
                 self.error, self.in_traceback = line.strip(), False
 
 
-def _error_kind(error: str | None) -> _Kind:
+def _error_kind(error: str | None) -> FailureKind:
     if error and error.split(":", 1)[0].endswith(_CONSEQUENCES):
-        return _Kind.CONSEQUENCE
-    return _Kind.OWN_ERROR
+        return FailureKind.CONSEQUENCE
+    return FailureKind.OWN_ERROR
 
 
 def _import_ray():
@@ -399,7 +395,7 @@ class _RayJob:
                 failure = scheduler.failure
                 if failure is not None:
                     reported = True
-                    signs.append(_Sign(_Kind.REPORTED, now, _parse_label(failure[0]), 1,
+                    signs.append(_Sign(FailureKind.REPORTED, now, _parse_label(failure[0]), 1,
                                        failure[1]))
                     logger.debug("failure sign %.1f s into the job: %s", now - started,
                                 failure[1])
@@ -425,19 +421,19 @@ class _RayJob:
             member.poll = member.actor.poll.remote(_POLL_WAIT_S)
             if polled.is_stopped and not member.is_stopped:
                 member.is_stopped = True
-                return _Sign(_Kind.KILLED, now, member.label, 1,
+                return _Sign(FailureKind.KILLED, now, member.label, 1,
                              f"{member.describe()} was stopped by a signal")
             return None
         member.exit_code = polled.exit_code
         if polled.exit_code == 0:
             return None
-        kind = _Kind.KILLED if polled.exit_code < 0 else _error_kind(member.error)
+        kind = FailureKind.KILLED if polled.exit_code < 0 else _error_kind(member.error)
         return _Sign(kind, now, member.label, shell_code(polled.exit_code),
                      f"{member.describe()} {describe_exit(polled.exit_code)}")
 
     @staticmethod
     def _death_sign(member: _Member, now: float) -> _Sign:
-        return _Sign(_Kind.KILLED, now, member.label, 1,
+        return _Sign(FailureKind.KILLED, now, member.label, 1,
                      f"the Ray actor of {member.describe()} died {member.death}")
 
     def _relay(self, member: _Member, lines) -> None:
@@ -462,7 +458,7 @@ class _RayJob:
         judged = []
         for sign in signs:
             member = by_label.get(sign.label)
-            if sign.kind in (_Kind.OWN_ERROR, _Kind.CONSEQUENCE) and member is not None:
+            if sign.kind in (FailureKind.OWN_ERROR, FailureKind.CONSEQUENCE) and member is not None:
                 sign = _Sign(_error_kind(member.error), sign.seen, sign.label,
                              sign.exit_code, sign.what)
             judged.append(sign)
@@ -472,7 +468,7 @@ class _RayJob:
         judged += [self._death_sign(m, min(s.seen for s in signs)) for m in running
                    if m.death is not None and m.label not in signed]
         culprit = min(judged, key=lambda s: (s.kind, s.seen))
-        if culprit.kind is _Kind.REPORTED:
+        if culprit.kind is FailureKind.REPORTED:
             return culprit.exit_code, f"job failed: {culprit.what}; stopped every process"
         step = scheduler.member_step(culprit.label) if culprit.label is not None else None
         member = by_label.get(culprit.label)

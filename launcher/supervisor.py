@@ -85,8 +85,8 @@ class Outcome:
     children: list[Child] = field(default_factory=list)
 
 
-class _Kind(enum.IntEnum):
-    """What a failure sign is, in the order of blame."""
+class FailureKind(enum.IntEnum):
+    """What a failure sign is, in the order of blame (the local and Ray launchers')."""
 
     KILLED = 0       # killed by a signal, or stopped
     OWN_ERROR = 1    # exited non-zero with its own error
@@ -96,7 +96,7 @@ class _Kind(enum.IntEnum):
 
 @dataclass(frozen=True)
 class _Sign:
-    kind: _Kind
+    kind: FailureKind
     seen: float
     label: Label | None
     exit_code: int
@@ -249,7 +249,7 @@ class Supervisor:
                 if code is None:
                     if is_stopped(child.pid):
                         seen.add(child.pid)
-                        signs.append(_Sign(_Kind.KILLED, now, child.label, 1,
+                        signs.append(_Sign(FailureKind.KILLED, now, child.label, 1,
                                            f"{child.label.describe()} (pid {child.pid}) was "
                                            f"stopped by a signal", child))
                     else:
@@ -265,7 +265,7 @@ class Supervisor:
                 if failure is not None:
                     reported = True
                     label, reason = failure
-                    signs.append(_Sign(_Kind.REPORTED, now, _parse_label(label), 1, reason))
+                    signs.append(_Sign(FailureKind.REPORTED, now, _parse_label(label), 1, reason))
             if signs and blame_at is None:
                 blame_at = now + BLAME_WINDOW_S
             if blame_at is not None and (now >= blame_at or not running):
@@ -279,7 +279,7 @@ class Supervisor:
     @staticmethod
     def _exit_sign(child: Child, code: int, now: float) -> _Sign:
         what = f"{child.label.describe()} (pid {child.pid}) {describe_exit(code)}"
-        kind = _Kind.KILLED if code < 0 else _error_kind(child.error)
+        kind = FailureKind.KILLED if code < 0 else _error_kind(child.error)
         return _Sign(kind, now, child.label, shell_code(code), what, child)
 
     def _traceback_signs(self, signs: list[_Sign]) -> list[_Sign]:
@@ -304,7 +304,7 @@ class Supervisor:
         culprit = min(signs, key=lambda s: (s.kind, s.seen))
         step = step_of(culprit.label) if step_of and culprit.label is not None else None
         others = [c for c in running if c is not culprit.child]
-        if culprit.kind is _Kind.REPORTED:
+        if culprit.kind is FailureKind.REPORTED:
             summary = f"job failed: {culprit.what}; stopped every process"
         else:
             at = f" at step {step}" if step is not None else ""
@@ -342,15 +342,15 @@ class Supervisor:
 
 def _reclassified(sign: _Sign) -> _Sign:
     """An exit with an error, judged by the error line the relay has read by now."""
-    if sign.kind in (_Kind.OWN_ERROR, _Kind.CONSEQUENCE) and sign.child is not None:
+    if sign.kind in (FailureKind.OWN_ERROR, FailureKind.CONSEQUENCE) and sign.child is not None:
         return dataclasses.replace(sign, kind=_error_kind(sign.child.error))
     return sign
 
 
-def _error_kind(error: str | None) -> _Kind:
+def _error_kind(error: str | None) -> FailureKind:
     if error and error.split(":", 1)[0].endswith(_CONSEQUENCES):
-        return _Kind.CONSEQUENCE
-    return _Kind.OWN_ERROR
+        return FailureKind.CONSEQUENCE
+    return FailureKind.OWN_ERROR
 
 
 def _parse_label(text: str) -> Label | None:

@@ -135,6 +135,11 @@ def _checked(value, expected: torch.Tensor, key: str, source: str) -> torch.Tens
         raise CheckpointError(
             f"{source}: {key!r} is {_describe(value)}, the model has {_describe(expected)}; "
             f"was it saved from this model (and dtype)?")
+    return refuse_non_finite(value, key, source)
+
+
+def refuse_non_finite(value: torch.Tensor, key: str, source: str) -> torch.Tensor:
+    """`value`, unless it holds nan or inf (a checkpoint of a diverged run)."""
     if (value.is_floating_point() or value.is_complex()) and not bool(
             torch.isfinite(value).all()):
         bad = int((~torch.isfinite(value)).sum())

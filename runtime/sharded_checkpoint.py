@@ -533,12 +533,7 @@ def check_against(opened: ShardedCheckpoint, path: Path, key: str,
 
 
 def check_finite(opened: ShardedCheckpoint, key: str, value: torch.Tensor) -> torch.Tensor:
-    if (value.is_floating_point() or value.is_complex()) and not bool(
-            torch.isfinite(value).all()):
-        bad = int((~torch.isfinite(value)).sum())
-        raise CheckpointError(f"checkpoint {opened.directory}: {key!r} has {bad} non-finite "
-                              f"values (nan or inf); resume from an earlier checkpoint")
-    return value
+    return checkpoint.refuse_non_finite(value, key, f"checkpoint {opened.directory}")
 
 
 def driver_objects(program: Program, step: int, info: Mapping[str, object]
