@@ -34,7 +34,7 @@ __all__ = ["CONTROL_CHANNEL", "SAVE", "SAVE_SHARDED", "sharded_save_key", "save_
            "final_state_channel",
            "to_checkpoint", "from_checkpoint", "write_checkpoint", "read_checkpoint",
            "load_checkpoint", "checksum_path", "verify_checksum", "periodic_path",
-           "latest_checkpoint", "prune_periodic"]
+           "latest_checkpoint", "prune_periodic", "file_sha256"]
 
 CHECKSUM_SUFFIX = ".sha256"
 _CHUNK = 1 << 20
@@ -156,7 +156,7 @@ def checksum_path(path: str | os.PathLike) -> str:
     return f"{os.fspath(path)}{CHECKSUM_SUFFIX}"
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as data:
         for chunk in iter(lambda: data.read(_CHUNK), b""):
@@ -170,7 +170,7 @@ def write_checkpoint(checkpoint: dict, path: str | os.PathLike) -> None:
     path = os.fspath(path)
     partial = f"{path}.partial"
     torch.save(checkpoint, partial)
-    line = f"{_sha256(partial)}  {os.path.basename(path)}\n"
+    line = f"{file_sha256(partial)}  {os.path.basename(path)}\n"
     sum_partial = f"{checksum_path(path)}.partial"
     with open(sum_partial, "w") as out:
         out.write(line)
@@ -196,7 +196,7 @@ def verify_checksum(path: str | os.PathLike) -> None:
         raise CheckpointError(f"checkpoint {path} has no checksum file {sums} (written by "
                               f"Trainer.save); without it its integrity cannot be checked"
                               ) from None
-    actual = _sha256(path)
+    actual = file_sha256(path)
     if actual != expected:
         raise CheckpointError(f"checkpoint {path} is corrupt: its sha256 is {actual[:16]}..., "
                               f"{sums} says {expected[:16]}...; the file changed after it "

@@ -1,0 +1,118 @@
+"""Where everything sits in a sharded checkpoint: the file names, each state
+key's path in the nested checkpoint (and its DCP name), the row-sharded
+tables' paths, and `Piece`, the part of one tensor a process holds."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from splitrun.splitter.labels import Label
+from splitrun.splitter.parallel.layout import ParallelLayout
+from splitrun.splitter.program import InputKind, Program
+
+__all__ = ["CHECKSUMS", "METADATA", "ROWS", "FORMAT", "Path", "Piece", "is_directory_path",
+           "fqn_of", "state_paths", "step_paths", "row_paths", "ids_path", "dtype_name",
+           "numel", "member_region"]
+
+
+CHECKSUMS = "checksums.sha256"
+METADATA = ".metadata"
+ROWS = "hashed_rows"
+FORMAT = "splitrun-dcp-1"
+
+
+Path = tuple  # a key path in the nested checkpoint: ("model", "l1.weight")
+
+
+def is_directory_path(path: str | os.PathLike) -> bool:
+    """Where `save(path)` writes a sharded directory: an existing directory, or
+    any path not ending in .pt/.pth (those stay one plain file)."""
+    text = os.fspath(path)
+    return os.path.isdir(text) or not text.endswith((".pt", ".pth"))
+
+
+def fqn_of(path: Path) -> str:
+    return ".".join(str(part) for part in path)
+
+
+def state_paths(program: Program) -> dict[str, Path]:
+    """Where each state key of the captured program sits in the checkpoint,
+    as `checkpoint.to_checkpoint` lays it out."""
+    paths: dict[str, Path] = {}
+    for spec in program.inputs:
+        if spec.kind in (InputKind.PARAM, InputKind.BUFFER):
+            paths[spec.key] = ("model", spec.key)
+    for key in program.cached_tables:
+        paths.setdefault(key, ("model", key))
+    index = 0
+    for group in program.param_groups:
+        for name in group.params:
+            for state_name in group.state_names:
+                paths[f"{name}.{state_name}"] = ("optimizer", "state", index, state_name)
+            index += 1
+    return paths
+
+
+def step_paths(program: Program) -> list[Path]:
+    """The optimizer's per-parameter step counts (groups that count steps)."""
+    found, index = [], 0
+    for group in program.param_groups:
+        for _ in group.params:
+            if group.has_step_count:
+                found.append(("optimizer", "state", index, "step"))
+            index += 1
+    return found
+
+
+def row_paths(table: str, path: Path) -> Path:
+    """Where a row-sharded tensor (a cached table or its row state) is kept, in hash order."""
+    return (ROWS, table, *path)
+
+
+def ids_path(table: str) -> Path:
+    return (ROWS, table, "ids")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A part of one checkpoint tensor a process holds: `tensor` sits at
+    `offsets` in a tensor of shape `size`."""
+
+    path: Path
+    size: tuple[int, ...]
+    offsets: tuple[int, ...]
+    tensor: torch.Tensor
+
+    @classmethod
+    def whole(cls, path: Path, tensor: torch.Tensor) -> Piece:
+        return cls(path, tuple(tensor.shape), (0,) * tensor.dim(), tensor)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def numel(size: Iterable[int]) -> int:
+    total = 1
+    for n in size:
+        total *= n
+    return total
+
+
+def member_region(layout: ParallelLayout, base: str, member: Label
+                   ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Where `member`'s piece of the sharded tensor `base` lies (offsets,
+    sizes); None for a replica."""
+    placement, holders = layout.state[base], layout.members_of(base)
+    size = tuple(layout.state_shapes[base])
+    if not placement.is_shard:
+        return None
+    index = holders.index(member)
+    cut = torch.empty(size, device="meta").chunk(len(holders), placement.dim)
+    offsets = [0] * len(size)
+    offsets[placement.dim] = sum(c.shape[placement.dim] for c in cut[:index])
+    return tuple(offsets), tuple(cut[index].shape)
