@@ -1,0 +1,174 @@
+"""A running job's checkpoints: `Trainer.save` to one plain file (gathered on
+worker 0) or to a sharded directory (every process writes what it owns and
+reports it through the scheduler's key-value store), the periodic saves of
+`splitrun launch --checkpoint-every`, the serving processes' part in both,
+and the state a process resumes from."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+import torch
+
+from splitrun.splitter.graph_splitter import SplitProgram
+from splitrun.splitter.labels import Label, Role
+from splitrun.splitter.program import Program
+
+from . import checkpoint, sharded_checkpoint
+from .embedding.store import ShardSnapshot
+from .errors import SplitrunError
+from .member import JobMember
+from .process import ProcessRuntime
+from .state_gather import StateGather
+from .transport.protocol import MessageKey
+
+__all__ = ["Checkpointer", "resume_state"]
+
+logger = logging.getLogger(__name__)
+
+
+class Checkpointer:
+    """Saves `member`'s job: worker 0 leads every save; the other workers save
+    at the same point of their loops; serving processes `answer` worker 0's
+    commands between steps. `source`: the captured program (the checkpoint's keys)."""
+
+    def __init__(self, member: JobMember, split: SplitProgram, process: ProcessRuntime,
+                 source: Program) -> None:
+        self.member = member
+        self.split = split
+        self.process = process
+        self.source = source
+        self._gather = StateGather(member, split, process)
+        self._num_sharded_saves = 0
+        if member.is_server:
+            process.set_row_writer(self._write_rows)
+
+    def save(self, path: str | os.PathLike, step: int) -> None:
+        """A worker's save after `step` steps: `path` ending in .pt or .pth, one
+        plain file gathered on worker 0; any other path, a sharded directory."""
+        if sharded_checkpoint.is_directory_path(path):
+            self._save_sharded(os.fspath(path), step)
+        else:
+            self._save_plain(path, step)
+
+    def save_periodically(self, step: int) -> None:
+        """Under `splitrun launch --checkpoint-every K`: save every K steps (every
+        worker reaches the same step, so they save together) and keep the
+        newest few; a restarted job resumes from the last good one."""
+        settings = self.member.settings
+        every, directory = settings.checkpoint_every, settings.checkpoint_dir
+        if not every or not directory or step % every:
+            return
+        self.save(checkpoint.periodic_path(directory, step), step)
+        if self.member.is_driver:
+            checkpoint.prune_periodic(directory)
+
+    def answer(self, sender: Label, tensors: Sequence[torch.Tensor], step: int) -> None:
+        """A serving process, between steps: worker 0 asks for a checkpoint."""
+        command = int(tensors[0]) if tensors else None
+        member = self.member
+        if command == checkpoint.SAVE_SHARDED:
+            key = self._next_sharded_key()
+            directory = member.client.kv_get(f"{key}/dir",
+                                             member.settings.finish_timeout_s).decode()
+            member.client.kv_put(f"{key}/{member.label}", self._write_own(directory))
+            return
+        if command != checkpoint.SAVE:
+            raise SplitrunError(f"unknown control command {command} from {sender.describe()}")
+        self._gather.send(checkpoint.save_channel(member.label), step)
+
+    # -- one plain file --
+
+    def _save_plain(self, path: str | os.PathLike, step: int) -> None:
+        member = self.member
+        if not member.is_driver:
+            self._gather.send(checkpoint.save_channel(member.label), step)
+            return
+        self._command_servers(checkpoint.SAVE, step)
+        state = self._gather.collect(checkpoint.save_channel, step)
+        state.update(self.process.dump_tables(step))  # dirty rows go back, then the tables
+        checkpoint.write_checkpoint(
+            checkpoint.to_checkpoint(self.source, self._gather.full(state), step,
+                                     self._info()), path)
+        logger.info("[%s] checkpoint of step %d written to %s", member.label.describe(), step,
+                    path)
+
+    # -- a sharded directory --
+
+    def _save_sharded(self, directory: str, step: int) -> None:
+        """Every process that owns state writes it into `directory` and reports
+        what it wrote through the scheduler's key-value store; worker 0 writes
+        the metadata once every report is in."""
+        member = self.member
+        key = self._next_sharded_key()
+        if not member.is_driver:
+            if self.process.state_keys:
+                member.client.kv_put(f"{key}/{member.label}", self._write_own(directory))
+            return
+        sharded_checkpoint.start_checkpoint(directory)
+        member.client.kv_put(f"{key}/dir", directory.encode())
+        self._command_servers(checkpoint.SAVE_SHARDED, step)
+        reports = {f"{server}-rows": report
+                   for server, report in self.process.save_rows(directory, step).items()}
+        objects, counts = sharded_checkpoint.driver_objects(self.source, step, self._info())
+        reports[str(member.label)] = self._write_own(directory, counts, objects)
+        for label in self._other_owners():
+            reports[str(label)] = member.client.kv_get(f"{key}/{label}",
+                                                       member.settings.finish_timeout_s)
+        sharded_checkpoint.finish_checkpoint(directory, reports)
+        logger.info("[%s] sharded checkpoint of step %d written to %s (%d processes wrote)",
+                    member.label.describe(), step, directory, len(reports))
+
+    def _next_sharded_key(self) -> str:
+        """Every process counts its sharded saves, so all agree on the key."""
+        key = checkpoint.sharded_save_key(self.member.incarnation, self._num_sharded_saves)
+        self._num_sharded_saves += 1
+        return key
+
+    def _write_own(self, directory: str, extra=(), objects=None) -> bytes:
+        pieces = sharded_checkpoint.owned_pieces(self.source, self.split.artifacts,
+                                                 self.process.state)
+        return sharded_checkpoint.write_pieces(directory, str(self.member.label),
+                                               [*extra, *pieces], objects)
+
+    def _write_rows(self, directory: str, step: int, shards: list[ShardSnapshot]) -> bytes:
+        """A server's rows of the cached tables (its embedding store calls this
+        when worker 0 asks)."""
+        return sharded_checkpoint.write_pieces(directory, f"{self.member.label}-rows",
+                                               sharded_checkpoint.row_pieces(self.source, shards))
+
+    # -- worker 0 --
+
+    def _other_owners(self) -> list[Label]:
+        return [proc.label for proc in self.split.plan.processes
+                if proc.state and proc.label != self.member.label]
+
+    def _command_servers(self, command: int, step: int) -> None:
+        """Worker 0: tell every server that owns state to save (servers wait in
+        a step's first receive; workers save at the same point of their loop)."""
+        message = [torch.tensor(command, dtype=torch.int64)]
+        member = self.member
+        for label in self._other_owners():
+            if label.role is Role.SERVER:
+                member.transport.send(label, MessageKey(member.incarnation, step,
+                                                        checkpoint.CONTROL_CHANNEL), message)
+
+    def _info(self) -> dict[str, str]:
+        return {"cluster": str(self.member.cluster), "plan": self.split.plan.fingerprint}
+
+
+def resume_state(program: Program, split: SplitProgram, label: Label,
+                 path: str | os.PathLike | None) -> tuple[dict[str, torch.Tensor], int]:
+    """The state `label` starts from and the step it continues at: the
+    program's initial state at step 0 without `path`; else the checkpoint's,
+    from a sharded directory (only this process's part is read) or a file."""
+    if path is None:
+        return program.initial_state, 0
+    if os.path.isdir(path):
+        state, first_step = sharded_checkpoint.load_for(program, split, label, path)
+    else:
+        state, first_step = checkpoint.load_checkpoint(program, path)
+    logger.info("[%s] resuming from %s at step %d", label.describe(), path, first_step)
+    return state, first_step

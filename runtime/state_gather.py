@@ -1,0 +1,82 @@
+"""Worker 0 receives the state of every process that owns some: for a save
+to one plain file and, with `gather_state`, at finish. Each owner sends its
+state on a channel of its own (`checkpoint.save_channel`,
+`checkpoint.final_state_channel`); serving processes receive worker 0's
+commands on `checkpoint.CONTROL_CHANNEL`. None of these channels is in the
+step's plan: `control_channels` gives their contracts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from splitrun.splitter.graph_splitter import SplitProgram
+from splitrun.splitter.labels import Label, Role
+from splitrun.splitter.plan import SplitPlan
+from splitrun.splitter.program import Program
+
+from . import checkpoint
+from .member import JobMember
+from .process import ProcessRuntime
+from .transport.contract import ChannelContract
+from .transport.protocol import MessageKey
+
+__all__ = ["StateGather", "control_channels"]
+
+
+@dataclass(frozen=True)
+class StateGather:
+    """`member`'s state on its way to worker 0, or (on worker 0) every owner's
+    state collected."""
+
+    member: JobMember
+    split: SplitProgram
+    process: ProcessRuntime
+
+    def send(self, channel: str, step: int) -> None:
+        """Send this process's state (if it owns any) to worker 0 on `channel`."""
+        keys = self.process.state_keys
+        if keys:
+            tensors = [self.process.state[k].detach().cpu() for k in keys]
+            self.member.transport.send(Label.worker(0), MessageKey(self.member.incarnation,
+                                                                   step, channel), tensors)
+
+    def collect(self, channel_of: Callable[[Label], str], step: int
+                ) -> dict[str, torch.Tensor]:
+        """Worker 0: its own state and every other owner's, sent on `channel_of(owner)`."""
+        member = self.member
+        state = {k: v.detach().cpu() for k, v in self.process.state.items()}
+        for proc in self.split.plan.processes:
+            if proc.label == member.label or not proc.state:
+                continue
+            key = MessageKey(member.incarnation, step, channel_of(proc.label))
+            tensors = member.transport.recv(proc.label, key, member.settings.finish_timeout_s)
+            state.update(zip(proc.state, tensors))
+        return state
+
+    def full(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The collected state keyed like the captured program (parallel mode's
+        pieces put together)."""
+        artifacts = self.split.artifacts
+        return state if artifacts is None else artifacts.full_state(state)
+
+
+def control_channels(plan: SplitPlan, program: Program, me: Label
+                     ) -> dict[str, ChannelContract]:
+    """Channels outside the step's plan: worker 0 receives every owner's state
+    (for saves and at finish); serving processes receive worker 0's commands."""
+    channels: dict[str, ChannelContract] = {}
+    if me == Label.worker(0):
+        for proc in plan.processes:
+            if proc.label == me or not proc.state:
+                continue
+            contract = ChannelContract.of_values(
+                proc.label, program, [program.input_for_key(key).node for key in proc.state])
+            for channel in (checkpoint.save_channel, checkpoint.final_state_channel):
+                channels[channel(proc.label)] = contract
+    elif me.role is Role.SERVER:
+        channels[checkpoint.CONTROL_CHANNEL] = ChannelContract(
+            Label.worker(0), ((torch.int64, ()),))
+    return channels
