@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 
-from splitrun.runtime import checkpoint
+from splitrun.runtime import checkpoint, periodic_checkpoints
 from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
 from splitrun.runtime.env import ENV
 from splitrun.runtime.errors import ClusterError
@@ -458,7 +458,7 @@ def _launch(args) -> int:
             if outcome.exit_code == 0 or interrupted or attempt >= args.max_restarts:
                 break
             attempt += 1
-            found = checkpoint.latest_checkpoint(directory) if directory else None
+            found = periodic_checkpoints.latest_checkpoint(directory) if directory else None
             restart_from = found[0] if found else None
             where = (f"from {found[0]} (step {found[1]})" if found
                      else "from the start (no checkpoint yet)")

@@ -33,8 +33,7 @@ from .transport.protocol import OUT_OF_PLAN
 __all__ = ["CONTROL_CHANNEL", "SAVE", "SAVE_SHARDED", "sharded_save_key", "save_channel",
            "final_state_channel",
            "to_checkpoint", "from_checkpoint", "write_checkpoint", "read_checkpoint",
-           "load_checkpoint", "checksum_path", "verify_checksum", "periodic_path",
-           "latest_checkpoint", "prune_periodic", "file_sha256"]
+           "load_checkpoint", "checksum_path", "verify_checksum", "file_sha256"]
 
 CHECKSUM_SUFFIX = ".sha256"
 _CHUNK = 1 << 20
@@ -42,7 +41,7 @@ _CHUNK = 1 << 20
 # Worker 0 -> a serving process, between steps: one int64 command.
 CONTROL_CHANNEL = f"{OUT_OF_PLAN}ctl"
 SAVE = 1
-SAVE_SHARDED = 2  # write your own part of a sharded checkpoint (sharded_checkpoint.py)
+SAVE_SHARDED = 2  # write your own part of a sharded checkpoint (sharded_checkpoint/)
 
 
 def sharded_save_key(incarnation: int, number: int) -> str:
@@ -201,51 +200,6 @@ def verify_checksum(path: str | os.PathLike) -> None:
         raise CheckpointError(f"checkpoint {path} is corrupt: its sha256 is {actual[:16]}..., "
                               f"{sums} says {expected[:16]}...; the file changed after it "
                               f"was written")
-
-
-# Periodic checkpoints (`splitrun launch --checkpoint-every K`): DIR/step-N.pt.
-_PERIODIC_PREFIX = "step-"
-_PERIODIC_KEEP = 2
-
-
-def periodic_path(directory: str | os.PathLike, step: int) -> str:
-    return os.path.join(os.fspath(directory), f"{_PERIODIC_PREFIX}{step:09d}.pt")
-
-
-def _periodic(directory: str) -> list[tuple[int, str]]:
-    """(step, path) of the periodic checkpoints in `directory`, newest first."""
-    found = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
-    for name in names:
-        number = name.removeprefix(_PERIODIC_PREFIX).removesuffix(".pt")
-        if name.startswith(_PERIODIC_PREFIX) and name.endswith(".pt") and number.isdigit():
-            found.append((int(number), os.path.join(directory, name)))
-    return sorted(found, reverse=True)
-
-
-def latest_checkpoint(directory: str | os.PathLike) -> tuple[str, int] | None:
-    """The newest periodic checkpoint in `directory` whose checksum holds, and
-    its step; None when there is none."""
-    for step, path in _periodic(os.fspath(directory)):
-        try:
-            verify_checksum(path)
-        except CheckpointError:
-            continue
-        return path, step
-    return None
-
-
-def prune_periodic(directory: str | os.PathLike) -> None:
-    """Keep the newest periodic checkpoints only."""
-    for _, path in _periodic(os.fspath(directory))[_PERIODIC_KEEP:]:
-        for stale in (path, checksum_path(path)):
-            try:
-                os.remove(stale)
-            except FileNotFoundError:
-                pass
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict:

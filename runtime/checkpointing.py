@@ -16,7 +16,7 @@ from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label, Role
 from splitrun.splitter.program import Program
 
-from . import checkpoint, sharded_checkpoint
+from . import checkpoint, periodic_checkpoints, sharded_checkpoint
 from .embedding.store import ShardSnapshot
 from .errors import SplitrunError
 from .member import JobMember
@@ -54,16 +54,17 @@ class Checkpointer:
             self._save_plain(path, step)
 
     def save_periodically(self, step: int) -> None:
-        """Under `splitrun launch --checkpoint-every K`: save every K steps (every
-        worker reaches the same step, so they save together) and keep the
-        newest few; a restarted job resumes from the last good one."""
+        """Under `splitrun launch --checkpoint-every K`: save every K steps into
+        a sharded directory (every worker reaches the same step, so they save
+        together) and keep the newest few; a restarted job resumes from the
+        newest complete one (`periodic_checkpoints.py`)."""
         settings = self.member.settings
         every, directory = settings.checkpoint_every, settings.checkpoint_dir
         if not every or not directory or step % every:
             return
-        self.save(checkpoint.periodic_path(directory, step), step)
+        self.save(periodic_checkpoints.periodic_path(directory, step), step)
         if self.member.is_driver:
-            checkpoint.prune_periodic(directory)
+            periodic_checkpoints.prune_periodic(directory)
 
     def answer(self, sender: Label, tensors: Sequence[torch.Tensor], step: int) -> None:
         """A serving process, between steps: worker 0 asks for a checkpoint."""

@@ -225,7 +225,10 @@ def test_restart_resumes_from_the_last_checkpoint_and_ends_equal(local_cluster, 
     output = proc.output()
     # The step of a SIGKILLed process is its last heartbeat's: not asserted.
     assert "worker 1 (pid" in output and "was killed by SIGKILL" in output
-    assert f"restart 1 of 1 from {tmp_path / 'ckpt' / 'step-000000020.pt'} (step 20)" in output
+    assert f"restart 1 of 1 from {tmp_path / 'ckpt' / 'step-000000020'} (step 20)" in output
+    # The restart checkpoints are sharded directories: each worker wrote its own file.
+    assert sorted(os.listdir(tmp_path / "ckpt" / "step-000000040")) == [
+        ".metadata", "__w0_0.distcp", "__w1_0.distcp", "checksums.sha256"]
     assert "resuming from" in output and "at step 20" in output
     result = torch.load(out)
     losses, state = fault_job_reference(2, 40)

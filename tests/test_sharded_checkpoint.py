@@ -1,7 +1,10 @@
 """Sharded checkpoint directories in one process: written by several writers
 (as processes write them), read back piece by piece with another cut, exported
 to a plain file that plain PyTorch loads, and refused with one line naming the
-file when corrupt, incomplete or of another model."""
+file when corrupt, incomplete or of another model; a restart picks the newest
+complete periodic one."""
+
+import os
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from splitrun.runtime import sharded_checkpoint as sc
 from splitrun.runtime.checkpoint import load_checkpoint
 from splitrun.runtime.errors import CheckpointError
+from splitrun.runtime.periodic_checkpoints import latest_checkpoint, periodic_path, prune_periodic
 from splitrun.splitter import capture, optim
 
 TABLE = "0.weight"  # stands for a row-sharded table here: 8 rows of 6
@@ -220,3 +224,21 @@ def test_export_refuses_a_corrupt_directory(saved, tmp_path):
     with pytest.raises(CheckpointError, match=r"__w0_0.distcp is corrupt"):
         sc.export_checkpoint(directory, tmp_path / "out.pt")
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_restart_resumes_from_the_newest_complete_periodic_checkpoint(tmp_path):
+    """`--checkpoint-every`'s directories: a restart skips the newest one, cut
+    short (no checksums.sha256), and one altered since, for the newest good
+    one; pruning keeps the newest two complete ones and any newer, removes older."""
+    program, state = trained()
+    for step in (10, 20, 30, 40):
+        write(periodic_path(tmp_path, step), program, state, step)
+    (tmp_path / "step-000000040" / sc.CHECKSUMS).unlink()
+    shard = tmp_path / "step-000000030" / "__s0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[::-1])
+    assert latest_checkpoint(tmp_path) == (periodic_path(tmp_path, 20), 20)
+    loaded, step = sc.load_state(program, latest_checkpoint(tmp_path)[0], state.keys())
+    assert step == 20 and all(torch.equal(loaded[k], v) for k, v in state.items())
+    prune_periodic(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["step-000000020", "step-000000030",
+                                            "step-000000040"]
