@@ -19,8 +19,6 @@ from splitrun.splitter.program import Program
 from . import checkpoint, periodic_checkpoints, sharded_checkpoint
 from .embedding.store import ShardSnapshot
 from .errors import SplitrunError
-from .member import JobMember
-from .process import ProcessRuntime
 from .state_gather import StateGather
 from .transport.protocol import MessageKey
 
@@ -30,20 +28,20 @@ logger = logging.getLogger(__name__)
 
 
 class Checkpointer:
-    """Saves `member`'s job: worker 0 leads every save; the other workers save
-    at the same point of their loops; serving processes `answer` worker 0's
-    commands between steps. `source`: the captured program (the checkpoint's keys)."""
+    """Saves the job `gather.member` runs in: worker 0 leads every save; the
+    other workers save at the same point of their loops; serving processes
+    `answer` worker 0's commands between steps. `source`: the captured program
+    (the checkpoint's keys)."""
 
-    def __init__(self, member: JobMember, split: SplitProgram, process: ProcessRuntime,
-                 source: Program) -> None:
-        self.member = member
-        self.split = split
-        self.process = process
+    def __init__(self, gather: StateGather, source: Program) -> None:
+        self.member = gather.member
+        self.split = gather.split
+        self.process = gather.process
         self.source = source
-        self._gather = StateGather(member, split, process)
+        self._gather = gather
         self._num_sharded_saves = 0
-        if member.is_server:
-            process.set_row_writer(self._write_rows)
+        if self.member.is_server:
+            self.process.set_row_writer(self._write_rows)
 
     def save(self, path: str | os.PathLike, step: int) -> None:
         """A worker's save after `step` steps: `path` ending in .pt or .pth, one

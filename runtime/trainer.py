@@ -48,7 +48,7 @@ class Trainer:
                          if job.settings.metrics_dir else None)
         self._finished = False
         self._gather = StateGather(job, split, process)
-        self._checkpointer = Checkpointer(job, split, process, self.source)
+        self._checkpointer = Checkpointer(self._gather, self.source)
 
     @property
     def plan(self) -> SplitPlan:
