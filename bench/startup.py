@@ -1,22 +1,29 @@
 """Start-up and end-to-end time of the main job (examples/ps_train.py, 2 workers
 + 1 server): `splitrun launch` (local backend) against `splitrun launch
---backend ray` on a one-node Ray cluster started once beforehand (as a cluster
-users submit to already runs; its start is reported apart).
+--backend ray` on a one-node Ray cluster and, with --two-hosts RATE_MBIT, on a
+Ray cluster across the two-host harness (bench/hosts.py, needs root: the head
+and the server in host a, a second node and both workers in host b, placed by
+custom resources; the launcher runs in a, as on the head node). Each cluster
+is started once beforehand (as a cluster users submit to already runs; its
+start is reported apart).
 
 Per run, seconds from starting the launcher to:
 - ``ready_s``: worker 0 logs its plan (every process joined, the plan agreed:
   the next thing is the first step);
 - ``end_to_end_s``: the launcher exited;
-and, for Ray, ``actors_s``: every actor started (as the launcher reports it).
-The backends take turns, so a machine that slows down mid-run biases neither.
-Medians over the runs, and Ray's over the local backend's.
+and, for Ray, as the launcher reports them (from its own start, after its
+imports): ``placed_s``, connected to Ray and the placement group placed;
+``actors_s``, every actor started (its script running).
+The backends take turns, so a machine that slows down mid-run biases none.
+Medians over the runs; each Ray row over the local backend's and minus it.
 
-    python bench/startup.py [--runs 3] [--epochs 1]
+    python bench/startup.py [--runs 3] [--epochs 1] [--two-hosts 1000]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -27,21 +34,33 @@ import subprocess
 import sys
 import time
 
-from ray_head import RAY_ENV, RayHead
+from ray_head import RAY_ENV, RayHead, ray_on_two_hosts
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 600.0
 _READY = re.compile(r"^\[worker 0\] .*\bplan [0-9a-f]+:")
 _ACTORS = re.compile(r"every actor started ([0-9.]+) s after start")
+_PLACED = re.compile(r"\(placement group \S+, ([0-9.]+) s after start\)")
+BACKENDS = ("local", "ray", "ray_two_hosts")
+# Across the two hosts: the server on a (sr_server), the workers on b (sr_worker).
+_TWO_HOST_RESOURCES = {"a_resources": {"sr_server": 1}, "b_resources": {"sr_worker": 2}}
 
 
-def _one_run(backend: str, address: str | None, epochs: int) -> dict:
+def _one_run(backend: str, address: str | None, epochs: int, host=None) -> dict:
+    """One run of the job; `host`: run the launcher inside that host of the
+    harness (bench/hosts.py)."""
     argv = [sys.executable, "-m", "splitrun.launcher", "launch", "--workers", "2",
             "--servers", "1"]
     if backend == "ray":
         argv += ["--backend", "ray", "--address", address,
                  "--worker-resources", '{"CPU": 0.5}', "--server-resources", '{"CPU": 0.5}']
+    elif backend == "ray_two_hosts":
+        argv += ["--backend", "ray", "--address", address, "--host", "0.0.0.0", "--insecure",
+                 "--worker-resources", '{"CPU": 0.5, "sr_worker": 1}',
+                 "--server-resources", '{"CPU": 0.5, "sr_server": 1}']
     argv += [str(REPO / "examples" / "ps_train.py"), "--epochs", str(epochs)]
+    if host is not None:
+        argv = host.argv(argv)
     env = dict(os.environ)
     env.update(RAY_ENV)
     started = time.monotonic()
@@ -57,6 +76,9 @@ def _one_run(backend: str, address: str | None, epochs: int) -> dict:
             actors = _ACTORS.search(line)
             if actors:
                 result["actors_s"] = float(actors.group(1))
+            placed = _PLACED.search(line)
+            if placed:
+                result["placed_s"] = float(placed.group(1))
         code = process.wait(timeout=JOB_TIMEOUT_S)
     finally:
         if process.poll() is None:
@@ -73,37 +95,66 @@ def _median(runs: list[dict], key: str) -> float | None:
     return round(statistics.median(values), 2) if values else None
 
 
+def _cluster(stack: contextlib.ExitStack, backend: str, rate_mbit: float | None):
+    """Start the cluster `backend` runs on (None for the local backend):
+    (address, host to run the launcher in, seconds it took to start)."""
+    started = time.monotonic()
+    if backend == "local":
+        return None, None, None
+    if backend == "ray":
+        head = RayHead(num_cpus=2, resources={})
+        stack.callback(head.close)
+        head.wait_up()
+        return head.address, None, time.monotonic() - started
+    from hosts import two_hosts
+
+    hosts = stack.enter_context(two_hosts(rate_mbit))
+    gcs = stack.enter_context(ray_on_two_hosts(hosts, **_TWO_HOST_RESOURCES))
+    return gcs, hosts.a, time.monotonic() - started
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=1, help="of ps_train.py (22 steps each)")
+    parser.add_argument("--two-hosts", type=float, default=None, metavar="RATE_MBIT",
+                        help="also Ray across the two-host harness with a link of this rate "
+                             "(needs root)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    cluster_started = time.monotonic()
-    head = RayHead(num_cpus=2, resources={})
-    try:
-        head.wait_up()
-        ray_start_s = time.monotonic() - cluster_started
-        runs: dict[str, list[dict]] = {"local": [], "ray": []}
+    backends = BACKENDS if args.two_hosts else BACKENDS[:2]
+    runs: dict[str, list[dict]] = {backend: [] for backend in backends}
+    cluster_start_s = {}
+    with contextlib.ExitStack() as stack:
+        clusters = {}
+        for backend in backends:
+            address, host, took = _cluster(stack, backend, args.two_hosts)
+            clusters[backend] = (address, host)
+            if took is not None:
+                cluster_start_s[backend] = round(took, 2)
         for _ in range(args.runs):
-            for backend in ("local", "ray"):
-                runs[backend].append(_one_run(backend, head.address, args.epochs))
-    finally:
-        head.close()
-    summary = {backend: {key: _median(results, key)
-                         for key in ("ready_s", "actors_s", "end_to_end_s")}
+            for backend in backends:
+                address, host = clusters[backend]
+                runs[backend].append(_one_run(backend, address, args.epochs, host))
+    keys = ("ready_s", "placed_s", "actors_s", "end_to_end_s")
+    summary = {backend: {key: _median(results, key) for key in keys}
                for backend, results in runs.items()}
-    local, ray = summary["local"], summary["ray"]
+    local = summary["local"]
+    compared = ("ready_s", "end_to_end_s")
     print(json.dumps({
         "benchmark": "startup", "job": "examples/ps_train.py, 2 workers + 1 server",
-        "epochs": args.epochs, "runs": args.runs, "machine": platform.machine(),
-        "cpus": os.cpu_count(), "load_average": os.getloadavg(),
-        "ray_cluster_start_s": round(ray_start_s, 2),
+        "epochs": args.epochs, "runs": args.runs, "two_hosts_rate_mbit": args.two_hosts,
+        "machine": platform.machine(), "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "ray_cluster_start_s": cluster_start_s,
         "median": summary,
-        "ray_over_local": {key: round(ray[key] / local[key], 2)
-                           for key in ("ready_s", "end_to_end_s") if ray[key] and local[key]},
-        "ray_adds_s": {key: round(ray[key] - local[key], 2)
-                       for key in ("ready_s", "end_to_end_s") if ray[key] and local[key]},
+        "over_local": {backend: {key: round(summary[backend][key] / local[key], 2)
+                                 for key in compared if summary[backend][key] and local[key]}
+                       for backend in backends[1:]},
+        "adds_to_local_s": {backend: {key: round(summary[backend][key] - local[key], 2)
+                                      for key in compared
+                                      if summary[backend][key] and local[key]}
+                            for backend in backends[1:]},
         "runs_detail": runs,
     }, indent=2))
     return 0

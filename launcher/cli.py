@@ -24,7 +24,7 @@ from splitrun.runtime.transport.shm_ring import new_job_prefix, remove_job_segme
 from splitrun.splitter.errors import SplitrunError
 from splitrun.splitter.labels import Label, Role
 
-from .process_logs import ProcessLogs
+from .process_logs import ProcessLogs, Tee
 from .render import read_module_map, render_plan
 from .supervisor import Supervisor
 
@@ -328,28 +328,13 @@ def _export(args) -> int:
     return 0
 
 
-class _Tee:
-    """Writes to the console and to the launcher's log file (--log-dir)."""
-
-    def __init__(self, *streams) -> None:
-        self._streams = streams
-
-    def write(self, text: str) -> None:
-        for stream in self._streams:
-            stream.write(text)
-
-    def flush(self) -> None:
-        for stream in self._streams:
-            stream.flush()
-
-
 def new_supervisor(args) -> Supervisor:
     """A supervisor for the processes of one start of the job: their lines on
     the console, prefixed, and with --log-dir in one file per process too."""
     if getattr(args, "log_dir", None) is None:
         return Supervisor()
     logs = ProcessLogs(args.log_dir)
-    return Supervisor(out=_Tee(sys.stdout, logs.open_launcher()), logs=logs)
+    return Supervisor(out=Tee(sys.stdout, logs.open_launcher()), logs=logs)
 
 
 def _log_to_dir(args) -> None:

@@ -11,7 +11,7 @@ from typing import TextIO
 
 from splitrun.splitter.labels import Label
 
-__all__ = ["ProcessLogs", "LAUNCHER_LOG"]
+__all__ = ["ProcessLogs", "Tee", "LAUNCHER_LOG"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,3 +35,18 @@ class ProcessLogs:
     def open_launcher(self) -> TextIO:
         return open(os.path.join(self.directory, LAUNCHER_LOG), "a", buffering=1,
                     encoding="utf-8")
+
+
+class Tee:
+    """Writes to the console and to the launcher's log file (--log-dir)."""
+
+    def __init__(self, *streams) -> None:
+        self._streams = streams
+
+    def write(self, text: str) -> None:
+        for stream in self._streams:
+            stream.write(text)
+
+    def flush(self) -> None:
+        for stream in self._streams:
+            stream.flush()

@@ -8,7 +8,10 @@ process, the driver, as under `splitrun launch`. The driver relays each
 process's output with its prefix ("[worker 1] ..."), and the first failure
 (a script exiting with an error, a dead actor, the scheduler's report) stops
 the others; the job exits non-zero naming the process. Every actor and the
-placement group are removed when the job ends, however it ends.
+placement group are removed when the job ends, however it ends. With
+--log-dir the driver also writes each process's lines to a file of its own
+(worker0.log, ...) and its console output to launcher.log, as `splitrun
+launch` does: on the driver's machine, whichever node ran the process.
 
 Ray is imported here only, when this backend runs: `pip install splitrun[ray]`.
 """
@@ -24,8 +27,9 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TextIO
 
 from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
 from splitrun.runtime.env import ENV
@@ -35,6 +39,7 @@ from splitrun.runtime.transport.shm_ring import new_job_prefix, remove_job_segme
 from splitrun.splitter.labels import Label, Role
 
 from .bootstrap import ERROR_MARK
+from .process_logs import ProcessLogs, Tee
 from .ray_process import Placement, Polled, ProcessHost
 from .supervisor import (
     BLAME_WINDOW_S,
@@ -185,8 +190,10 @@ def launch_on_ray(args, tls: TlsFiles | None, token: str, process_env: ProcessEn
         print("splitrun: --max-restarts and --checkpoint-every are not supported with "
               "--backend ray yet", file=sys.stderr)
         return 2
+    logs = ProcessLogs(args.log_dir) if args.log_dir is not None else None
+    console = _Console(logs)
     where = args.address or os.environ.get("RAY_ADDRESS") or "a new local cluster"
-    _say(f"connecting to Ray ({where})")
+    console.say(f"connecting to Ray ({where})")
     started = time.monotonic()
     try:
         ray.init(address=args.address, log_to_driver=False,
@@ -201,12 +208,13 @@ def launch_on_ray(args, tls: TlsFiles | None, token: str, process_env: ProcessEn
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         job = _RayJob(ray, args, tls, token, process_env, interrupted,
-                      {Role.WORKER: worker_resources, Role.SERVER: server_resources})
+                      {Role.WORKER: worker_resources, Role.SERVER: server_resources}, console)
         code = job.run(started)
     except RayBackendError as exc:
-        _say(str(exc))
+        console.say(str(exc))
         code = 1
     finally:
+        console.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         disconnect = time.monotonic()
@@ -215,9 +223,39 @@ def launch_on_ray(args, tls: TlsFiles | None, token: str, process_env: ProcessEn
     return code
 
 
-def _say(text: str) -> None:
-    sys.stdout.write(f"[splitrun] {text}\n")
-    sys.stdout.flush()
+class _Console:
+    """The driver's output: its own lines ("[splitrun] ...") and each
+    process's, prefixed, on stdout; with --log-dir also in launcher.log, and
+    each process's lines as it wrote them in a file of its own."""
+
+    def __init__(self, logs: ProcessLogs | None) -> None:
+        self.logs = logs
+        self.files: dict[Label, TextIO] = {}
+        self._launcher_log = logs.open_launcher() if logs is not None else None
+        self.out = sys.stdout if logs is None else Tee(sys.stdout, self._launcher_log)
+
+    def say(self, text: str) -> None:
+        self.out.write(f"[splitrun] {text}\n")
+        self.out.flush()
+
+    def relay(self, label: Label, lines: Sequence[str], shown: list[str]) -> None:
+        """`lines` into `label`'s log file; `shown` (prefixed) to the console."""
+        if self.logs is not None and lines:
+            if label not in self.files:
+                self.files[label] = self.logs.open(label)
+            self.files[label].write("".join(line + "\n" for line in lines))
+        if shown:
+            self.out.write("".join(shown))
+            self.out.flush()
+
+    def close(self) -> None:
+        for log in self.files.values():
+            log.close()
+        self.files.clear()
+        if self._launcher_log is not None:
+            self.out = sys.stdout
+            self._launcher_log.close()
+            self._launcher_log = None
 
 
 class _RayJob:
@@ -225,8 +263,10 @@ class _RayJob:
     supervises them and removes them all when the job ends."""
 
     def __init__(self, ray, args, tls, token, process_env: ProcessEnv,
-                 interrupted: list[int], resources: dict[Role, dict[str, float]]) -> None:
+                 interrupted: list[int], resources: dict[Role, dict[str, float]],
+                 console: _Console) -> None:
         self.ray = ray
+        self.console = console
         self.args = args
         self.tls = tls
         self.token = token
@@ -255,14 +295,14 @@ class _RayJob:
                 heartbeat_timeout_s=self.args.heartbeat_timeout,
                 stall_timeout_s=self.args.stall_timeout))
             address = self._scheduler_address(scheduler.start(self.args.host, 0, self.tls))
-            _say(f"scheduler at {address}; starting {self.args.workers} workers and "
+            self.console.say(f"scheduler at {address}; starting {self.args.workers} workers and "
                  f"{self.args.servers} servers running {self.args.script} as Ray actors "
                  f"(placement group {self.name}, "
                  f"{time.monotonic() - started:.1f} s after start)")
             self._start_actors(group, nodes, address, shm_prefix)
-            _say(f"every actor started {time.monotonic() - started:.1f} s after start")
+            self.console.say(f"every actor started {time.monotonic() - started:.1f} s after start")
             outcome_code, summary = self._supervise(scheduler)
-            _say(summary)
+            self.console.say(summary)
             logger.debug("job over %.1f s after start", time.monotonic() - started)
             return outcome_code
         finally:
@@ -343,7 +383,7 @@ class _RayJob:
                 raise RayBackendError(f"the actor of {member.label.describe()} failed to "
                                       f"start: {_first_line(exc)}") from None
             place = member.placement
-            _say(f"started {member.label.describe()} (pid {place.pid}, actor pid "
+            self.console.say(f"started {member.label.describe()} (pid {place.pid}, actor pid "
                  f"{place.actor_pid}) on host {place.host} node {member.node_ip}"
                  + (f" CUDA_VISIBLE_DEVICES={place.cuda_visible_devices}"
                     if place.cuda_visible_devices else ""))
@@ -443,9 +483,7 @@ class _RayJob:
             member.feed(line)
             if not line.startswith(ERROR_MARK):  # the failure line shows it, once
                 out.append(prefix + line + "\n")
-        if out:
-            sys.stdout.write("".join(out))
-            sys.stdout.flush()
+        self.console.relay(member.label, lines, out)
 
     def _blame(self, signs: list[_Sign], scheduler: Scheduler) -> tuple[int, str]:
         running = [m for m in self.members if m.is_running]

@@ -6,10 +6,8 @@ run them."""
 
 import os
 import re
-import shutil
 import signal
 import sys
-import tempfile
 import time
 
 import pytest
@@ -18,7 +16,7 @@ from cluster import REPO, Proc, child_env, pid_alive
 from splitrun.launcher.cli import main
 
 ray = pytest.importorskip("ray")
-from ray_head import RAY_ENV, RayHead  # noqa: E402 - after the skip: it needs Ray
+from ray_head import RAY_ENV, RayHead, ray_on_two_hosts  # noqa: E402 - after the skip: it needs Ray
 
 EXAMPLES = REPO / "examples"
 WORKER = '{"CPU": 0.5, "sr_worker": 1}'
@@ -26,7 +24,6 @@ SERVER = '{"CPU": 0.5, "sr_server": 1}'
 # Bounds on a loaded 2-core machine: a small job, its actors' end.
 JOB_TIMEOUT_S = 240.0
 GONE_TIMEOUT_S = 30.0
-RAY_NODE_START_S = 120.0
 STARTED = re.compile(r"started (worker|server) (\d+) \(pid (\d+), actor pid (\d+)\) on host "
                      r"(\S+) node (\S+)")
 
@@ -41,9 +38,10 @@ def ray_head():
         head.close()
 
 
-def _launch_ray(local_cluster, head: RayHead, script, *args, workers: int, servers: int):
+def _launch_ray(local_cluster, head: RayHead, script, *args, workers: int, servers: int,
+                options=()):
     return local_cluster.start(
-        "launch", "--backend", "ray", "--address", head.address, "--workers", workers,
+        "launch", *options, "--backend", "ray", "--address", head.address, "--workers", workers,
         "--servers", servers, "--worker-resources", WORKER, "--server-resources", SERVER,
         script, *args, env_extra=RAY_ENV)
 
@@ -90,10 +88,14 @@ def test_bad_resources_are_refused_before_ray_starts(capsys):
 
 
 @pytest.mark.slow
-def test_ps_train_on_ray_matches_the_local_backend(ray_head, local_cluster):
+def test_ps_train_on_ray_matches_the_local_backend(ray_head, local_cluster, tmp_path):
+    """Same results as the local backend; with --log-dir, one log file per
+    process and launcher.log, as the local backend writes them."""
     args = (EXAMPLES / "ps_train.py", "--epochs", 3)
     local = local_cluster.run(*args, workers=2, servers=1)
-    proc = _launch_ray(local_cluster, ray_head, *args, workers=2, servers=1)
+    logs = tmp_path / "logs"
+    proc = _launch_ray(local_cluster, ray_head, *args, workers=2, servers=1,
+                       options=("--log-dir", logs))
     code = proc.wait(JOB_TIMEOUT_S)
     output = proc.output()
     assert code == 0, output
@@ -102,6 +104,18 @@ def test_ps_train_on_ray_matches_the_local_backend(ray_head, local_cluster):
     assert set(placements) == {"worker 0", "worker 1", "server 0"}
     assert "all 3 processes finished" in output
     _assert_nothing_left(placements)
+
+    assert sorted(p.name for p in logs.iterdir()) == [
+        "launcher.log", "server0.log", "worker0.log", "worker1.log"]
+    for label in ("worker 0", "worker 1", "server 0"):
+        text = (logs / f"{label.replace(' ', '')}.log").read_text()
+        assert f"joined as {label} " in text, text  # its own lines, without the prefix
+        assert not any(line.startswith(f"[{label}] ") for line in text.splitlines()), text
+    assert "held-out accuracy" in (logs / "worker0.log").read_text()
+    assert "held-out accuracy" not in (logs / "worker1.log").read_text()
+    launcher_log = (logs / "launcher.log").read_text()
+    assert "[splitrun] started worker 1 (pid " in launcher_log, launcher_log
+    assert "all 3 processes finished" in launcher_log, launcher_log
 
 
 @pytest.mark.slow
@@ -135,16 +149,6 @@ def test_a_killed_actor_stops_the_job_naming_it(ray_head, local_cluster):
     _assert_nothing_left(placements)
 
 
-def _ray_node(host, temp_dir: str, *options) -> Proc:
-    """`ray start --block` inside `host`'s namespace, ended with the namespaces."""
-    argv = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block",
-            "--node-ip-address", host.address, "--disable-usage-stats", "--temp-dir", temp_dir,
-            "--object-store-memory", str(100 << 20), *options]
-    proc = Proc(host.argv(argv), env=child_env(RAY_ENV))
-    host.adopt(proc.process)
-    return proc
-
-
 @pytest.mark.slow
 def test_two_ray_nodes_servers_on_one_workers_on_the_other(tmp_path):
     """A Ray head in host a of the two-host harness (bench/hosts.py) offering
@@ -154,37 +158,26 @@ def test_two_ray_nodes_servers_on_one_workers_on_the_other(tmp_path):
     from hosts import require_root, two_hosts
 
     require_root()
-    temp_dirs = [tempfile.mkdtemp(prefix="srray-", dir="/tmp") for _ in range(2)]
-    try:
-        with two_hosts(rate_mbit=1000) as hosts:
-            a, b = hosts.a, hosts.b
-            gcs = f"{a.address}:6379"  # the namespaces are fresh: every port is free
-            head = _ray_node(a, temp_dirs[0], "--head", "--port", "6379",
-                             "--include-dashboard", "false", "--num-cpus", "1",
-                             "--resources", '{"sr_server": 1}')
-            head.wait_for(r"Ray runtime started", RAY_NODE_START_S)
-            node = _ray_node(b, temp_dirs[1], "--address", gcs, "--num-cpus", "2",
-                             "--resources", '{"sr_worker": 2}')
-            node.wait_for(r"Ray runtime started", RAY_NODE_START_S)
-            launcher = Proc(a.argv([
-                sys.executable, "-m", "splitrun.launcher", "launch", "--backend", "ray",
-                "--address", gcs, "--host", "0.0.0.0", "--insecure", "--workers", 2,
-                "--servers", 1, "--worker-resources", WORKER, "--server-resources", SERVER,
-                EXAMPLES / "ps_train.py", "--epochs", 8, "--min-accuracy", 0.95]),
-                env=child_env(RAY_ENV), cwd=tmp_path)
-            a.adopt(launcher.process)
-            code = launcher.wait(JOB_TIMEOUT_S * 2)
-            output = launcher.output()
-            assert code == 0, output
-            nodes = {f"{m[1]} {m[2]}": m[6] for m in STARTED.finditer(output)}
-            assert nodes == {"server 0": a.address, "worker 0": b.address,
-                             "worker 1": b.address}, output
-            accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)", output).group(1))
-            assert accuracy >= 0.95, output
-            assert f"advertising {b.address} " in output  # workers bound 0.0.0.0 on b
-            placements = _placements(output)
-        pids = [pid for pair in placements.values() for pid in pair if pid_alive(pid)]
-        assert not pids, f"left behind: {pids}"
-    finally:
-        for temp_dir in temp_dirs:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+    with two_hosts(rate_mbit=1000) as hosts, ray_on_two_hosts(
+            hosts, a_resources={"sr_server": 1}, b_resources={"sr_worker": 2},
+            env=child_env()) as gcs:
+        a, b = hosts.a, hosts.b
+        launcher = Proc(a.argv([
+            sys.executable, "-m", "splitrun.launcher", "launch", "--backend", "ray",
+            "--address", gcs, "--host", "0.0.0.0", "--insecure", "--workers", 2,
+            "--servers", 1, "--worker-resources", WORKER, "--server-resources", SERVER,
+            EXAMPLES / "ps_train.py", "--epochs", 8, "--min-accuracy", 0.95]),
+            env=child_env(RAY_ENV), cwd=tmp_path)
+        a.adopt(launcher.process)
+        code = launcher.wait(JOB_TIMEOUT_S * 2)
+        output = launcher.output()
+        assert code == 0, output
+        nodes = {f"{m[1]} {m[2]}": m[6] for m in STARTED.finditer(output)}
+        assert nodes == {"server 0": a.address, "worker 0": b.address,
+                         "worker 1": b.address}, output
+        accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)", output).group(1))
+        assert accuracy >= 0.95, output
+        assert f"advertising {b.address} " in output  # workers bound 0.0.0.0 on b
+        placements = _placements(output)
+    pids = [pid for pair in placements.values() for pid in pair if pid_alive(pid)]
+    assert not pids, f"left behind: {pids}"
