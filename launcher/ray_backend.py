@@ -188,7 +188,11 @@ def launch_on_ray(args, tls: TlsFiles | None, token: str, process_env: ProcessEn
         return 2
     if args.max_restarts or args.checkpoint_every is not None:
         print("splitrun: --max-restarts and --checkpoint-every are not supported with "
-              "--backend ray yet", file=sys.stderr)
+              "--backend ray: a restart from the newest checkpoint needs the checkpoints where "
+              "this driver and every Ray node can read them (a shared file system), and the "
+              "Ray backend has no restart loop yet. Use the local backend on one machine "
+              "(splitrun launch --max-restarts N --checkpoint-every K), or rerun the Ray job "
+              "when it fails (it starts from step 0)", file=sys.stderr)
         return 2
     logs = ProcessLogs(args.log_dir) if args.log_dir is not None else None
     console = _Console(logs)

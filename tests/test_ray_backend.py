@@ -87,6 +87,15 @@ def test_bad_resources_are_refused_before_ray_starts(capsys):
         capsys.readouterr().err
 
 
+def test_restarts_are_refused_saying_why_and_what_to_use(capsys):
+    code = main(["launch", "--backend", "ray", "--max-restarts", "1", "--checkpoint-every", "5",
+                 str(EXAMPLES / "ps_train.py")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "not supported with --backend ray: a restart from the newest checkpoint" in err
+    assert "(splitrun launch --max-restarts N --checkpoint-every K)" in err
+
+
 @pytest.mark.slow
 def test_ps_train_on_ray_matches_the_local_backend(ray_head, local_cluster, tmp_path):
     """Same results as the local backend; with --log-dir, one log file per
