@@ -78,9 +78,14 @@ class RayHead:
         self.log = open(os.path.join(self.temp_dir, "head.log"), "w")
         environment = dict(os.environ if env is None else env)
         environment.update(RAY_ENV)
-        self.process = subprocess.Popen(argv, env=environment, stdin=subprocess.DEVNULL,
-                                        stdout=self.log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+        try:
+            self.process = subprocess.Popen(argv, env=environment, stdin=subprocess.DEVNULL,
+                                            stdout=self.log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        except OSError:  # no `ray` beside this interpreter
+            self.log.close()
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            raise
 
     def wait_up(self) -> None:
         """Connect this process to the cluster once it is up (bounded); the
@@ -129,10 +134,14 @@ class RayNode:
         self.log = open(os.path.join(self.temp_dir, "node.log"), "w")
         environment = dict(os.environ if env is None else env)
         environment.update(RAY_ENV)
-        self.process = host.popen(
-            _ray_argv("--node-ip-address", host.address, "--temp-dir", self.temp_dir,
-                      *options),
-            env=environment, stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            self.process = host.popen(
+                _ray_argv("--node-ip-address", host.address, "--temp-dir", self.temp_dir,
+                          *options),
+                env=environment, stdout=self.log, stderr=subprocess.STDOUT)
+        except OSError:
+            self.close()
+            raise
 
     def output(self) -> str:
         with open(self.log.name, errors="replace") as log:
