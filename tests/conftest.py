@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from cluster import LocalCluster
+from cluster import SCRIPTS, LocalCluster
 
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
@@ -23,5 +23,30 @@ def local_cluster(tmp_path):
     cluster = LocalCluster(cwd=tmp_path)
     try:
         yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_ps_job(tmp_path_factory):
+    """`uninterrupted_ps_job(kind, optimizer, steps, workers, servers)`: what worker 0
+    of tests/scripts/ps_job.py, launched (real launcher, real processes) and run
+    without interruption, wrote to --out. Each set of arguments is launched once
+    per test session: several tests compare with the same uninterrupted job."""
+    directory = tmp_path_factory.mktemp("uninterrupted_ps_job")
+    cluster = LocalCluster(cwd=directory)
+    outs = {}
+
+    def run(kind="dense", optimizer="adam", steps=20, workers=2, servers=2):
+        key = (kind, optimizer, steps, workers, servers)
+        if key not in outs:
+            out = directory / f"run{len(outs)}.pt"
+            cluster.run(SCRIPTS / "ps_job.py", "--kind", kind, "--optimizer", optimizer,
+                        "--steps", steps, "--out", out, workers=workers, servers=servers)
+            outs[key] = out
+        return torch.load(outs[key])  # a fresh copy for each test
+
+    try:
+        yield run
     finally:
         cluster.close()
