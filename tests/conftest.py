@@ -50,3 +50,19 @@ def uninterrupted_ps_job(tmp_path_factory):
         yield run
     finally:
         cluster.close()
+
+
+@pytest.fixture(scope="session")
+def parallel_saved_at_five(tmp_path_factory):
+    """(a .pt file, a sharded directory): tests/scripts/parallel_job.py launched on
+    4 workers for 5 steps and saved at the end in both checkpoint formats; once per
+    test session, for the plain and the sharded resume tests."""
+    directory = tmp_path_factory.mktemp("parallel_saved_at_five")
+    plain, sharded = directory / "ckpt.pt", directory / "ckpt"
+    cluster = LocalCluster(cwd=directory)
+    try:
+        cluster.run(SCRIPTS / "parallel_job.py", "--steps", 5, "--save", plain, "--save",
+                    sharded, workers=4)
+    finally:
+        cluster.close()
+    return plain, sharded

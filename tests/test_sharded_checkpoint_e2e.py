@@ -149,9 +149,9 @@ def test_a_corrupt_directory_is_refused_by_resume_and_export(local_cluster, ps_s
     assert "CheckpointError" in proc.output() and "__s1_0.distcp is corrupt" in proc.output()
 
 
-def test_parallel_saved_at_four_workers_resumes_at_two(local_cluster, tmp_path):
-    directory = tmp_path / "ckpt"
-    local_cluster.run(PARALLEL_JOB, "--steps", 5, "--save", directory, workers=4)
+def test_parallel_saved_at_four_workers_resumes_at_two(local_cluster, parallel_saved_at_five,
+                                                       tmp_path):
+    _, directory = parallel_saved_at_five  # 4 workers, 5 steps (shared with a plain test)
     assert written_by(directory) == {"w0", "w1", "w2", "w3"}
     saved = ShardedCheckpoint(directory).tensor_md(("model", "l1.weight"))
     assert saved.size == (16, 8) and len(saved.chunks) == 4, "one piece per member"
