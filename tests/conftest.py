@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from cluster import LocalCluster
+from cluster import SCRIPTS, LocalCluster
 
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
@@ -25,3 +25,44 @@ def local_cluster(tmp_path):
         yield cluster
     finally:
         cluster.close()
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_ps_job(tmp_path_factory):
+    """`uninterrupted_ps_job(kind, optimizer, steps, workers, servers)`: what worker 0
+    of tests/scripts/ps_job.py, launched (real launcher, real processes) and run
+    without interruption, wrote to --out. Each set of arguments is launched once
+    per test session: several tests compare with the same uninterrupted job."""
+    directory = tmp_path_factory.mktemp("uninterrupted_ps_job")
+    cluster = LocalCluster(cwd=directory)
+    outs = {}
+
+    def run(kind="dense", optimizer="adam", steps=20, workers=2, servers=2):
+        key = (kind, optimizer, steps, workers, servers)
+        if key not in outs:
+            out = directory / f"run{len(outs)}.pt"
+            cluster.run(SCRIPTS / "ps_job.py", "--kind", kind, "--optimizer", optimizer,
+                        "--steps", steps, "--out", out, workers=workers, servers=servers)
+            outs[key] = out
+        return torch.load(outs[key])  # a fresh copy for each test
+
+    try:
+        yield run
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="session")
+def parallel_saved_at_five(tmp_path_factory):
+    """(a .pt file, a sharded directory): tests/scripts/parallel_job.py launched on
+    4 workers for 5 steps and saved at the end in both checkpoint formats; once per
+    test session, for the plain and the sharded resume tests."""
+    directory = tmp_path_factory.mktemp("parallel_saved_at_five")
+    plain, sharded = directory / "ckpt.pt", directory / "ckpt"
+    cluster = LocalCluster(cwd=directory)
+    try:
+        cluster.run(SCRIPTS / "parallel_job.py", "--steps", 5, "--save", plain, "--save",
+                    sharded, workers=4)
+    finally:
+        cluster.close()
+    return plain, sharded

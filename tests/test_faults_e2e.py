@@ -25,6 +25,8 @@ KILL_REPEATS = int(os.environ.get("SPLITRUN_KILL_REPEATS", "3"))
 FAULT_DEADLINE_S = 5.0
 # Joined processes notice a lost scheduler after its heartbeat timeout (3 s).
 SCHEDULER_LOSS_DEADLINE_S = 5.0
+# --stall-timeout of the busy-loop test.
+STALL_TIMEOUT_S = 8.0
 
 
 def started_pids(proc: Proc, labels) -> dict[str, int]:
@@ -186,8 +188,10 @@ def test_bad_checkpoint_is_one_line_from_the_launcher(local_cluster, tmp_path, p
 
 
 def test_busy_looping_worker_is_named(local_cluster):
-    proc = local_cluster.start("launch", "--workers", 2, FAULT_JOB, "--busy-rank", 1,
-                               "--busy-at", 5)
+    # Shorter than the default 20 s, which the test would wait out; the same check
+    # names the spinning worker (a healthy step here takes milliseconds).
+    proc = local_cluster.start("launch", "--workers", 2, "--stall-timeout", STALL_TIMEOUT_S,
+                               FAULT_JOB, "--busy-rank", 1, "--busy-at", 5)
     try:
         proc.wait_for(r"\[worker 1\].*spinning at step 5", JOB_TIMEOUT_S)
         spinning_at = time.monotonic()

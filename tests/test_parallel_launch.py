@@ -34,10 +34,8 @@ def test_mlp_on_two_workers_equals_the_unsplit_step(tmp_path, backend):
         assert result["collective_calls"] == 10
 
 
-def test_save_at_four_workers_resume_at_two(tmp_path):
-    checkpoint = tmp_path / "ckpt.pt"
-    first = splitrun("launch", "--workers", 4, SCRIPT, "--steps", 5, "--save", checkpoint)
-    assert first.wait(JOB_TIMEOUT_S) == 0, first.output()
+def test_save_at_four_workers_resume_at_two(parallel_saved_at_five, tmp_path):
+    checkpoint, _ = parallel_saved_at_five  # 4 workers, 5 steps (shared with a sharded test)
     saved = torch.load(checkpoint, weights_only=True)
     assert saved["model"]["l1.weight"].shape == (16, 8), "checkpoints hold full tensors"
     out = tmp_path / "result.pt"

@@ -35,9 +35,8 @@ def single_process(kind, optimizer, steps):
 
 
 @pytest.mark.parametrize("kind, optimizer", [("dense", "adam"), ("sparse", "adagrad")])
-def test_two_workers_two_servers_equal_one_process(launch, kind, optimizer):
-    result = launch("run", 2, 2, "--kind", kind, "--optimizer", optimizer,
-                    "--steps", 20)
+def test_two_workers_two_servers_equal_one_process(uninterrupted_ps_job, kind, optimizer):
+    result = uninterrupted_ps_job(kind, optimizer, steps=20, workers=2, servers=2)
     expected = single_process(kind, optimizer, 20)
     assert result["steps"] == 20
     assert result["state"].keys() == expected.keys()
@@ -45,13 +44,15 @@ def test_two_workers_two_servers_equal_one_process(launch, kind, optimizer):
         torch.testing.assert_close(result["state"][key], value, rtol=0, atol=1e-5)
 
 
-def test_checkpoint_resumes_with_another_number_of_servers(launch, tmp_path):
+def test_checkpoint_resumes_with_another_number_of_servers(launch, uninterrupted_ps_job,
+                                                           tmp_path):
     checkpoint = tmp_path / "step10.pt"
     launch("first", 2, 1, "--steps", 20, "--stop-after", 10, "--save", checkpoint)
     saved = torch.load(checkpoint, weights_only=True)
     assert saved["step"] == 10 and "body.0.weight" in saved["model"]
     resumed = launch("resumed", 2, 2, "--steps", 20, "--resume", checkpoint)
-    straight = launch("straight", 2, 1, "--steps", 20)
+    # The uninterrupted job, launched once for this test and the one above.
+    straight = uninterrupted_ps_job("dense", "adam", steps=20, workers=2, servers=2)
     assert resumed["steps"] == straight["steps"] == 20
     for key, value in straight["state"].items():
         torch.testing.assert_close(resumed["state"][key], value, rtol=0, atol=1e-6)

@@ -4,20 +4,19 @@ with three, and ends where the uninterrupted job ends; `splitrun export`
 turns the directory into a plain file a plain model loads."""
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 from cache_models import TinyRecommender
 from cache_models import feeds as cache_feeds
 from cache_models import make as make_cache
-from cluster import JOB_TIMEOUT_S, REPO, SCRIPTS, splitrun
+from cluster import JOB_TIMEOUT_S, SCRIPTS, LocalCluster, splitrun
 from parallel_models import capture_mlp, mlp_batches
 from ps_models import DenseNet
 from ps_models import feeds as ps_feeds
 from ps_models import make as make_ps
 
+from splitrun.launcher import cli
 from splitrun.runtime.sharded_checkpoint import CHECKSUMS, METADATA, ShardedCheckpoint
 
 pytestmark = pytest.mark.slow
@@ -25,7 +24,6 @@ pytestmark = pytest.mark.slow
 PS_JOB = SCRIPTS / "ps_job.py"
 CACHE_JOB = SCRIPTS / "cache_job.py"
 PARALLEL_JOB = SCRIPTS / "parallel_job.py"
-EXPORT_TIMEOUT_S = 120.0  # one `splitrun export` process: start python, read, write
 
 
 @pytest.fixture
@@ -38,10 +36,31 @@ def launch(local_cluster, tmp_path):
     return launch
 
 
-def export(directory, out):
-    return subprocess.run([sys.executable, "-m", "splitrun.launcher.cli", "export",
-                           str(directory), str(out)], cwd=REPO, capture_output=True,
-                          text=True, timeout=EXPORT_TIMEOUT_S)
+@pytest.fixture
+def export(capsys):
+    """`splitrun export DIRECTORY OUT`, run in this process (the command's own
+    function; `python -m splitrun` as a process is tests/test_cli_options.py's):
+    returns its exit status and what it wrote to stderr."""
+    def export(directory, out):
+        capsys.readouterr()
+        code = cli.main(["export", str(directory), str(out)])
+        return code, capsys.readouterr().err
+    return export
+
+
+@pytest.fixture(scope="module")
+def ps_saved_at_ten(tmp_path_factory):
+    """PS_JOB on 2 workers and 2 servers, stopped after step 10 of 20 with a
+    sharded checkpoint there (launched once: one test resumes and exports it,
+    another corrupts a copy)."""
+    directory = tmp_path_factory.mktemp("ps_saved_at_ten") / "step10"
+    cluster = LocalCluster(cwd=directory.parent)
+    try:
+        cluster.run(PS_JOB, "--steps", 20, "--stop-after", 10, "--save", directory,
+                    workers=2, servers=2)
+    finally:
+        cluster.close()
+    return directory
 
 
 def written_by(directory) -> set[str]:
@@ -57,11 +76,13 @@ def assert_equal_states(got, expected, atol):
         torch.testing.assert_close(got[key], value, rtol=0, atol=atol, msg=key)
 
 
-def test_ps_saved_with_two_servers_resumes_with_one_and_three(launch, tmp_path):
-    directory = tmp_path / "step10"
-    launch(PS_JOB, "first", 2, 2, "--steps", 20, "--stop-after", 10, "--save", directory)
+def test_ps_saved_with_two_servers_resumes_with_one_and_three(launch, ps_saved_at_ten,
+                                                               uninterrupted_ps_job, export,
+                                                               tmp_path):
+    directory = ps_saved_at_ten
     assert written_by(directory) == {"w0", "s0", "s1"}, "each server wrote its own file"
-    straight = launch(PS_JOB, "straight", 2, 2, "--steps", 20)
+    # Launched once for this test and tests/test_ps_e2e.py's.
+    straight = uninterrupted_ps_job("dense", "adam", steps=20, workers=2, servers=2)
     for servers in (1, 3):
         resumed = launch(PS_JOB, f"resumed{servers}", 2, servers, "--steps", 20,
                          "--resume", directory)
@@ -70,8 +91,8 @@ def test_ps_saved_with_two_servers_resumes_with_one_and_three(launch, tmp_path):
 
     # Export: one plain file that a plain model and optimizer load.
     out = tmp_path / "model.pt"
-    result = export(directory, out)
-    assert result.returncode == 0, result.stderr
+    code, stderr = export(directory, out)
+    assert code == 0, stderr
     plain = torch.load(out, weights_only=True)
     assert plain["step"] == 10
     model = DenseNet()
@@ -83,7 +104,7 @@ def test_ps_saved_with_two_servers_resumes_with_one_and_three(launch, tmp_path):
         torch.testing.assert_close(param.detach(), at_ten[key], rtol=0, atol=1e-5, msg=key)
 
 
-def test_cache_saved_with_two_servers_resumes_with_one_and_three(launch, tmp_path):
+def test_cache_saved_with_two_servers_resumes_with_one_and_three(launch, export, tmp_path):
     directory = tmp_path / "step10"
     launch(CACHE_JOB, "first", 1, 2, "--steps", 20, "--stop-after", 10, "--save", directory)
     assert written_by(directory) == {"w0", "s0", "s1", "s0-rows", "s1-rows"}
@@ -100,8 +121,8 @@ def test_cache_saved_with_two_servers_resumes_with_one_and_three(launch, tmp_pat
 
     # Export puts the rows back in id order, dirty rows written back included.
     out = tmp_path / "model.pt"
-    result = export(directory, out)
-    assert result.returncode == 0, result.stderr
+    code, stderr = export(directory, out)
+    assert code == 0, stderr
     plain = torch.load(out, weights_only=True)
     at_ten = program.train_unsplit(10, cache_feeds(batches))[1]
     model = TinyRecommender()
@@ -110,26 +131,27 @@ def test_cache_saved_with_two_servers_resumes_with_one_and_three(launch, tmp_pat
         assert torch.equal(param.detach(), at_ten[key]), key
 
 
-def test_a_corrupt_directory_is_refused_by_resume_and_export(local_cluster, launch, tmp_path):
+def test_a_corrupt_directory_is_refused_by_resume_and_export(local_cluster, ps_saved_at_ten,
+                                                             export, tmp_path):
     directory = tmp_path / "ckpt"
-    launch(PS_JOB, "first", 1, 2, "--steps", 4, "--save", directory)
+    shutil.copytree(ps_saved_at_ten, directory)  # the shared one stays intact
     shard = directory / "__s1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x10
     shard.write_bytes(bytes(data))
-    result = export(directory, tmp_path / "model.pt")
-    assert result.returncode == 1
-    assert "__s1_0.distcp is corrupt" in result.stderr, result.stderr
+    code, stderr = export(directory, tmp_path / "model.pt")
+    assert code == 1
+    assert "__s1_0.distcp is corrupt" in stderr, stderr
     # Resumed with one server, server 0 reads that file and stops the job naming it.
-    proc = local_cluster.launch(PS_JOB, "--steps", 8, "--resume", directory, workers=1,
+    proc = local_cluster.launch(PS_JOB, "--steps", 20, "--resume", directory, workers=1,
                                 servers=1)
     assert proc.wait(JOB_TIMEOUT_S) != 0
     assert "CheckpointError" in proc.output() and "__s1_0.distcp is corrupt" in proc.output()
 
 
-def test_parallel_saved_at_four_workers_resumes_at_two(local_cluster, tmp_path):
-    directory = tmp_path / "ckpt"
-    local_cluster.run(PARALLEL_JOB, "--steps", 5, "--save", directory, workers=4)
+def test_parallel_saved_at_four_workers_resumes_at_two(local_cluster, parallel_saved_at_five,
+                                                       tmp_path):
+    _, directory = parallel_saved_at_five  # 4 workers, 5 steps (shared with a plain test)
     assert written_by(directory) == {"w0", "w1", "w2", "w3"}
     saved = ShardedCheckpoint(directory).tensor_md(("model", "l1.weight"))
     assert saved.size == (16, 8) and len(saved.chunks) == 4, "one piece per member"
@@ -142,7 +164,8 @@ def test_parallel_saved_at_four_workers_resumes_at_two(local_cluster, tmp_path):
         torch.testing.assert_close(result["state"][key], value, rtol=0, atol=1e-5, msg=key)
 
 
-def test_each_machine_writes_locally_and_the_files_are_gathered_later(local_cluster, tmp_path):
+def test_each_machine_writes_locally_and_the_files_are_gathered_later(local_cluster, export,
+                                                                       tmp_path):
     """Three processes joined from three working directories (as on three
     machines without a shared filesystem) each save into their own `ckpt/`;
     export refuses worker 0's directory until the servers' files are copied in."""
@@ -162,13 +185,13 @@ def test_each_machine_writes_locally_and_the_files_are_gathered_later(local_clus
     assert sorted(p.name for p in server0.iterdir()) == ["__s0_0.distcp"]
     assert sorted(p.name for p in server1.iterdir()) == ["__s1_0.distcp"]
 
-    result = export(gathered, tmp_path / "model.pt")
-    assert result.returncode == 1
-    assert "__s0_0.distcp is missing" in result.stderr and "gather" in result.stderr
+    code, stderr = export(gathered, tmp_path / "model.pt")
+    assert code == 1
+    assert "__s0_0.distcp is missing" in stderr and "gather" in stderr
     for part in (server0 / "__s0_0.distcp", server1 / "__s1_0.distcp"):
         shutil.copy(part, gathered)
-    result = export(gathered, tmp_path / "model.pt")
-    assert result.returncode == 0, result.stderr
+    code, stderr = export(gathered, tmp_path / "model.pt")
+    assert code == 0, stderr
     plain = torch.load(tmp_path / "model.pt", weights_only=True)
     assert plain["step"] == 4
     DenseNet().load_state_dict(plain["model"])

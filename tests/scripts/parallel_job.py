@@ -2,13 +2,14 @@
 
     splitrun launch --workers 2 tests/scripts/parallel_job.py --steps 10 --out result.pt
     splitrun launch --workers 4 tests/scripts/parallel_job.py --steps 5 --save ckpt.pt
+    splitrun launch --workers 4 tests/scripts/parallel_job.py --steps 5 --save ckpt.pt --save ckpt
     splitrun launch --workers 2 tests/scripts/parallel_job.py --steps 10 --resume ckpt.pt
     splitrun launch --workers 2 tests/scripts/parallel_job.py --backend torch_distributed ...
 
 The column- then row-parallel MLP of the parallel-mode tests. Worker 0 saves
 the losses, the final state (collected: full tensors) and its send counters to
---out; --save writes a checkpoint after the last step; --resume continues one
-(at any group size: checkpoints hold full tensors).
+--out; --save writes a checkpoint after the last step (each --save one: a .pt
+file, or else a sharded directory); --resume continues one (at any group size).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--optimizer", default="adam")
     parser.add_argument("--out", type=pathlib.Path)
-    parser.add_argument("--save", type=pathlib.Path)
+    parser.add_argument("--save", type=pathlib.Path, action="append", default=[])
     parser.add_argument("--resume", type=pathlib.Path)
     parser.add_argument("--backend", default="channels")
     args = parser.parse_args()
@@ -47,8 +48,8 @@ def main() -> int:
         outputs = trainer.step(batches(step))
         if "loss" in outputs:
             losses.append(outputs["loss"])
-    if args.save:
-        trainer.save(args.save)
+    for path in args.save:
+        trainer.save(path)
     sent = trainer.stats.bytes_sent
     predicted = trainer.split.artifacts.bytes_per_step
     collectives = trainer.process.collective_stats
