@@ -23,6 +23,7 @@ parameter-server mode) and a cached row is refreshed once older than
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -33,10 +34,13 @@ from .cached_tables import (
     CachedTable,
     CacheSettings,
     EvictionPolicy,
+    cached_bag,
+    cached_bag_gradient,
     cached_lookup,
     cached_update,
     place_embedding_cache,
 )
+from .embedding_bags import bag_gradient
 from .errors import PlanError
 from .labels import Cluster
 from .plan import ModeKind
@@ -45,6 +49,7 @@ from .ps_mode import ParameterServerMode, ServerAssignment
 from .sparse_optim import ROW_WISE_UPDATES, sparse_adagrad, sparse_adam, sparse_sgd
 
 _aten = torch.ops.aten
+_SPARSE_BAG = torch.ops.splitrun.sparse_bag.default
 
 # The table marks and types live in cached_tables; re-exported here, where
 # users of this mode look for them.
@@ -109,7 +114,8 @@ class EmbeddingCacheMode(ParameterServerMode):
         value = weight.meta["val"]
         lookups, update = [], None
         for user in list(weight.users):
-            if user.target is _aten.embedding.default and user.args[0] is weight:
+            if (user.target in (_aten.embedding.default, _SPARSE_BAG)
+                    and user.args[0] is weight):
                 lookups.append(user)
             elif user.target in _ROW_WISE:
                 update = user
@@ -134,14 +140,20 @@ class EmbeddingCacheMode(ParameterServerMode):
             ids = lookup.args[1]
             ids_feed = ids_feed or _batch_feed(program, ids)
             with graph.inserting_before(lookup):
-                new = graph.call_function(cached_lookup, (ids,), {"table": key})
+                if lookup.target is _SPARSE_BAG:  # a bag: its rows summed from the cache
+                    _, ids, offsets, weights, mean, pad = lookup.args
+                    new = graph.call_function(cached_bag, (ids, offsets, weights), {
+                        "table": key, "mean": mean, "padding_idx": pad})
+                else:
+                    new = graph.call_function(cached_lookup, (ids,), {"table": key})
             new.meta = dict(lookup.meta)
             lookup.replace_all_uses_with(new)
             graph.erase_node(lookup)
         param, indices, values, lr, step, *state = update.args
+        coalesced = _bag_gradient_to_cache(graph, values, key)
         with graph.inserting_before(update):
             handoff = graph.call_function(cached_update, (indices, values, lr, step),
-                                          {"table": key})
+                                          {"table": key, "coalesced": coalesced})
         handoff.meta = {k: v for k, v in update.meta.items() if k != "val"}
         for getitem in list(update.users):
             graph.erase_node(getitem)  # the table's new value is not plan state
@@ -149,6 +161,22 @@ class EmbeddingCacheMode(ParameterServerMode):
         state_names = tuple(n.rsplit(".", 1)[1] for n in _state_keys(program, key))
         return CachedTable(key, value.shape[0], value.shape[1], value.dtype, settings,
                            optimizer, optimizer_settings, state_names, ids_feed, padding_idx)
+
+
+def _bag_gradient_to_cache(graph: fx.Graph, values: fx.Node, key: str) -> bool:
+    """A bag's gradient (`bag_gradient`, summed per unique id) is summed by the
+    worker's cache instead, with the unique of its lookup. True if so."""
+    summed = values.args[0] if values.target is operator.getitem else None
+    if summed is None or getattr(summed, "target", None) is not bag_gradient:
+        return False
+    grad, ids, offsets, weights, mean, pad = summed.args
+    with graph.inserting_before(summed):
+        new = graph.call_function(cached_bag_gradient, (grad, ids, offsets, weights), {
+            "table": key, "mean": mean, "padding_idx": pad})
+    new.meta = dict(summed.meta)
+    summed.replace_all_uses_with(new)
+    graph.erase_node(summed)
+    return True
 
 
 def _state_keys(program: Program, key: str) -> list[str]:

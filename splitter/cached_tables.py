@@ -18,7 +18,8 @@ from torch import nn
 from .errors import CaptureError, PlanError
 
 __all__ = ["EvictionPolicy", "CacheSettings", "CachedTable", "place_embedding_cache",
-           "cache_settings_of", "cached_lookup", "cached_update", "CACHE_OPS"]
+           "cache_settings_of", "cached_lookup", "cached_bag", "cached_bag_gradient",
+           "cached_update", "CACHE_OPS"]
 
 # The attribute place_embedding_cache sets on a marked table.
 _CACHE_ATTR = "_splitrun_cache"
@@ -101,10 +102,27 @@ def cached_lookup(ids: torch.Tensor, *, table: str) -> torch.Tensor:
                     f"run the program through splitrun's runtime in embedding-cache mode")
 
 
+def cached_bag(ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, *,
+               table: str, mean: bool, padding_idx: int | None) -> torch.Tensor:
+    """`embedding_bags.sparse_bag` of `table`, its rows read from the worker's
+    cache (bound by the runtime)."""
+    raise PlanError(f"cached_bag of table {table!r} ran without an embedding cache; "
+                    f"run the program through splitrun's runtime in embedding-cache mode")
+
+
+def cached_bag_gradient(grad: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
+                        weights: torch.Tensor | None, *, table: str, mean: bool,
+                        padding_idx: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`embedding_bags.bag_gradient` of `table`'s bag, summed per unique id with
+    the unique its cached lookup made (bound by the runtime)."""
+    raise PlanError(f"cached_bag_gradient of table {table!r} ran without an embedding cache")
+
+
 def cached_update(indices: torch.Tensor, values: torch.Tensor, lr: torch.Tensor,
-                  step: torch.Tensor, *, table: str) -> None:
-    """Hands `table`'s sparse gradient to the worker's cache (bound by the runtime)."""
+                  step: torch.Tensor, *, table: str, coalesced: bool = False) -> None:
+    """Hands `table`'s sparse gradient to the worker's cache (bound by the
+    runtime). `coalesced`: the indices are unique, each row's values summed."""
     raise PlanError(f"cached_update of table {table!r} ran without an embedding cache")
 
 
-CACHE_OPS = frozenset({cached_lookup, cached_update})
+CACHE_OPS = frozenset({cached_lookup, cached_bag, cached_bag_gradient, cached_update})

@@ -33,7 +33,12 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from . import optim
 from .cached_tables import cache_settings_of
-from .embedding_bags import bags_as_lookups
+from .embedding_bags import (
+    bag_gradient,
+    bags_as_lookups,
+    coalesce_bag_gradients,
+    drop_unused_bag_backwards,
+)
 from .errors import CaptureError
 from .sparse_optim import ROW_WISE_UPDATES, sparse_update_for
 from .labels import LABEL_ANNOTATION, MODULE_ANNOTATION, placement_of
@@ -492,6 +497,8 @@ class _StepBuilder:
             if node.target is _aten._sparse_coo_tensor_with_dims_and_tensors.default:
                 # nn.Embedding(sparse=True): keep the gradient as (indices, values).
                 self.sparse_grads[name] = (node.args[3], node.args[4])
+        # Sparse bags: their gradients summed per unique id (embedding_bags).
+        coalesce_bag_gradients(self.graph, self.sparse_grads)
 
     def _lookup(self, node: fx.Node) -> fx.Node:
         return self.env[node]
@@ -597,6 +604,7 @@ class _StepBuilder:
             for name in self.sparse_grads:
                 if not self.grads[name].users:
                     self.graph.erase_node(self.grads[name])
+            drop_unused_bag_backwards(self.graph)
         if return_grads:
             outputs += [OutputSpec(g.name, OutputKind.GRAD, f"grad.{name}")
                         for name, g in self.grads.items()]
@@ -629,6 +637,19 @@ class _StepValues(FakeTensorProp):
     depend on data): their results have the shapes of the table and its state."""
 
     def run_node(self, n: fx.Node):
+        if n.op == "call_function" and n.target is bag_gradient:
+            # Summed per unique id: at most one row per lookup; no static shape.
+            grad, ids = (self.env[a] for a in n.args[:2])
+            with self._mode:
+                result = (torch.empty(ids.shape, dtype=torch.int64),
+                          torch.empty((ids.shape[0], grad.shape[1]), dtype=grad.dtype))
+            n.meta["val"] = None
+            return result
+        if (n.op == "call_function" and n.target is operator.getitem
+                and getattr(n.args[0], "target", None) is bag_gradient):
+            result = super().run_node(n)
+            n.meta["val"] = None
+            return result
         if n.op == "call_function" and n.target in ROW_WISE_UPDATES:
             with self._mode:
                 result = tuple(torch.empty(t.shape, dtype=t.dtype) for t in n.meta["val"])

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from .embedding_bags import is_bag_gradient
 from .errors import PlanError
 from .labels import ANY_SERVER, MODULE_ANNOTATION, Cluster, Label, Role
 from .modes import ChannelDraft, Edge, Mode, ModeArtifacts
@@ -173,9 +174,11 @@ class ParameterServerMode(Mode):
                 continue
             padding_idx = updates[0].kwargs.get("padding_idx")
             label = node_annotation(values)
+            # A bag's gradient is summed per unique id already: only the padding
+            # row is left out.
+            settings = {"padding_idx": padding_idx, "is_coalesced": is_bag_gradient(values)}
             with graph.inserting_after(max(indices, values, key=_position(graph))):
-                summed = graph.call_function(coalesce, (indices, values),
-                                             {"padding_idx": padding_idx})
+                summed = graph.call_function(coalesce, (indices, values), settings)
             with graph.inserting_after(summed):
                 rows = graph.call_function(operator.getitem, (summed, 0))
             with graph.inserting_after(rows):

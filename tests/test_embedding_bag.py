@@ -24,6 +24,13 @@ from splitrun.splitter import (
     split_program,
 )
 from splitrun.splitter.cache_mode import EmbeddingCacheMode
+from splitrun.splitter.embedding_bags import (
+    bag_forward,
+    bag_gradient,
+    bag_gradient_rows,
+    sorted_groups,
+    sparse_bag,
+)
 
 NUM_STEPS = 12
 TOLERANCE = 1e-5
@@ -89,6 +96,65 @@ def test_every_form_of_bag_matches_eager_torch(mode, padding, two_d, weighted, l
     expected = reference.detach() - 0.1 * reference.grad.to_dense()
     torch.testing.assert_close(state["weight"], expected, rtol=0, atol=1e-6)
     assert not torch.equal(state["weight"], bag.weight.detach())
+
+
+@pytest.mark.parametrize("mode, padding, weighted", [
+    ("sum", None, False), ("sum", 0, True), ("sum", None, True), ("mean", None, False),
+    ("mean", 0, False)])
+def test_fused_bag_matches_torch_values_and_gradients(mode, padding, weighted):
+    """The fused bag (`sparse_bag`) against torch's embedding_bag: outputs, and
+    its gradient summed per unique id (`bag_gradient`) against torch's sparse
+    gradient coalesced (within float32 rounding: torch adds in another order);
+    the same bag read from a cache's slots (rows permuted,
+    as the embedding cache holds them) is bit for bit the whole table's."""
+    generator = torch.Generator().manual_seed(5)
+    table = torch.randn(40, 8, generator=generator)
+    ids = torch.randint(0, 40, (300,), generator=generator)
+    ids[::7] = 0  # padding (when padding is 0), and ids that recur
+    offsets = torch.tensor([0, 5, 5, 60, 61, 200])  # an empty bag, bags of every size
+    weights = torch.rand(300, generator=generator) if weighted else None
+    grad = torch.randn(6, 8, generator=generator)
+
+    reference = table.clone().requires_grad_(True)
+    expected = F.embedding_bag(ids, reference, offsets, mode=mode, padding_idx=padding,
+                               per_sample_weights=weights, sparse=True)
+    expected.backward(grad)
+    expected_grad = reference.grad.coalesce()
+    if padding is not None:  # torch keeps the padding row's (zero) gradient row
+        assert torch.equal(expected_grad.to_dense()[padding], torch.zeros(8))
+
+    whole = table.clone().requires_grad_(True)
+    out = sparse_bag(whole, ids, offsets, weights, mode == "mean", padding)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    rows, sums = bag_gradient(grad, ids, offsets, weights, mode == "mean", padding)
+    assert torch.equal(rows, torch.unique(ids))
+    torch.testing.assert_close(sums, expected_grad.to_dense()[rows], rtol=1e-5, atol=1e-6)
+    out.backward(grad)  # the traced form: one row per lookup, coalesced by torch
+    torch.testing.assert_close(whole.grad.coalesce().to_dense(), expected_grad.to_dense(),
+                               rtol=1e-5, atol=1e-6)
+
+    slots = torch.randperm(40, generator=generator)  # id -> slot in a "cache"
+    cache_rows = torch.empty_like(table)
+    cache_rows[slots] = table
+    cached = bag_forward(cache_rows, slots[ids], ids, offsets, weights, mode == "mean", padding)
+    assert torch.equal(cached, out.detach())
+    groups = sorted_groups(ids)
+    assert torch.equal(groups.unique, rows)
+    assert torch.equal(bag_gradient_rows(grad, ids, offsets, weights, mode == "mean", padding,
+                                         groups.order, groups.starts), sums)
+
+
+def test_id_groups_are_torch_unique_and_a_stable_order():
+    ids = torch.randint(0, 30, (500,), generator=torch.Generator().manual_seed(1))
+    groups = sorted_groups(ids)
+    unique, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True,
+                                           return_counts=True)
+    assert torch.equal(groups.unique, unique) and torch.equal(groups.inverse, inverse)
+    assert torch.equal(groups.counts, counts)
+    assert torch.equal(groups.order, torch.sort(ids, stable=True).indices)
+    assert torch.equal(groups.starts, torch.cumsum(counts, 0) - counts)
+    empty = sorted_groups(ids[:0])
+    assert empty.unique.numel() == empty.starts.numel() == empty.order.numel() == 0
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])

@@ -24,16 +24,16 @@ from splitrun.splitter.sparse_optim import coalesce
 NUM_STEPS = 6
 
 
-class _CountingUnique:
-    """torch.unique, counted."""
+class _Counting:
+    """A torch function, counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, function) -> None:
         self.calls = 0
-        self._unique = torch.unique
+        self._function = function
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
-        return self._unique(*args, **kwargs)
+        return self._function(*args, **kwargs)
 
 
 def _cached_run(program, batches, num_workers, num_servers):
@@ -41,15 +41,18 @@ def _cached_run(program, batches, num_workers, num_servers):
     return run_threaded(split, NUM_STEPS, feeds(batches), recv_timeout_s=30)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_one_worker_runs_one_unique_per_table_and_step(monkeypatch, optimizer):
-    """Lookup, cache plan, prefetch of the next batch and the update (write-back:
-    the row-wise optimizer gets rows already summed) share one unique."""
-    program, batches = make(optimizer, 1, NUM_STEPS, cache_rows=48)
-    counting = _CountingUnique()
-    monkeypatch.setattr(torch, "unique", counting)
+@pytest.mark.parametrize("optimizer, bags", [("sgd", False), ("adam", False), ("sgd", True)])
+def test_one_worker_runs_one_unique_per_table_and_step(monkeypatch, optimizer, bags):
+    """Lookup, cache plan, prefetch of the next batch, a bag's gradient sums and
+    the update (write-back: the row-wise optimizer gets rows already summed)
+    share one unique: one stable sort of each table's ids per step
+    (`sorted_groups`), no `torch.unique` besides."""
+    program, batches = (make_bags if bags else make)(optimizer, 1, NUM_STEPS, cache_rows=48)
+    unique, sort = _Counting(torch.unique), _Counting(torch.sort)
+    monkeypatch.setattr(torch, "unique", unique)
+    monkeypatch.setattr(torch, "sort", sort)
     run = _cached_run(program, batches, 1, 2)
-    assert counting.calls == NUM_TABLES * NUM_STEPS
+    assert unique.calls + sort.calls == (3 if bags else NUM_TABLES) * NUM_STEPS
     (tables,) = run.cache_counters.values()
     assert all(c["evictions"] > 0 for c in tables.values()), "the cache never evicted"
 

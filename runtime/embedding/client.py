@@ -2,14 +2,18 @@
 
 It binds the graph's marker ops: `cached_lookup` plans the batch against the
 cache (evicting, writing dirty rows back, pulling misses: one message per
-server) and gathers the rows; `cached_update` applies the table's row-wise
-optimizer.
+server) and gathers the rows; `cached_bag` plans the same way and sums each
+bag straight from the cached rows' slots (no row per lookup);
+`cached_bag_gradient` sums a bag's gradient per unique id; `cached_update`
+applies the table's row-wise optimizer.
 
 Each table's ids are made unique once per step (`StepIds`; a step early when
 the next batch's rows are prefetched): the cache plans, counts and pulls by
-unique id, and the gradient, one row per lookup, is summed per unique id with
-one `index_add_` over that step's inverse before it is applied to the cached
-rows or sent to the servers (so a server receives each id once per worker).
+unique id, and the gradient is summed per unique id before it is applied to
+the cached rows or sent to the servers (so a server receives each id once per
+worker): a bag's from its bag gradient in that unique's order
+(`embedding_bags.bag_gradient_rows`), an embedding's, one row per lookup,
+with one `index_add_` over that step's inverse.
 
 Consistency model:
 - One worker: write-back. The update runs on the cached rows, whose optimizer
@@ -35,9 +39,12 @@ import torch
 from splitrun.splitter.cached_tables import (
     CachedTable,
     EvictionPolicy,
+    cached_bag,
+    cached_bag_gradient,
     cached_lookup,
     cached_update,
 )
+from splitrun.splitter.embedding_bags import bag_forward, bag_gradient_rows
 from splitrun.splitter.labels import Cluster, Label
 from splitrun.splitter.sparse_optim import IN_PLACE
 
@@ -84,7 +91,8 @@ class EmbeddingClient:
         self._next_feeds = next_feeds
 
     def bindings(self) -> dict:
-        return {cached_lookup: self.lookup, cached_update: self.update}
+        return {cached_lookup: self.lookup, cached_bag: self.bag,
+                cached_bag_gradient: self.bag_gradient, cached_update: self.update}
 
     @property
     def counters(self) -> dict[str, dict]:
@@ -127,6 +135,29 @@ class EmbeddingClient:
         return StepIds.of(ids)
 
     def lookup(self, ids: torch.Tensor, *, table: str) -> torch.Tensor:
+        plan = self._plan_batch(table, ids)
+        return self.caches[table].gather(plan, ids.shape)
+
+    def bag(self, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, *,
+            table: str, mean: bool, padding_idx: int | None) -> torch.Tensor:
+        """A bag of cached rows: each lookup reads its row's slot in place (no
+        row per lookup is gathered), as `sparse_bag` reads the whole table."""
+        plan = self._plan_batch(table, ids)
+        cache = self.caches[table]
+        return bag_forward(cache.rows, plan.slots[plan.inverse], ids, offsets, weights, mean,
+                           padding_idx)
+
+    def bag_gradient(self, grad: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
+                     weights: torch.Tensor | None, *, table: str, mean: bool,
+                     padding_idx: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A bag's gradient summed per unique id, grouped by the lookup's unique."""
+        plan = self._plans.get(table)
+        step_ids = plan.ids if plan is not None and plan.ids.holds(ids) else StepIds.of(ids)
+        return step_ids.unique, bag_gradient_rows(grad, ids, offsets, weights, mean,
+                                                  padding_idx, step_ids.order, step_ids.starts)
+
+    def _plan_batch(self, table: str, ids: torch.Tensor) -> BatchPlan:
+        """Plan `ids` against the cache: evictions written back, misses pulled."""
         cache = self.caches[table]
         settings = cache.table.settings
         plan = cache.plan(self._step_ids(table, ids), self._step,
@@ -141,20 +172,26 @@ class EmbeddingClient:
                               evictions=plan.evictions, bytes_pulled=pulled, bytes_pushed=pushed)
         self._plans[table] = plan
         self._prefetch(table)
-        return cache.gather(plan, ids.shape)
+        return plan
 
     def update(self, indices: torch.Tensor, values: torch.Tensor, lr: torch.Tensor,
-               step: torch.Tensor, *, table: str) -> None:
+               step: torch.Tensor, *, table: str, coalesced: bool = False) -> None:
         """The table's gradient, one row per lookup (`indices`: the ids looked
-        up), summed per unique id with the lookup's `StepIds`, then applied to
-        the cached rows (write-back) or sent to the servers."""
+        up), summed per unique id with the lookup's `StepIds` (`coalesced`: a
+        bag's, summed already, `indices` unique), then applied to the cached
+        rows (write-back) or sent to the servers."""
         cache = self.caches[table]
         plan = self._plans.pop(table, None)
-        if plan is not None and plan.ids.holds(indices):
-            step_ids, slots = plan.ids, plan.slots
-        else:  # not this step's lookup (a table looked up twice): unique again
-            step_ids, slots = StepIds.of(indices), None
-        ids, summed = step_ids.unique, step_ids.reduce(values)
+        if coalesced:
+            ids, summed = indices.reshape(-1).to("cpu", torch.int64), values
+            slots = plan.slots if plan is not None and (
+                indices is plan.unique_ids or torch.equal(ids, plan.unique_ids)) else None
+        else:
+            if plan is not None and plan.ids.holds(indices):
+                step_ids, slots = plan.ids, plan.slots
+            else:  # not this step's lookup (a table looked up twice): unique again
+                step_ids, slots = StepIds.of(indices), None
+            ids, summed = step_ids.unique, step_ids.reduce(values)
         padding_idx = cache.table.padding_idx
         if padding_idx is not None:  # the padding row gets no update
             keep = ids != padding_idx

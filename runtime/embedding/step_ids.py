@@ -2,9 +2,11 @@
 
 The lookup (which rows to gather), the cache (hits and misses are counted and
 pulled by unique id) and the gradient (summed per unique id before it is
-applied or sent) all read the same `StepIds`: one `torch.unique` per table
-and step, computed when the step's lookup runs, or a step early when the
-client prefetches the next batch's rows.
+applied or sent) all read the same `StepIds`: one stable sort of the ids per
+table and step (`embedding_bags.sorted_groups`: the unique ids, the inverse,
+the counts, and the order a bag's gradient is summed per unique id in),
+computed when the step's lookup runs, or a step early when the client
+prefetches the next batch's rows.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from splitrun.splitter.embedding_bags import sorted_groups
 
 __all__ = ["StepIds"]
 
@@ -22,13 +26,15 @@ class StepIds:
     unique: torch.Tensor    # the distinct ids, sorted
     inverse: torch.Tensor   # batch position -> index into `unique`
     counts: torch.Tensor    # lookups of each unique id
+    order: torch.Tensor     # batch positions grouped by id (batch order within an id)
+    starts: torch.Tensor    # where each unique id's positions start in `order`
 
     @classmethod
     def of(cls, ids: torch.Tensor) -> StepIds:
         flat = ids.reshape(-1).to("cpu", torch.int64)
-        unique, inverse, counts = torch.unique(flat, sorted=True, return_inverse=True,
-                                               return_counts=True)
-        return cls(flat, unique, inverse, counts)
+        groups = sorted_groups(flat)
+        return cls(flat, groups.unique, groups.inverse, groups.counts, groups.order,
+                   groups.starts)
 
     @property
     def num_lookups(self) -> int:
