@@ -6,10 +6,12 @@ forward, `(indices, values)` gradients, a row-wise update). This mode's
 prebuild then takes the table out of the graph: its lookup becomes
 `cached_lookup(ids, table=...)` and its update `cached_update(indices, values,
 lr, step, table=...)`, marker ops that the runtime binds to the worker's row
-cache. A bag is captured as a lookup of its ids and a sum per bag (see
-`embedding_bags`), so its lookup is cached like an embedding's. Everything
-else is parameter-server mode: dense parameters on servers, gradients
-averaged over workers.
+cache. A bag is captured as one fused op (`embedding_bags.sparse_bag`): it
+becomes `cached_bag(ids, offsets, weights, table=...)`, which sums each bag
+straight from the cached rows, and its gradient, `bag_gradient`, becomes
+`cached_bag_gradient`, summed per unique id with the unique of the lookup.
+Everything else is parameter-server mode: dense parameters on servers,
+gradients averaged over workers.
 
 Consistency (see runtime/embedding/client.py): with one worker the cache is
 write-back (updates applied to cached rows, their optimizer state travelling

@@ -1,7 +1,8 @@
 """Cached embedding tables as the splitter describes them: which tables are
 marked (`place_embedding_cache`), their settings, what the runtime needs to
-know of each (`CachedTable`), and the marker ops a cached lookup and update
-become in the graph (`cached_lookup`, `cached_update`), bound by the runtime.
+know of each (`CachedTable`), and the marker ops a cached lookup, bag, bag
+gradient and update become in the graph (`cached_lookup`, `cached_bag`,
+`cached_bag_gradient`, `cached_update`), bound by the runtime.
 
 Capture reads the marks; `EmbeddingCacheMode` rewrites the graph. Neither
 depends on the other: both import this module.
