@@ -22,17 +22,27 @@ rendezvous) on host a, both workers on host b. splitrun is started with
 `splitrun scheduler` / `splitrun join` as on two machines; TensorPipe talks TCP
 between the namespaces (its shared-memory channels need one namespace).
 
+With --profile-dir DIR, one more splitrun run over shared memory is
+profiled: worker 0's and server 0's steps after the warm-up under
+torch.profiler (aten ops by self CPU time) and cProfile (the main thread's
+Python functions), and a breakdown of one step (receive wait, sends, ops, the
+rest) from the executor's counters; the tables go to DIR.
+
     python bench/ps_throughput.py [--steps 40] [--repeats 3] [--quick]
                                   [--two-hosts 1000 10000 [--two-hosts-only]]
+                                  [--profile-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
 import json
 import os
 import pathlib
+import pstats
 import socket
 import statistics
 import subprocess
@@ -56,6 +66,8 @@ SCHEDULER_START_S = 120
 # The RPC rendezvous port on host a: its namespace is fresh and private to
 # this run, so no other program can hold the port.
 RPC_RENDEZVOUS_PORT = 29500
+# --profile-dir: rows of each table kept.
+PROFILE_ROWS = 30
 
 
 def model(width: int) -> nn.Module:
@@ -294,28 +306,119 @@ def run_splitrun_job(args) -> None:
     program = capture(net, loss_fn, optim.SGD(lr=0.01, momentum=0.9),
                       (data[0][0][:shard], data[0][1][:shard]))
     trainer = job.start(program, ParameterServerMode(), gather_state=False)
+    profiler = None
+    if args.profile_dir and job.label.rank == 0:  # worker 0 and server 0
+        profiler = _StepProfiler(pathlib.Path(args.profile_dir), job.label.describe(),
+                                 trainer.process.executor.stats)
+        if job.is_server:
+            _profile_served_steps(trainer.process, profiler)
     started = None
     for index, batch in enumerate(trainer.shard(data)):
         if index == WARMUP_STEPS:
             started = time.perf_counter()
+            if profiler is not None:
+                profiler.start()
         trainer.step(batch)
+    if profiler is not None and job.is_worker:
+        profiler.stop()
     trainer.finish()
+    if profiler is not None and job.is_server:
+        profiler.stop()
     if job.is_driver:
         print("BENCH " + json.dumps({"steps_per_s": args.steps / (time.perf_counter() - started)}),
               flush=True)
 
 
-def _job_args(args) -> list[str]:
+def _profile_served_steps(process, profiler: _StepProfiler) -> None:
+    """A server's steps run inside `trainer.finish()`: start the profiler as
+    the first step after the warm-up begins."""
+    serve_step = process.serve_step
+
+    def serve_and_profile(step: int, **kwargs):
+        if step == WARMUP_STEPS:
+            profiler.start()
+        return serve_step(step, **kwargs)
+
+    process.serve_step = serve_and_profile
+
+
+class _StepProfiler:
+    """One process's steps under torch.profiler and cProfile, and the
+    executor's counters over the same steps; writes `<process>-ops.txt`,
+    `<process>-python.txt` and `<process>-step.json` to `directory`."""
+
+    def __init__(self, directory: pathlib.Path, name: str, stats) -> None:
+        self.directory = directory
+        self.name = name.replace(" ", "")
+        self.stats = stats
+        self.torch_profile = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU])
+        self.python_profile = cProfile.Profile()
+        self._start = None
+
+    def _counters(self) -> dict:
+        stats = self.stats
+        return {"steps": stats.steps, "step_s": stats.step_s, "recv_wait_s": stats.recv_wait_s,
+                "wait_s": {name: c.wait_s for name, c in stats.received.items()}}
+
+    def start(self) -> None:
+        self._start = self._counters()
+        self.torch_profile.start()
+        self.python_profile.enable()
+
+    def stop(self) -> None:
+        if self._start is None:
+            return
+        self.python_profile.disable()
+        self.torch_profile.stop()
+        end = self._counters()
+        steps = end["steps"] - self._start["steps"]
+        if steps == 0:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        table = self.torch_profile.key_averages().table(sort_by="self_cpu_time_total",
+                                                       row_limit=PROFILE_ROWS)
+        (self.directory / f"{self.name}-ops.txt").write_text(f"{steps} steps\n{table}\n")
+        text = io.StringIO()
+        stats = pstats.Stats(self.python_profile, stream=text)
+        stats.sort_stats("tottime").print_stats(PROFILE_ROWS)
+        (self.directory / f"{self.name}-python.txt").write_text(f"{steps} steps\n"
+                                                                f"{text.getvalue()}")
+        ms = lambda seconds: round(seconds * 1000 / steps, 2)  # noqa: E731
+        # Main-thread time per step in the transport's send and in aten ops
+        # (cProfile's cumulative times).
+        cumulative = {(pathlib.Path(path).name, function): row[3]
+                      for (path, _, function), row in stats.stats.items()}
+        send = cumulative.get(("shm_transport.py", "send"),
+                              cumulative.get(("transport.py", "send"), 0.0))
+        ops = cumulative.get(("_ops.py", "__call__"), 0.0)
+        breakdown = {
+            "process": self.name, "steps": steps,
+            "step_ms": ms(end["step_s"] - self._start["step_s"]),
+            "recv_wait_ms": ms(end["recv_wait_s"] - self._start["recv_wait_s"]),
+            "recv_wait_ms_by_channel": {
+                name: ms(wait - self._start["wait_s"].get(name, 0.0))
+                for name, wait in sorted(end["wait_s"].items())},
+            "send_ms": ms(send),
+            "ops_ms": ms(ops),
+        }
+        breakdown["rest_ms"] = round(breakdown["step_ms"] - breakdown["recv_wait_ms"]
+                                     - breakdown["send_ms"] - breakdown["ops_ms"], 2)
+        (self.directory / f"{self.name}-step.json").write_text(json.dumps(breakdown, indent=2))
+
+
+def _job_args(args, profile_dir: str | None = None) -> list[str]:
     return [str(HERE), "--job", "--steps", str(args.steps), "--width", str(args.width),
-            "--batch-size", str(args.batch_size)]
+            "--batch-size", str(args.batch_size),
+            *(["--profile-dir", profile_dir] if profile_dir else [])]
 
 
-def run_splitrun(args, transport: str = "grpc") -> float:
+def run_splitrun(args, transport: str = "grpc", profile_dir: str | None = None) -> float:
     """One launched job; `transport` is its SPLITRUN_TRANSPORT (`auto`: shared
     memory between the three processes, all on this host)."""
     command = [sys.executable, "-m", "splitrun.launcher", "--log-level", "WARNING",
                "launch", "--workers", "2", "--servers", "1", "--device", "cpu",
-               *_job_args(args)]
+               *_job_args(args, profile_dir)]
     out = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                          env={**os.environ, "SPLITRUN_TRANSPORT": transport})
     for line in out.stdout.splitlines():
@@ -443,7 +546,8 @@ def _two_hosts_report(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=None, help="runs of each (default 3; "
+                        "--quick: 1)")
     parser.add_argument("--width", type=int, default=1700)
     parser.add_argument("--batch-size", type=int, default=128, help="global batch")
     parser.add_argument("--quick", action="store_true", help="one short run of each")
@@ -453,6 +557,9 @@ def main() -> None:
                              "(needs root)")
     parser.add_argument("--two-hosts-only", action="store_true",
                         help="with --two-hosts: skip the single-host runs")
+    parser.add_argument("--profile-dir", default=None, metavar="DIR",
+                        help="also profile one splitrun run over shared memory (worker 0's "
+                             "and server 0's steps after the warm-up); tables go to DIR")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rpc-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rpc-init", default=None, help=argparse.SUPPRESS)
@@ -465,7 +572,9 @@ def main() -> None:
         _rpc_process(args.rpc_rank, 3, args.rpc_init, args, None, args.rpc_tutorial)
         return
     if args.quick:
-        args.steps, args.repeats = 10, 1
+        args.steps = 10
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
     params = sum(p.numel() for p in model(args.width).parameters())
     if args.two_hosts and args.two_hosts_only:
         print(json.dumps({"benchmark": "ps_throughput", "parameters": params,
@@ -507,6 +616,11 @@ def main() -> None:
     report["meets_shm_goal"] = shm_ratio >= GOAL_SHM_RATIO
     if args.two_hosts:
         report["two_hosts"] = _two_hosts_report(args)
+    if args.profile_dir:
+        profiled = run_splitrun(args, "auto", profile_dir=args.profile_dir)
+        report["profile"] = {"steps_per_s": round(profiled, 3), "directory": args.profile_dir,
+                             "steps": [json.loads(path.read_text()) for path in sorted(
+                                 pathlib.Path(args.profile_dir).glob("*-step.json"))]}
     print(json.dumps(report, indent=2))
 
 

@@ -16,6 +16,7 @@ import torch
 from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label
 
+from .allocator import keep_freed_memory
 from .cluster.rendezvous import Rendezvous
 from .collectives import CollectiveStats, attach_collectives
 from .embedding.attach import attach_cache
@@ -42,6 +43,8 @@ class ProcessRuntime:
                  recv_timeout_s: float = 120.0, rendezvous: Rendezvous | None = None) -> None:
         self.split = split
         self.label = label
+        # Steps allocate large outputs afresh: keep freed memory for reuse.
+        keep_freed_memory()
         state = split.program.initial_state if state is None else state
         # The embedding store must take requests before any can arrive, so
         # it is attached before the executor (and before the caller lets the

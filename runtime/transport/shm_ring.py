@@ -87,6 +87,10 @@ _MAX_HEADER_BYTES = 16 << 20
 _SMALLEST_RING = 64 << 10
 # Bounds close()'s wait to tell a consumer that does not read its socket.
 _CLOSE_NOTICE_S = 1.0
+# Pieces at least this large are copied by torch, which lets go of the GIL
+# while it copies (a memoryview assignment holds it): a server's readers of
+# two workers' rings copy at once, and the main thread runs meanwhile.
+_GIL_FREE_COPY_BYTES = 256 << 10
 
 
 class RingError(TransportError):
@@ -302,6 +306,14 @@ class _Segment:
         self._map.close()
 
 
+def _copy_bytes(dst: memoryview, src: memoryview) -> None:
+    """`dst[:] = src` (byte views of one size); large copies without the GIL."""
+    if dst.nbytes >= _GIL_FREE_COPY_BYTES and not (dst.readonly or src.readonly):
+        torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
+    else:
+        dst[:] = src
+
+
 def _device_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A CUDA tensor's data as a flat uint8 tensor (a copy only if it is not
     contiguous)."""
@@ -465,7 +477,7 @@ class RingWriter:
             data[at:at + len(header)] = header
             at += len(header)
             for view in views:
-                data[at:at + view.nbytes] = view
+                _copy_bytes(data[at:at + view.nbytes], view)
                 at += view.nbytes
             self._head += total
         else:
@@ -494,7 +506,7 @@ class RingWriter:
             if is_device:
                 data[start:start + n].copy_(view[done:done + n])  # device -> pinned: DMA
             else:
-                data[start:start + n] = view[done:done + n]
+                _copy_bytes(data[start:start + n], view[done:done + n])
             done += n
             self._head += n
             if n == piece or self._head % piece == 0:
@@ -792,7 +804,7 @@ class RingReader:
             if is_device:
                 dst[done:done + n].copy_(data[start:start + n])  # pinned -> device: DMA
             else:
-                dst[done:done + n] = data[start:start + n]
+                _copy_bytes(dst[done:done + n], data[start:start + n])
             done += n
             self._consume(n)
 
