@@ -17,6 +17,7 @@ sys.path.insert(0, str(SCRIPTS))
 from ring_peer import ordered_message  # noqa: E402
 
 from splitrun.runtime.errors import RecvTimeout
+from splitrun.runtime.transport.ring_segment import GIL_FREE_COPY_BYTES, copy_bytes
 from splitrun.runtime.transport.shm_ring import (
     SHM_DIR,
     RingClosed,
@@ -315,3 +316,14 @@ def test_the_janitor_removes_the_prefix_once_the_watched_processes_are_gone(tmp_
     assert other.exists(), "another job's file was removed"
     with pytest.raises(ValueError, match="not a job prefix"):
         Janitor().watch(str(tmp_path), "../etc-", 1)
+
+
+def test_large_pieces_copy_through_torch_and_small_ones_as_views():
+    # Both paths of the ring's byte copy give the same bytes; a read-only
+    # source (bytes) takes the view path, which torch.frombuffer cannot write.
+    for nbytes in (1, GIL_FREE_COPY_BYTES - 1, GIL_FREE_COPY_BYTES, 3 * GIL_FREE_COPY_BYTES + 5):
+        data = os.urandom(nbytes)
+        for source in (memoryview(bytearray(data)), memoryview(data)):
+            target = bytearray(nbytes)
+            copy_bytes(memoryview(target), source)
+            assert target == data

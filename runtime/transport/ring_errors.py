@@ -1,0 +1,25 @@
+"""The errors of the shared-memory ring (`shm_ring`)."""
+
+from __future__ import annotations
+
+from ..errors import TransportError
+
+__all__ = ["RingError", "RingPeerGone", "RingAttachTimeout", "RingClosed"]
+
+
+class RingError(TransportError):
+    """The shared-memory ring failed (setup, a broken frame, a peer gone)."""
+
+
+class RingPeerGone(RingError):
+    """The process at the other end of the ring died (or dropped its end)
+    without closing it in order."""
+
+
+class RingAttachTimeout(RingError):
+    """The consumer did not attach within the wait (`RingWriter.wait_attached`);
+    waiting again may still see it attach."""
+
+
+class RingClosed(RingError):
+    """The producer closed the ring in order; no more messages come."""
