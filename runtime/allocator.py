@@ -67,13 +67,13 @@ def keep_freed_memory(settings: AllocatorSettings | None = None,
     global _is_done
     settings = settings or AllocatorSettings()
     environ = os.environ if environ is None else environ
+    variable = _user_tuned(environ)
+    if variable is not None:
+        logger.debug("allocator: %s is set; keeping the user's tuning", variable)
+        return False
     with _lock:
         if _is_done:
             return True
-        variable = _user_tuned(environ)
-        if variable is not None:
-            logger.debug("allocator: %s is set; keeping the user's tuning", variable)
-            return False
         try:
             mallopt = ctypes.CDLL(None).mallopt
         except (OSError, AttributeError):

@@ -80,7 +80,13 @@ class Segment:
 def copy_bytes(dst: memoryview, src: memoryview) -> None:
     """`dst[:] = src` (byte views of one size); large copies without the GIL."""
     if dst.nbytes >= GIL_FREE_COPY_BYTES and not (dst.readonly or src.readonly):
-        torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
+        target = torch.frombuffer(dst, dtype=torch.uint8)
+        try:
+            target.copy_(torch.frombuffer(src, dtype=torch.uint8))
+        finally:
+            # No export of a segment's map may outlive the copy (close() needs
+            # none), not even in an exception's traceback.
+            del target
     else:
         dst[:] = src
 
