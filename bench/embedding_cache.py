@@ -361,8 +361,6 @@ def launch(variant: str, steps: int, profile_dir: str | None = None,
 
 # Link rates of the two-host runs (Mbit/s): 10 and 1 Gbit/s.
 TWO_HOST_RATES_MBIT = (10_000, 1_000)
-# Bounds the scheduler's start (it prints its address).
-SCHEDULER_START_S = 120
 
 
 def _job_command(variant: str, steps: int) -> list[str]:
@@ -380,52 +378,13 @@ def _bench_result(path: pathlib.Path) -> dict:
 def launch_two_hosts(hosts, workdir: pathlib.Path, variant: str, steps: int) -> dict:
     """Scheduler and the servers on host a, the worker on host b: every pull,
     write-back and gradient crosses the shaped link."""
-    import re
+    from joined_job import run_joined_job
 
-    a, b = hosts.a, hosts.b
-    launcher = [sys.executable, "-m", "splitrun.launcher", "--log-level", "WARNING"]
     run_dir = workdir / f"{variant}-{time.monotonic_ns()}"
     run_dir.mkdir()
-    scheduler_log = run_dir / "scheduler.log"
-    token = run_dir / "job.token"
-    with open(scheduler_log, "w") as out:
-        # The bench's own namespaces: --insecure; the token goes through a 0600 file.
-        scheduler = a.popen([*launcher, "scheduler", "--workers", str(THROUGHPUT_WORKERS),
-                             "--servers", str(THROUGHPUT_SERVERS), "--host", a.address,
-                             "--insecure", "--token-file", str(token)],
-                            stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + SCHEDULER_START_S
-    match = None
-    while match is None:
-        match = re.search(r"scheduler at (\S+);", scheduler_log.read_text())
-        if match is None:
-            if scheduler.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the scheduler did not start:\n{scheduler_log.read_text()}")
-            time.sleep(0.1)  # polls a log file: there is no event to wait on
-    address = match.group(1)
-    members = [(a, "server", rank) for rank in range(THROUGHPUT_SERVERS)]
-    members += [(b, "worker", rank) for rank in range(THROUGHPUT_WORKERS)]
-    processes, logs = [], []
-    for host, role, rank in members:
-        log = run_dir / f"{role}{rank}.log"
-        with open(log, "w") as out:
-            processes.append(host.popen(
-                [*launcher, "join", "--scheduler", address, "--token-file", str(token),
-                 "--role", role, "--rank", str(rank), "--host", host.address, "--insecure",
-                 "--device", "cpu", *_job_command(variant, steps)],
-                stdout=out, stderr=subprocess.STDOUT))
-        logs.append(log)
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    for process, log in zip(processes, logs):
-        try:
-            code = process.wait(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"{variant}: {log.name} did not finish in {RUN_TIMEOUT_S} s"
-                               ) from None
-        if code != 0:
-            raise RuntimeError(f"{variant}: {log.name} exited {code}:\n"
-                               f"{log.read_text(errors='replace')[-4000:]}")
-    scheduler.wait(timeout=60)
+    logs = run_joined_job(hosts, run_dir, workers=THROUGHPUT_WORKERS,
+                          servers=THROUGHPUT_SERVERS, job_command=_job_command(variant, steps),
+                          what=variant, timeout_s=RUN_TIMEOUT_S)
     return _bench_result(logs[THROUGHPUT_SERVERS])
 
 

@@ -61,8 +61,6 @@ GOAL_SHM_RATIO = 1.5
 # Bounds one whole measured run (start, warm-up, steps, shutdown) on 2 cores.
 RUN_TIMEOUT_S = 900
 WARMUP_STEPS = 3
-# Bounds the standalone scheduler's start on a simulated host.
-SCHEDULER_START_S = 120
 # The RPC rendezvous port on host a: its namespace is fresh and private to
 # this run, so no other program can hold the port.
 RPC_RENDEZVOUS_PORT = 29500
@@ -436,56 +434,17 @@ def _bench_line(path: pathlib.Path) -> float:
     raise RuntimeError(f"no BENCH line in {path}:\n{path.read_text(errors='replace')[-4000:]}")
 
 
-def _wait_all(processes, logs: list[pathlib.Path], what: str) -> None:
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    for process, log in zip(processes, logs):
-        try:
-            code = process.wait(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"{what}: {log.name} did not finish in {RUN_TIMEOUT_S} s") from None
-        if code != 0:
-            raise RuntimeError(f"{what}: {log.name} exited {code}:\n"
-                               f"{log.read_text(errors='replace')[-4000:]}")
-
-
 def _splitrun_two_hosts(args, hosts, workdir: pathlib.Path) -> float:
     """Scheduler and server on host a, the two workers on host b."""
-    import re
-    a, b = hosts.a, hosts.b
-    launcher = [sys.executable, "-m", "splitrun.launcher", "--log-level", "WARNING"]
-    scheduler_log = workdir / "scheduler.log"
-    with open(scheduler_log, "w") as out:
-        # The bench's own namespaces: --insecure; the token goes through a 0600 file.
-        token = workdir / "job.token"
-        scheduler = a.popen([*launcher, "scheduler", "--workers", "2", "--servers", "1",
-                             "--host", a.address, "--insecure", "--token-file", str(token)],
-                            stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + SCHEDULER_START_S
-    match = None
-    while match is None:
-        match = re.search(r"scheduler at (\S+);", scheduler_log.read_text())
-        if match is None:
-            if scheduler.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the scheduler did not start:\n{scheduler_log.read_text()}")
-            time.sleep(0.1)  # polls a log file: there is no event to wait on
-    address = match.group(1)
-    processes, logs = [], []
-    for host, role, rank in ((a, "server", 0), (b, "worker", 0), (b, "worker", 1)):
-        log = workdir / f"{role}{rank}.log"
-        with open(log, "w") as out:
-            processes.append(host.popen(
-                [*launcher, "join", "--scheduler", address, "--token-file", str(token),
-                 "--role", role, "--rank", str(rank), "--host", host.address, "--insecure",
-                 "--device", "cpu",
-                 *_job_args(args)], stdout=out, stderr=subprocess.STDOUT))
-        logs.append(log)
-    _wait_all(processes, logs, "splitrun across two hosts")
-    scheduler.wait(timeout=60)
+    from joined_job import run_joined_job
+    logs = run_joined_job(hosts, workdir, workers=2, servers=1, job_command=_job_args(args),
+                          what="splitrun across two hosts", timeout_s=RUN_TIMEOUT_S)
     return _bench_line(logs[1])
 
 
 def _rpc_two_hosts(args, hosts, workdir: pathlib.Path, tutorial: bool) -> float:
     """The RPC server (rank 0, the rendezvous) on host a, trainers 1 and 2 on b."""
+    from joined_job import wait_all
     processes, logs = [], []
     for host, rank in ((hosts.a, 0), (hosts.b, 1), (hosts.b, 2)):
         env = dict(os.environ, TP_SOCKET_IFNAME=host.device, GLOO_SOCKET_IFNAME=host.device,
@@ -499,8 +458,8 @@ def _rpc_two_hosts(args, hosts, workdir: pathlib.Path, tutorial: bool) -> float:
                  "--width", str(args.width), "--batch-size", str(args.batch_size)],
                 stdout=out, stderr=subprocess.STDOUT, env=env))
         logs.append(log)
-    _wait_all(processes, logs, f"torch.rpc ({'tutorial' if tutorial else 'batch update'}) "
-                               f"across two hosts")
+    wait_all(processes, logs, f"torch.rpc ({'tutorial' if tutorial else 'batch update'}) "
+                              f"across two hosts", RUN_TIMEOUT_S)
     return _bench_line(logs[1])
 
 
