@@ -8,6 +8,7 @@ import os
 import pathlib
 import queue
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -167,6 +168,26 @@ def assert_clean_output(proc: Proc) -> None:
     """`proc` (a job that succeeded) printed no traceback and no gRPC thread error."""
     found = [marker for marker in UNCLEAN_OUTPUT if marker in proc.output()]
     assert not found, f"{found} in the output of a successful job:\n{proc.output()}"
+
+
+def wait_exited(pids, timeout_s: float) -> list[int]:
+    """The pids still running `timeout_s` from now. Waits on each process's pidfd,
+    which becomes readable when the process exits (also one we did not start),
+    so nothing is polled."""
+    deadline = time.monotonic() + timeout_s
+    running = []
+    for pid in pids:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            ready, _, _ = select.select([pidfd], [], [], max(deadline - time.monotonic(), 0))
+            if not ready:
+                running.append(pid)
+        finally:
+            os.close(pidfd)
+    return running
 
 
 def pid_alive(pid: int) -> bool:

@@ -14,7 +14,7 @@ import time
 
 import grpc
 import pytest
-from cluster import JOB_TIMEOUT_S, SCRIPTS, Proc, pid_alive
+from cluster import JOB_TIMEOUT_S, SCRIPTS, Proc, pid_alive, wait_exited
 
 pytestmark = pytest.mark.slow
 
@@ -32,16 +32,6 @@ STALL_TIMEOUT_S = 8.0
 def started_pids(proc: Proc, labels) -> dict[str, int]:
     return {label: int(proc.wait_for(rf"started {label} \(pid (\d+)\)", 60).group(1))
             for label in labels}
-
-
-def wait_gone(pids, timeout_s: float) -> list[int]:
-    """The pids still alive after `timeout_s` (polled; bounded)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        alive = [pid for pid in pids if pid_alive(pid)]
-        if not alive or time.monotonic() >= deadline:
-            return alive
-        time.sleep(0.02)
 
 
 def last_line(proc: Proc) -> str:
@@ -68,7 +58,7 @@ def test_killed_server_is_blamed(local_cluster, repeat):
     assert f"server 0 (pid {pids['server 0']}) was killed by SIGKILL" in last_line(proc), \
         proc.output()
     assert elapsed < FAULT_DEADLINE_S, f"the launcher took {elapsed:.1f} s to stop"
-    assert not wait_gone(pids.values(), 1.0)
+    assert not wait_exited(pids.values(), 1.0)
 
 
 @pytest.mark.parametrize("repeat", range(KILL_REPEATS))
@@ -84,7 +74,7 @@ def test_killed_worker_is_blamed(local_cluster, repeat):
         proc.output()
     assert code == 128 + signal.SIGKILL
     assert elapsed < FAULT_DEADLINE_S, f"the launcher took {elapsed:.1f} s to stop"
-    assert not wait_gone(pids.values(), 1.0)
+    assert not wait_exited(pids.values(), 1.0)
 
 
 def test_stopped_process_is_named_and_killed_at_once(local_cluster):
@@ -98,7 +88,7 @@ def test_stopped_process_is_named_and_killed_at_once(local_cluster):
     assert code != 0
     assert f"worker 1 (pid {pids['worker 1']}) was stopped" in last_line(proc), proc.output()
     assert elapsed < FAULT_DEADLINE_S, f"the launcher took {elapsed:.1f} s to stop"
-    assert not wait_gone(pids.values(), 1.0)
+    assert not wait_exited(pids.values(), 1.0)
 
 
 def test_crash_names_the_process_its_error_and_step(local_cluster):
@@ -130,7 +120,7 @@ def test_signal_to_the_launcher_stops_everything(local_cluster, sig, code):
     finally:
         proc.kill()
     assert f"interrupted by {sig.name}" in proc.output()
-    assert not wait_gone(pids.values(), 1.0)
+    assert not wait_exited(pids.values(), 1.0)
 
 
 def test_children_die_with_a_killed_launcher(local_cluster):
@@ -144,7 +134,7 @@ def test_children_die_with_a_killed_launcher(local_cluster):
             time.sleep(remaining)  # the issue's scenario: SIGKILL 0.5 s after start
         os.kill(proc.process.pid, signal.SIGKILL)
         proc.process.wait(timeout=10)
-        alive = wait_gone(pids.values(), 1.0)
+        alive = wait_exited(pids.values(), 1.0)
     finally:
         proc.kill()
         for pid in pids.values():

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from cluster import JOB_TIMEOUT_S, SCRIPTS, assert_clean_output, pid_alive
+from cluster import JOB_TIMEOUT_S, SCRIPTS, assert_clean_output, pid_alive, wait_exited
 
 from splitrun.runtime.transport.shm_ring import SHM_DIR
 
@@ -110,8 +110,7 @@ def test_a_sigkilled_launcher_leaves_no_segment_and_no_process(local_cluster):
         assert job_files(prefix), "a running job has its markers under /dev/shm"
         os.kill(proc.process.pid, signal.SIGKILL)
         proc.process.wait(timeout=10)
-        gone = wait_until(lambda: not any(pid_alive(p) for p in (*pids.values(), janitor)),
-                          FAULT_DEADLINE_S)
+        gone = not wait_exited((*pids.values(), janitor), FAULT_DEADLINE_S)
         left = [] if wait_until(lambda: not job_files(prefix), FAULT_DEADLINE_S) \
             else job_files(prefix)
     finally:
