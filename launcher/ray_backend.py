@@ -45,7 +45,10 @@ from .supervisor import (
     BLAME_WINDOW_S,
     TERMINATE_GRACE_S,
     FailureKind,
+    FailureSign,
     describe_exit,
+    error_kind,
+    parse_label,
     shell_code,
 )
 
@@ -67,7 +70,6 @@ _THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]"})
 # An exception's closing line in a traceback: "ValueError: boom", "pkg.PeerFailed: ...".
 _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)(:|$)")
-_CONSEQUENCES = ("PeerFailed", "JobFinished")  # raised because another process failed
 
 # The environment a process of the job gets: (scheduler address, label, shared-memory
 # prefix) -> variables, as `splitrun launch` would give its child.
@@ -116,15 +118,6 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-@dataclass(frozen=True)
-class _Sign:
-    kind: FailureKind
-    seen: float
-    label: Label | None
-    exit_code: int
-    what: str
-
-
 @dataclass
 class _Member:
     """One process of the job: its actor, where it runs, what it said."""
@@ -160,12 +153,6 @@ class _Member:
         elif self.in_traceback and line.strip() and not line[0].isspace():
             if _EXCEPTION_LINE.match(line):
                 self.error, self.in_traceback = line.strip(), False
-
-
-def _error_kind(error: str | None) -> FailureKind:
-    if error and error.split(":", 1)[0].endswith(_CONSEQUENCES):
-        return FailureKind.CONSEQUENCE
-    return FailureKind.OWN_ERROR
 
 
 def _import_ray():
@@ -415,7 +402,7 @@ class _RayJob:
         """Relay output and wait for every process; on the first failure
         collect signs for BLAME_WINDOW_S, stop the rest, name the culprit."""
         started = time.monotonic()
-        signs: list[_Sign] = []
+        signs: list[FailureSign] = []
         reported = False
         blame_at: float | None = None
         while True:
@@ -439,7 +426,7 @@ class _RayJob:
                 failure = scheduler.failure
                 if failure is not None:
                     reported = True
-                    signs.append(_Sign(FailureKind.REPORTED, now, _parse_label(failure[0]), 1,
+                    signs.append(FailureSign(FailureKind.REPORTED, now, parse_label(failure[0]), 1,
                                        failure[1]))
                     logger.debug("failure sign %.1f s into the job: %s", now - started,
                                 failure[1])
@@ -452,7 +439,7 @@ class _RayJob:
                 return 0, (f"all {len(self.members)} processes finished in "
                            f"{now - started:.1f} s")
 
-    def _take(self, member: _Member, ref, now: float) -> _Sign | None:
+    def _take(self, member: _Member, ref, now: float) -> FailureSign | None:
         """One poll's answer: relay its lines; a sign if the process failed."""
         member.poll = None
         try:
@@ -465,19 +452,19 @@ class _RayJob:
             member.poll = member.actor.poll.remote(_POLL_WAIT_S)
             if polled.is_stopped and not member.is_stopped:
                 member.is_stopped = True
-                return _Sign(FailureKind.KILLED, now, member.label, 1,
+                return FailureSign(FailureKind.KILLED, now, member.label, 1,
                              f"{member.describe()} was stopped by a signal")
             return None
         member.exit_code = polled.exit_code
         if polled.exit_code == 0:
             return None
-        kind = FailureKind.KILLED if polled.exit_code < 0 else _error_kind(member.error)
-        return _Sign(kind, now, member.label, shell_code(polled.exit_code),
+        kind = FailureKind.KILLED if polled.exit_code < 0 else error_kind(member.error)
+        return FailureSign(kind, now, member.label, shell_code(polled.exit_code),
                      f"{member.describe()} {describe_exit(polled.exit_code)}")
 
     @staticmethod
-    def _death_sign(member: _Member, now: float) -> _Sign:
-        return _Sign(FailureKind.KILLED, now, member.label, 1,
+    def _death_sign(member: _Member, now: float) -> FailureSign:
+        return FailureSign(FailureKind.KILLED, now, member.label, 1,
                      f"the Ray actor of {member.describe()} died {member.death}")
 
     def _relay(self, member: _Member, lines) -> None:
@@ -489,7 +476,7 @@ class _RayJob:
                 out.append(prefix + line + "\n")
         self.console.relay(member.label, lines, out)
 
-    def _blame(self, signs: list[_Sign], scheduler: Scheduler) -> tuple[int, str]:
+    def _blame(self, signs: list[FailureSign], scheduler: Scheduler) -> tuple[int, str]:
         running = [m for m in self.members if m.is_running]
         stopping = time.monotonic()
         self._stop_all()
@@ -501,7 +488,7 @@ class _RayJob:
         for sign in signs:
             member = by_label.get(sign.label)
             if sign.kind in (FailureKind.OWN_ERROR, FailureKind.CONSEQUENCE) and member is not None:
-                sign = _Sign(_error_kind(member.error), sign.seen, sign.label,
+                sign = FailureSign(error_kind(member.error), sign.seen, sign.label,
                              sign.exit_code, sign.what)
             judged.append(sign)
         # An actor Ray reported dead only while it was being stopped: its death
@@ -564,10 +551,3 @@ class _RayJob:
 def _first_line(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
-
-
-def _parse_label(text: str) -> Label | None:
-    try:
-        return Label.parse(text) if text else None
-    except Exception:  # noqa: BLE001 - a label the scheduler could not name
-        return None

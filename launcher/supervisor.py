@@ -41,7 +41,8 @@ from .bootstrap import ERROR_MARK
 from .janitor import Janitor
 from .process_logs import ProcessLogs
 
-__all__ = ["Child", "Supervisor", "Outcome"]
+__all__ = ["Child", "Supervisor", "Outcome", "FailureKind", "FailureSign", "error_kind",
+           "parse_label"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,8 @@ class FailureKind(enum.IntEnum):
 
 
 @dataclass(frozen=True)
-class _Sign:
+class FailureSign:
+    """One sign that the job failed; the culprit is the first by (kind, seen)."""
     kind: FailureKind
     seen: float
     label: Label | None
@@ -230,7 +232,7 @@ class Supervisor:
 
     def _watch(self, external_failure, step_of) -> Outcome:
         started = time.monotonic()
-        signs: list[_Sign] = []
+        signs: list[FailureSign] = []
         seen: set[int] = set()  # pids already counted as failure signs
         reported = False
         blame_at: float | None = None
@@ -249,7 +251,7 @@ class Supervisor:
                 if code is None:
                     if is_stopped(child.pid):
                         seen.add(child.pid)
-                        signs.append(_Sign(FailureKind.KILLED, now, child.label, 1,
+                        signs.append(FailureSign(FailureKind.KILLED, now, child.label, 1,
                                            f"{child.label.describe()} (pid {child.pid}) was "
                                            f"stopped by a signal", child))
                     else:
@@ -265,7 +267,8 @@ class Supervisor:
                 if failure is not None:
                     reported = True
                     label, reason = failure
-                    signs.append(_Sign(FailureKind.REPORTED, now, _parse_label(label), 1, reason))
+                    signs.append(FailureSign(FailureKind.REPORTED, now, parse_label(label), 1,
+                                             reason))
             if signs and blame_at is None:
                 blame_at = now + BLAME_WINDOW_S
             if blame_at is not None and (now >= blame_at or not running):
@@ -277,12 +280,12 @@ class Supervisor:
             time.sleep(_POLL_S)
 
     @staticmethod
-    def _exit_sign(child: Child, code: int, now: float) -> _Sign:
+    def _exit_sign(child: Child, code: int, now: float) -> FailureSign:
         what = f"{child.label.describe()} (pid {child.pid}) {describe_exit(code)}"
-        kind = FailureKind.KILLED if code < 0 else _error_kind(child.error)
-        return _Sign(kind, now, child.label, shell_code(code), what, child)
+        kind = FailureKind.KILLED if code < 0 else error_kind(child.error)
+        return FailureSign(kind, now, child.label, shell_code(code), what, child)
 
-    def _traceback_signs(self, signs: list[_Sign]) -> list[_Sign]:
+    def _traceback_signs(self, signs: list[FailureSign]) -> list[FailureSign]:
         """Children that printed their error but had not exited by the time of
         blame (tearing down an interpreter with torch and gRPC can take
         seconds, and a peer's report or the heartbeat timeout may come first)."""
@@ -290,13 +293,13 @@ class Supervisor:
         # A traceback printed long before (a handled error the script logged)
         # is not this failure's.
         since = min(s.seen for s in signs) - TRACEBACK_LOOKBACK_S
-        return [_Sign(_error_kind(c.error), c.error_seen, c.label, 1,
+        return [FailureSign(error_kind(c.error), c.error_seen, c.label, 1,
                       f"{c.label.describe()} (pid {c.pid}) failed", c)
                 for c in self.children
                 if c.error_seen is not None and c.error_seen >= since
                 and c.pid not in counted and c.exit_code != 0]
 
-    def _blame(self, signs: list[_Sign], step_of) -> Outcome:
+    def _blame(self, signs: list[FailureSign], step_of) -> Outcome:
         running = [c for c in self.children if c.exit_code is None and _exit_code(c) is None]
         # Stopping joins the relays: every child's last lines (its error) are read.
         self._stop_all()
@@ -340,20 +343,22 @@ class Supervisor:
                 child.reader.join(timeout=TERMINATE_GRACE_S)
 
 
-def _reclassified(sign: _Sign) -> _Sign:
+def _reclassified(sign: FailureSign) -> FailureSign:
     """An exit with an error, judged by the error line the relay has read by now."""
     if sign.kind in (FailureKind.OWN_ERROR, FailureKind.CONSEQUENCE) and sign.child is not None:
-        return dataclasses.replace(sign, kind=_error_kind(sign.child.error))
+        return dataclasses.replace(sign, kind=error_kind(sign.child.error))
     return sign
 
 
-def _error_kind(error: str | None) -> FailureKind:
+def error_kind(error: str | None) -> FailureKind:
+    """A process's own error, or one it raised because another process failed."""
     if error and error.split(":", 1)[0].endswith(_CONSEQUENCES):
         return FailureKind.CONSEQUENCE
     return FailureKind.OWN_ERROR
 
 
-def _parse_label(text: str) -> Label | None:
+def parse_label(text: str) -> Label | None:
+    """The label the scheduler named in a report, or None if it named none."""
     try:
         return Label.parse(text) if text else None
     except Exception:  # noqa: BLE001 - a label the scheduler could not name
