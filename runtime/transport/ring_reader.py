@@ -12,7 +12,7 @@ import torch
 from ..errors import RecvTimeout
 from .ring_errors import RingClosed, RingError, RingPeerGone
 from .ring_files import SHM_DIR, ring_paths
-from .ring_records import HELLO, RECORD, Positions, send_record
+from .ring_records import CLOSED, HELLO, RECORD, Positions, send_record
 from .ring_segment import (
     FRAME,
     FRAME_MAGIC,
@@ -101,8 +101,15 @@ class RingReader:
         try:
             conn.sendall(RECORD.pack(HELLO))
         except OSError as exc:
+            # A producer that closes before its first message answers a
+            # consumer waiting to attach with CLOSED, then hangs up: an
+            # orderly end, not a death (the record is still readable).
+            closed_in_order = _reads_closed(conn)
             conn.close()
             segment.close()
+            if closed_in_order:
+                raise RingClosed(f"{tag}: {peer} closed the ring before sending anything") \
+                    from None
             raise RingPeerGone(f"{tag}: {peer} closed the ring while attaching") from exc
         conn.settimeout(None)
         return cls(conn, segment, owner=owner, peer=peer, name=name)
@@ -273,3 +280,13 @@ class RingReader:
             self._is_closed = True
             self._conn.close()
             self._segment.close()
+
+
+def _reads_closed(conn: socket.socket) -> bool:
+    """Whether the producer's CLOSED record waits on `conn` (read without waiting)."""
+    conn.settimeout(0)
+    try:
+        record = conn.recv(RECORD.size)
+    except OSError:
+        return False
+    return len(record) == RECORD.size and RECORD.unpack(record)[0] == CLOSED

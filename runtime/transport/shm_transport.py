@@ -153,6 +153,10 @@ class _IncomingRing:
                                             peer=peer.describe(),
                                             timeout_s=settings.attach_timeout_s,
                                             directory=owner.directory)
+        except RingClosed:
+            logger.debug("%s ring from %s closed before its first message", owner.tag,
+                         peer.describe())
+            return
         except RingError as exc:
             if not (owner.is_closing or owner.job_failed.is_set()):
                 owner.fail(TransportError(f"{owner.tag} shared memory from {peer.describe()}: "
