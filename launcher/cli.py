@@ -14,7 +14,6 @@ import sys
 import tempfile
 import time
 
-from splitrun.runtime import checkpoint, periodic_checkpoints
 from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
 from splitrun.runtime.env import ENV
 from splitrun.runtime.errors import ClusterError
@@ -317,6 +316,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _export(args) -> int:
+    # Imported here, as in the restart loop: torch.distributed.checkpoint costs
+    # every launch half a second it does not need.
+    from splitrun.runtime import checkpoint
     from splitrun.runtime.sharded_checkpoint import export_checkpoint
     try:
         result = export_checkpoint(args.checkpoint_dir, args.out)
@@ -443,6 +445,7 @@ def _launch(args) -> int:
             if outcome.exit_code == 0 or interrupted or attempt >= args.max_restarts:
                 break
             attempt += 1
+            from splitrun.runtime import periodic_checkpoints
             found = periodic_checkpoints.latest_checkpoint(directory) if directory else None
             restart_from = found[0] if found else None
             where = (f"from {found[0]} (step {found[1]})" if found

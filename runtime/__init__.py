@@ -1,62 +1,46 @@
 """Everything that happens while processes run: transports, mailbox, executor."""
 
-from .errors import (
-    CacheError,
-    CheckpointError,
-    ChannelMismatch,
-    ClusterError,
-    JobFinished,
-    MessageRejected,
-    PeerFailed,
-    RecvTimeout,
-    SplitrunError,
-    StepFailed,
-    TransportError,
-    UnknownChannel,
-    WrongSender,
-)
-from .executor import ChannelStats, Executor, ExecutorStats
-from .transport.contract import ChannelContract, check_message, receive_contracts
-from .transport.grpc import GrpcSettings, GrpcTransport
-from .job import Job, JobSettings, PlanWritten, Trainer
-from .process import ProcessRuntime
-from .transport.loopback import LoopbackHub, LoopbackTransport
-from .transport.mailbox import Mailbox
-from .threaded import ThreadedRun, run_threaded
-from .transport.protocol import MessageKey, Transport
+from __future__ import annotations
 
-__all__ = [
-    "CacheError",
-    "CheckpointError",
-    "ClusterError",
-    "JobFinished",
-    "MessageRejected",
-    "ChannelMismatch",
-    "UnknownChannel",
-    "WrongSender",
-    "PeerFailed",
-    "RecvTimeout",
-    "SplitrunError",
-    "StepFailed",
-    "TransportError",
-    "ChannelStats",
-    "Executor",
-    "ExecutorStats",
-    "ChannelContract",
-    "check_message",
-    "receive_contracts",
-    "GrpcSettings",
-    "GrpcTransport",
-    "Job",
-    "JobSettings",
-    "PlanWritten",
-    "ProcessRuntime",
-    "Trainer",
-    "LoopbackHub",
-    "LoopbackTransport",
-    "Mailbox",
-    "ThreadedRun",
-    "run_threaded",
-    "MessageKey",
-    "Transport",
-]
+from splitrun.splitter.lazy_exports import lazy_exports
+
+# Each public name and the module it lives in; imported when first used, so
+# that the launcher, which needs only the scheduler and a few helpers, does
+# not import the executor, the job and the splitter behind them.
+_EXPORTS = {
+    "CacheError": ".errors",
+    "CheckpointError": ".errors",
+    "ClusterError": ".errors",
+    "JobFinished": ".errors",
+    "MessageRejected": ".errors",
+    "ChannelMismatch": ".errors",
+    "UnknownChannel": ".errors",
+    "WrongSender": ".errors",
+    "PeerFailed": ".errors",
+    "RecvTimeout": ".errors",
+    "SplitrunError": ".errors",
+    "StepFailed": ".errors",
+    "TransportError": ".errors",
+    "ChannelStats": ".executor",
+    "Executor": ".executor",
+    "ExecutorStats": ".executor",
+    "ChannelContract": ".transport.contract",
+    "check_message": ".transport.contract",
+    "receive_contracts": ".transport.contract",
+    "GrpcSettings": ".transport.grpc",
+    "GrpcTransport": ".transport.grpc",
+    "Job": ".job",
+    "JobSettings": ".job",
+    "PlanWritten": ".job",
+    "ProcessRuntime": ".process",
+    "Trainer": ".job",
+    "LoopbackHub": ".transport.loopback",
+    "LoopbackTransport": ".transport.loopback",
+    "Mailbox": ".transport.mailbox",
+    "ThreadedRun": ".threaded",
+    "run_threaded": ".threaded",
+    "MessageKey": ".transport.protocol",
+    "Transport": ".transport.protocol",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

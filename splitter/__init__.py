@@ -1,63 +1,50 @@
 """Everything decided before any process talks to another: labels, capture,
 functional optimizers, the GraphSplitter and its modes, and the SplitPlan."""
 
-from . import optim
-from .capture import capture
-from .errors import CaptureError, LabelError, PlanError, PlanParseError, SplitrunError
-from .graph_splitter import GraphSplitter, SplitProgram, split, split_program
-from .labels import ANY_SERVER, Cluster, Label, Role, place, placement_of, region
-from .modes import GeneralMode, Mode, ModeArtifacts
-from .plan import (
-    Channel,
-    ChannelKind,
-    ControlEdge,
-    DataSync,
-    Instruction,
-    ModeKind,
-    OpKind,
-    ProcessPlan,
-    SplitPlan,
-)
-from .program import InputKind, InputSpec, OutputKind, OutputSpec, ParamGroup, Program
-from .ps_mode import ParameterServerMode, ServerAssignment
+from __future__ import annotations
 
-__all__ = [
-    "optim",
-    "capture",
-    "SplitrunError",
-    "LabelError",
-    "CaptureError",
-    "PlanError",
-    "PlanParseError",
-    "GraphSplitter",
-    "SplitProgram",
-    "split",
-    "split_program",
-    "ANY_SERVER",
-    "Cluster",
-    "Label",
-    "Role",
-    "place",
-    "placement_of",
-    "region",
-    "Mode",
-    "GeneralMode",
-    "ModeArtifacts",
-    "ParameterServerMode",
-    "ServerAssignment",
-    "Channel",
-    "ChannelKind",
-    "ControlEdge",
-    "DataSync",
-    "Instruction",
-    "ModeKind",
-    "OpKind",
-    "ProcessPlan",
-    "SplitPlan",
-    "InputKind",
-    "InputSpec",
-    "OutputKind",
-    "OutputSpec",
-    "ParamGroup",
-    "Program",
-]
+from .lazy_exports import lazy_exports
+
+# Each public name and the module it lives in; imported when first used.
+_EXPORTS = {
+    "optim": ".optim",
+    "capture": ".capturing",
+    "SplitrunError": ".errors",
+    "LabelError": ".errors",
+    "CaptureError": ".errors",
+    "PlanError": ".errors",
+    "PlanParseError": ".errors",
+    "GraphSplitter": ".graph_splitter",
+    "SplitProgram": ".graph_splitter",
+    "split": ".graph_splitter",
+    "split_program": ".graph_splitter",
+    "ANY_SERVER": ".labels",
+    "Cluster": ".labels",
+    "Label": ".labels",
+    "Role": ".labels",
+    "place": ".labels",
+    "placement_of": ".labels",
+    "region": ".labels",
+    "Mode": ".modes",
+    "GeneralMode": ".modes",
+    "ModeArtifacts": ".modes",
+    "ParameterServerMode": ".ps_mode",
+    "ServerAssignment": ".ps_mode",
+    "Channel": ".plan",
+    "ChannelKind": ".plan",
+    "ControlEdge": ".plan",
+    "DataSync": ".plan",
+    "Instruction": ".plan",
+    "ModeKind": ".plan",
+    "OpKind": ".plan",
+    "ProcessPlan": ".plan",
+    "SplitPlan": ".plan",
+    "InputKind": ".program",
+    "InputSpec": ".program",
+    "OutputKind": ".program",
+    "OutputSpec": ".program",
+    "ParamGroup": ".program",
+    "Program": ".program",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
