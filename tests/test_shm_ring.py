@@ -225,6 +225,19 @@ def test_receive_deadline_and_bad_names(prefix):
         reader.close()
     finally:
         writer.close()
+    # A flush to a consumer that reads nothing ends at its deadline, saying so.
+    writer = RingWriter(prefix, "w1-s0", owner="worker 1", peer="server 0",
+                        settings=RingSettings(capacity_bytes=SMALL_RING))
+    try:
+        reader = RingReader.attach(prefix, "w1-s0", owner="server 0", peer="worker 1")
+        writer.wait_attached(START_S)
+        writer.send(b"one", [memoryview(bytes(100))], RECV_S)
+        with pytest.raises(RingError, match=r"server 0 has not read the last \d+ bytes within "
+                                            r"0.05 s; is it stuck\?"):
+            writer.wait_consumed(0.05)
+        reader.close()
+    finally:
+        writer.close()
     with pytest.raises(RingError, match="did not appear within"):
         RingReader.attach(prefix, "w9-s9", owner="server 0", peer="worker 9", timeout_s=0.05)
     for bad in ("", "/dev/shm/", "splitrun-", "splitrun-zz-"):

@@ -234,8 +234,11 @@ class RingWriter:
 
     def _publish(self, deadline: float) -> None:
         """Tell the consumer how far the ring is written (its wake-up)."""
+        self._send_record(self._head, deadline)
+
+    def _send_record(self, value: int, deadline: float) -> None:
         try:
-            send_record(self._conn, self._head, deadline)
+            send_record(self._conn, value, deadline)
         except TimeoutError:
             raise RingError(f"{self._tag}: {self.peer} has not read the ring's "
                             f"notifications past the deadline; is it stuck?") from None
@@ -243,17 +246,9 @@ class RingWriter:
             raise self._gone() from exc
 
     def _wait_for_room(self, deadline: float) -> None:
-        tails = self._tails
-        tails.read(None)
-        while self.capacity - (self._head - tails.last) == 0:
-            if tails.is_eof:
-                raise self._gone()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RingError(
-                    f"{self._tag}: no room in the ring for {self.capacity} bytes of "
-                    f"waiting data past the deadline; {self.peer} does not read")
-            tails.read(remaining)
+        self._wait_tail(lambda: self.capacity - (self._head - self._tails.last) > 0, deadline,
+                        lambda: f"no room in the ring for {self.capacity} bytes of waiting "
+                                f"data past the deadline; {self.peer} does not read")
 
     def wait_consumed(self, timeout_s: float) -> None:
         """Wait until the consumer has read every message sent so far (a flush):
@@ -263,24 +258,24 @@ class RingWriter:
         with self._lock:
             if self._conn is None or self._is_closed or self._head == self._tails.last:
                 return
-            try:
-                send_record(self._conn, SYNC, deadline)
-            except TimeoutError:
-                raise RingError(f"{self._tag}: {self.peer} has not read the ring's "
-                                f"notifications past the deadline; is it stuck?") from None
-            except OSError as exc:
-                raise self._gone() from exc
-            tails = self._tails
-            tails.read(None)
-            while tails.last < self._head:
-                if tails.is_eof:
-                    raise self._gone()
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise RingError(
-                        f"{self._tag}: {self.peer} has not read the last "
-                        f"{self._head - tails.last} bytes within {timeout_s:g} s; is it stuck?")
-                tails.read(remaining)
+            self._send_record(SYNC, deadline)
+            self._wait_tail(lambda: self._tails.last >= self._head, deadline,
+                            lambda: f"{self.peer} has not read the last "
+                                    f"{self._head - self._tails.last} bytes within "
+                                    f"{timeout_s:g} s; is it stuck?")
+
+    def _wait_tail(self, done, deadline: float, why_late) -> None:
+        """Read the consumer's tail reports until `done()`; `RingPeerGone` if it
+        dies, `RingError` with `why_late()` past the deadline."""
+        tails = self._tails
+        tails.read(None)
+        while not done():
+            if tails.is_eof:
+                raise self._gone()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RingError(f"{self._tag}: {why_late()}")
+            tails.read(remaining)
 
     def _gone(self) -> RingPeerGone:
         return RingPeerGone(
