@@ -85,16 +85,6 @@ def test_a_sigkilled_process_leaves_no_segment_and_no_process(local_cluster, vic
     assert job_files(prefix) == [], "the job's shared-memory files outlived it"
 
 
-def wait_until(condition, timeout_s: float) -> bool:
-    """Poll `condition()` until it holds or `timeout_s` passed (bounded)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def test_a_sigkilled_launcher_leaves_no_segment_and_no_process(local_cluster):
     """The launcher (and with it the scheduler, which runs inside it) SIGKILLed
     mid-job: its children die with it, and the janitor it started removes the
@@ -111,8 +101,8 @@ def test_a_sigkilled_launcher_leaves_no_segment_and_no_process(local_cluster):
         os.kill(proc.process.pid, signal.SIGKILL)
         proc.process.wait(timeout=10)
         gone = not wait_exited((*pids.values(), janitor), FAULT_DEADLINE_S)
-        left = [] if wait_until(lambda: not job_files(prefix), FAULT_DEADLINE_S) \
-            else job_files(prefix)
+        # Every process that removes files has exited: nothing is left to wait for.
+        left = job_files(prefix)
     finally:
         proc.kill()
         for pid in (*pids.values(), janitor):
@@ -137,8 +127,8 @@ def test_a_sigkilled_joined_process_or_scheduler_leaves_no_segment(local_cluster
                 "worker 1": workers[1].process.pid}
         os.kill(pids[victim], signal.SIGKILL)
         codes = [proc.wait(FAULT_DEADLINE_S + 20) for proc in (scheduler, *workers)]
-        left = [] if wait_until(lambda: not job_files(prefix), FAULT_DEADLINE_S) \
-            else job_files(prefix)
+        # Every process that removes files has exited: nothing is left to wait for.
+        left = job_files(prefix)
     finally:
         for proc in (scheduler, *workers):
             proc.kill()
