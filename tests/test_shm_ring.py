@@ -296,6 +296,21 @@ def test_closing_before_the_first_send_reads_as_closed_not_dead(prefix):
     reader.close()
 
 
+def test_a_connect_the_closing_producer_never_accepted_reads_as_closed(prefix, monkeypatch):
+    # The consumer's connect lands in the backlog just after the closing
+    # producer looked there (CI saw this window): the listener's close resets
+    # the connection without a CLOSED record, and only the segment's closed
+    # flag tells the orderly close from a death.
+    monkeypatch.setattr(RingWriter, "_tell_waiting_consumer", lambda self: None)
+    writer = RingWriter(prefix, "w7-s0", owner="worker 7", peer="server 0",
+                        settings=RingSettings(capacity_bytes=SMALL_RING))
+    reader = attach(prefix)
+    writer.close()
+    with pytest.raises(RingClosed, match="worker 7 closed the ring after 0 messages"):
+        reader.recv_header(RECV_S)
+    reader.close()
+
+
 def test_the_janitor_removes_the_prefix_once_the_watched_processes_are_gone(tmp_path):
     """The launcher's janitor (launcher/janitor.py): after its pipe closes it
     waits for every watched pid, then removes the job's files, only those."""

@@ -23,6 +23,7 @@ from .ring_segment import (
     VERSION,
     Segment,
     copy_bytes,
+    is_marked_closed,
 )
 
 __all__ = ["RingReader"]
@@ -71,6 +72,16 @@ class RingReader:
                 try:
                     conn.settimeout(max(deadline - time.monotonic(), 0.001))
                     conn.connect(socket_path)
+                except ConnectionRefusedError:
+                    # Refused after the segment exists: either the producer is
+                    # still setting up, or it closed its listener already.
+                    conn.close()
+                    closed_in_order = is_marked_closed(fd)
+                    os.close(fd)
+                    if closed_in_order:
+                        raise RingClosed(f"{tag}: {peer} closed the ring before sending "
+                                         f"anything") from None
+                    raise
                 except BaseException:
                     conn.close()
                     os.close(fd)
@@ -103,8 +114,10 @@ class RingReader:
         except OSError as exc:
             # A producer that closes before its first message answers a
             # consumer waiting to attach with CLOSED, then hangs up: an
-            # orderly end, not a death (the record is still readable).
-            closed_in_order = _reads_closed(conn)
+            # orderly end, not a death (the record is still readable). One
+            # that closed its listener while our connect was in its backlog
+            # sent nothing, but marked the segment closed first.
+            closed_in_order = _reads_closed(conn) or segment.is_marked_closed()
             conn.close()
             segment.close()
             if closed_in_order:
@@ -236,6 +249,11 @@ class RingReader:
                 raise RingClosed(f"{self._tag}: {self.peer} closed the ring after "
                                  f"{self._num_received} messages")
             if heads.is_eof:
+                if is_start and heads.last == self._tail and self._segment.is_marked_closed():
+                    # Closed in order, but its CLOSED record never reached us
+                    # (it shut its listener with our connection in the backlog).
+                    raise RingClosed(f"{self._tag}: {self.peer} closed the ring after "
+                                     f"{self._num_received} messages")
                 where = ("" if is_start else " in the middle of a message")
                 raise RingPeerGone(
                     f"{self._tag}: {self.peer} dropped its end of the ring{where} after "

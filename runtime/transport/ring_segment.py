@@ -1,5 +1,5 @@
 """The mapped segment of one ring and what its bytes hold: a 4 KiB header
-page (magic, version, capacity), then `capacity` data bytes that carry frames
+page (magic, version, capacity; a closed flag), then `capacity` data bytes that carry frames
 (a 16-byte prefix: magic, header length, payload length; the header; the
 payload), wrapping around; and the byte copies in and out of it."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import struct
 
 import torch
@@ -15,12 +16,16 @@ from .ring_errors import RingError
 
 __all__ = ["HEADER_PAGE", "SEGMENT_MAGIC", "VERSION", "SEGMENT_HEADER", "FRAME_MAGIC", "FRAME",
            "MAX_HEADER_BYTES", "GIL_FREE_COPY_BYTES", "Segment", "copy_bytes", "device_bytes",
-           "host_bytes"]
+           "host_bytes", "is_marked_closed"]
 
 HEADER_PAGE = 4096
 SEGMENT_MAGIC = 0x5350_4C49_5452_494E  # "SPLITRIN"
 VERSION = 1
 SEGMENT_HEADER = struct.Struct("<QIQ")   # magic, version, capacity
+# The producer sets this word before it closes any socket, so a consumer whose
+# attach fails can tell an orderly close from a producer that died.
+CLOSED_FLAG_OFFSET = 64
+CLOSED_FLAG = struct.Struct("<I")
 FRAME_MAGIC = 0x5352_4E47              # "SRNG"
 FRAME = struct.Struct("<IIQ")          # magic, header bytes, payload bytes
 # A header (the transport's envelope) larger than this is refused as corrupt.
@@ -53,6 +58,12 @@ class Segment:
     def write_header(self) -> None:
         SEGMENT_HEADER.pack_into(self._map, 0, SEGMENT_MAGIC, VERSION, self.capacity)
 
+    def mark_closed(self) -> None:
+        CLOSED_FLAG.pack_into(self._map, CLOSED_FLAG_OFFSET, 1)
+
+    def is_marked_closed(self) -> bool:
+        return CLOSED_FLAG.unpack_from(self._map, CLOSED_FLAG_OFFSET)[0] == 1
+
     def tensor(self) -> torch.Tensor:
         """The data as a flat uint8 tensor over the same memory, pinned for
         CUDA copies (registered on first use)."""
@@ -75,6 +86,12 @@ class Segment:
         self.data.release()
         self._view.release()
         self._map.close()
+
+
+def is_marked_closed(fd: int) -> bool:
+    """Whether the segment file open as `fd` was closed in order by its producer."""
+    flag = os.pread(fd, CLOSED_FLAG.size, CLOSED_FLAG_OFFSET)
+    return len(flag) == CLOSED_FLAG.size and CLOSED_FLAG.unpack(flag)[0] == 1
 
 
 def copy_bytes(dst: memoryview, src: memoryview) -> None:

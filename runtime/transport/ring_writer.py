@@ -288,6 +288,7 @@ class RingWriter:
             if self._is_closed:
                 return
             self._is_closed = True
+            self._segment.mark_closed()
             if self._conn is not None:
                 try:
                     send_record(self._conn, CLOSED, time.monotonic() + _CLOSE_NOTICE_S)
