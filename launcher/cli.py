@@ -19,7 +19,7 @@ from splitrun.runtime.env import ENV
 from splitrun.runtime.errors import ClusterError
 from splitrun.runtime.identity import foreign_identity
 from splitrun.runtime.transport.grpc.tls import TlsFiles, check_bind
-from splitrun.runtime.transport.shm_ring import new_job_prefix, remove_job_segments
+from splitrun.runtime.transport.ring_files import new_job_prefix, remove_job_segments
 from splitrun.splitter.errors import SplitrunError
 from splitrun.splitter.labels import Label, Role
 

@@ -35,7 +35,7 @@ from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
 from splitrun.runtime.env import ENV
 from splitrun.runtime.errors import ClusterError
 from splitrun.runtime.transport.grpc.tls import TlsFiles
-from splitrun.runtime.transport.shm_ring import new_job_prefix, remove_job_segments
+from splitrun.runtime.transport.ring_files import new_job_prefix, remove_job_segments
 from splitrun.splitter.labels import Label, Role
 
 from .bootstrap import ERROR_MARK

@@ -130,7 +130,7 @@ class ProcessHost:
                 and _has_files(_SHM_DIR, self._shm_prefix)):
             # What a killed process left on this node (shm_ring checks the
             # prefix). Imports torch, seconds on a busy machine: only then.
-            from splitrun.runtime.transport.shm_ring import remove_job_segments
+            from splitrun.runtime.transport.ring_files import remove_job_segments
             remove_job_segments(self._shm_prefix, _SHM_DIR)
         return None if process is None else process.returncode
 

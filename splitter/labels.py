@@ -13,12 +13,13 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
-
-import torch
-import torch.fx.traceback as fx_traceback
-from torch import nn
+from typing import TYPE_CHECKING
 
 from .errors import LabelError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 __all__ = [
     "Role",
@@ -167,6 +168,8 @@ def place(target: nn.Module | nn.Parameter, *, role: Role | str = Role.WORKER,
     its own label. Returns `target`, so `place(nn.Linear(4, 4), rank=1)` can be
     used inline.
     """
+    from torch import nn  # here, not at the top: the launcher uses labels without torch
+
     if not isinstance(target, (nn.Module, nn.Parameter)):
         raise LabelError(
             f"place() takes an nn.Module or nn.Parameter, got "
@@ -188,6 +191,8 @@ def placement_of(target: nn.Module | torch.Tensor) -> str | None:
 @contextlib.contextmanager
 def region(*, role: Role | str = Role.WORKER, rank: int | None = None) -> Iterator[str]:
     """Label every op traced inside the block (and its backward ops)."""
+    import torch.fx.traceback as fx_traceback  # see place()
+
     text = _placement_text(role, rank)
     with fx_traceback.annotate({LABEL_ANNOTATION: text}):
         yield text

@@ -1,5 +1,5 @@
 """The packages resolve their public names on first use, so the launcher does
-not import capture (torch._dynamo) or the job runtime it never runs."""
+not import torch, capture (torch._dynamo) or the job runtime it never runs."""
 
 from __future__ import annotations
 
@@ -26,6 +26,36 @@ def test_the_launcher_imports_neither_dynamo_nor_the_job_runtime():
                      "'splitrun.splitter.capturing', 'splitrun.runtime.job', "
                      "'splitrun.runtime.executor')))))")
     assert loaded == ""
+
+
+def test_the_launcher_and_its_scheduler_import_no_torch():
+    # The parent process only starts, watches and reports its children: torch
+    # (0.8 s or more to import) is the children's. Labels, the scheduler and the
+    # shm files' helpers are light; `place()` and `region()` import torch when called.
+    loaded = _python("import sys, splitrun.launcher.cli, splitrun.launcher.supervisor, "
+                     "splitrun.runtime.cluster, splitrun.runtime.transport.grpc.tls; "
+                     "print(' '.join(sorted(m for m in sys.modules "
+                     "if m.split('.')[0] in ('torch', 'numpy'))))")
+    assert loaded == ""
+
+
+def test_the_lazy_transport_packages_still_export_their_names():
+    import splitrun.runtime.transport as transport
+    import splitrun.runtime.transport.grpc as grpc_transport
+    from splitrun.runtime.transport.grpc.transport import GrpcTransport
+    from splitrun.runtime.transport.mailbox import Mailbox
+    assert transport.Mailbox is Mailbox and grpc_transport.GrpcTransport is GrpcTransport
+    for package in (transport, grpc_transport):
+        assert all(getattr(package, name) is not None for name in package.__all__)
+
+
+def test_place_and_region_still_label_without_torch_at_import():
+    from torch import nn
+
+    from splitrun.splitter import Label, place, placement_of, region
+    assert placement_of(place(nn.Linear(2, 2), rank=1)) == str(Label.worker(1))
+    with region(rank=0) as text:
+        assert text == "w0"
 
 
 def test_capture_is_the_function_whichever_module_is_imported_first():

@@ -26,7 +26,7 @@ from ..errors import ClusterError
 from ..transport.grpc.auth import TokenInterceptor, one_line
 from ..transport.grpc.service import TOKEN_METADATA_KEY
 from ..transport.grpc.tls import TlsFiles
-from ..transport.shm_ring import new_job_prefix, remove_job_segments
+from ..transport.ring_files import new_job_prefix, remove_job_segments
 from ..transport.wire import splitrun_pb2 as pb
 from ..transport.wire import splitrun_pb2_grpc as pb_grpc
 

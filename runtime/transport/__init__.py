@@ -3,17 +3,25 @@ keys, receive contracts and their check, the mailbox, the in-process loopback
 transport, the tensor codec (`dtypes`, `buffers`, `framing`), the gRPC
 transport (`transport.grpc`) and the generated wire code (`transport.wire`)."""
 
-from .contract import (
-    ChannelContract,
-    ReceiveContracts,
-    check_message,
-    find_contract,
-    receive_contracts,
-)
-from .loopback import LoopbackHub, LoopbackTransport
-from .mailbox import Mailbox
-from .protocol import OUT_OF_PLAN, MessageKey, Transport
+from __future__ import annotations
 
-__all__ = ["ChannelContract", "ReceiveContracts", "check_message", "find_contract",
-           "receive_contracts", "LoopbackHub", "LoopbackTransport", "Mailbox", "OUT_OF_PLAN",
-           "MessageKey", "Transport"]
+from splitrun.splitter.lazy_exports import lazy_exports
+
+# Imported when first used: the launcher's scheduler needs only the gRPC
+# service's wire code, not torch behind the contracts and the mailbox.
+_EXPORTS = {
+    "ChannelContract": ".contract",
+    "ReceiveContracts": ".contract",
+    "check_message": ".contract",
+    "find_contract": ".contract",
+    "receive_contracts": ".contract",
+    "LoopbackHub": ".loopback",
+    "LoopbackTransport": ".loopback",
+    "Mailbox": ".mailbox",
+    "OUT_OF_PLAN": ".protocol",
+    "MessageKey": ".protocol",
+    "Transport": ".protocol",
+}
+
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

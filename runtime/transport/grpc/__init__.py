@@ -1,6 +1,12 @@
 """The `Transport` protocol over gRPC between processes."""
 
-from .endpoint import GrpcSettings
-from .transport import GrpcTransport
+from __future__ import annotations
 
-__all__ = ["GrpcSettings", "GrpcTransport"]
+from splitrun.splitter.lazy_exports import lazy_exports
+
+# Imported when first used: the launcher's scheduler needs only `service`
+# and `tls`, not the transport (and torch) behind these names.
+_EXPORTS = {"GrpcSettings": ".endpoint", "GrpcTransport": ".transport"}
+
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
