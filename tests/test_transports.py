@@ -12,11 +12,23 @@ import hashlib
 import os
 import signal
 import sys
-import threading
 
 import pytest
 import torch
 from cluster import SCRIPTS, Proc, pid_alive
+from transport_pairs import (
+    BIG_TIMEOUT_S,
+    INCARNATION,
+    RECV_TIMEOUT_S,
+    SETTINGS,
+    TOKEN,
+    W0,
+    W1,
+    FLOAT_2x3,
+    close_all,
+    connect,
+    key,
+)
 
 from splitrun.runtime import MessageKey, TransportError
 from splitrun.runtime.transport import ChannelContract
@@ -30,22 +42,10 @@ from splitrun.runtime.transport.shm_transport import (
 )
 from splitrun.splitter import Label
 
-W0, W1 = Label.worker(0), Label.worker(1)
-TOKEN = "test-token"
-INCARNATION = 7
-SETTINGS = GrpcSettings(connect_timeout_s=2.0, close_timeout_s=10.0, stream_idle_s=0.2,
-                        send_timeout_s=10.0, expect_timeout_s=2.0)
 # Small rings, so that ordinary test messages already stream through them in pieces.
 SMALL_RING = ShmSettings(ring_bytes=64 << 10, attach_timeout_s=10.0, send_timeout_s=30.0,
                          message_timeout_s=60.0, poll_s=0.2)
-RECV_TIMEOUT_S = 30.0
-BIG_TIMEOUT_S = 240.0
-FLOAT_2x3 = ((torch.float32, (2, 3)),)
 KINDS = ["grpc", "shm"]
-
-
-def key(step: int, channel: str = "w0->w1#0") -> MessageKey:
-    return MessageKey(INCARNATION, step, channel)
 
 
 def job_files(prefix: str) -> list[str]:
@@ -71,32 +71,6 @@ def make(kind: str, label: Label, prefix: str, contracts=None,
     return ShmTransport(grpc, prefix=prefix, choice=TransportChoice.SHM, settings=ring)
 
 
-def connect(*transports) -> None:
-    addresses = {t.label: t.start() for t in transports}
-    for transport in transports:
-        transport.set_peers({label: address for label, address in addresses.items()
-                             if label != transport.label})
-
-
-def close_all(*transports) -> None:
-    """Close in parallel, as processes of a job do."""
-    errors = []
-
-    def close(transport):
-        try:
-            transport.close()
-        except Exception as exc:  # noqa: BLE001 - collected below
-            errors.append(exc)
-    threads = [threading.Thread(target=close, args=(t,)) for t in transports]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not any(t.is_alive() for t in threads), "close() must end within its deadline"
-    if errors:
-        raise errors[0]
-
-
 W1_CONTRACTS = {
     "w0->w1#0": ChannelContract(W0, FLOAT_2x3),
     "mixed": ChannelContract(W0, ((torch.bool, (5,)), (torch.bfloat16, ()),
@@ -104,6 +78,8 @@ W1_CONTRACTS = {
     "big": ChannelContract(W0, ((torch.float32, (1 << 18,)), (torch.int8, (3,)),
                                 (torch.float64, (1 << 15,)))),
     "open": ChannelContract(W0, None),
+    "one-open": ChannelContract(W0, (None,)),
+    "control": ChannelContract(W0, ()),
 }
 W0_CONTRACTS = {"w1->w0#0": ChannelContract(W1, FLOAT_2x3)}
 
@@ -157,6 +133,20 @@ def test_mixed_dtypes_zero_dim_and_empty_tensors_in_one_message(pair):
     assert all(torch.equal(g, t) for g, t in zip(got, tensors))
 
 
+def test_a_control_message_carries_no_tensors(pair):
+    a, b = pair
+    a.send(W1, key(4, "control"), [])
+    assert b.recv(W0, key(4, "control"), RECV_TIMEOUT_S) == []
+
+
+def test_a_channel_without_static_shapes_takes_any_tensor(pair):
+    a, b = pair
+    for step, tensor in enumerate([torch.arange(5), torch.ones(2, 2, dtype=torch.float16)]):
+        a.send(W1, key(step, "one-open"), [tensor])
+        (got,) = b.recv(W0, key(step, "one-open"), RECV_TIMEOUT_S)
+        assert torch.equal(got, tensor)
+
+
 def test_a_message_larger_than_the_ring_streams_through_it(pair):
     a, b = pair
     for step in range(3):  # 1.3 MiB each, 20x the 64 KiB ring; three tensors
@@ -191,27 +181,34 @@ def test_cuda_tensors_arrive_as_cpu_tensors(pair):
     assert all(g.device.type == "cpu" and torch.equal(g, t.cpu()) for g, t in zip(got, tensors))
 
 
+# Each bad message, the receiver's reason, and the gRPC status that carries it.
+# Each bad message, the receiver's reason, and the gRPC status that carries it
+# back to a gRPC sender.
 BAD_MESSAGES = {
     "wrong dtype": (key(0), [torch.zeros(2, 3, dtype=torch.float64)],
                     r"\[worker 1\] refused channel 'w0->w1#0' step 0 .*tensor 0 expected "
-                    r"float32\[2, 3\], got float64\[2, 3\]"),
+                    r"float32\[2, 3\], got float64\[2, 3\]", "INVALID_ARGUMENT"),
     "wrong shape": (key(0), [torch.zeros(3, 2)],
                     r"\[worker 1\] refused .*tensor 0 expected float32\[2, 3\], got "
-                    r"float32\[3, 2\]"),
+                    r"float32\[3, 2\]", "INVALID_ARGUMENT"),
     "too many tensors": (key(0), [torch.zeros(2, 3), torch.zeros(1)],
-                         r"\[worker 1\] refused .*expected 1 tensors, got 2"),
+                         r"\[worker 1\] refused .*expected 1 tensors, got 2", "INVALID_ARGUMENT"),
     "unknown channel": (key(0, "nowhere"), [torch.zeros(1)],
-                        r"\[worker 1\] refused channel 'nowhere' step 0 .*no such channel"),
+                        r"\[worker 1\] refused channel 'nowhere' step 0 .*no such channel",
+                        "NOT_FOUND"),
     "another incarnation": (MessageKey(INCARNATION + 1, 0, "w0->w1#0"), [torch.zeros(2, 3)],
                             r"\[worker 1\] refused .*incarnation 8, but the job's "
-                            r"incarnation is 7"),
+                            r"incarnation is 7", "FAILED_PRECONDITION"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_MESSAGES))
 def test_a_refused_message_fails_the_sender_with_the_receivers_reason(pair, case):
     a, b = pair
-    bad_key, tensors, reason = BAD_MESSAGES[case]
+    bad_key, tensors, reason, status = BAD_MESSAGES[case]
+    if not isinstance(a, ShmTransport):  # gRPC says which send failed, and its status
+        reason = (rf"sending channel '{bad_key.channel}' step {bad_key.step} .* to worker 1 "
+                  rf".*{status}: {reason}")
     a.send(W1, bad_key, tensors)
     with pytest.raises(TransportError, match=reason):
         a.flush(RECV_TIMEOUT_S)
@@ -221,9 +218,12 @@ def test_a_refused_message_fails_the_sender_with_the_receivers_reason(pair, case
     b.send(W0, key(0, "w1->w0#0"), [torch.ones(2, 3)])
     b.flush(RECV_TIMEOUT_S)
     assert a.pending() == [key(0, "w1->w0#0")]
+    # The failure stays raised, on sends and receives alike.
     with pytest.raises(TransportError, match=reason):
-        a.send(W1, key(1), [torch.zeros(2, 3)])  # the failure stays raised
-    a.close()
+        a.send(W1, key(1), [torch.zeros(2, 3)])
+    with pytest.raises(TransportError, match=reason):
+        a.recv(W1, key(0, "w1->w0#0"), RECV_TIMEOUT_S)
+    a.close()  # already reported: close adds nothing
 
 
 def start_peer(kind: str, prefix: str, address: str, mode: str) -> Proc:

@@ -1,0 +1,55 @@
+"""What tests/test_transports.py and tests/test_grpc_transport.py share: the
+job's identity, small deadlines, message keys, and connecting and closing
+transports the way processes of a job do."""
+
+import threading
+
+import torch
+
+from splitrun.runtime import MessageKey
+from splitrun.runtime.transport.grpc import GrpcSettings
+from splitrun.splitter import Label
+
+W0, W1, W2 = Label.worker(0), Label.worker(1), Label.worker(2)
+TOKEN = "test-token"
+INCARNATION = 7
+# Small deadlines so failure tests end quickly; generous enough for a loaded CI box.
+SETTINGS = GrpcSettings(connect_timeout_s=2.0, close_timeout_s=10.0, stream_idle_s=0.2,
+                        send_timeout_s=10.0, expect_timeout_s=2.0)
+# Bounds a receive that must succeed.
+RECV_TIMEOUT_S = 30.0
+# Bounds the 1 GiB tests' sender process (start-up, 1 GiB across, hashing).
+BIG_TIMEOUT_S = 240.0
+# Bounds each transport's close in close_all.
+CLOSE_TIMEOUT_S = 60.0
+FLOAT_2x3 = ((torch.float32, (2, 3)),)
+
+
+def key(step: int, channel: str = "w0->w1#0") -> MessageKey:
+    return MessageKey(INCARNATION, step, channel)
+
+
+def connect(*transports) -> None:
+    addresses = {t.label: t.start() for t in transports}
+    for transport in transports:
+        transport.set_peers({label: address for label, address in addresses.items()
+                             if label != transport.label})
+
+
+def close_all(*transports) -> None:
+    """Close in parallel, as processes of a job do."""
+    errors = []
+
+    def close(transport):
+        try:
+            transport.close()
+        except Exception as exc:  # noqa: BLE001 - collected below
+            errors.append(exc)
+    threads = [threading.Thread(target=close, args=(t,)) for t in transports]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(CLOSE_TIMEOUT_S)
+    assert not any(t.is_alive() for t in threads), "close() must end within its deadline"
+    if errors:
+        raise errors[0]
