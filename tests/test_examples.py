@@ -13,7 +13,9 @@ EXAMPLES = REPO / "examples"
 
 
 def test_ps_train_reaches_its_accuracy(local_cluster):
-    proc = local_cluster.run(EXAMPLES / "ps_train.py", "--epochs", 6, "--min-accuracy", 0.9,
+    # 3 epochs reach 0.9389 held-out (6 reached 0.9583, 2 only 0.9028); the run
+    # is seeded, and repeated runs gave the same accuracy.
+    proc = local_cluster.run(EXAMPLES / "ps_train.py", "--epochs", 3, "--min-accuracy", 0.9,
                              workers=2, servers=2)
     accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)", proc.output()).group(1))
     assert accuracy >= 0.9
