@@ -253,12 +253,19 @@ class Executor:
             for dead in self._free_after[index]:
                 env.pop(dead, None)
 
-        outputs = {key: env[node] for key, node in self._output_nodes.items()}
+        outputs = {key: self._owned(env[node]) for key, node in self._output_nodes.items()}
         for key, node in self._state_updates.items():
-            self.state[key] = env[node]
+            self.state[key] = self._owned(env[node])
         self.stats.steps += 1
         self.stats.step_s += time.perf_counter() - started
         return outputs
+
+    def _owned(self, value):
+        """`value`, copied if it views memory the transport lent for a receive:
+        what outlives the step must not hold the sender's ring room."""
+        if isinstance(value, torch.Tensor) and self.transport.is_lent(value):
+            return value.clone()
+        return value
 
     @property
     def waiting_on(self) -> Waiting | None:

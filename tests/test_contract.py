@@ -22,9 +22,10 @@ from splitrun.runtime.transport import (
     ReceiveContracts,
     check_message,
     find_contract,
+    receive_contracts,
 )
 from splitrun.runtime.transport.dtypes import TensorSpec
-from splitrun.splitter import Cluster, Label, split_program
+from splitrun.splitter import Cluster, Label, OpKind, split_program
 from splitrun.splitter.synthetic import random_batches, random_program
 
 W0, W1, W2 = Label.worker(0), Label.worker(1), Label.worker(2)
@@ -160,3 +161,20 @@ def test_run_threaded_refuses_a_batch_of_another_dtype_than_the_plans():
                                               r"'w\d': tensor \d+ expected float32\[4\], got "
                                               r"float64\[4\]"):
         run_threaded(split, 1, lambda step: doubles)
+
+
+def test_only_the_last_channel_from_each_sender_in_a_step_is_lendable():
+    cluster = Cluster(num_workers=3)
+    split_prog = split_program(random_program(40, cluster.labels(), seed=5, run_length=2.0),
+                               cluster)
+    plan = split_prog.plan
+    checked = 0
+    for label in cluster.labels():
+        received = [plan.channel(i.target) for i in plan.process(label).schedule
+                    if i.kind is OpKind.RECV]
+        contracts = receive_contracts(plan, split_prog.program, label)
+        for index, channel in enumerate(received):
+            later_from_same = any(c.src == channel.src for c in received[index + 1:])
+            assert contracts[channel.name].lendable is not later_from_same, channel.name
+            checked += later_from_same
+    assert checked, "no process receives twice from one sender: the test proves nothing"

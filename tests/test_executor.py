@@ -1,7 +1,11 @@
 """Executor and mailbox failure modes: deadlines, dead peers, bad messages."""
 
+import threading
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from splitrun.runtime import (
     ChannelMismatch,
@@ -16,7 +20,17 @@ from splitrun.runtime import (
     receive_contracts,
     run_threaded,
 )
-from splitrun.splitter import Cluster, Label, OpKind, split_program
+from splitrun.splitter import (
+    Cluster,
+    Label,
+    OpKind,
+    capture,
+    optim,
+    place,
+    region,
+    split_program,
+)
+from splitrun.splitter.program import InputKind
 from splitrun.splitter.synthetic import random_batches, random_program
 
 W0, W1 = Label.worker(0), Label.worker(1)
@@ -95,3 +109,72 @@ def test_wrong_shape_in_a_message_is_rejected(two_worker_plan):
                                               r"float32\[4\], got float64\[7\]"):
         hub.transport(channel.src).send(W1, MessageKey(0, 0, first_recv), wrong)
     assert hub.transport(W1).pending() == [], "a refused message never reaches the mailbox"
+
+
+class LendingTransport:
+    """A loopback transport that says every tensor it received is lent (as the
+    shared-memory transport says of payloads it views in its ring)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.label = inner.label
+        self.received: list[torch.Tensor] = []
+        self.asked_of_received = 0
+
+    def recv(self, *args, **kwargs):
+        tensors = self.inner.recv(*args, **kwargs)
+        self.received += tensors
+        return tensors
+
+    def is_lent(self, tensor):
+        lent = any(tensor.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                   for t in self.received)
+        self.asked_of_received += lent
+        return lent
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.timeout(60)
+def test_outputs_and_state_that_view_lent_memory_are_copied_at_the_steps_end():
+    # The loss is computed on worker 1 and delivered to worker 0: there it is
+    # a received value that outlives the step.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
+    place(net[1], rank=1)
+
+    def loss_fn(model, x, y):
+        out = model(x)
+        with region(rank=1):
+            return F.cross_entropy(out, y)
+    batch = (torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    cluster = Cluster(num_workers=2)
+    split_prog = split_program(capture(net, loss_fn, optim.SGD(lr=0.1), batch), cluster)
+    plan, program = split_prog.plan, split_prog.program
+    hub = LoopbackHub(plan.labels)
+    transports = {label: LendingTransport(hub.transport(label)) for label in plan.labels}
+    executors = {label: Executor(plan, program, label, transports[label])
+                 for label in plan.labels}
+    for label, executor in executors.items():
+        executor.load_state(program.initial_state)
+        hub.transport(label).expect(receive_contracts(plan, program, label))
+    batch_keys = [spec.key for spec in program.inputs if spec.kind is InputKind.BATCH]
+    feeds = {**program.hparams(0), **dict(zip(batch_keys, batch))}
+    outputs, errors = {}, []
+
+    def run(label):
+        try:
+            outputs[label] = executors[label].run_step(0, feeds)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=(label,)) for label in plan.labels]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors
+    w0 = transports[W0]
+    assert w0.asked_of_received == 1, "the loss should have been received, then copied"
+    (loss,) = outputs[W0].values()
+    assert not w0.is_lent(loss) and loss.shape == ()

@@ -40,23 +40,35 @@ def chosen(output: str) -> dict[tuple[str, str], str]:
             re.findall(r"\[([a-z]+ \d+)\] transport to ([a-z]+ \d+): (\w+) ", output)}
 
 
+def lent_in_place(output: str) -> int:
+    """Messages the job's processes took without a copy, viewing their ring."""
+    return sum(int(n) for n in re.findall(r"shared memory: received \d+ messages, (\d+) of "
+                                          r"them lent in place", output))
+
+
 def run(local_cluster, tmp_path, name, env_extra=None):
     out = tmp_path / f"{name}.pt"
+    # Wide enough that each server's parameters (over 1 MiB) are lent in place.
     proc = local_cluster.start("launch", "--workers", WORKERS, "--servers", SERVERS, PS_JOB,
-                               "--steps", 8, "--out", out, env_extra=env_extra)
+                               "--steps", 8, "--width", 640, "--out", out,
+                               env_extra=env_extra)
     prefix = job_prefix(proc)
     assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
     assert_clean_output(proc)
     assert job_files(prefix) == [], "the job's shared-memory files outlived it"
-    return torch.load(out), chosen(proc.output())
+    return torch.load(out), chosen(proc.output()), lent_in_place(proc.output())
 
 
 def test_a_same_host_job_uses_shared_memory_and_equals_the_grpc_run(local_cluster, tmp_path):
-    shm, shm_pairs = run(local_cluster, tmp_path, "shm")
-    grpc, grpc_pairs = run(local_cluster, tmp_path, "grpc", {"SPLITRUN_TRANSPORT": "grpc"})
+    shm, shm_pairs, shm_lent = run(local_cluster, tmp_path, "shm")
+    grpc, grpc_pairs, grpc_lent = run(local_cluster, tmp_path, "grpc",
+                                      {"SPLITRUN_TRANSPORT": "grpc"})
     every_pair = {(a, b) for a in NAMES for b in NAMES if a != b}
     assert shm_pairs == {pair: "shm" for pair in every_pair}
     assert grpc_pairs == {pair: "grpc" for pair in every_pair}
+    # The large parameter messages were viewed in the rings, not copied, and
+    # the result is still the gRPC run's, bit for bit.
+    assert shm_lent > 0 and grpc_lent == 0
     assert shm["steps"] == grpc["steps"] == 8
     assert shm["state"].keys() == grpc["state"].keys()
     for key, value in grpc["state"].items():

@@ -220,7 +220,8 @@ def test_receive_deadline_and_bad_names(prefix):
         with pytest.raises(RecvTimeout, match="no data from worker 0 within the deadline"):
             reader.recv_header(0.05)
         # The consumer does not read: a message larger than the ring cannot go in.
-        with pytest.raises(RingError, match="no room in the ring .* server 0 does not read"):
+        with pytest.raises(RingError, match="no room in the ring past the deadline: server 0 "
+                                            "neither reads nor releases"):
             writer.send(b"big", [memoryview(bytes(2 * SMALL_RING))], 0.05)
         reader.close()
     finally:
@@ -355,3 +356,107 @@ def test_large_pieces_copy_through_torch_and_small_ones_as_views():
             target = bytearray(nbytes)
             copy_bytes(memoryview(target), source)
             assert target == data
+
+
+LEND_RING = 4 << 20
+LENT = 3 << 19  # 1.5 MiB: lendable (at least 1 MiB, at most half the ring)
+
+
+def pattern(seed: int, nbytes: int = LENT) -> bytes:
+    return torch.full((nbytes,), seed, dtype=torch.uint8).numpy().tobytes()
+
+
+def sender(writer, payloads):
+    """Sends each payload from a thread (a send blocks while the ring is full);
+    `done` is set once all went in."""
+    done, errors = threading.Event(), []
+
+    def run():
+        try:
+            for index, payload in enumerate(payloads):
+                writer.send(b"m%d" % index, [memoryview(payload)], RECV_S)
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+        done.set()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return done, errors, thread
+
+
+def test_a_lent_payload_is_the_ring_itself_and_its_room_waits_for_its_release(prefix):
+    writer = RingWriter(prefix, "w0-s0", owner="worker 0", peer="server 0",
+                        settings=RingSettings(capacity_bytes=LEND_RING))
+    reader = RingReader.attach(prefix, "w0-s0", owner="server 0", peer="worker 0")
+    done, errors, thread = sender(writer, [pattern(1), pattern(2), pattern(3)])
+    try:
+        assert reader.recv_header(RECV_S) == (b"m0", LENT)
+        lent = reader.lend_payload(RECV_S)
+        view = lent[1000:].view(torch.int32)  # a view of a view holds it too
+        assert reader.holds_memory_of(view) and reader.lent_bytes == LENT
+        del lent
+        assert reader.recv_header(RECV_S) == (b"m1", LENT)
+        copy = bytearray(LENT)
+        reader.recv_payload_into(memoryview(copy), RECV_S)
+        assert copy == pattern(2)
+        # 1.5 + 1.5 + 1.5 MiB do not fit in 4 MiB while the first is lent: the
+        # third send waits for its room, and the lent bytes stay as sent.
+        assert not done.wait(0.5)
+        assert bytes(view.view(torch.uint8).numpy()) == pattern(1)[1000:]
+        del view  # the last tensor on it: released, the producer goes on
+        assert done.wait(RECV_S) and not errors
+        assert reader.recv_header(RECV_S) == (b"m2", LENT)
+        assert bytes(reader.lend_payload(RECV_S).numpy()) == pattern(3)
+        assert reader.lent_bytes == 0 and reader.num_lent == 2
+    finally:
+        thread.join(RECV_S)
+        reader.close()
+        writer.close()
+
+
+def test_a_large_payload_skips_the_rings_end_to_lie_in_one_piece(prefix):
+    writer = RingWriter(prefix, "w0-s0", owner="worker 0", peer="server 0",
+                        settings=RingSettings(capacity_bytes=LEND_RING))
+    reader = RingReader.attach(prefix, "w0-s0", owner="server 0", peer="worker 0")
+    # 3 MiB first (over half the ring: streamed), so 1.5 MiB more would wrap.
+    done, errors, thread = sender(writer, [pattern(7, 3 << 20), pattern(8)])
+    try:
+        header, nbytes = reader.recv_header(RECV_S)
+        reader.recv_payload_into(memoryview(bytearray(nbytes)), RECV_S)
+        assert reader.recv_header(RECV_S) == (b"m1", LENT)
+        lent = reader.lend_payload(RECV_S)
+        assert lent is not None, "the payload wrapped around the ring's end"
+        assert lent.data_ptr() % 64 == 0 and bytes(lent.numpy()) == pattern(8)
+        del lent
+        assert done.wait(RECV_S) and not errors
+    finally:
+        thread.join(RECV_S)
+        reader.close()
+        writer.close()
+
+
+def test_a_flush_waits_for_reading_not_for_lent_payloads_and_close_keeps_them(prefix):
+    writer = RingWriter(prefix, "w0-s0", owner="worker 0", peer="server 0",
+                        settings=RingSettings(capacity_bytes=LEND_RING))
+    reader = RingReader.attach(prefix, "w0-s0", owner="server 0", peer="worker 0")
+    writer.send(b"m0", [memoryview(pattern(5))], RECV_S)
+    received = []
+
+    def consume():
+        reader.recv_header(RECV_S)
+        received.append(reader.lend_payload(RECV_S))
+        with pytest.raises(RingClosed):  # waits here, answering the flush
+            reader.recv_header(RECV_S)
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    try:
+        # Read and kept: a flush is done (a message the consumer holds on to
+        # for a while must not stall a sender's flush).
+        writer.wait_consumed(RECV_S)
+        assert len(received) == 1
+    finally:
+        writer.close()
+        thread.join(RECV_S)
+    reader.close()
+    # Closed, yet the mapping stays until the last lent tensor is gone.
+    assert bytes(received[0].numpy()) == pattern(5)
+    received.clear()

@@ -117,7 +117,7 @@ class MessageLayout:
     buffer each at an aligned offset. Computed once per channel and reused."""
 
     __slots__ = ("specs", "total_bytes", "buffer_bytes", "offsets", "wire_ends", "strides",
-                 "single")
+                 "single", "is_viewable_on_wire")
 
     def __init__(self, specs: Sequence[TensorSpec]) -> None:
         self.specs = tuple(specs)
@@ -136,6 +136,24 @@ class MessageLayout:
         self.buffer_bytes = -(-end // _ALIGN) * _ALIGN
         # One small tensor: the buffer is allocated as that tensor itself.
         self.single = self.specs[0] if len(self.specs) == 1 else None
+        # Every tensor starts at a multiple of its item size on the wire: an
+        # aligned copy of the wire bytes can be viewed as the tensors in place.
+        self.is_viewable_on_wire = all(
+            (end - spec.nbytes) % spec.dtype.itemsize == 0
+            for spec, end in zip(self.specs, self.wire_ends))
+
+    def views_on_wire(self, wire: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors as views of `wire`, the message's payload as a flat
+        uint8 tensor at an aligned address (needs `is_viewable_on_wire`)."""
+        if not self.is_viewable_on_wire or wire.numel() != self.total_bytes:
+            raise MessageRejected(f"{self.total_bytes} wire bytes laid out as "
+                                  f"{len(self.specs)} tensors cannot be viewed in place "
+                                  f"from {wire.numel()} bytes")
+        out = []
+        for spec, end in zip(self.specs, self.wire_ends):
+            piece = wire[end - spec.nbytes:end]
+            out.append(piece.view(spec.dtype).view(spec.shape))
+        return out
 
 
 class BufferPool:

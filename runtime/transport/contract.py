@@ -26,7 +26,7 @@ from types import MappingProxyType
 import torch
 
 from splitrun.splitter.labels import Label
-from splitrun.splitter.plan import SplitPlan
+from splitrun.splitter.plan import OpKind, SplitPlan
 from splitrun.splitter.program import Program
 
 from ..errors import ChannelMismatch, TransportError, UnknownChannel, WrongSender
@@ -57,10 +57,19 @@ class ChannelContract:
     `tensors` None: a dynamic channel (any number of tensors of any dtype and
     shape, e.g. embedding-cache requests); only the sender is checked. Entries
     may be given as `(dtype, shape)` pairs; they are kept as `TensorSpec`s.
+
+    `lendable`: a transport may hand this channel's tensors over as views of
+    its own memory (a shared-memory ring) instead of copies, memory the sender
+    cannot reuse until they are dropped. True only for a plan channel that is
+    the last one from its sender in the receiver's step: the executor drops
+    its values within the step (it copies any that outlive it), and the sender
+    writes nothing more to this receiver in that step, so it never waits in
+    the step for the room those views hold.
     """
 
     src: Label
     tensors: tuple[TensorSpec | None, ...] | None
+    lendable: bool = False
 
     def __post_init__(self) -> None:
         if self.tensors is None:
@@ -99,10 +108,17 @@ def receive_contracts(plan: SplitPlan, program: Program, label: Label
                       ) -> dict[str, ChannelContract]:
     """The contracts of `label`'s plan channels: `plan.recv_channels(label)`,
     and the dtype/shape each value has in `program`, the program the plan was
-    split from."""
+    split from; the last channel from each sender in `label`'s schedule is
+    `lendable`."""
     nodes = {node.name: node for node in program.graph.nodes}
+    last_from: dict[Label, str] = {}
+    for instr in plan.process(label).schedule:
+        if instr.kind is OpKind.RECV:
+            last_from[plan.channel(instr.target).src] = instr.target
+    lendable = set(last_from.values())
     return {channel.name: ChannelContract(channel.src,
-                                          tuple(_spec_of(nodes.get(v)) for v in channel.values))
+                                          tuple(_spec_of(nodes.get(v)) for v in channel.values),
+                                          lendable=channel.name in lendable)
             for channel in plan.recv_channels(label)}
 
 

@@ -56,6 +56,9 @@ class LoopbackTransport:
              control=None) -> list[torch.Tensor]:
         return self.hub.mailboxes[self.label].take(key, src, timeout_s, control)
 
+    def is_lent(self, tensor: torch.Tensor) -> bool:
+        return False  # messages are the sender's tensors, never transport memory
+
     def expect(self, contracts: Mapping[str, ChannelContract]) -> None:
         self.hub.contracts[self.label].expect(contracts)
 

@@ -115,6 +115,9 @@ class Mailbox:
         plan (final state, checkpoints), still wait for their message."""
         with self._cond:
             self._finished_at = num_steps
+            # Never taken: drop them (a payload lent in place frees its ring room).
+            for key in [k for k in self._messages if k.is_in_plan and k.step >= num_steps]:
+                del self._messages[key]
             self._cond.notify_all()
 
     def holds(self, key: MessageKey) -> bool:

@@ -32,6 +32,11 @@ class Transport(Protocol):
         """The tensors `src` sent under `key`; raises `RecvTimeout` past the deadline.
         While waiting, a message under `control`'s key goes to its handler."""
 
+    def is_lent(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` views memory the transport lent for a receive (see
+        `ChannelContract.lendable`): the executor copies such a tensor before
+        it outlives the step."""
+
     def abort(self, error: BaseException) -> None:
         """Wake every pending receive of this process with `error`."""
 

@@ -2,31 +2,39 @@
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 import socket
 import threading
 import time
+import weakref
 
 import torch
 
 from ..errors import RecvTimeout
 from .ring_errors import RingClosed, RingError, RingPeerGone
 from .ring_files import SHM_DIR, ring_paths
-from .ring_records import CLOSED, HELLO, RECORD, Positions, send_record
+from .ring_records import CLOSED, HELLO, READ_FLAG, RECORD, Positions, send_record
 from .ring_segment import (
     FRAME,
     FRAME_MAGIC,
     HEADER_PAGE,
     MAX_HEADER_BYTES,
+    PAYLOAD_ALIGN,
     SEGMENT_HEADER,
     SEGMENT_MAGIC,
+    SKIP_MAGIC,
     VERSION,
     Segment,
     copy_bytes,
     is_marked_closed,
+    split_header_field,
 )
 
 __all__ = ["RingReader"]
+
+logger = logging.getLogger(__name__)
 
 
 class RingReader:
@@ -36,6 +44,10 @@ class RingReader:
         header, nbytes = reader.recv_header(timeout_s=60)
         reader.recv_payload_into(buffer_of_nbytes, timeout_s=60)
         reader.close()
+
+    Or, for a large payload that lies in one piece, `lend_payload` views it in
+    the ring itself: those bytes stay the consumer's (the producer does not
+    write over them) until the last tensor viewing them is gone.
     """
 
     def __init__(self, conn: socket.socket, segment: Segment, *, owner: str, peer: str,
@@ -55,6 +67,12 @@ class RingReader:
         self._prefix = bytearray(FRAME.size)
         self._lock = threading.Lock()
         self._is_closed = False
+        # Lent payloads, start position -> bytes. The producer is told the
+        # ring is free up to the first of them (or the tail). Reentrant: a
+        # garbage collection inside a report may release a lent payload.
+        self._lent: dict[int, int] = {}
+        self._report_lock = threading.RLock()
+        self.num_lent = 0
 
     @classmethod
     def attach(cls, prefix: str, name: str, *, owner: str, peer: str,
@@ -137,14 +155,23 @@ class RingReader:
             if self._payload_left:
                 raise RingError(f"{self._tag}: recv_header with {self._payload_left} payload "
                                 f"bytes of the previous message unread")
-            available = self._wait_available(FRAME.size, deadline, is_start=True)
-            data, start = self._segment.data, self._tail % self.capacity
-            if start + FRAME.size <= self.capacity:
-                magic, header_bytes, payload_bytes = FRAME.unpack_from(data, start)
-                self._consume(FRAME.size)
-            else:
-                self._read_into(memoryview(self._prefix), deadline)
-                magic, header_bytes, payload_bytes = FRAME.unpack(self._prefix)
+            while True:
+                available = self._wait_available(FRAME.size, deadline, is_start=True)
+                data, start = self._segment.data, self._tail % self.capacity
+                if start + FRAME.size <= self.capacity:
+                    magic, field, payload_bytes = FRAME.unpack_from(data, start)
+                    self._consume(FRAME.size)
+                else:
+                    self._read_into(memoryview(self._prefix), deadline)
+                    magic, field, payload_bytes = FRAME.unpack(self._prefix)
+                if magic != SKIP_MAGIC:
+                    break
+                if (self._tail + payload_bytes) % self.capacity:
+                    raise RingError(f"{self._tag}: broken skip frame after "
+                                    f"{self._num_received} messages ({payload_bytes} bytes "
+                                    f"from ring offset {start})")
+                self._skip(payload_bytes, deadline)
+            header_bytes, padding = split_header_field(field)
             if magic != FRAME_MAGIC or header_bytes > MAX_HEADER_BYTES:
                 raise RingError(f"{self._tag}: broken frame after {self._num_received} "
                                 f"messages (magic {magic:#x}, header {header_bytes} bytes)")
@@ -156,6 +183,7 @@ class RingReader:
                 buffer = bytearray(header_bytes)
                 self._read_into(memoryview(buffer), deadline)
                 header = bytes(buffer)
+            self._skip(padding, deadline)
             self._payload_left = payload_bytes
             if not payload_bytes:
                 self._num_received += 1
@@ -208,12 +236,68 @@ class RingReader:
         """Skip the current message's payload (a refused message)."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while self._payload_left:
-                n = self._wait_available(1, deadline)
-                n = min(n, self._payload_left)
-                self._consume(n)
-                self._payload_left -= n
+            self._skip(self._payload_left, deadline)
+            self._payload_left = 0
             self._num_received += 1
+
+    def lend_payload(self, timeout_s: float) -> torch.Tensor | None:
+        """The current message's whole payload as a flat uint8 tensor over the
+        ring's own memory (no copy), if it lies there in one piece (as payloads
+        of `LENDABLE_BYTES` or more do); else None, and `recv_payload_*` reads it.
+
+        The producer does not write over those bytes until every tensor viewing
+        them is gone: lend only what is dropped soon (the lent bytes are room
+        the producer waits for; `lent_bytes` says how many are out)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            n, start = self._payload_left, self._tail % self.capacity
+            if not n or start + n > self.capacity or start % PAYLOAD_ALIGN or self._is_closed:
+                return None
+            self._wait_available(n, deadline)
+            memory = (ctypes.c_char * n).from_address(self._segment.address + start)
+            with self._report_lock:
+                position = self._tail
+                self._lent[position] = n
+                self._tail += n
+            # Runs when the last tensor viewing `memory` is gone, in that thread.
+            weakref.finalize(memory, self._release, position).atexit = False
+            self._payload_left = 0
+            self._num_received += 1
+            self.num_lent += 1
+            return torch.frombuffer(memory, dtype=torch.uint8)
+
+    @property
+    def num_received(self) -> int:
+        return self._num_received
+
+    @property
+    def lent_bytes(self) -> int:
+        """Bytes of payloads lent out and not yet released."""
+        with self._report_lock:
+            return sum(self._lent.values())
+
+    def holds_memory_of(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` views this ring's memory (a lent payload)."""
+        if tensor.device.type != "cpu":
+            return False
+        address = tensor.untyped_storage().data_ptr()
+        return self._segment.address <= address < self._segment.address + self.capacity
+
+    def _release(self, position: int) -> None:
+        with self._report_lock:
+            self._lent.pop(position, None)
+            if self._is_closed:
+                if not self._lent:
+                    self._segment.close()  # close() left the mapping to the last one
+                return
+            self._report()
+
+    def _skip(self, n: int, deadline: float) -> None:
+        """Consume `n` bytes without reading them (padding, a refused payload)."""
+        while n:
+            k = min(self._wait_available(1, deadline), n)
+            self._consume(k)
+            n -= k
 
     def recv(self, timeout_s: float) -> tuple[bytes, bytearray]:
         """Header and payload of the next message, in a fresh buffer (tests)."""
@@ -259,9 +343,11 @@ class RingReader:
                     f"{self._tag}: {self.peer} dropped its end of the ring{where} after "
                     f"{self._num_received} messages (did the process die?)")
             if heads.is_sync_requested:
-                # Nothing left to read: everything published is consumed.
+                # Nothing left to read: everything published is read (a flush
+                # waits for that, not for lent payloads to be released).
                 heads.is_sync_requested = False
                 self._report()
+                self._report_read()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RecvTimeout(f"{self._tag}: no data from {self.peer} within the "
@@ -275,29 +361,45 @@ class RingReader:
             self._report()
 
     def _report(self) -> None:
-        """Tell the producer how far the ring is read. Every quarter ring is
-        enough for it never to wait on room that is free: when it finds the
-        ring full, the consumer has read at most a quarter ring it has not
-        reported, so the consumer is not waiting for data."""
-        if self._is_producer_gone:
-            return
-        try:
-            # The producer reads these only when it runs out of room, so its
-            # socket buffer holds a ring's worth of reports many times over.
-            send_record(self._conn, self._tail, None)
-        except OSError:
-            # The producer closed or died; what it published before is still
-            # read (its records are in our socket), then the end-of-file says so.
-            self._is_producer_gone = True
-        self._reported = self._tail
+        """Tell the producer how far the ring is free: read, and not lent out
+        (a release reports too). Every quarter ring is enough for it never to
+        wait on room that is free: when it finds the ring full, the consumer
+        has read at most a quarter ring it has not reported, so the consumer
+        is not waiting for data."""
+        with self._report_lock:
+            free = min(self._lent) if self._lent else self._tail
+            if self._is_producer_gone or free <= self._reported:
+                return
+            try:
+                # The producer reads these only when it runs out of room, so its
+                # socket buffer holds a ring's worth of reports many times over.
+                send_record(self._conn, free, None)
+            except OSError:
+                # The producer closed or died; what it published before is still
+                # read (its records are in our socket), then the end-of-file says so.
+                self._is_producer_gone = True
+            self._reported = free
+
+    def _report_read(self) -> None:
+        with self._report_lock:
+            if self._is_producer_gone or not self._lent:
+                return  # the free position just reported says it
+            try:
+                send_record(self._conn, self._tail | READ_FLAG, None)
+            except OSError:
+                self._is_producer_gone = True
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, self._report_lock:
             if self._is_closed:
                 return
             self._is_closed = True
             self._conn.close()
-            self._segment.close()
+            if self._lent:
+                # Tensors still view lent payloads: the last release unmaps.
+                logger.debug("%s closed with %d payloads lent out", self._tag, len(self._lent))
+            else:
+                self._segment.close()
 
 
 def _reads_closed(conn: socket.socket) -> bool:

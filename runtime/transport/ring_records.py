@@ -10,12 +10,16 @@ import socket
 import struct
 import time
 
-__all__ = ["RECORD", "HELLO", "CLOSED", "SYNC", "send_record", "recv_exact", "Positions"]
+__all__ = ["RECORD", "HELLO", "CLOSED", "SYNC", "READ_FLAG", "send_record", "recv_exact",
+           "Positions"]
 
 RECORD = struct.Struct("<Q")           # a head (producer) or tail (consumer) position
 HELLO = 0x4845_4C4C_4F53_524E           # the consumer's first record
 CLOSED = (1 << 64) - 1                 # the producer's last record: closed in order
 SYNC = (1 << 64) - 2                   # the producer asks for the consumer's tail (flush)
+# Set on a consumer's record that says how far it has read, as against how far
+# the ring is free (plain records): a payload lent in place is read, not free.
+READ_FLAG = 1 << 62
 
 
 def send_record(sock: socket.socket, value: int, deadline: float | None) -> None:
@@ -42,7 +46,9 @@ def send_record(sock: socket.socket, value: int, deadline: float | None) -> None
 
 class Positions:
     """Records from the other end of the socket, read with deadlines. Keeps the
-    largest position seen; notices end-of-file (the peer's end is gone)."""
+    largest position seen (`last`; for a consumer's records, how far the ring
+    is free, and `read_up_to`, how far it is read); notices end-of-file (the
+    peer's end is gone)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
@@ -52,6 +58,7 @@ class Positions:
         self._view = memoryview(self._buffer)
         self._pending = 0      # bytes of a partial record at the buffer's start
         self.last = 0
+        self.read_up_to = 0
         self.is_closed = False  # the peer sent CLOSED
         self.is_sync_requested = False  # the peer sent SYNC and has no answer yet
         self.is_eof = False
@@ -80,6 +87,8 @@ class Positions:
                 self.is_closed = True
             elif value == SYNC:
                 self.is_sync_requested = True
+            elif value & READ_FLAG:
+                self.read_up_to = max(self.read_up_to, value & ~READ_FLAG)
             else:
                 self.last = max(self.last, value)
         self._pending = end - whole

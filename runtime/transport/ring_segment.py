@@ -1,7 +1,11 @@
 """The mapped segment of one ring and what its bytes hold: a 4 KiB header
-page (magic, version, capacity; a closed flag), then `capacity` data bytes that carry frames
-(a 16-byte prefix: magic, header length, payload length; the header; the
-payload), wrapping around; and the byte copies in and out of it."""
+page (magic, version, capacity; a closed flag), then `capacity` data bytes that
+carry frames, wrapping around: a 16-byte prefix (magic, header length and the
+padding after the header, payload length), the header, up to 63 padding bytes
+so the payload starts on a 64-byte boundary, the payload. A skip frame (its
+own magic) fills the ring's end when a large payload would not fit there
+whole, so such payloads lie in one piece that the consumer may view in place.
+And the byte copies in and out of the segment."""
 
 from __future__ import annotations
 
@@ -14,22 +18,49 @@ import torch
 
 from .ring_errors import RingError
 
-__all__ = ["HEADER_PAGE", "SEGMENT_MAGIC", "VERSION", "SEGMENT_HEADER", "FRAME_MAGIC", "FRAME",
-           "MAX_HEADER_BYTES", "GIL_FREE_COPY_BYTES", "Segment", "copy_bytes", "device_bytes",
-           "host_bytes", "is_marked_closed"]
+__all__ = ["HEADER_PAGE", "SEGMENT_MAGIC", "VERSION", "SEGMENT_HEADER", "FRAME_MAGIC",
+           "SKIP_MAGIC", "FRAME", "PAYLOAD_ALIGN", "LENDABLE_BYTES", "frame_header_field",
+           "split_header_field", "payload_padding", "MAX_HEADER_BYTES", "GIL_FREE_COPY_BYTES",
+           "Segment", "copy_bytes", "device_bytes", "host_bytes", "is_marked_closed"]
 
 HEADER_PAGE = 4096
 SEGMENT_MAGIC = 0x5350_4C49_5452_494E  # "SPLITRIN"
-VERSION = 1
+VERSION = 2
 SEGMENT_HEADER = struct.Struct("<QIQ")   # magic, version, capacity
 # The producer sets this word before it closes any socket, so a consumer whose
 # attach fails can tell an orderly close from a producer that died.
 CLOSED_FLAG_OFFSET = 64
 CLOSED_FLAG = struct.Struct("<I")
 FRAME_MAGIC = 0x5352_4E47              # "SRNG"
-FRAME = struct.Struct("<IIQ")          # magic, header bytes, payload bytes
+SKIP_MAGIC = 0x534B_4950               # "SKIP": the rest of the ring is unused
+FRAME = struct.Struct("<IIQ")          # magic, header bytes | padding << 25, payload bytes
+# Payloads start at multiples of this in the ring (so every dtype viewed in
+# place is aligned, and vector loads start on a cache line).
+PAYLOAD_ALIGN = 64
+_PAD_SHIFT = 25  # the header's length takes the low 25 bits (MAX_HEADER_BYTES = 2**24)
+# Payloads at least this large (and at most half the ring, with their frame)
+# lie in one piece, never wrapping: the consumer may lend them out in place.
+LENDABLE_BYTES = 1 << 20
 # A header (the transport's envelope) larger than this is refused as corrupt.
 MAX_HEADER_BYTES = 16 << 20
+
+
+def frame_header_field(header_bytes: int, padding: int) -> int:
+    """The prefix's second field: the header's length and the padding after it."""
+    return header_bytes | padding << _PAD_SHIFT
+
+
+def split_header_field(field: int) -> tuple[int, int]:
+    """(header bytes, padding bytes) of a prefix's second field."""
+    return field & ((1 << _PAD_SHIFT) - 1), field >> _PAD_SHIFT
+
+
+def payload_padding(position: int) -> int:
+    """Padding bytes that move a payload from ring offset `position` to the next
+    `PAYLOAD_ALIGN` boundary (capacities are multiples of it)."""
+    return -position % PAYLOAD_ALIGN
+
+
 # Pieces at least this large are copied by torch, which lets go of the GIL
 # while it copies (a memoryview assignment holds it): a server's readers of
 # two workers' rings copy at once, and the main thread runs meanwhile.

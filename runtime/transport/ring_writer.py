@@ -19,11 +19,16 @@ from .ring_segment import (
     FRAME,
     FRAME_MAGIC,
     HEADER_PAGE,
+    LENDABLE_BYTES,
     MAX_HEADER_BYTES,
+    PAYLOAD_ALIGN,
+    SKIP_MAGIC,
     Segment,
     copy_bytes,
     device_bytes,
+    frame_header_field,
     host_bytes,
+    payload_padding,
 )
 
 __all__ = ["RingSettings", "RingWriter"]
@@ -60,9 +65,9 @@ class RingWriter:
                  settings: RingSettings | None = None, directory: str = SHM_DIR) -> None:
         self.settings = settings or RingSettings()
         self.capacity = self.settings.capacity_bytes
-        if self.capacity < _SMALLEST_RING or self.capacity % 8:
-            raise RingError(f"ring capacity {self.capacity}: need a multiple of 8 of at "
-                            f"least {_SMALLEST_RING} bytes")
+        if self.capacity < _SMALLEST_RING or self.capacity % PAYLOAD_ALIGN:
+            raise RingError(f"ring capacity {self.capacity}: need a multiple of "
+                            f"{PAYLOAD_ALIGN} of at least {_SMALLEST_RING} bytes")
         self.name = name
         self._tag = f"[{owner}] ring to {peer}"
         self.peer = peer
@@ -185,27 +190,53 @@ class RingWriter:
         views = [view if isinstance(view, torch.Tensor) or (view.format == "B" and view.ndim == 1)
                  else view.cast("B") for view in views]
         payload_bytes = sum(view.nbytes for view in views)
-        total = FRAME.size + len(header) + payload_bytes
-        start = self._head % self.capacity
+        capacity = self.capacity
+        start = self._head % capacity
+        padding = payload_padding(start + FRAME.size + len(header))
+        total = FRAME.size + len(header) + padding + payload_bytes
+        if (payload_bytes >= LENDABLE_BYTES and start + total > capacity
+                and total <= capacity // 2 and capacity - start >= FRAME.size):
+            # A payload the consumer may view in place lies in one piece: skip
+            # the ring's end (at most half a ring of such a payload is wasted).
+            self._skip_to_ring_start(deadline)
+            start = 0
+            padding = payload_padding(FRAME.size + len(header))
+            total = FRAME.size + len(header) + padding + payload_bytes
+        prefix = FRAME.pack(FRAME_MAGIC, frame_header_field(len(header), padding),
+                            payload_bytes)
         has_device = any(isinstance(view, torch.Tensor) for view in views)
-        if (not has_device and total <= self.capacity - (self._head - self._tails.last)
-                and start + total <= self.capacity and total <= self.capacity // 4):
+        if (not has_device and total <= capacity - (self._head - self._tails.last)
+                and start + total <= capacity and total <= capacity // 4):
             # The common small message: room for all of it without wrapping.
             data = self._segment.data
-            FRAME.pack_into(data, start, FRAME_MAGIC, len(header), payload_bytes)
             at = start + FRAME.size
+            data[start:at] = prefix
             data[at:at + len(header)] = header
-            at += len(header)
+            at += len(header) + padding
             for view in views:
                 copy_bytes(data[at:at + view.nbytes], view)
                 at += view.nbytes
             self._head += total
         else:
-            self._write(memoryview(FRAME.pack(FRAME_MAGIC, len(header), payload_bytes)
-                                   + header), deadline)
+            self._write(memoryview(prefix + header), deadline)
+            self._advance(padding, deadline)
             for view in views:
                 self._write(view, deadline)
         self._publish(deadline)
+
+    def _skip_to_ring_start(self, deadline: float) -> None:
+        """A skip frame over the rest of the ring (its bytes are not written)."""
+        gap = self.capacity - self._head % self.capacity
+        self._wait_for_room(deadline, gap)
+        start = self._head % self.capacity
+        FRAME.pack_into(self._segment.data, start, SKIP_MAGIC, 0, gap - FRAME.size)
+        self._head += gap
+
+    def _advance(self, n: int, deadline: float) -> None:
+        """Count `n` bytes (padding, not written) as written, once there is room."""
+        if n:
+            self._wait_for_room(deadline, n)
+            self._head += n
 
     def _write(self, view: memoryview | torch.Tensor, deadline: float) -> None:
         capacity = self._segment.capacity
@@ -245,10 +276,14 @@ class RingWriter:
         except OSError as exc:
             raise self._gone() from exc
 
-    def _wait_for_room(self, deadline: float) -> None:
-        self._wait_tail(lambda: self.capacity - (self._head - self._tails.last) > 0, deadline,
-                        lambda: f"no room in the ring for {self.capacity} bytes of waiting "
-                                f"data past the deadline; {self.peer} does not read")
+    def _wait_for_room(self, deadline: float, n: int = 1) -> None:
+        """Wait until `n` bytes of the ring are free (the consumer has read, and
+        released what it viewed in place)."""
+        self._wait_tail(lambda: self.capacity - (self._head - self._tails.last) >= n, deadline,
+                        lambda: f"no room in the ring past the deadline: {self.peer} "
+                                f"neither reads nor releases the "
+                                f"{self._head - self._tails.last} of its {self.capacity} "
+                                f"bytes it holds")
 
     def wait_consumed(self, timeout_s: float) -> None:
         """Wait until the consumer has read every message sent so far (a flush):
@@ -256,13 +291,17 @@ class RingWriter:
         nothing left to read. `RingPeerGone` if it dies meanwhile."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            if self._conn is None or self._is_closed or self._head == self._tails.last:
+            if self._conn is None or self._is_closed or self._read_up_to() == self._head:
                 return
             self._send_record(SYNC, deadline)
-            self._wait_tail(lambda: self._tails.last >= self._head, deadline,
+            self._wait_tail(lambda: self._read_up_to() >= self._head, deadline,
                             lambda: f"{self.peer} has not read the last "
-                                    f"{self._head - self._tails.last} bytes within "
+                                    f"{self._head - self._read_up_to()} bytes within "
                                     f"{timeout_s:g} s; is it stuck?")
+
+    def _read_up_to(self) -> int:
+        """How far the consumer has read (free bytes are read; lent ones too)."""
+        return max(self._tails.last, self._tails.read_up_to)
 
     def _wait_tail(self, done, deadline: float, why_late) -> None:
         """Read the consumer's tail reports until `done()`; `RingPeerGone` if it

@@ -17,13 +17,16 @@ stays on gRPC. `kind_of(peer)` says which, and the choice is logged.
 Receiving. A thread per incoming ring attaches to it, reads each message's
 envelope, checks it with the same `find_contract` / `check_message` as the
 gRPC path, copies the payload into a pooled `MessageBuffer` (one copy) and
-puts it in the mailbox. A refused message is skipped and its refusal sent to
-the sender over gRPC (channel `@shm-refused:<receiver>`), which fails the
-sender's transport as a gRPC refusal would; it never reaches the mailbox. A
-ring whose writer dies (end-of-file without a close) fails this transport
-with an error naming that peer, unless the job's failure arrives first (within
-`peer_gone_grace_s`): then the peer exited because of it, and saying it died
-would hide the cause.
+puts it in the mailbox. A large message on a `lendable` channel (the last one
+from its sender in this process's step) is not copied: its tensors view the
+ring itself (`RingReader.lend_payload`) until the executor drops them, at most
+half a ring at a time; `is_lent` tells the executor which tensors those are.
+A refused message is skipped and its refusal sent to the sender over gRPC
+(channel `@shm-refused:<receiver>`), which fails the sender's transport as a
+gRPC refusal would; it never reaches the mailbox. A ring whose writer dies
+(end-of-file without a close) fails this transport with an error naming that
+peer, unless the job's failure arrives first (within `peer_gone_grace_s`):
+then the peer exited because of it, and saying it died would hide the cause.
 
 Files. Rings are unlinked as soon as both ends hold them; the marker when the
 transport closes. A process SIGKILLed leaves its marker (and rings nobody
@@ -54,6 +57,7 @@ from .contract import ChannelContract, check_message, find_contract, refusal_pre
 from .framing import EnvelopeWriter, is_step_free, parse_envelope, specs_from_envelope, split_step
 from .grpc import GrpcTransport
 from .keys import MessageKey
+from .ring_segment import LENDABLE_BYTES
 from .shm_ring import (
     SHM_DIR,
     RingAttachTimeout,
@@ -105,8 +109,9 @@ class TransportChoice(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class ShmSettings:
     # Data bytes of each ring (one per direction of each same-host pair);
-    # larger messages stream through it in pieces.
-    ring_bytes: int = 32 << 20
+    # larger messages stream through it in pieces, and messages up to half of
+    # it may be lent in place (a parameter server's 27 MB in the benchmark).
+    ring_bytes: int = 64 << 20
     # Bounds the wait for a peer to create or attach to a ring.
     attach_timeout_s: float = 30.0
     # Bounds a send blocked on a full ring (the peer does not read).
@@ -193,7 +198,7 @@ class _IncomingRing:
         reader = self.reader
         timeout = owner.settings.message_timeout_s
         try:
-            key, layout = self._check(endpoint, header)
+            key, layout, lendable = self._check(endpoint, header)
             if layout.total_bytes != nbytes:
                 raise MessageRejected(
                     f"{owner.tag} refused {key} from {self.peer.describe()}: the envelope "
@@ -202,15 +207,27 @@ class _IncomingRing:
             reader.discard_payload(timeout)
             self._refuse(str(exc))
             return
-        buffer = MessageBuffer(layout, endpoint.pool)
-        buffer.fill(lambda view: reader.recv_payload_part_into(view, timeout))
+        tensors = None
+        if (lendable and nbytes >= LENDABLE_BYTES and layout.is_viewable_on_wire
+                and reader.lent_bytes + nbytes <= reader.capacity // 2):
+            # Viewed in the ring, no copy: the executor drops these within the
+            # step, and at most half the ring is lent, so the sender always has
+            # room to go on with the next step.
+            wire = reader.lend_payload(timeout)
+            if wire is not None:
+                tensors = layout.views_on_wire(wire)
+        if tensors is None:
+            buffer = MessageBuffer(layout, endpoint.pool)
+            buffer.fill(lambda view: reader.recv_payload_part_into(view, timeout))
+            tensors = buffer.tensors()
         try:
-            endpoint.mailbox.put(key, self.peer, buffer.tensors())
+            endpoint.mailbox.put(key, self.peer, tensors)
         except MessageRejected as exc:
             self._refuse(str(exc))
 
-    def _check(self, endpoint, header: bytes) -> tuple[MessageKey, MessageLayout]:
-        """The message's key and buffer layout, or `MessageRejected` saying why not."""
+    def _check(self, endpoint, header: bytes) -> tuple[MessageKey, MessageLayout, bool]:
+        """The message's key, buffer layout and whether its channel is lendable,
+        or `MessageRejected` saying why not."""
         contracts = endpoint.contracts
         table = contracts.table
         if table is None:
@@ -225,8 +242,8 @@ class _IncomingRing:
         if split is not None:
             known = self._known.get(split[1].tobytes())
             if known is not None:
-                layout, incarnation, channel = known
-                return MessageKey(incarnation, split[0], channel), layout
+                layout, incarnation, channel, lendable = known
+                return MessageKey(incarnation, split[0], channel), layout, lendable
         envelope = parse_envelope(view)
         key = MessageKey(envelope.incarnation, envelope.step, envelope.channel)
         via = f"shared memory from {self.peer.describe()}"
@@ -249,8 +266,9 @@ class _IncomingRing:
         if split is not None and split[0] == envelope.step and is_step_free(split[1]):
             if len(self._known) >= _MAX_KNOWN_ENVELOPES:
                 self._known = {}
-            self._known[split[1].tobytes()] = (layout, envelope.incarnation, envelope.channel)
-        return key, layout
+            self._known[split[1].tobytes()] = (layout, envelope.incarnation, envelope.channel,
+                                               contract.lendable)
+        return key, layout, contract.lendable
 
     def _refuse(self, why: str) -> None:
         """Log a refusal and tell the sender (over gRPC), so that it fails."""
@@ -511,6 +529,11 @@ class ShmTransport:
              control=None) -> list[torch.Tensor]:
         return self.grpc.recv(src, key, timeout_s, control)
 
+    def is_lent(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` views an incoming ring (a payload lent in place)."""
+        return any(ring.reader is not None and ring.reader.holds_memory_of(tensor)
+                   for ring in list(self._incoming.values()))
+
     def abort(self, error: BaseException) -> None:
         if self._abort_error is None:
             self._abort_error = error
@@ -560,6 +583,11 @@ class ShmTransport:
                                "mapping open", self.tag, ring.peer.describe())
             elif ring.reader is not None:
                 ring.reader.close()
+        readers = [ring.reader for ring in incoming if ring.reader is not None]
+        if readers:
+            logger.info("%s shared memory: received %d messages, %d of them lent in place",
+                        self.tag, sum(r.num_received for r in readers),
+                        sum(r.num_lent for r in readers))
         if self._marker is not None:
             try:
                 os.unlink(self._marker)

@@ -209,6 +209,9 @@ class GrpcTransport:
                 self._error_raised = True
             raise
 
+    def is_lent(self, tensor: torch.Tensor) -> bool:
+        return False  # received tensors own their (pooled) buffers
+
     def abort(self, error: BaseException) -> None:
         """Wake every pending receive of this process with `error`."""
         self._endpoint.mailbox.abort(error)
