@@ -43,6 +43,7 @@ class ENV:
     NUM_SERVERS = "SPLITRUN_NUM_SERVERS"
     TRANSPORT = "SPLITRUN_TRANSPORT"      # auto (default) | grpc | shm: see TransportChoice
     SHM_PREFIX = "SPLITRUN_SHM_PREFIX"    # the job's shared-memory prefix (the launcher's)
+    SHM_RING_MB = "SPLITRUN_SHM_RING_MB"  # MiB of each same-host ring (default 64; yours)
     CHECKPOINT_EVERY = "SPLITRUN_CHECKPOINT_EVERY"  # workers save every K steps...
     CHECKPOINT_DIR = "SPLITRUN_CHECKPOINT_DIR"      # ...into this directory
     RESTART_FROM = "SPLITRUN_RESTART_FROM"  # a restarted job resumes from this checkpoint
@@ -75,6 +76,7 @@ class ProcessEnvironment:
     threads: int | None            # intra-op threads the launcher budgeted, if any
     transport: str = "auto"        # SPLITRUN_TRANSPORT, checked by TransportChoice.parse
     shm_prefix: str | None = None  # None: no shared memory (no launcher gave a prefix)
+    shm_ring_mb: int | None = None  # None: ShmSettings' default
     checkpoint_every: int | None = None  # save every K steps (splitrun launch --checkpoint-every)
     checkpoint_dir: str | None = None
     restart_from: str | None = None      # a restarted job's checkpoint
@@ -109,6 +111,10 @@ class ProcessEnvironment:
         if identity is not None:
             _check_identity_alone(environ, identity)
             scheduler, role, rank = identity.scheduler, identity.label.role, identity.label.rank
+        shm_ring_mb = _integer(environ, ENV.SHM_RING_MB)
+        if shm_ring_mb is not None and shm_ring_mb < 1:
+            raise ClusterError(f"{ENV.SHM_RING_MB}={shm_ring_mb}: each ring needs at least 1 "
+                               f"MiB (the default is 64)")
         local_rank = _integer(environ, ENV.LOCAL_RANK)
         if local_rank is None:
             local_rank = identity.local_rank if identity is not None else _foreign_local_rank(
@@ -126,7 +132,7 @@ class ProcessEnvironment:
                                  _integer(environ, ENV.NUM_SERVERS) or 0),
             threads=_integer(environ, ENV.THREADS),
             transport=environ.get(ENV.TRANSPORT, "") or "auto",
-            shm_prefix=environ.get(ENV.SHM_PREFIX) or None,
+            shm_prefix=environ.get(ENV.SHM_PREFIX) or None, shm_ring_mb=shm_ring_mb,
             checkpoint_every=_integer(environ, ENV.CHECKPOINT_EVERY),
             checkpoint_dir=environ.get(ENV.CHECKPOINT_DIR) or None,
             restart_from=environ.get(ENV.RESTART_FROM) or None,

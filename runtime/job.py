@@ -45,7 +45,7 @@ from .state_gather import control_channels
 from .trainer import Trainer
 from .transport.contract import receive_contracts
 from .transport.grpc import GrpcTransport
-from .transport.shm_transport import ShmTransport, TransportChoice
+from .transport.shm_transport import ShmSettings, ShmTransport, TransportChoice
 
 __all__ = ["Job", "Trainer", "JobSettings", "ENV", "PlanWritten", "report_uncaught",
            "pick_device"]
@@ -122,7 +122,9 @@ class Job(JobMember):
         transport = ShmTransport(
             GrpcTransport(provisional, token=env.token, incarnation=0, host=env.host, port=0,
                           tls=env.tls),
-            prefix=shm_prefix, choice=choice)
+            prefix=shm_prefix, choice=choice,
+            settings=(ShmSettings() if env.shm_ring_mb is None
+                      else ShmSettings(ring_bytes=env.shm_ring_mb << 20)))
         bound = transport.start()
         port = bound.rsplit(":", 1)[1]
         host = advertised_host(env)

@@ -111,6 +111,16 @@ def test_a_named_scheduler_wins_over_the_launchers_variables():
     assert (parsed.role.value, parsed.local_rank) == ("server", 3)
 
 
+def test_the_ring_size_is_read_and_a_bad_one_is_named():
+    env = {"SPLITRUN_SCHEDULER": "127.0.0.1:5"}
+    assert ProcessEnvironment.parse(env).shm_ring_mb is None
+    assert ProcessEnvironment.parse({**env, "SPLITRUN_SHM_RING_MB": "8"}).shm_ring_mb == 8
+    with pytest.raises(ClusterError, match=r"SPLITRUN_SHM_RING_MB=0: each ring needs at least"):
+        ProcessEnvironment.parse({**env, "SPLITRUN_SHM_RING_MB": "0"})
+    with pytest.raises(ClusterError, match=r"SPLITRUN_SHM_RING_MB='big' is not an integer"):
+        ProcessEnvironment.parse({**env, "SPLITRUN_SHM_RING_MB": "big"})
+
+
 # -- the GPU of the local rank -------------------------------------------------------------
 
 @pytest.mark.parametrize("text, local_rank, expected", [
