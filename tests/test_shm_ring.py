@@ -285,24 +285,15 @@ def test_tensors_of_every_kind_round_trip(prefix):
         writer.close()
 
 
-def test_closing_before_the_first_send_reads_as_closed_not_dead(prefix):
+@pytest.mark.parametrize("seen", [True, False], ids=["told", "connect-not-seen"])
+def test_closing_before_the_first_send_reads_as_closed_not_dead(prefix, monkeypatch, seen):
     # The consumer has connected (it waits in the listener's backlog) when the
     # producer closes without ever sending: an orderly close, not a death.
-    writer = RingWriter(prefix, "w7-s0", owner="worker 7", peer="server 0",
-                        settings=RingSettings(capacity_bytes=SMALL_RING))
-    reader = attach(prefix)
-    writer.close()
-    with pytest.raises(RingClosed, match="worker 7 closed the ring after 0 messages"):
-        reader.recv_header(RECV_S)
-    reader.close()
-
-
-def test_a_connect_the_closing_producer_never_accepted_reads_as_closed(prefix, monkeypatch):
-    # The consumer's connect lands in the backlog just after the closing
-    # producer looked there (CI saw this window): the listener's close resets
-    # the connection without a CLOSED record, and only the segment's closed
-    # flag tells the orderly close from a death.
-    monkeypatch.setattr(RingWriter, "_tell_waiting_consumer", lambda self: None)
+    # Not seen: the connect lands just after the closing producer looked at its
+    # backlog (CI saw this window); the listener's close resets it without a
+    # CLOSED record, and only the segment's closed flag tells it from a death.
+    if not seen:
+        monkeypatch.setattr(RingWriter, "_tell_waiting_consumer", lambda self: None)
     writer = RingWriter(prefix, "w7-s0", owner="worker 7", peer="server 0",
                         settings=RingSettings(capacity_bytes=SMALL_RING))
     reader = attach(prefix)
@@ -366,78 +357,84 @@ def pattern(seed: int, nbytes: int = LENT) -> bytes:
     return torch.full((nbytes,), seed, dtype=torch.uint8).numpy().tobytes()
 
 
-def sender(writer, payloads):
-    """Sends each payload from a thread (a send blocks while the ring is full);
-    `done` is set once all went in."""
-    done, errors = threading.Event(), []
+class LendRing:
+    """Both ends of a 4 MiB ring in this process; `send_in_background` sends
+    from a thread (a send blocks while the ring is full)."""
 
-    def run():
-        try:
-            for index, payload in enumerate(payloads):
-                writer.send(b"m%d" % index, [memoryview(payload)], RECV_S)
-        except Exception as exc:  # noqa: BLE001 - the test reports it
-            errors.append(exc)
-        done.set()
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return done, errors, thread
+    def __init__(self, prefix):
+        self.writer = RingWriter(prefix, "w0-s0", owner="worker 0", peer="server 0",
+                                 settings=RingSettings(capacity_bytes=LEND_RING))
+        self.reader = RingReader.attach(prefix, "w0-s0", owner="server 0", peer="worker 0")
+        self.threads = []
 
+    def send_in_background(self, payloads):
+        """`done` is set once every payload went in; `errors` holds a failure."""
+        done, errors = threading.Event(), []
 
-def test_a_lent_payload_is_the_ring_itself_and_its_room_waits_for_its_release(prefix):
-    writer = RingWriter(prefix, "w0-s0", owner="worker 0", peer="server 0",
-                        settings=RingSettings(capacity_bytes=LEND_RING))
-    reader = RingReader.attach(prefix, "w0-s0", owner="server 0", peer="worker 0")
-    done, errors, thread = sender(writer, [pattern(1), pattern(2), pattern(3)])
-    try:
-        assert reader.recv_header(RECV_S) == (b"m0", LENT)
-        lent = reader.lend_payload(RECV_S)
-        view = lent[1000:].view(torch.int32)  # a view of a view holds it too
-        assert reader.holds_memory_of(view) and reader.lent_bytes == LENT
-        del lent
-        assert reader.recv_header(RECV_S) == (b"m1", LENT)
-        copy = bytearray(LENT)
-        reader.recv_payload_into(memoryview(copy), RECV_S)
-        assert copy == pattern(2)
-        # 1.5 + 1.5 + 1.5 MiB do not fit in 4 MiB while the first is lent: the
-        # third send waits for its room, and the lent bytes stay as sent.
-        assert not done.wait(0.5)
-        assert bytes(view.view(torch.uint8).numpy()) == pattern(1)[1000:]
-        del view  # the last tensor on it: released, the producer goes on
-        assert done.wait(RECV_S) and not errors
-        assert reader.recv_header(RECV_S) == (b"m2", LENT)
-        assert bytes(reader.lend_payload(RECV_S).numpy()) == pattern(3)
-        assert reader.lent_bytes == 0 and reader.num_lent == 2
-    finally:
-        thread.join(RECV_S)
-        reader.close()
-        writer.close()
+        def run():
+            try:
+                for index, payload in enumerate(payloads):
+                    self.writer.send(b"m%d" % index, [memoryview(payload)], RECV_S)
+            except Exception as exc:  # noqa: BLE001 - the test reports it
+                errors.append(exc)
+            done.set()
+        self.threads.append(threading.Thread(target=run, daemon=True))
+        self.threads[-1].start()
+        return done, errors
+
+    def close(self):
+        self.writer.close()
+        for thread in self.threads:
+            thread.join(RECV_S)
+        self.reader.close()
 
 
-def test_a_large_payload_skips_the_rings_end_to_lie_in_one_piece(prefix):
-    writer = RingWriter(prefix, "w0-s0", owner="worker 0", peer="server 0",
-                        settings=RingSettings(capacity_bytes=LEND_RING))
-    reader = RingReader.attach(prefix, "w0-s0", owner="server 0", peer="worker 0")
+@pytest.fixture
+def ring(prefix):
+    ring = LendRing(prefix)
+    yield ring
+    ring.close()
+
+
+def test_a_lent_payload_is_the_ring_itself_and_its_room_waits_for_its_release(ring):
+    reader = ring.reader
+    done, errors = ring.send_in_background([pattern(1), pattern(2), pattern(3)])
+    assert reader.recv_header(RECV_S) == (b"m0", LENT)
+    lent = reader.lend_payload(RECV_S)
+    view = lent[1000:].view(torch.int32)  # a view of a view holds it too
+    assert reader.holds_memory_of(view) and reader.lent_bytes == LENT
+    del lent
+    assert reader.recv_header(RECV_S) == (b"m1", LENT)
+    copy = bytearray(LENT)
+    reader.recv_payload_into(memoryview(copy), RECV_S)
+    assert copy == pattern(2)
+    # 1.5 + 1.5 + 1.5 MiB do not fit in 4 MiB while the first is lent: the
+    # third send waits for its room, and the lent bytes stay as sent.
+    assert not done.wait(0.5)
+    assert bytes(view.view(torch.uint8).numpy()) == pattern(1)[1000:]
+    del view  # the last tensor on it: released, the producer goes on
+    assert done.wait(RECV_S) and not errors
+    assert reader.recv_header(RECV_S) == (b"m2", LENT)
+    assert bytes(reader.lend_payload(RECV_S).numpy()) == pattern(3)
+    assert reader.lent_bytes == 0 and reader.num_lent == 2
+
+
+def test_a_large_payload_skips_the_rings_end_to_lie_in_one_piece(ring):
+    reader = ring.reader
     # 3 MiB first (over half the ring: streamed), so 1.5 MiB more would wrap.
-    done, errors, thread = sender(writer, [pattern(7, 3 << 20), pattern(8)])
-    try:
-        header, nbytes = reader.recv_header(RECV_S)
-        reader.recv_payload_into(memoryview(bytearray(nbytes)), RECV_S)
-        assert reader.recv_header(RECV_S) == (b"m1", LENT)
-        lent = reader.lend_payload(RECV_S)
-        assert lent is not None, "the payload wrapped around the ring's end"
-        assert lent.data_ptr() % 64 == 0 and bytes(lent.numpy()) == pattern(8)
-        del lent
-        assert done.wait(RECV_S) and not errors
-    finally:
-        thread.join(RECV_S)
-        reader.close()
-        writer.close()
+    done, errors = ring.send_in_background([pattern(7, 3 << 20), pattern(8)])
+    header, nbytes = reader.recv_header(RECV_S)
+    reader.recv_payload_into(memoryview(bytearray(nbytes)), RECV_S)
+    assert reader.recv_header(RECV_S) == (b"m1", LENT)
+    lent = reader.lend_payload(RECV_S)
+    assert lent is not None, "the payload wrapped around the ring's end"
+    assert lent.data_ptr() % 64 == 0 and bytes(lent.numpy()) == pattern(8)
+    del lent
+    assert done.wait(RECV_S) and not errors
 
 
-def test_a_flush_waits_for_reading_not_for_lent_payloads_and_close_keeps_them(prefix):
-    writer = RingWriter(prefix, "w0-s0", owner="worker 0", peer="server 0",
-                        settings=RingSettings(capacity_bytes=LEND_RING))
-    reader = RingReader.attach(prefix, "w0-s0", owner="server 0", peer="worker 0")
+def test_a_flush_waits_for_reading_not_for_lent_payloads_and_close_keeps_them(ring):
+    reader, writer = ring.reader, ring.writer
     writer.send(b"m0", [memoryview(pattern(5))], RECV_S)
     received = []
 
@@ -446,17 +443,13 @@ def test_a_flush_waits_for_reading_not_for_lent_payloads_and_close_keeps_them(pr
         received.append(reader.lend_payload(RECV_S))
         with pytest.raises(RingClosed):  # waits here, answering the flush
             reader.recv_header(RECV_S)
-    thread = threading.Thread(target=consume, daemon=True)
-    thread.start()
-    try:
-        # Read and kept: a flush is done (a message the consumer holds on to
-        # for a while must not stall a sender's flush).
-        writer.wait_consumed(RECV_S)
-        assert len(received) == 1
-    finally:
-        writer.close()
-        thread.join(RECV_S)
-    reader.close()
+    ring.threads.append(threading.Thread(target=consume, daemon=True))
+    ring.threads[-1].start()
+    # Read and kept: a flush is done (a message the consumer holds on to for
+    # a while must not stall a sender's flush).
+    writer.wait_consumed(RECV_S)
+    assert len(received) == 1
+    ring.close()
     # Closed, yet the mapping stays until the last lent tensor is gone.
     assert bytes(received[0].numpy()) == pattern(5)
     received.clear()
