@@ -453,3 +453,20 @@ def test_a_flush_waits_for_reading_not_for_lent_payloads_and_close_keeps_them(ri
     # Closed, yet the mapping stays until the last lent tensor is gone.
     assert bytes(received[0].numpy()) == pattern(5)
     received.clear()
+
+
+def test_a_full_shared_memory_directory_is_named_with_what_to_do(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a 1 MiB tmpfs needs root")
+    small = tmp_path / "small-shm"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        with pytest.raises(RingError, match=r"cannot allocate \d+ bytes .* is .*small-shm "
+                                            r"full\? .*SPLITRUN_SHM_RING_MB=N makes them "
+                                            r"smaller, SPLITRUN_TRANSPORT=grpc uses none"):
+            RingWriter(new_job_prefix(), "w0-s0", owner="worker 0", peer="server 0",
+                       settings=RingSettings(capacity_bytes=4 << 20), directory=str(small))
+        assert os.listdir(small) == [], "a failed ring left its files"
+    finally:
+        subprocess.run(["umount", str(small)], check=True)

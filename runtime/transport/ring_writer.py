@@ -89,8 +89,9 @@ class RingWriter:
             except OSError as exc:
                 raise RingError(
                     f"{self._tag}: cannot allocate {HEADER_PAGE + self.capacity} bytes "
-                    f"for {self.ring_path}: {exc.strerror}; is {directory} full? (a "
-                    f"smaller RingSettings.capacity_bytes needs less)") from None
+                    f"for {self.ring_path}: {exc.strerror}; is {directory} full? (each "
+                    f"same-host pair of processes maps two rings: SPLITRUN_SHM_RING_MB=N "
+                    f"makes them smaller, SPLITRUN_TRANSPORT=grpc uses none)") from None
             self._segment = Segment(fd, self.capacity)
         except BaseException:
             os.close(fd)
