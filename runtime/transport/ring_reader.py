@@ -278,9 +278,11 @@ class RingReader:
 
     def holds_memory_of(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` views this ring's memory (a lent payload)."""
-        if tensor.device.type != "cpu":
-            return False
-        address = tensor.untyped_storage().data_ptr()
+        return (tensor.device.type == "cpu"
+                and self.holds_address(tensor.untyped_storage().data_ptr()))
+
+    def holds_address(self, address: int) -> bool:
+        """Whether `address` (a CPU tensor's storage) lies in this ring's memory."""
         return self._segment.address <= address < self._segment.address + self.capacity
 
     def _release(self, position: int) -> None:
