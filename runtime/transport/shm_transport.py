@@ -228,10 +228,8 @@ class _IncomingRing:
     def _check(self, endpoint, header: bytes) -> tuple[MessageKey, MessageLayout, bool]:
         """The message's key, buffer layout and whether its channel is lendable,
         or `MessageRejected` saying why not."""
-        contracts = endpoint.contracts
-        table = contracts.table
-        if table is None:
-            table = contracts.wait(endpoint.settings.expect_timeout_s)
+        # Returns at once once `expect` has run; a message that came first waits.
+        table = endpoint.contracts.wait(endpoint.settings.expect_timeout_s)
         known_for = self._known_for
         if known_for is None or known_for[0] is not endpoint or known_for[1] is not table:
             # Envelopes checked against another table or identity prove nothing.

@@ -110,10 +110,8 @@ class _Receiver:
 
     def _table(self, endpoint: Endpoint) -> Mapping[str, ChannelContract] | None:
         """The contract table, waiting for `expect` if a message came first."""
-        contracts = endpoint.contracts
-        table = contracts.table
-        if table is None:
-            table = contracts.wait(endpoint.settings.expect_timeout_s)
+        # Returns at once once `expect` has run; a message that came first waits.
+        table = endpoint.contracts.wait(endpoint.settings.expect_timeout_s)
         valid_for = self._valid_for
         if valid_for is None or valid_for[0] is not endpoint or valid_for[1] is not table:
             self._valid_for = (endpoint, table)
