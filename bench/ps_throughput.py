@@ -19,8 +19,9 @@ With --two-hosts RATE_MBIT ... (root), the distributed runs also go across
 two simulated hosts (bench/hosts.py: network namespaces joined by a veth
 shaped to each rate): the server (and splitrun's scheduler, or the RPC
 rendezvous) on host a, both workers on host b. splitrun is started with
-`splitrun scheduler` / `splitrun join` as on two machines; TensorPipe talks TCP
-between the namespaces (its shared-memory channels need one namespace).
+`splitrun scheduler` / `splitrun join` as on two machines; TensorPipe is held to
+TCP (its shared-memory and cross-memory-attach channels would otherwise carry
+the tensors between the namespaces, around the shaped link).
 
 With --profile-dir DIR, one more splitrun run over shared memory is
 profiled: worker 0's and server 0's steps after the warm-up under
@@ -30,7 +31,7 @@ rest) from the executor's counters; the tables go to DIR.
 
     python bench/ps_throughput.py [--steps 40] [--repeats 3] [--quick]
                                   [--two-hosts 1000 10000 [--two-hosts-only]]
-                                  [--profile-dir DIR]
+                                  [--profile-dir DIR] [--gradient-bucket-mb MB]
 """
 
 from __future__ import annotations
@@ -233,12 +234,16 @@ def _tutorial_trainer(rank: int, world: int, args, results) -> None:
         _report(results, args.steps / (time.perf_counter() - started))
 
 
-def _rpc_process(rank: int, world: int, init_method: str, args, results, tutorial: bool
-                 ) -> None:
+def _rpc_process(rank: int, world: int, init_method: str, args, results, tutorial: bool,
+                 tcp_only: bool = False) -> None:
     from torch.distributed import rpc
     torch.set_num_threads(1)
+    # Across the simulated hosts TensorPipe must use TCP ("uv", "basic"): its
+    # shared-memory and cross-memory-attach channels see one machine through
+    # the namespaces and would carry the tensors around the shaped link.
+    extra = {"_transports": ["uv"], "_channels": ["basic"]} if tcp_only else {}
     options = rpc.TensorPipeRpcBackendOptions(init_method=init_method,
-                                              rpc_timeout=RUN_TIMEOUT_S)
+                                              rpc_timeout=RUN_TIMEOUT_S, **extra)
     name = "ps" if rank == 0 else f"trainer{rank}"
     rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=options)
     if rank != 0 and tutorial:
@@ -303,7 +308,10 @@ def run_splitrun_job(args) -> None:
     shard = args.batch_size // job.cluster.num_workers
     program = capture(net, loss_fn, optim.SGD(lr=0.01, momentum=0.9),
                       (data[0][0][:shard], data[0][1][:shard]))
-    trainer = job.start(program, ParameterServerMode(), gather_state=False)
+    bucket = (None if args.gradient_bucket_mb is None
+              else max(1, int(args.gradient_bucket_mb * (1 << 20))))
+    trainer = job.start(program, ParameterServerMode(gradient_bucket_bytes=bucket),
+                        gather_state=False)
     profiler = None
     if args.profile_dir and job.label.rank == 0:  # worker 0 and server 0
         profiler = _StepProfiler(pathlib.Path(args.profile_dir), job.label.describe(),
@@ -411,9 +419,11 @@ class _StepProfiler:
 
 
 def _job_args(args, profile_dir: str | None = None) -> list[str]:
+    bucket_mb = args.gradient_bucket_mb
     return [str(HERE), "--job", "--steps", str(args.steps), "--width", str(args.width),
             "--batch-size", str(args.batch_size),
-            *(["--profile-dir", profile_dir] if profile_dir else [])]
+            *(["--profile-dir", profile_dir] if profile_dir else []),
+            *(["--gradient-bucket-mb", str(bucket_mb)] if bucket_mb is not None else [])]
 
 
 def run_splitrun(args, transport: str = "grpc", profile_dir: str | None = None) -> float:
@@ -524,6 +534,9 @@ def main() -> None:
     parser.add_argument("--profile-dir", default=None, metavar="DIR",
                         help="also profile one splitrun run over shared memory (worker 0's "
                              "and server 0's steps after the warm-up); tables go to DIR")
+    parser.add_argument("--gradient-bucket-mb", type=float, default=None, metavar="MB",
+                        help="splitrun sends gradients in buckets of MB as the backward "
+                             "makes them (ParameterServerMode(gradient_bucket_bytes=...))")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rpc-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rpc-init", default=None, help=argparse.SUPPRESS)
@@ -533,7 +546,8 @@ def main() -> None:
         run_splitrun_job(args)
         return
     if args.rpc_rank is not None:  # one process of an RPC run on a simulated host
-        _rpc_process(args.rpc_rank, 3, args.rpc_init, args, None, args.rpc_tutorial)
+        _rpc_process(args.rpc_rank, 3, args.rpc_init, args, None, args.rpc_tutorial,
+                     tcp_only=True)
         return
     if args.quick:
         args.steps = 10

@@ -76,6 +76,9 @@ class CacheArtifacts(ServerAssignment):
 class EmbeddingCacheMode(ParameterServerMode):
     kind = ModeKind.EMBEDDING_CACHE
 
+    def __init__(self) -> None:
+        super().__init__()  # gradients in one message a step (no buckets)
+
     def prebuild(self, program: Program, cluster: Cluster
                  ) -> tuple[Program, CacheArtifacts]:
         cached = program.cached_tables

@@ -10,7 +10,11 @@ then the mean.
 
 fuse: one message per (worker, server) per direction per step: parameters go
 out at step start (data-sync), gradients (and, from worker 0, the learning rate
-and step count) come back after the backward.
+and step count) come back after the backward. With `gradient_bucket_bytes`,
+gradients instead leave in buckets as the backward produces them (once a
+bucket holds that many bytes), and each server update runs as soon as its
+bucket is in: servers update while workers are still in their backward, as
+DDP overlaps its all-reduce with it. Same ops, same results; more messages.
 
 postbuild (plan): the template's schedule is given to every worker with its own
 channels; each server receives one copy of every gradient message per worker,
@@ -31,7 +35,7 @@ from torch import fx
 from .embedding_bags import is_bag_gradient
 from .errors import PlanError
 from .labels import ANY_SERVER, MODULE_ANNOTATION, Cluster, Label, Role
-from .modes import ChannelDraft, Edge, Mode, ModeArtifacts
+from .modes import ChannelDraft, Edge, Mode, ModeArtifacts, fuse_by_source_segment
 from .plan import Channel, ChannelKind, DataSync, Instruction, ModeKind, OpKind, SplitPlan
 from .program import InputKind, OutputKind, OutputSpec, Program, node_annotation, set_node_annotation
 from .sparse_optim import coalesce
@@ -79,7 +83,18 @@ class ServerAssignment(ModeArtifacts):
 
 
 class ParameterServerMode(Mode):
+    """`gradient_bucket_bytes`: None (the default) sends each worker's gradients
+    to a server in one message after the backward; N sends them in buckets of
+    at least N bytes as the backward produces them, each server updating as
+    its buckets come in (see the module's docstring)."""
+
     kind = ModeKind.PARAMETER_SERVER
+
+    def __init__(self, *, gradient_bucket_bytes: int | None = None) -> None:
+        if gradient_bucket_bytes is not None and gradient_bucket_bytes < 1:
+            raise PlanError(f"gradient_bucket_bytes={gradient_bucket_bytes}: give a positive "
+                            f"number of bytes, or None for one message per step")
+        self.gradient_bucket_bytes = gradient_bucket_bytes
 
     def reject_label(self, label: Label, cluster: Cluster) -> str | None:
         if label.role is Role.WORKER and label.rank != 0:
@@ -108,6 +123,8 @@ class ParameterServerMode(Mode):
         if cluster.num_workers >= 2:
             slots = self._accumulate(program, graph, nodes, owner, cluster.num_workers, sparse)
         graph.output(returned)
+        if self.gradient_bucket_bytes is not None:
+            _update_as_buckets_fill(graph, self.gradient_bucket_bytes)
         gm = fx.GraphModule(program.graph_module, graph, class_name="ParameterServerStep")
         return dataclasses.replace(program, graph_module=gm), ServerAssignment(owner, slots)
 
@@ -238,14 +255,20 @@ class ParameterServerMode(Mode):
     # -- fuse --
 
     def fuse(self, edges: list[Edge], cluster: Cluster) -> list[ChannelDraft]:
-        """One channel per direction between the worker template and each server."""
+        """One channel per direction between the worker template and each
+        server; with buckets, one worker -> server channel per bucket (per
+        segment of the worker's backward, which the servers' updates cut)."""
         drafts: dict[tuple[Label, Label], ChannelDraft] = {}
+        bucketed = []
         for edge in edges:
             if Role.WORKER not in (edge.src.role, edge.dst.role):
                 raise PlanError(
                     f"value {edge.value} goes from {edge.src.describe()} to "
                     f"{edge.dst.describe()}; in parameter-server mode servers only exchange "
                     f"parameters and gradients with workers")
+            if self.gradient_bucket_bytes is not None and edge.src.role is Role.WORKER:
+                bucketed.append(edge)
+                continue
             draft = drafts.get((edge.src, edge.dst))
             if draft is None:
                 draft = drafts[(edge.src, edge.dst)] = ChannelDraft(
@@ -254,13 +277,14 @@ class ParameterServerMode(Mode):
             draft.edges.append(edge)
             draft.send_pos = max(draft.send_pos, edge.src_pos)
             draft.recv_pos = min(draft.recv_pos, edge.dst_pos)
-        for draft in drafts.values():
+        fused = [*drafts.values(), *fuse_by_source_segment(bucketed)]
+        for draft in fused:
             if draft.send_pos >= draft.recv_pos:
                 raise PlanError(
                     f"the message {draft.src} -> {draft.dst} would be needed at position "
                     f"{draft.recv_pos} before its last value is produced at {draft.send_pos}; "
                     f"an op on the server reads a worker value in the middle of the step")
-        return list(drafts.values())
+        return fused
 
     # -- postbuild --
 
@@ -320,6 +344,59 @@ class ParameterServerMode(Mode):
         syncs = tuple(DataSync(s.key, s.owner, Label.worker(rank), copies[s.channel][rank].name)
                       for s in plan.data_syncs for rank in range(num_workers))
         return SplitPlan(plan.mode, plan.cluster, tuple(processes), tuple(channels), syncs)
+
+
+def _update_as_buckets_fill(graph: fx.Graph, bucket_bytes: int) -> None:
+    """Reorder `graph` so each server op that depends on the step's worker ops
+    comes right after the worker op that fills the gradient bucket it waits
+    for. The worker ops keep their order; a server op that depends only on
+    state and hyperparameters (momentum decay, -lr) moves to where the first
+    op needing it is placed, so the learning rate still rides a gradient
+    message. Still a topological order: every process schedules from it."""
+    def on_server(node: fx.Node) -> bool:
+        return (node_annotation(node) or "").startswith("s")
+
+    stepwise: set[fx.Node] = set()  # produced by the step's ops, not state or feeds
+    for node in graph.nodes:
+        if node.op == "call_function" and (
+                not on_server(node) or any(i in stepwise for i in node.all_input_nodes)):
+            stepwise.add(node)
+    deferred = [n for n in graph.nodes if n.op == "call_function" and on_server(n)]
+    placed: list[fx.Node] = []
+    done: set[fx.Node] = set()
+
+    def place(node: fx.Node) -> None:
+        if node in done:
+            return
+        for arg in node.all_input_nodes:
+            place(arg)
+        placed.append(node)
+        done.add(node)
+
+    def place_ready_updates() -> None:
+        for node in deferred:
+            if node not in done and node in stepwise and all(
+                    arg in done for arg in node.all_input_nodes if arg in stepwise):
+                place(node)
+
+    pending = 0
+    for node in list(graph.nodes):
+        if node.op == "output" or (node.op == "call_function" and on_server(node)):
+            continue
+        place(node)
+        if node.op == "call_function" and any(on_server(u) for u in node.users):
+            pending += _nbytes(node)  # a gradient (or a value derived on the worker)
+            if pending >= bucket_bytes:
+                place_ready_updates()
+                pending = 0
+    for node in graph.nodes:
+        place(node)
+    previous = None
+    for node in placed:
+        if previous is not None and previous.next is not node:
+            previous.append(node)
+        previous = node
+    graph.lint()
 
 
 def _new_node(graph: fx.Graph, target, args, value, where: tuple[str, str]) -> fx.Node:

@@ -157,3 +157,39 @@ def test_bad_parameter_server_setups_name_the_problem():
 
     with pytest.raises(SplitrunError, match=r"has 5 rows, which 2 workers cannot share evenly"):
         shard_batch((torch.zeros(5, 3),), 0, 2)
+
+
+@pytest.mark.parametrize("kind, optimizer", [("dense", "sgd_momentum"), ("dense", "adam"),
+                                             ("sparse", "adagrad")])
+def test_gradient_buckets_overlap_the_update_and_train_exactly_as_one_message(kind, optimizer):
+    num_workers, num_servers, steps = 2, 2, 4
+    program, _, batches = make(kind, optimizer, num_workers, steps)
+    cluster = Cluster(num_workers, num_servers)
+    whole = split_program(program, cluster, ParameterServerMode())
+    bucketed = split_program(program, cluster, ParameterServerMode(gradient_bucket_bytes=1))
+    bucketed.lint()
+    plan = bucketed.plan
+    overlapped = 0
+    for server in range(num_servers):
+        schedule = plan.process(Label.server(server)).schedule
+        receives = [index for index, i in enumerate(schedule) if i.kind is OpKind.RECV]
+        # Several gradient messages from each worker, and updates between them:
+        # the server works while the workers are still in their backward.
+        overlapped += len(receives) > num_workers and any(
+            i.kind is OpKind.RUN for i in schedule[receives[0]:receives[-1]])
+    assert overlapped
+    assert plan.messages_per_step() > whole.plan.messages_per_step()
+    # The learning rate still comes from worker 0 only, riding a gradient bucket.
+    lr_channels = [c for c in plan.channels if "lr" in c.values]
+    assert lr_channels and all(c.src == Label.worker(0) for c in lr_channels)
+    # Same ops in another order: the same numbers, bit for bit.
+    runs = [run_threaded(split, steps, feeds(batches), recv_timeout_s=30)
+            for split in (whole, bucketed)]
+    assert runs[0].state.keys() == runs[1].state.keys()
+    for key, value in runs[0].state.items():
+        assert torch.equal(runs[1].state[key], value), key
+
+
+def test_a_bucket_size_is_positive_bytes_or_none():
+    with pytest.raises(PlanError, match="gradient_bucket_bytes=0: give a positive number"):
+        ParameterServerMode(gradient_bucket_bytes=0)

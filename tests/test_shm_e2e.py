@@ -46,11 +46,11 @@ def lent_in_place(output: str) -> int:
                                           r"them lent in place", output))
 
 
-def run(local_cluster, tmp_path, name, env_extra=None):
+def run(local_cluster, tmp_path, name, env_extra=None, job_args=()):
     out = tmp_path / f"{name}.pt"
     # Wide enough that each server's parameters (over 1 MiB) are lent in place.
     proc = local_cluster.start("launch", "--workers", WORKERS, "--servers", SERVERS, PS_JOB,
-                               "--steps", 8, "--width", 640, "--out", out,
+                               "--steps", 8, "--width", 640, "--out", out, *job_args,
                                env_extra=env_extra)
     prefix = job_prefix(proc)
     assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
@@ -69,10 +69,17 @@ def test_a_same_host_job_uses_shared_memory_and_equals_the_grpc_run(local_cluste
     # The large parameter messages were viewed in the rings, not copied, and
     # the result is still the gRPC run's, bit for bit.
     assert shm_lent > 0 and grpc_lent == 0
+    # Gradients in buckets (several messages a step from each worker, servers
+    # updating in between): the 1.6 MB gradient's bucket is no longer the last
+    # message of its step, and is still lent (the ring keeps room for the rest).
+    buckets, _, buckets_lent = run(local_cluster, tmp_path, "buckets",
+                                   job_args=("--gradient-bucket-bytes", 1 << 20))
+    assert buckets_lent == shm_lent
     assert shm["steps"] == grpc["steps"] == 8
     assert shm["state"].keys() == grpc["state"].keys()
     for key, value in grpc["state"].items():
         assert torch.equal(shm["state"][key], value), f"{key} differs from the gRPC run"
+        assert torch.equal(buckets["state"][key], value), f"{key} differs with buckets"
 
 
 @pytest.mark.parametrize("victim", ["worker 1", "server 0"])

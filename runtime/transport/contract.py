@@ -58,18 +58,23 @@ class ChannelContract:
     shape, e.g. embedding-cache requests); only the sender is checked. Entries
     may be given as `(dtype, shape)` pairs; they are kept as `TensorSpec`s.
 
-    `lendable`: a transport may hand this channel's tensors over as views of
-    its own memory (a shared-memory ring) instead of copies, memory the sender
-    cannot reuse until they are dropped. True only for a plan channel that is
-    the last one from its sender in the receiver's step: the executor drops
-    its values within the step (it copies any that outlive it), and the sender
-    writes nothing more to this receiver in that step, so it never waits in
-    the step for the room those views hold.
+    `later_bytes`: for a plan channel, the bytes its sender still sends this
+    receiver later in the same step (None: not known, or not a plan channel).
+    A transport may then hand the channel's tensors over as views of its own
+    memory (a shared-memory ring) instead of copies, memory the sender cannot
+    reuse until they are dropped: the executor drops its values within the
+    step (it copies any that outlive it), and a transport that keeps room for
+    `later_bytes` more never makes the sender wait in the step for room those
+    views hold.
     """
 
     src: Label
     tensors: tuple[TensorSpec | None, ...] | None
-    lendable: bool = False
+    later_bytes: int | None = None
+
+    @property
+    def lendable(self) -> bool:
+        return self.later_bytes is not None
 
     def __post_init__(self) -> None:
         if self.tensors is None:
@@ -108,17 +113,23 @@ def receive_contracts(plan: SplitPlan, program: Program, label: Label
                       ) -> dict[str, ChannelContract]:
     """The contracts of `label`'s plan channels: `plan.recv_channels(label)`,
     and the dtype/shape each value has in `program`, the program the plan was
-    split from; the last channel from each sender in `label`'s schedule is
-    `lendable`."""
+    split from; each one's `later_bytes`, what its sender sends `label`
+    after it in the step."""
     nodes = {node.name: node for node in program.graph.nodes}
-    last_from: dict[Label, str] = {}
-    for instr in plan.process(label).schedule:
+    specs = {channel.name: tuple(_spec_of(nodes.get(v)) for v in channel.values)
+             for channel in plan.recv_channels(label)}
+    # Bytes each sender still sends after each channel, walking the step backwards.
+    later: dict[str, int | None] = {}
+    after: dict[Label, int | None] = {}
+    for instr in reversed(plan.process(label).schedule):
         if instr.kind is OpKind.RECV:
-            last_from[plan.channel(instr.target).src] = instr.target
-    lendable = set(last_from.values())
-    return {channel.name: ChannelContract(channel.src,
-                                          tuple(_spec_of(nodes.get(v)) for v in channel.values),
-                                          lendable=channel.name in lendable)
+            src = plan.channel(instr.target).src
+            known = after.get(src, 0)
+            later[instr.target] = known
+            sizes = [spec.nbytes if spec is not None else None for spec in specs[instr.target]]
+            after[src] = (None if known is None or None in sizes else known + sum(sizes))
+    return {channel.name: ChannelContract(channel.src, specs[channel.name],
+                                          later_bytes=later.get(channel.name))
             for channel in plan.recv_channels(label)}
 
 

@@ -36,6 +36,10 @@ __all__ = ["RingReader"]
 
 logger = logging.getLogger(__name__)
 
+# Room kept in the ring for the frames (prefix, envelope, padding) of the
+# messages still to come in a step, beside their payloads (`can_lend`).
+_FRAMES_SLACK = 1 << 20
+
 
 class RingReader:
     """The consumer end: attaches to a producer's segment.
@@ -265,6 +269,19 @@ class RingReader:
             self._num_received += 1
             self.num_lent += 1
             return torch.frombuffer(memory, dtype=torch.uint8)
+
+    def can_lend(self, later_bytes: int) -> bool:
+        """Whether lending the current payload leaves the producer room for
+        `later_bytes` more (its messages still to come in this step) even if
+        nothing lent is released before: the ring from the first lent byte to
+        this payload's end, plus those bytes twice (each may skip the ring's
+        end), plus frames. And at most half the ring is held, so the producer
+        can go on with its next step's messages."""
+        with self._report_lock:
+            free = min(self._lent) if self._lent else self._tail
+            held = self._tail + self._payload_left - free
+        return (held <= self.capacity // 2
+                and held + 2 * later_bytes + _FRAMES_SLACK <= self.capacity)
 
     @property
     def num_received(self) -> int:

@@ -17,10 +17,11 @@ stays on gRPC. `kind_of(peer)` says which, and the choice is logged.
 Receiving. A thread per incoming ring attaches to it, reads each message's
 envelope, checks it with the same `find_contract` / `check_message` as the
 gRPC path, copies the payload into a pooled `MessageBuffer` (one copy) and
-puts it in the mailbox. A large message on a `lendable` channel (the last one
-from its sender in this process's step) is not copied: its tensors view the
-ring itself (`RingReader.lend_payload`) until the executor drops them, at most
-half a ring at a time; `is_lent` tells the executor which tensors those are.
+puts it in the mailbox. A large message on a plan channel is not copied when
+the ring can spare it (`RingReader.can_lend`: room kept for what the sender
+still sends in the step, at most half a ring held): its tensors view the ring
+itself (`RingReader.lend_payload`) until the executor drops them; `is_lent`
+tells the executor which tensors those are.
 A refused message is skipped and its refusal sent to the sender over gRPC
 (channel `@shm-refused:<receiver>`), which fails the sender's transport as a
 gRPC refusal would; it never reaches the mailbox. A ring whose writer dies
@@ -198,7 +199,7 @@ class _IncomingRing:
         reader = self.reader
         timeout = owner.settings.message_timeout_s
         try:
-            key, layout, lendable = self._check(endpoint, header)
+            key, layout, later_bytes = self._check(endpoint, header)
             if layout.total_bytes != nbytes:
                 raise MessageRejected(
                     f"{owner.tag} refused {key} from {self.peer.describe()}: the envelope "
@@ -208,11 +209,10 @@ class _IncomingRing:
             self._refuse(str(exc))
             return
         tensors = None
-        if (lendable and nbytes >= LENDABLE_BYTES and layout.is_viewable_on_wire
-                and reader.lent_bytes + nbytes <= reader.capacity // 2):
+        if (later_bytes is not None and nbytes >= LENDABLE_BYTES
+                and layout.is_viewable_on_wire and reader.can_lend(later_bytes)):
             # Viewed in the ring, no copy: the executor drops these within the
-            # step, and at most half the ring is lent, so the sender always has
-            # room to go on with the next step.
+            # step, and the ring keeps room for what the sender still sends in it.
             wire = reader.lend_payload(timeout)
             if wire is not None:
                 tensors = layout.views_on_wire(wire)
@@ -225,9 +225,9 @@ class _IncomingRing:
         except MessageRejected as exc:
             self._refuse(str(exc))
 
-    def _check(self, endpoint, header: bytes) -> tuple[MessageKey, MessageLayout, bool]:
-        """The message's key, buffer layout and whether its channel is lendable,
-        or `MessageRejected` saying why not."""
+    def _check(self, endpoint, header: bytes) -> tuple[MessageKey, MessageLayout, int | None]:
+        """The message's key, buffer layout and its contract's `later_bytes`
+        (None: not to be lent), or `MessageRejected` saying why not."""
         # Returns at once once `expect` has run; a message that came first waits.
         table = endpoint.contracts.wait(endpoint.settings.expect_timeout_s)
         known_for = self._known_for
@@ -240,8 +240,8 @@ class _IncomingRing:
         if split is not None:
             known = self._known.get(split[1].tobytes())
             if known is not None:
-                layout, incarnation, channel, lendable = known
-                return MessageKey(incarnation, split[0], channel), layout, lendable
+                layout, incarnation, channel, later_bytes = known
+                return MessageKey(incarnation, split[0], channel), layout, later_bytes
         envelope = parse_envelope(view)
         key = MessageKey(envelope.incarnation, envelope.step, envelope.channel)
         via = f"shared memory from {self.peer.describe()}"
@@ -265,8 +265,8 @@ class _IncomingRing:
             if len(self._known) >= _MAX_KNOWN_ENVELOPES:
                 self._known = {}
             self._known[split[1].tobytes()] = (layout, envelope.incarnation, envelope.channel,
-                                               contract.lendable)
-        return key, layout, contract.lendable
+                                               contract.later_bytes)
+        return key, layout, contract.later_bytes
 
     def _refuse(self, why: str) -> None:
         """Log a refusal and tell the sender (over gRPC), so that it fails."""

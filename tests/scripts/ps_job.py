@@ -30,13 +30,14 @@ def main() -> int:
     parser.add_argument("--save")
     parser.add_argument("--resume")
     parser.add_argument("--out")
+    parser.add_argument("--gradient-bucket-bytes", type=int)
     args = parser.parse_args()
 
     job = Job.from_env()
     program, _, batches = make(args.kind, args.optimizer, job.cluster.num_workers, args.steps,
                                width=args.width)
-    trainer = job.start(program, ParameterServerMode(), num_steps=args.steps,
-                        resume=args.resume)
+    mode = ParameterServerMode(gradient_bucket_bytes=args.gradient_bucket_bytes)
+    trainer = job.start(program, mode, num_steps=args.steps, resume=args.resume)
     stop = args.stop_after or args.steps
     for batch in trainer.shard(batches[trainer.steps_done:stop]):
         trainer.step(batch)
