@@ -85,6 +85,16 @@ def test_abort_wakes_a_waiting_receive_with_the_failure():
         mailbox.take(MessageKey(0, 0, "w0->w1#0"), W0, timeout_s=5)
 
 
+def test_finishing_drops_plan_messages_no_step_will_take():
+    mailbox = Mailbox(W1)
+    kept, dropped = MessageKey(0, 2, "w0->w1#0"), MessageKey(0, 3, "w0->w1#0")
+    final_state = MessageKey(0, 3, "@state")  # outside the plan: still taken later
+    for key in (kept, dropped, final_state):
+        mailbox.put(key, W0, [torch.ones(2)])
+    mailbox.finish_at(3)
+    assert mailbox.pending() == [kept, final_state]
+
+
 def test_mailbox_refuses_stale_incarnation_and_duplicates():
     mailbox = Mailbox(W1, incarnation=2)
     with pytest.raises(MessageRejected, match=r"incarnation is 2; the sender is from a previous"):

@@ -250,8 +250,8 @@ class RingReader:
         of `LENDABLE_BYTES` or more do); else None, and `recv_payload_*` reads it.
 
         The producer does not write over those bytes until every tensor viewing
-        them is gone: lend only what is dropped soon (the lent bytes are room
-        the producer waits for; `lent_bytes` says how many are out)."""
+        them is gone: lend only what is dropped soon, and only when `can_lend`
+        says the ring can spare the room meanwhile."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             n, start = self._payload_left, self._tail % self.capacity
