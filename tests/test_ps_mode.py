@@ -159,10 +159,12 @@ def test_bad_parameter_server_setups_name_the_problem():
         shard_batch((torch.zeros(5, 3),), 0, 2)
 
 
-@pytest.mark.parametrize("kind, optimizer", [("dense", "sgd_momentum"), ("dense", "adam"),
-                                             ("sparse", "adagrad")])
-def test_gradient_buckets_overlap_the_update_and_train_exactly_as_one_message(kind, optimizer):
-    num_workers, num_servers, steps = 2, 2, 4
+@pytest.mark.parametrize("kind, optimizer, num_workers, num_servers", [
+    ("dense", "sgd_momentum", 2, 2), ("dense", "adam", 2, 2), ("sparse", "adagrad", 2, 2),
+    ("dense", "adam", 1, 1), ("sparse", "sgd", 1, 1)])
+def test_gradient_buckets_overlap_the_update_and_train_exactly_as_one_message(
+        kind, optimizer, num_workers, num_servers):
+    steps = 4
     program, _, batches = make(kind, optimizer, num_workers, steps)
     cluster = Cluster(num_workers, num_servers)
     whole = split_program(program, cluster, ParameterServerMode())
