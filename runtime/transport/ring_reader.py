@@ -278,8 +278,7 @@ class RingReader:
         end), plus frames. And at most half the ring is held, so the producer
         can go on with its next step's messages."""
         with self._report_lock:
-            free = min(self._lent) if self._lent else self._tail
-            held = self._tail + self._payload_left - free
+            held = self._tail + self._payload_left - self._free_position()
         return (held <= self.capacity // 2
                 and held + 2 * later_bytes + _FRAMES_SLACK <= self.capacity)
 
@@ -386,7 +385,7 @@ class RingReader:
         has read at most a quarter ring it has not reported, so the consumer
         is not waiting for data."""
         with self._report_lock:
-            free = min(self._lent) if self._lent else self._tail
+            free = self._free_position()
             if self._is_producer_gone or free <= self._reported:
                 return
             try:
@@ -398,6 +397,11 @@ class RingReader:
                 # read (its records are in our socket), then the end-of-file says so.
                 self._is_producer_gone = True
             self._reported = free
+
+    def _free_position(self) -> int:
+        """How far the producer may write: the first lent byte, else the tail
+        (under `_report_lock`)."""
+        return min(self._lent) if self._lent else self._tail
 
     def _report_read(self) -> None:
         with self._report_lock:

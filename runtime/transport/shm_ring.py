@@ -56,10 +56,12 @@ from .ring_files import (
     ring_paths,
 )
 from .ring_reader import RingReader
+from .ring_segment import LENDABLE_BYTES
 from .ring_writer import RingSettings, RingWriter
 
 __all__ = [
     "SHM_DIR",
+    "LENDABLE_BYTES",
     "RingSettings",
     "RingError",
     "RingAttachTimeout",

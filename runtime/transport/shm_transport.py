@@ -58,8 +58,8 @@ from .contract import ChannelContract, check_message, find_contract, refusal_pre
 from .framing import EnvelopeWriter, is_step_free, parse_envelope, specs_from_envelope, split_step
 from .grpc import GrpcTransport
 from .keys import MessageKey
-from .ring_segment import LENDABLE_BYTES
 from .shm_ring import (
+    LENDABLE_BYTES,
     SHM_DIR,
     RingAttachTimeout,
     RingClosed,
