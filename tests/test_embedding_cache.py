@@ -171,6 +171,41 @@ def test_lru_and_lfu_evict_different_rows_and_never_a_pinned_one():
     assert 1 in cached(lru) and 5 in cached(lru) and plan.evictions == 1
 
 
+@pytest.mark.parametrize("policy", [EvictionPolicy.LRU, EvictionPolicy.LFU])
+def test_evictions_at_scale_pick_exactly_the_policys_victims(policy):
+    """A cache large enough that eviction selects its victims partially (LRU
+    by counting its step-number keys, LFU by topk): every step's victims are
+    the cached rows outside the batch with the smallest keys (LRU: last use;
+    LFU: lookups so far, then last use; ties: lower slot first)."""
+    rows, capacity = 20_000, 4_000
+    cache = RowCache(_table(rows=rows, cache_rows=capacity, policy=policy))
+    generator = torch.Generator().manual_seed(0)
+    last_used, lookups, partial_steps = {}, {}, 0
+    for step in range(24):
+        # Warm rows again and again, and a few cold ones: few victims a step.
+        ids = torch.cat([torch.randint(0, 3_000, (600,), generator=generator),
+                         torch.randint(0, rows, (150,), generator=generator)])
+        unique, counts = ids.unique(return_counts=True)
+        slot_of = {int(i): s for s, i in enumerate(cache.id_of_slot.tolist()) if i >= 0}
+        batch = set(unique.tolist())
+        misses = [i for i in unique.tolist() if i not in slot_of]
+        short = len(misses) - (capacity - len(slot_of))
+
+        recency = {i: (last_used[i], slot) for i, slot in slot_of.items()}
+        key = {i: r if policy is EvictionPolicy.LRU else (lookups[i], *r)
+               for i, r in recency.items()}
+        expected = set(sorted(set(slot_of) - batch, key=key.get)[:max(short, 0)])
+        plan = cache.plan(ids, step, write_back=True, max_staleness=0)
+        now_cached = set(cache.id_of_slot[cache.id_of_slot >= 0].tolist())
+        assert now_cached == (set(slot_of) - expected) | batch, f"step {step}"
+        assert plan.evictions == len(expected)
+        partial_steps += 0 < len(expected) <= capacity // 16
+        for i, count in zip(unique.tolist(), counts.tolist()):
+            last_used[i] = step
+            lookups[i] = lookups.get(i, 0) + count
+    assert partial_steps >= 10, "eviction picked few victims of many slots"
+
+
 def test_bad_ids_and_small_caches_name_the_table():
     cache = RowCache(_table(rows=20, cache_rows=4))
     with pytest.raises(SplitrunError, match=r"table 'emb.weight' has 20 rows \(ids 0-19\) but "

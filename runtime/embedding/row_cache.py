@@ -6,6 +6,8 @@ the servers.
 All bookkeeping is vectorized over a batch's unique ids: `slot_of_id` is a
 dense int64 map over the table (8 bytes a row), eviction picks the candidate
 slots with the smallest policy keys (LRU: last use; LFU: lookups, then last use).
+Gathers by index are `index_select` and masks `masked_select`: on the CPU they
+are 2-5x faster than advanced indexing (`t[index]`), which dominated the plan.
 """
 
 from __future__ import annotations
@@ -21,10 +23,16 @@ from .step_ids import StepIds
 
 __all__ = ["RowCache", "BatchPlan", "TableCounters"]
 
-# Eviction picks at most 1/this of the candidate slots: a partial selection
-# (topk) then a sort of the few picked beats sorting every candidate (~4x at
-# 200k cached rows). Picking more, a full sort is as fast.
+# Eviction picks at most 1/this of the slots: a partial selection (the
+# count-th smallest key, then the few keys below it sorted) beats sorting
+# every key (~4x at 200k cached rows). Picking more, a full sort is as fast.
 _PARTIAL_SELECT_RATIO = 16
+# Keys spanning at most this many values per key (LRU's: step numbers) find
+# the count-th smallest by counting them (a bincount), ~8x faster than topk.
+_COUNTING_SPAN_PER_KEY = 4
+# Eviction keys that put free slots before every row, and this batch's own
+# rows after every row (all policies' keys are >= -1).
+_FREE_FIRST = -2
 
 
 def _smallest(key: torch.Tensor, count: int) -> torch.Tensor:
@@ -35,11 +43,16 @@ def _smallest(key: torch.Tensor, count: int) -> torch.Tensor:
         return torch.argsort(key, stable=True)[:count]
     # The count-th smallest key: fewer than `count` keys are below it, and
     # the first of its ties (by position) make up the rest.
-    threshold = torch.topk(key, count, largest=False, sorted=False).values.max()
+    low, high = int(key.min()), int(key.max())
+    if high - low < _COUNTING_SPAN_PER_KEY * key.numel():
+        at_most = torch.bincount(key - low).cumsum_(0)  # keys <= low + i
+        threshold = low + int(torch.searchsorted(at_most, count))
+    else:
+        threshold = int(torch.topk(key, count, largest=False, sorted=False).values.max())
     below = (key < threshold).nonzero().reshape(-1)
     tied = (key == threshold).nonzero().reshape(-1)[:count - below.numel()]
     chosen = torch.cat([below, tied])  # each part in position order
-    return chosen[torch.argsort(key[chosen], stable=True)]
+    return chosen.index_select(0, torch.argsort(key.index_select(0, chosen), stable=True))
 
 
 @dataclass
@@ -109,6 +122,7 @@ class RowCache:
         self.slot_of_id = torch.full((table.num_rows,), -1, dtype=torch.int64)
         self.id_of_slot = torch.full((self.capacity,), -1, dtype=torch.int64)
         self.last_used = torch.full((self.capacity,), -1, dtype=torch.int64)
+        self.free_slots = self.capacity  # slots never filled (none is freed later)
         # The step for which a cached row is fresh (several workers: stale rows
         # are pulled again).
         self.fresh_for = torch.zeros(self.capacity, dtype=torch.int64)
@@ -149,69 +163,78 @@ class RowCache:
                 f"table {self.table.key!r}: this batch looks up {unique_ids.numel()} distinct "
                 f"ids but the cache holds {self.capacity} rows; cache_rows must be at least "
                 f"{unique_ids.numel()} (place_embedding_cache(..., cache_rows=...))")
-        slots = self.slot_of_id[unique_ids]
+        slots = self.slot_of_id.index_select(0, unique_ids)
         cached = slots >= 0
         stale = torch.zeros_like(cached)
         if self.policy is EvictionPolicy.NONE:
             stale = cached  # no reuse: every row comes from its server
         elif not write_back:
-            stale = cached & (step - self.fresh_for[slots.clamp(min=0)] > max_staleness)
-        miss_ids = unique_ids[~cached]
-        new_slots, evicted = self._make_room(miss_ids.numel(), pinned=slots[cached])
-        evicted_ids = self.id_of_slot[evicted]
-        dirty = self.dirty[evicted]
-        evicted_dirty_slots = evicted[dirty]
-        evicted_rows = self.rows[evicted_dirty_slots]
-        evicted_state = {n: t[evicted_dirty_slots] for n, t in self.state.items()}
-        dirty_ids = evicted_ids[dirty]
-        self.slot_of_id[evicted_ids] = -1
-        self.id_of_slot[new_slots] = miss_ids
-        self.slot_of_id[miss_ids] = new_slots
-        self.dirty[new_slots] = False
-        slots = self.slot_of_id[unique_ids]
-        self.last_used[slots] = step
+            fresh_for = self.fresh_for.index_select(0, slots.clamp(min=0))
+            stale = cached & (step - fresh_for > max_staleness)
+        missed = ~cached
+        miss_ids = unique_ids.masked_select(missed)
+        new_slots, evicted = self._make_room(miss_ids.numel(), pinned=slots.masked_select(cached))
+        evicted_ids = self.id_of_slot.index_select(0, evicted)
+        dirty = self.dirty.index_select(0, evicted)
+        on_device = evicted.masked_select(dirty).to(self.device)
+        evicted_rows = self.rows.index_select(0, on_device)
+        evicted_state = {n: t.index_select(0, on_device) for n, t in self.state.items()}
+        dirty_ids = evicted_ids.masked_select(dirty)
+        self.slot_of_id.index_fill_(0, evicted_ids, -1)
+        self.id_of_slot.index_copy_(0, new_slots, miss_ids)
+        self.slot_of_id.index_copy_(0, miss_ids, new_slots)
+        self.dirty.index_fill_(0, new_slots, False)
+        slots = slots.masked_scatter(missed, new_slots)
+        self.last_used.index_fill_(0, slots, step)
         if self.frequency is not None:
-            self.frequency[unique_ids] += counts
-        pull_mask = ~cached | stale
-        return BatchPlan(step_ids, slots, unique_ids[pull_mask], slots[pull_mask],
-                         dirty_ids, evicted_rows, evicted_state, evicted.numel())
+            self.frequency.index_add_(0, unique_ids, counts)
+        pull_mask = missed | stale
+        return BatchPlan(step_ids, slots, unique_ids.masked_select(pull_mask),
+                         slots.masked_select(pull_mask), dirty_ids, evicted_rows, evicted_state,
+                         evicted.numel())
 
     def _make_room(self, needed: int, pinned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`needed` slots: free ones first, then evicted ones (returned too)."""
-        free = (self.id_of_slot < 0).nonzero().reshape(-1)[:needed]
-        short = needed - free.numel()
-        if short <= 0:
+        """`needed` slots: free ones first (in slot order), then the policy's
+        victims among the cached rows not `pinned` (returned too)."""
+        if needed <= self.free_slots:
+            free = (self.id_of_slot < 0).nonzero().reshape(-1)[:needed]
+            self.free_slots -= needed
             return free, free[:0]
-        candidate = self.id_of_slot >= 0
-        candidate[pinned] = False
-        slots = candidate.nonzero().reshape(-1)
+        key = self._eviction_key()
+        if self.free_slots:
+            key.masked_fill_(self.id_of_slot < 0, _FREE_FIRST)
+        key.index_fill_(0, pinned, int(key.max()) + 1)  # after every other slot
+        chosen = _smallest(key, needed)
+        taken, self.free_slots = self.free_slots, 0
+        return chosen, chosen[taken:]
+
+    def _eviction_key(self) -> torch.Tensor:
+        """Every slot's key, a new tensor: the smallest are evicted first."""
         if self.policy is EvictionPolicy.NONE:
-            key = torch.zeros_like(slots)
-        elif self.policy is EvictionPolicy.LFU:
+            return torch.zeros_like(self.last_used)
+        if self.policy is EvictionPolicy.LFU:
             # Least frequent first; among equals the least recently used.
-            key = self.frequency[self.id_of_slot[slots]] * (1 << 31) + (self.last_used[slots] + 1)
-        else:
-            key = self.last_used[slots]
-        victims = slots[_smallest(key, short)]
-        return torch.cat([free, victims]), victims
+            frequency = self.frequency.index_select(0, self.id_of_slot.clamp(min=0))
+            return frequency * (1 << 31) + (self.last_used + 1)
+        return self.last_used.clone()
 
     # -- rows --
 
     def install(self, slots: torch.Tensor, rows: torch.Tensor,
                 state: dict[str, torch.Tensor], fresh_for: int) -> None:
-        slots = slots.to(self.device)
-        self.rows[slots] = rows.to(self.device, self.rows.dtype)
+        on_device = slots.to(self.device)
+        self.rows.index_copy_(0, on_device, rows.to(self.device, self.rows.dtype))
         for name, value in state.items():
-            self.state[name][slots] = value.to(self.device, self.rows.dtype)
-        self.fresh_for[slots.cpu()] = fresh_for
+            self.state[name].index_copy_(0, on_device, value.to(self.device, self.rows.dtype))
+        self.fresh_for.index_fill_(0, slots.cpu(), fresh_for)
 
     def gather(self, plan: BatchPlan, shape: torch.Size) -> torch.Tensor:
         """The rows of the batch, shaped like the ids plus the row dimension."""
-        slots = plan.slots[plan.inverse].to(self.device)
+        slots = plan.slots.index_select(0, plan.inverse).to(self.device)
         return self.rows.index_select(0, slots).reshape(*shape, self.table.dim)
 
     def slots_of(self, ids: torch.Tensor) -> torch.Tensor:
-        slots = self.slot_of_id[ids.reshape(-1).to("cpu", torch.int64)]
+        slots = self.slot_of_id.index_select(0, ids.reshape(-1).to("cpu", torch.int64))
         if bool((slots < 0).any()):
             raise CacheError(f"table {self.table.key!r}: a gradient for rows that are not "
                                 f"cached (the lookup and the update disagree)")

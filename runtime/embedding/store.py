@@ -131,9 +131,9 @@ class EmbeddingStore:
         if op is Op.PUSH:
             ids, rows, *state = tensors[1:]
             local = shard.sharding.local_index(ids, self.label.rank)
-            shard.rows[local] = rows
+            shard.rows.index_copy_(0, local, rows)
             for name, value in zip(shard.table.state_names, state):
-                shard.state[name][local] = value
+                shard.state[name].index_copy_(0, local, value)
         elif op is Op.GRADS:
             shard.pending.setdefault(step, {})[src.rank] = tuple(tensors[1:])
             if len(shard.pending[step]) == self.cluster.num_workers:
@@ -165,9 +165,9 @@ class EmbeddingStore:
     def _answer(self, key, src, op, shard: _Shard, tensors) -> None:
         if op is Op.PULL:
             local = shard.sharding.local_index(tensors[1], self.label.rank)
-            reply = [shard.rows[local]]
+            reply = [shard.rows.index_select(0, local)]  # faster than rows[local]
             if shard.write_back:  # the row's optimizer state travels with it
-                reply += [shard.state[n][local] for n in shard.table.state_names]
+                reply += [shard.state[n].index_select(0, local) for n in shard.table.state_names]
         else:
             reply = [shard.rows.clone(), *(shard.state[n].clone() for n in shard.table.state_names)]
         self.transport.send(src, MessageKey(self.incarnation, key.step, reply_channel(self.label)),
