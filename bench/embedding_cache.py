@@ -26,7 +26,7 @@ recommendation job. Prints JSON.
     job's samples/s and at least 0.85x the whole-table-cached ceiling's.
 
 (c) Profile (only with --part profile): worker 0's steps after the warm-up
-    of the cached and uncached jobs on one host, under torch.profiler (aten
+    of the three jobs of (b) on one host, under torch.profiler (aten
     ops by self CPU time) and cProfile; the tables go to --profile-dir.
 
     python bench/embedding_cache.py [--quick] [--repeats 3] [--one-host]
@@ -471,12 +471,13 @@ def two_host_throughput(rates_mbit: tuple[float, ...], repeats: int, warmup: int
 
 
 def profile(quick: bool, directory: str) -> dict:
-    """One worker step profiled: the cached (LRU 20 %) and uncached jobs,
-    steps after the warm-up; tables in `directory`/<variant>/."""
+    """One worker step profiled: the cached (LRU 20 %), uncached and
+    whole-table-cached jobs, steps after the warm-up; tables in
+    `directory`/<variant>/."""
     warmup = QUICK_WARMUP_STEPS if quick else WARMUP_STEPS
     steps = warmup + PROFILED_STEPS
     report = {}
-    for variant in (CACHED, UNCACHED):
+    for variant in VARIANTS:
         where = str(pathlib.Path(directory) / variant)
         launch(variant, steps, where, warmup)
         report[variant] = where

@@ -122,7 +122,9 @@ class RowCache:
         self.slot_of_id = torch.full((table.num_rows,), -1, dtype=torch.int64)
         self.id_of_slot = torch.full((self.capacity,), -1, dtype=torch.int64)
         self.last_used = torch.full((self.capacity,), -1, dtype=torch.int64)
-        self.free_slots = self.capacity  # slots never filled (none is freed later)
+        # Slots fill in order and are never freed (a victim's slot is reused
+        # at once): slots [0, filled) hold rows, the rest are free.
+        self.filled = 0
         # The step for which a cached row is fresh (several workers: stale rows
         # are pulled again).
         self.fresh_for = torch.zeros(self.capacity, dtype=torch.int64)
@@ -196,17 +198,17 @@ class RowCache:
     def _make_room(self, needed: int, pinned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`needed` slots: free ones first (in slot order), then the policy's
         victims among the cached rows not `pinned` (returned too)."""
-        if needed <= self.free_slots:
-            free = (self.id_of_slot < 0).nonzero().reshape(-1)[:needed]
-            self.free_slots -= needed
-            return free, free[:0]
+        free = self.capacity - self.filled
+        if needed <= free:
+            slots = torch.arange(self.filled, self.filled + needed)
+            self.filled += needed
+            return slots, slots[:0]
         key = self._eviction_key()
-        if self.free_slots:
-            key.masked_fill_(self.id_of_slot < 0, _FREE_FIRST)
+        key[self.filled:] = _FREE_FIRST
         key.index_fill_(0, pinned, int(key.max()) + 1)  # after every other slot
         chosen = _smallest(key, needed)
-        taken, self.free_slots = self.free_slots, 0
-        return chosen, chosen[taken:]
+        self.filled = self.capacity
+        return chosen, chosen[free:]
 
     def _eviction_key(self) -> torch.Tensor:
         """Every slot's key, a new tensor: the smallest are evicted first."""
