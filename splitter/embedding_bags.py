@@ -68,7 +68,7 @@ def sorted_groups(ids: torch.Tensor) -> IdGroups:
     starts = new.nonzero().reshape(-1)
     inverse = torch.empty_like(order).scatter_(0, order, torch.cumsum(new, 0) - 1)
     counts = torch.diff(starts, append=starts.new_tensor([count]))
-    return IdGroups(ordered[new], inverse, counts, order, starts)
+    return IdGroups(ordered.masked_select(new), inverse, counts, order, starts)
 
 
 def _lookup_weights(ids: torch.Tensor, weights: torch.Tensor | None, padding_idx: int | None,
@@ -130,9 +130,11 @@ def bag_gradient_rows(grad: torch.Tensor, ids: torch.Tensor, offsets: torch.Tens
         grad = grad / _bag_sizes(ids, offsets, padding_idx, grad.dtype).to(device).unsqueeze(1)
     order = order.to(device)
     scale = _lookup_weights(ids, weights, padding_idx, grad.dtype)
-    return F.embedding_bag(_bag_of(offsets, ids.numel())[order], grad, starts.to(device),
-                           mode="sum",
-                           per_sample_weights=None if scale is None else scale.to(device)[order])
+    # index_select, not [order]: on the CPU advanced indexing is ~4x slower.
+    return F.embedding_bag(_bag_of(offsets, ids.numel()).index_select(0, order), grad,
+                           starts.to(device), mode="sum",
+                           per_sample_weights=None if scale is None
+                           else scale.to(device).index_select(0, order))
 
 
 # -- the traced ops ------------------------------------------------------------------

@@ -205,7 +205,7 @@ class EmbeddingClient:
             IN_PLACE[cache.table.optimizer](cache.rows, slots, summed, lr, step,
                                             *(cache.state[n] for n in cache.table.state_names),
                                             is_coalesced=True, **cache.table.optimizer_settings)
-            cache.dirty[slots.cpu()] = True
+            cache.dirty.index_fill_(0, slots.cpu(), True)
             return
         values = summed.cpu()
         pushed = 0
@@ -273,7 +273,7 @@ class EmbeddingClient:
         self._next_ids[table] = next_ids  # the next step's lookup reuses this unique
         ids = next_ids.unique
         cache.check_ids(ids)
-        ids = ids[cache.slot_of_id[ids] < 0]
+        ids = ids.masked_select(cache.slot_of_id.index_select(0, ids) < 0)
         requests = []
         for server, positions in self._by_server(table, ids):
             wanted = ids.index_select(0, positions)
