@@ -30,8 +30,8 @@ _PARTIAL_SELECT_RATIO = 16
 # Keys spanning at most this many values per key (LRU's: step numbers) find
 # the count-th smallest by counting them (a bincount), ~8x faster than topk.
 _COUNTING_SPAN_PER_KEY = 4
-# Eviction keys that put free slots before every row, and this batch's own
-# rows after every row (all policies' keys are >= -1).
+# The eviction key of a free slot: before every row's (all policies' keys
+# are >= -1), so free slots are taken first.
 _FREE_FIRST = -2
 
 
