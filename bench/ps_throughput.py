@@ -13,7 +13,9 @@ negligible), same global batch, same optimizer (SGD with momentum). Prints JSON:
 steps/s and samples/s of each (median of --repeats runs) and splitrun's ratio
 to the RPC baseline (goal: >= 2x). splitrun runs twice: `splitrun_ps` over gRPC
 (SPLITRUN_TRANSPORT=grpc) and `splitrun_shm_ps` as `splitrun launch` runs it by
-default, over shared memory between its processes (goal: >= 1.5x the tutorial).
+default, over shared memory between its processes (goal: >= 1.5x the tutorial),
+and `splitrun_shm_ps_op_by_op` the same with the server's elementwise update
+run op by op instead of tile by tile (`runtime/pointwise_tiles.py`).
 
 With --two-hosts RATE_MBIT ... (root), the distributed runs also go across
 two simulated hosts (bench/hosts.py: network namespaces joined by a veth
@@ -312,6 +314,8 @@ def run_splitrun_job(args) -> None:
               else max(1, int(args.gradient_bucket_mb * (1 << 20))))
     trainer = job.start(program, ParameterServerMode(gradient_bucket_bytes=bucket),
                         gather_state=False)
+    # The baseline of tiling: the server's update op by op.
+    trainer.process.executor.tile_pointwise = not args.op_by_op
     profiler = None
     if args.profile_dir and job.label.rank == 0:  # worker 0 and server 0
         profiler = _StepProfiler(pathlib.Path(args.profile_dir), job.label.describe(),
@@ -418,20 +422,22 @@ class _StepProfiler:
         (self.directory / f"{self.name}-step.json").write_text(json.dumps(breakdown, indent=2))
 
 
-def _job_args(args, profile_dir: str | None = None) -> list[str]:
+def _job_args(args, profile_dir: str | None = None, op_by_op: bool = False) -> list[str]:
     bucket_mb = args.gradient_bucket_mb
     return [str(HERE), "--job", "--steps", str(args.steps), "--width", str(args.width),
-            "--batch-size", str(args.batch_size),
+            "--batch-size", str(args.batch_size), *(["--op-by-op"] if op_by_op else []),
             *(["--profile-dir", profile_dir] if profile_dir else []),
             *(["--gradient-bucket-mb", str(bucket_mb)] if bucket_mb is not None else [])]
 
 
-def run_splitrun(args, transport: str = "grpc", profile_dir: str | None = None) -> float:
+def run_splitrun(args, transport: str = "grpc", profile_dir: str | None = None,
+                 op_by_op: bool = False) -> float:
     """One launched job; `transport` is its SPLITRUN_TRANSPORT (`auto`: shared
-    memory between the three processes, all on this host)."""
+    memory between the three processes, all on this host); `op_by_op`: the
+    server runs its elementwise update op by op, not tile by tile."""
     command = [sys.executable, "-m", "splitrun.launcher", "--log-level", "WARNING",
                "launch", "--workers", "2", "--servers", "1", "--device", "cpu",
-               *_job_args(args, profile_dir)]
+               *_job_args(args, profile_dir, op_by_op)]
     out = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                          env={**os.environ, "SPLITRUN_TRANSPORT": transport})
     for line in out.stdout.splitlines():
@@ -537,6 +543,7 @@ def main() -> None:
     parser.add_argument("--gradient-bucket-mb", type=float, default=None, metavar="MB",
                         help="splitrun sends gradients in buckets of MB as the backward "
                              "makes them (ParameterServerMode(gradient_bucket_bytes=...))")
+    parser.add_argument("--op-by-op", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rpc-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rpc-init", default=None, help=argparse.SUPPRESS)
@@ -561,13 +568,15 @@ def main() -> None:
                           "two_hosts": _two_hosts_report(args)}, indent=2))
         return
     measured = {"single_process": [], "torch_rpc_tutorial_ps": [],
-                "torch_rpc_batch_update_ps": [], "splitrun_ps": [], "splitrun_shm_ps": []}
+                "torch_rpc_batch_update_ps": [], "splitrun_ps": [], "splitrun_shm_ps": [],
+                "splitrun_shm_ps_op_by_op": []}
     for _ in range(args.repeats):  # interleaved, so drift hits all alike
         measured["single_process"].append(run_single(args))
         measured["torch_rpc_tutorial_ps"].append(run_rpc(args, tutorial=True))
         measured["torch_rpc_batch_update_ps"].append(run_rpc(args, tutorial=False))
         measured["splitrun_ps"].append(run_splitrun(args, "grpc"))
         measured["splitrun_shm_ps"].append(run_splitrun(args, "auto"))
+        measured["splitrun_shm_ps_op_by_op"].append(run_splitrun(args, "auto", op_by_op=True))
     report = {"benchmark": "ps_throughput", "parameters": params,
               "global_batch": args.batch_size, "steps": args.steps, "repeats": args.repeats,
               "workers": 2, "servers": 1, "results": {}}
@@ -592,6 +601,8 @@ def main() -> None:
         speed["splitrun_shm_ps"] / speed["splitrun_ps"], 3)
     report["goal_splitrun_shm_over_rpc_at_least"] = GOAL_SHM_RATIO
     report["meets_shm_goal"] = shm_ratio >= GOAL_SHM_RATIO
+    report["splitrun_shm_tiled_over_op_by_op"] = round(
+        speed["splitrun_shm_ps"] / speed["splitrun_shm_ps_op_by_op"], 3)
     if args.two_hosts:
         report["two_hosts"] = _two_hosts_report(args)
     if args.profile_dir:

@@ -23,6 +23,7 @@ from splitrun.splitter.plan import OpKind, SplitPlan
 from splitrun.splitter.program import Program
 
 from .errors import MessageRejected, SplitrunError, StepFailed
+from .pointwise_tiles import find_tiled_runs
 from .transport.dtypes import nbytes_of
 from .transport.protocol import MessageKey, Transport
 
@@ -118,10 +119,14 @@ class Executor:
     def __init__(self, plan: SplitPlan, program: Program, label: Label, transport: Transport, *,
                  device: str | torch.device = "cpu", incarnation: int = 0,
                  recv_timeout_s: float = 60.0,
-                 bindings: Mapping[Callable, Callable] | None = None) -> None:
+                 bindings: Mapping[Callable, Callable] | None = None,
+                 tile_pointwise: bool = True) -> None:
         """`program`: the one the plan's node names refer to (`SplitProgram.program`).
         `bindings` implement marker ops of the graph with runtime objects
-        (the embedding cache binds `cached_lookup` and `cached_update`)."""
+        (the embedding cache binds `cached_lookup` and `cached_update`).
+        `tile_pointwise`: run chains of elementwise ops over large CPU tensors
+        tile by tile (`pointwise_tiles`; same results, less memory traffic);
+        it may be changed between steps."""
         self.program = program
         self.plan = plan
         self.label = label
@@ -130,6 +135,7 @@ class Executor:
         self.device = torch.device(device)
         self.incarnation = incarnation
         self.recv_timeout_s = recv_timeout_s
+        self.tile_pointwise = tile_pointwise
         self.state: dict[str, torch.Tensor] = {}
         self.stats = ExecutorStats()
         self._bindings = dict(bindings or {})
@@ -170,9 +176,16 @@ class Executor:
                 else:
                     ops.append((OpKind.RECV, channel.name, channel.src, channel.recv_names))
         self._ops = ops
-        self._free_after = self._last_uses(ops)
+        self._free_after, last_use = self._last_uses(ops)
+        kept = set(self._output_nodes.values()) | set(self._state_updates.values())
+        scheduled = [self._nodes[name] if kind is OpKind.RUN and target is self._nodes[name].target
+                     else None for kind, name, target, _ in ops]
+        self._tiled = {}  # first index -> (last index, run)
+        if self.device.type == "cpu":
+            self._tiled = {first: (last, run) for first, last, run in find_tiled_runs(
+                scheduled, lambda name, i: name in kept or last_use.get(name, -1) > i)}
 
-    def _last_uses(self, ops) -> list[list[str]]:
+    def _last_uses(self, ops) -> tuple[list[list[str]], dict[str, int]]:
         keep = set(self._output_nodes.values()) | set(self._state_updates.values())
         last: dict[str, int] = {}
         for index, (kind, name, _, payload) in enumerate(ops):
@@ -186,7 +199,7 @@ class Executor:
         for name, index in last.items():
             if name not in keep and name not in self._constants:
                 free_after[index].append(name)
-        return free_after
+        return free_after, last
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Take the state this process owns from `state` (a full or partial dict)."""
@@ -221,7 +234,18 @@ class Executor:
                     f"reads {', '.join(self.proc.feeds)}")
             env[node] = feeds[key].to(self.device, non_blocking=True)
 
-        for index, (kind, name, target, payload) in enumerate(self._ops):
+        index = 0
+        while index < len(self._ops):
+            kind, name, target, payload = self._ops[index]
+            tiled = self._tiled.get(index) if self.tile_pointwise else None
+            if tiled is not None and tiled[1].can_tile(env):
+                last, run = tiled
+                self._run_tiled(step, run, env)
+                for done in range(index, last + 1):
+                    for dead in self._free_after[done]:
+                        env.pop(dead, None)
+                index = last + 1
+                continue
             if kind is OpKind.RUN:
                 args, kwargs = payload(env)
                 try:
@@ -252,6 +276,7 @@ class Executor:
                               idle=idle)
             for dead in self._free_after[index]:
                 env.pop(dead, None)
+            index += 1
 
         outputs = {key: self._owned(env[node]) for key, node in self._output_nodes.items()}
         for key, node in self._state_updates.items():
@@ -259,6 +284,15 @@ class Executor:
         self.stats.steps += 1
         self.stats.step_s += time.perf_counter() - started
         return outputs
+
+    def _run_tiled(self, step: int, run, env) -> None:
+        try:
+            run.run(env)
+        except Exception as exc:
+            raise StepFailed(
+                f"{self._tag} step {step}: the elementwise ops {', '.join(run.names)}, run "
+                f"tile by tile, raised {type(exc).__name__}: {exc} (Executor("
+                f"tile_pointwise=False) runs them op by op)") from exc
 
     def _owned(self, value):
         """`value`, copied if it views memory the transport lent for a receive:
