@@ -26,11 +26,13 @@ tensors of the planned shape runs op by op instead.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch.fx.operator_schemas import get_signature_for_torch_op
 
 __all__ = ["TILE_ELEMENTS", "TiledRun", "find_tiled_runs"]
 
@@ -63,21 +65,29 @@ def _meta(node: fx.Node) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
+def _schema(op):
+    """The op's one schema, or None for what is not an aten op overload."""
+    if torch.Tag.pointwise not in getattr(op, "tags", ()):
+        return None
+    _, schemas = get_signature_for_torch_op(op, return_schemas=True)
+    return schemas[0] if schemas and len(schemas) == 1 else None
+
+
+@functools.cache
 def _out_variant(op) -> Callable | None:
     """`aten.add.out` for `aten.add.Tensor`, `aten.lerp.Scalar_out` for
     `aten.lerp.Scalar`: the overload that takes the same arguments and `out`."""
-    if not isinstance(op, torch._ops.OpOverload) or torch.Tag.pointwise not in op.tags:
-        return None
-    schema = op._schema
-    if schema.is_mutable or len(schema.returns) != 1:
+    schema = _schema(op)
+    if schema is None or schema.is_mutable or len(schema.returns) != 1:
         return None
     packet = op.overloadpacket
     names = [a.name for a in schema.arguments]
-    for overload in (f"{op._overloadname}_out", "out"):
+    for overload in (f"{schema.overload_name}_out", "out"):
         if overload not in packet.overloads():
             continue
         candidate = getattr(packet, overload)
-        arguments = candidate._schema.arguments
+        _, schemas = get_signature_for_torch_op(candidate, return_schemas=True)
+        arguments = schemas[0].arguments if schemas else ()
         if [a.name for a in arguments if not a.is_out] == names and \
                 [a.name for a in arguments if a.is_out] == ["out"]:
             return candidate
