@@ -20,8 +20,9 @@ A run qualifies when every op is either a scalar op (all tensor inputs and
 the output 0-dim: the learning rate's sign and dtype) or a functional
 pointwise aten op (`torch.Tag.pointwise`, with an out= variant) whose tensor
 inputs are 0-dim or exactly the run's shape; scalar ops run once, first (they
-read no tiled value). At run time a run whose inputs are not contiguous CPU
-tensors of the planned shape runs op by op instead.
+read no tiled value). Random ops never qualify (tiled, they would draw their
+numbers in another order). At run time a run whose inputs are not contiguous
+CPU tensors of the planned shape and dtype runs op by op instead.
 """
 
 from __future__ import annotations
@@ -66,8 +67,10 @@ def _meta(node: fx.Node) -> torch.Tensor | None:
 
 
 def _schema(op):
-    """The op's one schema, or None for what is not an aten op overload."""
-    if torch.Tag.pointwise not in getattr(op, "tags", ()):
+    """The op's one schema, or None for what is not a deterministic pointwise
+    aten op overload (a random op, tiled, would draw its numbers in another order)."""
+    tags = getattr(op, "tags", ())
+    if torch.Tag.pointwise not in tags or torch.Tag.nondeterministic_seeded in tags:
         return None
     _, schemas = get_signature_for_torch_op(op, return_schemas=True)
     return schemas[0] if schemas and len(schemas) == 1 else None
@@ -135,7 +138,7 @@ class TiledRun:
                      if name in keep and not _is_scalar_op(n)}
         self._scalar_ops: list[_Op] = []
         self._tiled_ops: list[_Op] = []
-        self._outer: set[str] = set()  # tiled inputs from before the run
+        self._outer: dict[str, torch.dtype] = {}  # tiled inputs from before the run
         self._dtypes: dict[str, torch.dtype] = {}
         for node in nodes:
             args = fx.node.map_arg(node.args, lambda n: _Value(n.name))
@@ -146,7 +149,7 @@ class TiledRun:
             self._dtypes[node.name] = _meta(node).dtype
             for arg in node.all_input_nodes:
                 if arg.name not in produced and _meta(arg).dim() != 0:
-                    self._outer.add(arg.name)
+                    self._outer[arg.name] = _meta(arg).dtype
             self._tiled_ops.append(_Op(node.name, _out_variant(node.target), args, kwargs))
         # Values the tiled ops read whole from the step (scalars, 0-dim inputs).
         self._whole = {a.name for op in self._tiled_ops
@@ -155,11 +158,13 @@ class TiledRun:
                        and a.name not in self._dtypes}
 
     def can_tile(self, env: Mapping[str, object]) -> bool:
-        """True if this step's inputs are contiguous CPU tensors of the planned shape."""
-        for name in self._outer:
+        """True if this step's inputs are contiguous CPU tensors of the planned
+        shape and dtype (the outputs' dtypes were planned from them)."""
+        for name, dtype in self._outer.items():
             value = env[name]
             if not (isinstance(value, torch.Tensor) and value.device.type == "cpu"
-                    and value.shape == self.shape and value.is_contiguous()):
+                    and value.shape == self.shape and value.dtype == dtype
+                    and value.is_contiguous()):
                 return False
         return True
 

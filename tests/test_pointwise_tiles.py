@@ -137,6 +137,7 @@ def test_a_tiled_run_keeps_only_what_is_read_later_and_equals_op_by_op(small_til
     assert (first, last) == (0, 4) and set(run.keep) == {"d", "w"}
     assert not run.can_tile({"a": a.t().contiguous().t(), "b": b, "lr": lr})
     assert not run.can_tile({"a": a[:, :40], "b": b, "lr": lr})
+    assert not run.can_tile({"a": a.double(), "b": b, "lr": lr})
     assert run.can_tile({"a": a, "b": b, "lr": lr})
     env = {"a": a, "b": b, "lr": lr}
     run.run(env)
