@@ -185,6 +185,8 @@ class Job(JobMember):
                                  recv_timeout_s=self.settings.recv_timeout_s,
                                  rendezvous=rendezvous)
         self.watch_waits(lambda: _waiting(process))  # the scheduler names a peer it waits on
+        # Set up: from here on a step that does not advance can stall a peer.
+        self.report_progress(first_step)
         # The plan's messages are let in only now that the process is assembled.
         self.transport.expect(receive_contracts(plan, split.program, self.label))
         logger.info("[%s] plan %s: %s", self.label.describe(), plan.fingerprint, summary)

@@ -196,6 +196,23 @@ def test_busy_looping_worker_is_named(local_cluster):
     assert elapsed < 30.0, f"named {elapsed:.1f} s after it began to spin"
 
 
+def test_a_peer_still_setting_up_is_not_a_stall(local_cluster):
+    # The workers begin their first step and wait in it for the server's
+    # parameters while the server is still setting up, for longer than the
+    # stall timeout: setting up is not a step, so no stall.
+    proc = local_cluster.start("launch", "--workers", 2, "--servers", 1, "--stall-timeout",
+                               STALL_TIMEOUT_S, FAULT_JOB, "--mode", "ps", "--steps", 6,
+                               "--slow-start", "server 0", "--slow-start-s",
+                               2 * STALL_TIMEOUT_S + 4)
+    try:
+        proc.wait_for(r"\[server 0\].*setting up slowly", JOB_TIMEOUT_S)
+        code = proc.wait(JOB_TIMEOUT_S)
+    finally:
+        proc.kill()
+    assert code == 0, proc.output()
+    assert "stalled" not in proc.output()
+
+
 def fault_job_reference(num_workers: int, steps: int):
     from fault_job import NUM_BATCHES
     from train_job import build

@@ -20,7 +20,7 @@ from ..transport.grpc.service import TOKEN_METADATA_KEY
 from ..transport.grpc.tls import TlsFiles
 from ..transport.wire import splitrun_pb2 as pb
 from ..transport.wire import splitrun_pb2_grpc as pb_grpc
-from .scheduler import SHM_PREFIX_KEY
+from .scheduler import SETTING_UP, SHM_PREFIX_KEY
 
 __all__ = ["Registration", "SchedulerClient", "Heartbeat"]
 
@@ -141,7 +141,7 @@ class Heartbeat:
         self._lost_after_s = lost_after_s
         self._on_failed = on_failed
         self._on_finished = on_finished
-        self._step = 0
+        self._step = SETTING_UP  # until the process reports where its steps start
         self._waiting: Callable[[], tuple[Label, float] | None] = lambda: None
         # (last answered heartbeat, the latest error) while heartbeats fail.
         self._failing: tuple[float, ClusterError] | None = None

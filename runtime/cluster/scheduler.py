@@ -32,6 +32,10 @@ from ..transport.wire import splitrun_pb2_grpc as pb_grpc
 
 __all__ = ["SchedulerSettings", "Scheduler", "SHM_PREFIX_KEY", "TOKEN_METADATA_KEY"]
 
+# A process's step while it is still setting up (capturing its model, loading a
+# checkpoint): no peer can be stalled by it yet, since it has no step to stall in.
+SETTING_UP = -1
+
 logger = logging.getLogger(__name__)
 
 # How often the monitor looks for silent processes.
@@ -82,7 +86,7 @@ class _Member:
     host: str
     pid: int
     last_seen: float
-    step: int = 0
+    step: int = SETTING_UP      # steps completed, or SETTING_UP before the first one
     step_since: float = 0.0     # when `step` last changed (time.monotonic())
     waiting_on: str = ""        # the peer it waits on inside a step, "" for none
     waiting_s: float = 0.0      # ...for this long, as of `last_seen`
@@ -202,7 +206,7 @@ class Scheduler(pb_grpc.SchedulerServicer):
     def member_step(self, label: Label) -> int | None:
         with self._cond:
             member = self._state.members.get(label)
-            return None if member is None else member.step
+            return None if member is None or member.step == SETTING_UP else member.step
 
     # -- helpers (call with the lock held) --
 
@@ -350,7 +354,7 @@ class Scheduler(pb_grpc.SchedulerServicer):
         label = self._label(request.label, context)
         with self._cond:
             step = self._state.members[label].step
-            self._fail(str(label), f"{label.describe()} failed at step {step}: "
+            self._fail(str(label), f"{label.describe()} failed {_at_step(step)}: "
                                    f"{one_line(request.message)}")
             return self._status()
 
@@ -433,7 +437,7 @@ class Scheduler(pb_grpc.SchedulerServicer):
                         self._fail(str(member.label),
                                    f"{member.label.describe()} (pid {member.pid} on "
                                    f"{member.host}) sent no heartbeat for {silent:.1f} s "
-                                   f"(last at step {member.step}); it died or hangs")
+                                   f"({_at_step(member.step, 'last')}); it died or hangs")
                         break
                 else:
                     self._find_stalled(now)
@@ -445,7 +449,8 @@ class Scheduler(pb_grpc.SchedulerServicer):
         limit = self.settings.stall_timeout_s
         members = self._state.members
         for member in members.values():
-            if member.done or member.waiting_on or now - member.step_since <= limit:
+            if member.done or member.waiting_on or member.step == SETTING_UP or \
+                    now - member.step_since <= limit:
                 continue
             name = str(member.label)
             waiters = [(p, p.waiting_s + now - p.last_seen) for p in members.values()
@@ -460,6 +465,12 @@ class Scheduler(pb_grpc.SchedulerServicer):
                              f"{peer.label.describe()} has waited on it for {waited:.1f} s; "
                              f"is it stuck in a loop or waiting on something else?")
             return
+
+
+def _at_step(step: int, qualifier: str = "") -> str:
+    if step == SETTING_UP:
+        return "before its first step"
+    return f"{qualifier} at step {step}".strip()
 
 
 def dial_back(address: str, timeout_s: float) -> str | None:

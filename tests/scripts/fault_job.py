@@ -10,6 +10,8 @@ small model over a few batches in a cycle, and can fail on purpose.
     the job was resumed (a restart under --max-restarts).
 --pause-at N --pause-file F: every worker waits (up to 120 s) before its step N
     until file F exists (between steps: no peer waits on another meanwhile).
+--slow-start NAME --slow-start-s S: process NAME ("server 0") takes S seconds
+    longer to set up (as a large model's capture or a checkpoint's load would).
 --bad-optimizer: capture with an optimizer splitrun cannot split (a CaptureError).
 --mode ps: parameter-server mode (run with --servers 1 or more).
 --out PATH: worker 0 saves the losses and the final state there.
@@ -57,6 +59,8 @@ def main() -> int:
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--pause-at", type=int, default=-1)
     parser.add_argument("--pause-file")
+    parser.add_argument("--slow-start", default="")
+    parser.add_argument("--slow-start-s", type=float, default=0.0)
     parser.add_argument("--bad-optimizer", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -72,6 +76,9 @@ def main() -> int:
         model = torch.nn.Linear(12, 5)
         capture(model, lambda m, x, y: m(x).sum(), torch.optim.LBFGS(model.parameters()),
                 batches[0])
+    if job.label.describe() == args.slow_start:
+        logging.getLogger("fault_job").warning("setting up slowly")
+        time.sleep(args.slow_start_s)
     trainer = job.start(program, mode, num_steps=args.steps)
     logging.getLogger("fault_job").warning("training started")
     shards = list(trainer.shard(batches))
