@@ -165,7 +165,7 @@ class EmbeddingClient:
         plan = cache.plan(self._step_ids(table, ids), self._step,
                           write_back=self.write_back[table],
                           max_staleness=settings.max_staleness)
-        pushed = self._write_back(table, plan.evicted_ids, plan.evicted_rows, plan.evicted_state)
+        pushed = self._write_back(table, plan.evicted_ids, plan.evicted_slots)
         pulled = self._pull(table, plan)
         # A hit is a row served without a pull (a stale cached row is a miss).
         misses = plan.pull_ids.numel()
@@ -282,16 +282,18 @@ class EmbeddingClient:
             requests.append((server, seq, wanted))
         self._prefetched[table] = requests
 
-    def _write_back(self, table: str, ids: torch.Tensor, rows: torch.Tensor,
-                    state: dict[str, torch.Tensor]) -> int:
+    def _write_back(self, table: str, ids: torch.Tensor, slots: torch.Tensor) -> int:
+        """Push the rows of `ids` (in cache `slots`, not yet overwritten) to their
+        servers: one gather from the cache per server."""
         if not self.write_back[table] or ids.numel() == 0:
             return 0
         pushed = 0
-        names = self.caches[table].table.state_names
+        cache = self.caches[table]
+        names = cache.table.state_names
         for server, positions in self._by_server(table, ids):
-            on_device = positions.to(rows.device)
-            tensors = [ids.index_select(0, positions), rows.index_select(0, on_device).cpu(),
-                       *(state[n].index_select(0, on_device).cpu() for n in names)]
+            rows, state = cache.rows_at(slots.index_select(0, positions))
+            tensors = [ids.index_select(0, positions), rows.cpu(),
+                       *(state[n].cpu() for n in names)]
             self._request(server, Op.PUSH, table, self._step, tensors)
             pushed += nbytes_of(tensors)
         return pushed
@@ -302,8 +304,8 @@ class EmbeddingClient:
         """Write every dirty row back (write-back mode); requests stay in order,
         so a later dump sees them."""
         for table, cache in self.caches.items():
-            ids, rows, state = cache.dirty_rows()
-            cache.counters.bytes_pushed += self._write_back(table, ids, rows, state)
+            ids, slots = cache.dirty_slots()
+            cache.counters.bytes_pushed += self._write_back(table, ids, slots)
 
     def drain_prefetch(self) -> None:
         """Take the replies of prefetches no step will use (the last batch's)."""

@@ -95,8 +95,9 @@ class BatchPlan:
     pull_ids: torch.Tensor
     pull_slots: torch.Tensor
     evicted_ids: torch.Tensor    # dirty rows leaving the cache (write-back only)
-    evicted_rows: torch.Tensor
-    evicted_state: dict[str, torch.Tensor]
+    # Their slots: the rows stay there until the pulled rows are installed, so
+    # the write-back gathers each server's share from the cache in one copy.
+    evicted_slots: torch.Tensor
     evictions: int
 
     @property
@@ -178,9 +179,7 @@ class RowCache:
         new_slots, evicted = self._make_room(miss_ids.numel(), pinned=slots.masked_select(cached))
         evicted_ids = self.id_of_slot.index_select(0, evicted)
         dirty = self.dirty.index_select(0, evicted)
-        on_device = evicted.masked_select(dirty).to(self.device)
-        evicted_rows = self.rows.index_select(0, on_device)
-        evicted_state = {n: t.index_select(0, on_device) for n, t in self.state.items()}
+        dirty_slots = evicted.masked_select(dirty)
         dirty_ids = evicted_ids.masked_select(dirty)
         self.slot_of_id.index_fill_(0, evicted_ids, -1)
         self.id_of_slot.index_copy_(0, new_slots, miss_ids)
@@ -192,8 +191,7 @@ class RowCache:
             self.frequency.index_add_(0, unique_ids, counts)
         pull_mask = missed | stale
         return BatchPlan(step_ids, slots, unique_ids.masked_select(pull_mask),
-                         slots.masked_select(pull_mask), dirty_ids, evicted_rows, evicted_state,
-                         evicted.numel())
+                         slots.masked_select(pull_mask), dirty_ids, dirty_slots, evicted.numel())
 
     def _make_room(self, needed: int, pinned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`needed` slots: free ones first (in slot order), then the policy's
@@ -242,12 +240,17 @@ class RowCache:
                                 f"cached (the lookup and the update disagree)")
         return slots
 
-    def dirty_rows(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """Every dirty row (ids, rows, state), marked clean."""
+    def dirty_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, slots) of every dirty row, marked clean."""
         slots = self.dirty.nonzero().reshape(-1)
         self.dirty[slots] = False
-        return (self.id_of_slot[slots], self.rows[slots.to(self.device)],
-                {n: t[slots.to(self.device)] for n, t in self.state.items()})
+        return self.id_of_slot[slots], slots
+
+    def rows_at(self, slots: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Copies of the rows in `slots` and of their optimizer state."""
+        on_device = slots.to(self.device)
+        return (self.rows.index_select(0, on_device),
+                {name: t.index_select(0, on_device) for name, t in self.state.items()})
 
     def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mask of cached ids, their rows) for ids that may or may not be cached."""
