@@ -443,6 +443,37 @@ def test_a_message_before_the_plan_waits_for_it_then_is_refused():
         transport.close()
 
 
+def test_a_message_waiting_for_the_plan_is_refused_at_once_when_the_job_fails():
+    """A peer may start its first step minutes before this process has its plan
+    (the wait is long); a job failure meanwhile ends the wait with a refusal
+    saying so, instead of holding the server thread for the rest of it."""
+    settings = GrpcSettings(expect_timeout_s=600.0, stream_idle_s=0.2)
+    transport = GrpcTransport(W1, token=TOKEN, incarnation=INCARNATION, settings=settings)
+    channel = grpc.insecure_channel(transport.start())
+    outcome = {}
+
+    def deliver_one():
+        try:
+            deliver(channel, chunk())
+        except grpc.RpcError as exc:
+            outcome["error"] = exc
+    sender = threading.Thread(target=deliver_one)
+    try:
+        sender.start()
+        sender.join(1.0)
+        assert sender.is_alive(), "the message must wait for the plan"
+        transport.abort(TransportError("the job failed"))
+        sender.join(CALL_TIMEOUT_S)
+        assert not sender.is_alive()
+        error = outcome["error"]
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "this process closed (or its job failed) before it took its plan" in \
+            error.details()
+    finally:
+        channel.close()
+        transport.close()
+
+
 def test_ping_needs_the_token_and_names_the_process(server):
     transport, channel = server
     ping = channel.unary_unary("/splitrun.TensorService/Ping")

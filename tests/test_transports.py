@@ -8,10 +8,13 @@ Nothing of a job is left under /dev/shm afterwards.
 Every wait is bounded; no sleep synchronises anything; timings decide nothing.
 """
 
+import dataclasses
 import hashlib
+import logging
 import os
 import signal
 import sys
+import time
 
 import pytest
 import torch
@@ -281,6 +284,48 @@ def test_a_one_gib_tensor_crosses_from_another_process_intact(kind, prefix):
     finally:
         sender.kill()
         receiver.close()
+
+
+def test_a_peer_that_sets_up_late_is_waited_for_over_shared_memory(prefix):
+    """A same-host peer creates its rings in its `set_peers`, once its model is
+    captured and split: this process waits for them, slice by slice, and the
+    messages then flow both ways."""
+    a = make("shm", W0, prefix, W0_CONTRACTS)
+    b = make("shm", W1, prefix, W1_CONTRACTS)
+    try:
+        addresses = {W0: a.start(), W1: b.start()}
+        a.set_peers({W1: addresses[W1]})
+        time.sleep(10 * SMALL_RING.poll_s)  # b still setting up: a waits in slices
+        b.set_peers({W0: addresses[W0]})
+        a.send(W1, key(0), [torch.ones(2, 3)])
+        b.send(W0, key(0, "w1->w0#0"), [torch.full((2, 3), 2.0)])
+        assert torch.equal(b.recv(W0, key(0), RECV_TIMEOUT_S)[0], torch.ones(2, 3))
+        assert torch.equal(a.recv(W1, key(0, "w1->w0#0"), RECV_TIMEOUT_S)[0],
+                           torch.full((2, 3), 2.0))
+    finally:
+        close_all(a, b)
+
+
+@pytest.mark.parametrize("ending", ["close", "abort"])
+def test_waiting_for_a_peer_that_never_sets_up_ends_with_the_transport(prefix, caplog, ending):
+    """The wait for a peer's ring is long (a peer may set up for minutes), but
+    a close or the job's failure ends it at once: no reader left behind, no
+    failure of its own beside the job's."""
+    patient = dataclasses.replace(SMALL_RING, attach_timeout_s=600.0)
+    a = make("shm", W0, prefix, W0_CONTRACTS, ring=patient)
+    never = make("shm", W1, prefix, W1_CONTRACTS, ring=patient)
+    try:
+        a.start()
+        a.set_peers({W1: never.start()})
+        time.sleep(4 * SMALL_RING.poll_s)
+        if ending == "abort":
+            a.abort(TransportError("the job failed"))
+        with caplog.at_level(logging.WARNING):
+            close_all(a)
+        assert "did not stop" not in caplog.text
+        assert "did not create its ring" not in caplog.text
+    finally:
+        close_all(never)
 
 
 def test_grpc_is_chosen_for_a_peer_that_cannot_share_memory(prefix):

@@ -145,6 +145,7 @@ class ReceiveContracts:
         self._plan: dict[str, ChannelContract] | None = None
         self._table: Mapping[str, ChannelContract] | None = None
         self._opened = threading.Event()
+        self._is_stopped = False
 
     @property
     def table(self) -> Mapping[str, ChannelContract] | None:
@@ -152,9 +153,23 @@ class ReceiveContracts:
         return self._table
 
     def wait(self, timeout_s: float) -> Mapping[str, ChannelContract] | None:
-        """`table`, waiting up to `timeout_s` for `expect`."""
+        """`table`, waiting up to `timeout_s` for `expect` (or `stop_waiting`)."""
         self._opened.wait(timeout_s)
         return self._table
+
+    def stop_waiting(self) -> None:
+        """End every `wait` now, and later ones at once: the process closes or
+        its job failed, so a message that came before `expect` is refused
+        instead of holding a server thread (and the process's exit) for the
+        rest of the wait."""
+        self._is_stopped = True
+        self._opened.set()
+
+    def why_no_table(self, timeout_s: float) -> str:
+        """Why `wait(timeout_s)` returned no table, for a refusal."""
+        if self._is_stopped and self._table is None:
+            return "this process closed (or its job failed) before it took its plan"
+        return f"this process has no plan yet (expect() not called within {timeout_s:g} s)"
 
     def register(self, contracts: Mapping[str, ChannelContract]) -> None:
         """Add channels outside the plan; a channel registered again must keep

@@ -17,8 +17,9 @@ class RingPeerGone(RingError):
 
 
 class RingAttachTimeout(RingError):
-    """The consumer did not attach within the wait (`RingWriter.wait_attached`);
-    waiting again may still see it attach."""
+    """The other end did not show up within the wait: the consumer did not
+    attach (`RingWriter.wait_attached`), or the producer's files did not appear
+    (`RingReader.attach`). Waiting again may still see it."""
 
 
 class RingClosed(RingError):

@@ -13,7 +13,7 @@ import weakref
 import torch
 
 from ..errors import RecvTimeout
-from .ring_errors import RingClosed, RingError, RingPeerGone
+from .ring_errors import RingAttachTimeout, RingClosed, RingError, RingPeerGone
 from .ring_files import SHM_DIR, ring_paths
 from .ring_records import CLOSED, HELLO, READ_FLAG, RECORD, Positions, send_record
 from .ring_segment import (
@@ -113,7 +113,7 @@ class RingReader:
                 # The producer has not created its files yet (a bounded poll:
                 # there is nothing to wait on before the files exist).
                 if time.monotonic() + delay > deadline:
-                    raise RingError(
+                    raise RingAttachTimeout(
                         f"{tag}: {ring_path} did not appear within {timeout_s:g} s; is "
                         f"{peer} running on this host with the same job prefix?") from None
                 time.sleep(delay)

@@ -113,8 +113,11 @@ class ShmSettings:
     # larger messages stream through it in pieces, and messages up to half of
     # it may be lent in place (a parameter server's 27 MB in the benchmark).
     ring_bytes: int = 64 << 20
-    # Bounds the wait for a peer to create or attach to a ring.
-    attach_timeout_s: float = 30.0
+    # Bounds the wait for a peer to create or attach to a ring: peers do so in
+    # `set_peers`, once their model is captured and split, which may take a
+    # loaded machine minutes; the job's failure (`abort`) or a close ends the
+    # wait at once.
+    attach_timeout_s: float = 300.0
     # Bounds a send blocked on a full ring (the peer does not read).
     send_timeout_s: float = 300.0
     # Bounds reading one message's payload once its header came.
@@ -155,10 +158,9 @@ class _IncomingRing:
         owner, peer = self._owner, self.peer
         settings = owner.settings
         try:
-            self.reader = RingReader.attach(owner.prefix, self.name, owner=owner.label.describe(),
-                                            peer=peer.describe(),
-                                            timeout_s=settings.attach_timeout_s,
-                                            directory=owner.directory)
+            self.reader = self._attach()
+            if self.reader is None:
+                return  # the transport closes, or the job failed, first
         except RingClosed:
             logger.debug("%s ring from %s closed before its first message", owner.tag,
                          peer.describe())
@@ -192,6 +194,27 @@ class _IncomingRing:
             logger.exception("%s reading the ring from %s failed", owner.tag, peer.describe())
             owner.fail(TransportError(f"{owner.tag} reading the ring from {peer.describe()} "
                                       f"failed: {type(exc).__name__}: {exc}"))
+
+    def _attach(self) -> RingReader | None:
+        """Attach to the peer's ring, waiting up to `attach_timeout_s` for the
+        peer to create it (its `set_peers`), in slices of `poll_s`: None once
+        the transport closes or the job fails meanwhile."""
+        owner, settings = self._owner, self._owner.settings
+        deadline = time.monotonic() + settings.attach_timeout_s
+        while not (owner.is_closing or owner.job_failed.is_set()):
+            remaining = deadline - time.monotonic()
+            try:
+                return RingReader.attach(owner.prefix, self.name, owner=owner.label.describe(),
+                                         peer=self.peer.describe(),
+                                         timeout_s=max(min(settings.poll_s, remaining), 0.0),
+                                         directory=owner.directory)
+            except RingAttachTimeout:
+                if remaining <= settings.poll_s:
+                    raise RingAttachTimeout(
+                        f"{self.peer.describe()} did not create its ring to this "
+                        f"process within {settings.attach_timeout_s:g} s; is it running on "
+                        f"this host, and still setting up (capturing, splitting)?") from None
+        return None
 
     def _take(self, header: bytes, nbytes: int) -> None:
         owner = self._owner
@@ -251,8 +274,8 @@ class _IncomingRing:
                 f"{where}: incarnation {envelope.incarnation}, but the job's incarnation is "
                 f"{endpoint.incarnation}; the sender belongs to another run of the job")
         if table is None:
-            raise MessageRejected(f"{where}: this process has no plan yet (expect() not "
-                                  f"called within {endpoint.settings.expect_timeout_s:g} s)")
+            raise MessageRejected(f"{where}: "
+                                  f"{endpoint.contracts.why_no_table(endpoint.settings.expect_timeout_s)}")
         contract = find_contract(table, key, envelope.src, receiver=endpoint.label, via=via)
         src = Label.parse(envelope.src)
         if src != self.peer:

@@ -53,8 +53,11 @@ class GrpcSettings:
     # this plus message_timeout_s, the bound on one message's transfer.
     stream_max_s: float = 600.0
     message_timeout_s: float = 600.0
-    # Bounds a receiving server's wait for expect() when a message arrives first.
-    expect_timeout_s: float = 30.0
+    # Bounds a receiving server's wait for expect() when a message arrives first:
+    # a peer may start its first step while this process still captures and
+    # splits its model (minutes on a loaded machine); receives inside a step
+    # (120 s by default) give up before this does.
+    expect_timeout_s: float = 300.0
     # Concurrent calls this process serves (one per sending peer, plus pings).
     max_server_threads: int = 64
     # Receive buffers kept for reuse, in bytes.

@@ -209,8 +209,7 @@ class _Receiver:
         if table is None:
             raise refuse(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"this process has no plan yet (expect() not called within "
-                f"{endpoint.settings.expect_timeout_s:g} s)")
+                endpoint.contracts.why_no_table(endpoint.settings.expect_timeout_s))
         try:
             contract = find_contract(table, key, envelope.src, receiver=endpoint.label,
                                      via=peer)

@@ -213,8 +213,10 @@ class GrpcTransport:
         return False  # received tensors own their (pooled) buffers
 
     def abort(self, error: BaseException) -> None:
-        """Wake every pending receive of this process with `error`."""
+        """Wake every pending receive of this process with `error` (and every
+        message waiting for `expect`: refused)."""
         self._endpoint.mailbox.abort(error)
+        self._endpoint.contracts.stop_waiting()
 
     def finish_at(self, num_steps: int) -> None:
         """Receives for steps >= `num_steps` end with `JobFinished`."""
@@ -267,6 +269,7 @@ class GrpcTransport:
         problems = [error for error in (sender.join(deadline) for sender in senders) if error]
         for sender in senders:
             sender.shutdown()
+        self._endpoint.contracts.stop_waiting()
         if self._server is not None:
             # Grace lets peers' streams to us confirm what they carried.
             grace = max(deadline - time.monotonic(), 0.0)
@@ -328,3 +331,4 @@ class GrpcTransport:
                 self._error = error
                 logger.error("%s", error)
         self._endpoint.mailbox.abort(self._error)
+        self._endpoint.contracts.stop_waiting()
