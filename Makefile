@@ -35,9 +35,10 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports --no-logo
 	$(VENV)/bin/ruff check .
 
-# The static checks, then the whole test suite.
+# The static checks, then the whole test suite: the end-to-end tests and the
+# others in two pytest processes at once (tests/run_suites.py says why).
 test: lint
-	$(PY) -m pytest -q
+	$(PY) tests/run_suites.py
 
 # Without the multi-process end-to-end tests.
 test-fast: $(STAMP)
