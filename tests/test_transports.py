@@ -317,6 +317,8 @@ def test_waiting_for_a_peer_that_never_sets_up_ends_with_the_transport(prefix, c
     try:
         a.start()
         a.set_peers({W1: never.start()})
+        # No event marks "waiting for the peer's ring": give the reader a few of
+        # its slices, so the close or abort lands inside the wait, not before it.
         time.sleep(4 * SMALL_RING.poll_s)
         if ending == "abort":
             a.abort(TransportError("the job failed"))

@@ -274,8 +274,8 @@ class _IncomingRing:
                 f"{where}: incarnation {envelope.incarnation}, but the job's incarnation is "
                 f"{endpoint.incarnation}; the sender belongs to another run of the job")
         if table is None:
-            raise MessageRejected(f"{where}: "
-                                  f"{endpoint.contracts.why_no_table(endpoint.settings.expect_timeout_s)}")
+            why = endpoint.contracts.why_no_table(endpoint.settings.expect_timeout_s)
+            raise MessageRejected(f"{where}: {why}")
         contract = find_contract(table, key, envelope.src, receiver=endpoint.label, via=via)
         src = Label.parse(envelope.src)
         if src != self.peer:
