@@ -28,6 +28,9 @@ from splitrun.runtime import Job, run_threaded  # noqa: E402
 from splitrun.runtime.job import ENV  # noqa: E402
 from splitrun.splitter import Cluster, Program, capture, optim, split_program  # noqa: E402
 
+# Largest difference allowed between a run on CUDA and the unsplit run on the CPU.
+CUDA_TOLERANCE = 1e-4
+
 
 def build(num_workers: int, steps: int, lr: float):
     torch.manual_seed(0)  # every process builds the same model and data
@@ -38,7 +41,8 @@ def build(num_workers: int, steps: int, lr: float):
 
 
 def compare(program: Program, batches, losses: list[float],
-            final_state: dict[str, torch.Tensor], elapsed_s: float) -> int:
+            final_state: dict[str, torch.Tensor], elapsed_s: float,
+            device_type: str = "cpu") -> int:
     started = time.perf_counter()
     history, expected = program.train_unsplit(
         len(batches), lambda s: {"batch.0": batches[s][0], "batch.1": batches[s][1]})
@@ -48,11 +52,18 @@ def compare(program: Program, batches, losses: list[float],
     for step in range(0, len(batches), every):
         print(f"{step:>5}  {losses[step]:>11.6f}  {history[step]['loss'].item():>12.6f}")
     print(f"final  {losses[-1]:>11.6f}  {history[-1]['loss'].item():>12.6f}")
-    same = all(torch.equal(final_state[key], value) for key, value in expected.items())
     print(f"split: {len(batches) / elapsed_s:.1f} steps/s; unsplit in one process: "
           f"{len(batches) / unsplit_s:.1f} steps/s")
-    print(f"final parameters identical to the unsplit run: {same}")
-    return 0 if same else 1
+    if device_type == "cpu":
+        same = all(torch.equal(final_state[key], value) for key, value in expected.items())
+        print(f"final parameters identical to the unsplit run: {same}")
+        return 0 if same else 1
+    # The unsplit reference runs on the CPU; CUDA's kernels sum in another order.
+    error = max((final_state[key].cpu() - value).abs().max().item()
+                for key, value in expected.items())
+    print(f"final parameters within {error:.1e} of the unsplit run on the CPU "
+          f"(tolerance {CUDA_TOLERANCE:g})")
+    return 0 if error <= CUDA_TOLERANCE else 1
 
 
 def run_launched(args) -> int:
@@ -69,7 +80,8 @@ def run_launched(args) -> int:
     final_state = trainer.finish()
     if not job.is_driver:
         return 0
-    return compare(program, batches, losses, final_state, time.perf_counter() - started)
+    return compare(program, batches, losses, final_state, time.perf_counter() - started,
+                   job.device.type)
 
 
 def run_local(args) -> int:

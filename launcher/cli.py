@@ -151,6 +151,13 @@ def _write_token_file(path: str, token: str) -> None:
         out.write(token + "\n")
 
 
+def _default_device() -> str:
+    """`--device`'s default: the environment's SPLITRUN_DEVICE (the variable the
+    launcher sets for its processes), else auto. A machine's or a test suite's
+    choice without repeating the flag."""
+    return os.environ.get(ENV.DEVICE) or "auto"  # each process checks it (pick_device)
+
+
 def _add_stall_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S,
                         help="seconds a process may not advance its step while a peer waits "
@@ -222,8 +229,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Start the scheduler and W workers + S servers on this machine.",
         epilog=_EPILOG_LAUNCH, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_cluster_args(launch)
-    launch.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                        help="device of every process (auto: cuda when available)")
+    launch.add_argument("--device", default=_default_device(), choices=["auto", "cpu", "cuda"],
+                        help="device of every process (auto: cuda when available; default "
+                             f"${ENV.DEVICE} or auto)")
     launch.add_argument("--host", default="127.0.0.1",
                         help="interface the scheduler and processes bind (default 127.0.0.1)")
     _add_stall_arg(launch)
@@ -278,7 +286,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="with --scheduler (default worker); under srun/torchrun the task "
                            "number decides")
     join.add_argument("--rank", type=int, default=None, help="rank to ask for (default: next free)")
-    join.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    join.add_argument("--device", default=_default_device(), choices=["auto", "cpu", "cuda"],
+                      help=f"this process's device (default ${ENV.DEVICE} or auto)")
     join.add_argument("--host", default="127.0.0.1",
                       help="interface this process's tensor server binds")
     join.add_argument("--advertise", default=None,

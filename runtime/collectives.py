@@ -86,10 +86,12 @@ class ProcessGroupCollectives:
         ops = datetime.timedelta(seconds=self.timeout_s)
         try:
             self._store = self._rendezvous.store(self.group_name, self.position, self.size)
+            self._store.set_timeout(init)
             if self.device.type == "cuda":
                 if not dist.is_nccl_available():
                     raise ClusterError("this torch build has no NCCL")
                 torch.cuda.set_device(self.device)
+                self._refuse_shared_gpu()
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = ops
                 group = dist.ProcessGroupNCCL(self._store, self.position, self.size, options)
@@ -100,7 +102,6 @@ class ProcessGroupCollectives:
                 options._devices = [dist.ProcessGroupGloo.create_device(
                     hostname=self._rendezvous.host)]
                 options._timeout = init  # connecting to the others is bounded by this
-                self._store.set_timeout(init)
                 group = dist.ProcessGroupGloo(self._store, self.position, self.size, options)
                 group.set_timeout(ops)  # and every collective by this
         except (RuntimeError, ClusterError) as exc:
@@ -112,6 +113,26 @@ class ProcessGroupCollectives:
         logger.info("%s joined %s process group %s as member %d of %d", self._tag,
                     self.backend_name, self.group_name, self.position, self.size)
         return group
+
+    def _refuse_shared_gpu(self) -> None:
+        """NCCL refuses two members of one communicator on one GPU ("Duplicate
+        GPU detected", reported late and as an internal error). Every member
+        publishes its GPU's UUID and reads the others' first, so a job that
+        would hit it is told which members share which GPU, and what to do."""
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        self._store.set(f"gpu/{self.position}", uuid)
+        for other in range(self.size):
+            if other == self.position:
+                continue
+            if self._store.get(f"gpu/{other}").decode() == uuid:
+                first, second = sorted((self.position, other))
+                raise CollectiveFailed(
+                    f"{self._tag} process group {self.group_name}: members {first} and "
+                    f"{second} would share one GPU ({self.device}, {uuid}), and NCCL runs "
+                    f"one member per GPU; give "
+                    f"each process of the group its own GPU (as many GPUs on each host as "
+                    f"processes there), or use ParallelMode's default channels backend, "
+                    f"which runs any number of processes on one GPU")
 
     def _pg(self, group: int):
         if group != self.group_index:

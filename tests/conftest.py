@@ -5,6 +5,9 @@ Launched jobs are compared with references computed in this process bit for
 bit, and a different intra-op thread count sums in a different order. The
 launcher takes a user's OMP_NUM_THREADS as its thread budget, so setting it
 to this process's count makes every child compute as this process does.
+For the same reason launched jobs run on the CPU (SPLITRUN_DEVICE, the
+launcher's default device) also where a GPU is; the tests of the CUDA path
+(test_cuda.py) ask for `--device cuda`.
 """
 
 import os
@@ -14,6 +17,7 @@ import torch
 from cluster import SCRIPTS, LocalCluster
 
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+os.environ.setdefault("SPLITRUN_DEVICE", "cpu")
 
 
 @pytest.fixture

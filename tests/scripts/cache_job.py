@@ -42,7 +42,8 @@ def main() -> int:
         trainer.save(args.save)
     final_state = trainer.finish()
     if job.is_driver and args.out:
-        torch.save({"state": final_state, "counters": trainer.cache_counters}, args.out)
+        torch.save({"state": final_state, "counters": trainer.cache_counters,
+                    "device": str(job.device)}, args.out)
     return 0
 
 

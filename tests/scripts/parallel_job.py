@@ -58,7 +58,7 @@ def main() -> int:
     if job.is_driver and args.out:
         torch.save({"losses": torch.stack(losses) if losses else torch.zeros(0),
                     "state": final_state, "sent": sent, "predicted": predicted,
-                    "collective_calls": calls}, args.out)
+                    "collective_calls": calls, "device": str(job.device)}, args.out)
     return 0
 
 

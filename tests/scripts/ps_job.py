@@ -45,7 +45,8 @@ def main() -> int:
         trainer.save(args.save)
     final_state = trainer.finish()
     if job.is_driver and args.out:
-        torch.save({"state": final_state, "steps": trainer.steps_done}, args.out)
+        torch.save({"state": final_state, "steps": trainer.steps_done,
+                    "device": str(job.device)}, args.out)
     return 0
 
 
