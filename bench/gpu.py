@@ -7,7 +7,9 @@
   memory; ``RingReader.recv_payload_into_tensor`` copies them to the
   receiver's device); ``shm_transport``, the path a job takes
   (``ShmTransport.send`` of the CUDA tensor, ``recv``, then ``.to(device)`` as
-  the executor does). Baselines in one process: ``memcpy_pinned`` (device ->
+  the executor does; ``shm_transport_unpinned``: the same with the receiver's
+  buffers and rings in ordinary memory, as before jobs on CUDA pinned them).
+  Baselines in one process: ``memcpy_pinned`` (device ->
   pinned host -> device, two cudaMemcpy) and ``memcpy_pageable`` (the same
   through ordinary host memory).
 - ``overlap``: whether copies overlap compute. A chain of matrix products and
@@ -20,7 +22,10 @@
   than group members).
 - ``job``: the main job (``examples/ps_train.py``, 2 workers + 1 server)
   launched with ``--device cuda`` and with ``--device cpu``, next to the same
-  model, batches and optimizer in one process on the GPU and on the CPU.
+  model, batches and optimizer in one process on the GPU and on the CPU; and
+  ``bench/ps_throughput.py``'s larger model (6.7 M parameters) on CUDA next to
+  one process on the GPU. Each process's busy time per step (its step less its
+  waits in receives) says where a split step's time goes.
 
     python bench/gpu.py [--parts transport overlap nccl job] [--repeats 3] [--epochs 5]
 """
@@ -128,19 +133,27 @@ class _ShmTransport:
     """The job's path: ShmTransport between two labels, the receiver moving
     what arrives to its device as the executor does."""
 
-    def __init__(self, role: str, prefix: str, conn) -> None:
+    def __init__(self, role: str, prefix: str, conn, pinned: bool) -> None:
         from splitrun.runtime.transport import ChannelContract
-        from splitrun.runtime.transport.grpc import GrpcTransport
+        from splitrun.runtime.transport.grpc import GrpcSettings, GrpcTransport
         from splitrun.runtime.transport.protocol import MessageKey
-        from splitrun.runtime.transport.shm_transport import ShmTransport, TransportChoice
+        from splitrun.runtime.transport.shm_transport import (
+            ShmSettings,
+            ShmTransport,
+            TransportChoice,
+        )
         from splitrun.splitter.labels import Label
         self.MessageKey = MessageKey
         self.me, self.peer = (Label.worker(0), Label.worker(1)) if role == "a" else \
             (Label.worker(1), Label.worker(0))
         expected = ({"ack": ChannelContract(self.peer, ((torch.uint8, (1,)),))} if role == "a"
                     else {"data": ChannelContract(self.peer, ((torch.uint8, (SIZE,)),))})
-        grpc = GrpcTransport(self.me, token=TOKEN, incarnation=1, contracts=expected)
-        self.transport = ShmTransport(grpc, prefix=prefix, choice=TransportChoice.SHM)
+        # A job on CUDA receives into pinned memory (Job.from_env); `pinned`
+        # False shows what that buys.
+        grpc = GrpcTransport(self.me, token=TOKEN, incarnation=1, contracts=expected,
+                             settings=GrpcSettings(pin_receive_buffers=pinned))
+        self.transport = ShmTransport(grpc, prefix=prefix, choice=TransportChoice.SHM,
+                                      settings=ShmSettings(pin_incoming=pinned))
         conn.send(self.transport.start())
         self.transport.set_peers({self.peer: _recv(conn)})
         self.ack = torch.zeros(1, dtype=torch.uint8, device="cuda")
@@ -173,7 +186,7 @@ def _side(kind: str, role: str, prefix: str, peer, parent, repeats: int) -> None
     try:
         torch.cuda.init()
         side = _RingCuda(role, prefix) if kind == "ring_cuda" else \
-            _ShmTransport(role, prefix, peer)
+            _ShmTransport(role, prefix, peer, pinned=kind == "shm_transport")
         peer.send("ready")
         _recv(peer)
         payload = torch.randint(0, 255, (SIZE,), dtype=torch.uint8, device="cuda",
@@ -382,33 +395,88 @@ def one_process(device: str, epochs: int) -> float:
     return len(batches) * 64 / (time.perf_counter() - started)
 
 
-def launched(device: str, epochs: int) -> dict:
-    argv = [sys.executable, "-m", "splitrun.launcher", "launch", "--workers", "2",
-            "--servers", "1", "--device", device, str(REPO / "examples" / "ps_train.py"),
-            "--epochs", str(epochs)]
+# Each process's closing line: its steps, their time and the part spent waiting.
+PROCESS_LINE = re.compile(r"\[(worker \d+|server \d+)\] (\d+) steps in ([0-9.]+) s;.* waited "
+                          r"([0-9.]+) s in receives")
+
+
+def launched(device: str, script: pathlib.Path, *args: str) -> tuple[str, dict]:
+    """The output of `splitrun launch --workers 2 --servers 1 --device DEVICE
+    SCRIPT ARGS`, and per process its milliseconds per step busy (not waiting
+    in a receive)."""
+    argv = [sys.executable, "-m", "splitrun.launcher", "--log-level", "INFO", "launch",
+            "--workers", "2", "--servers", "1", "--device", device, str(script), *args]
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
                           timeout=JOB_TIMEOUT_S)
     output = done.stdout + done.stderr
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited with {done.returncode}:\n{output[-4000:]}")
+    busy = {name: round((float(total) - float(waited)) * 1e3 / int(steps), 2)
+            for name, steps, total, waited in PROCESS_LINE.findall(output)}
+    return output, busy
+
+
+def main_job(device: str, epochs: int) -> dict:
+    output, busy = launched(device, REPO / "examples" / "ps_train.py", "--epochs", str(epochs))
     rate = re.search(r"\(([0-9.]+) samples/s\)", output)
     accuracy = re.search(r"held-out accuracy: ([0-9.]+)", output)
-    return {"samples_s": float(rate.group(1)), "accuracy": float(accuracy.group(1))}
+    return {"samples_s": float(rate.group(1)), "accuracy": float(accuracy.group(1)),
+            "busy_ms_per_step": busy}
+
+
+def ps_bench_model(device: str, steps: int) -> dict:
+    """bench/ps_throughput.py's job (an MLP of 6.7 M parameters, global batch
+    128, SGD with momentum) on 2 workers + 1 server."""
+    output, busy = launched(device, HERE.parent / "ps_throughput.py", "--job", "--steps",
+                            str(steps))
+    line = next(text for text in output.splitlines() if "BENCH " in text)
+    return {"steps_s": json.loads(line.split("BENCH ", 1)[1])["steps_per_s"],
+            "busy_ms_per_step": busy}
+
+
+def ps_bench_model_one_process(device: str, steps: int) -> float:
+    sys.path.insert(0, str(HERE.parent))
+    import ps_throughput
+    net = ps_throughput.model(1700).to(device)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    data = [(x.to(device), y.to(device))
+            for x, y in ps_throughput.batches(steps + ps_throughput.WARMUP_STEPS, 128)]
+    started = None
+    for index, (x, y) in enumerate(data):
+        if index == ps_throughput.WARMUP_STEPS:
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+        optimizer.zero_grad()
+        ps_throughput.loss_fn(net, x, y).backward()
+        optimizer.step()
+    torch.cuda.synchronize()
+    return steps / (time.perf_counter() - started)
 
 
 def job(repeats: int, epochs: int) -> dict:
     results: dict = {}
     for device in ("cuda", "cpu"):
-        runs = [launched(device, epochs) for _ in range(repeats)]
+        runs = [main_job(device, epochs) for _ in range(repeats)]
         single = [one_process(device, epochs) for _ in range(repeats)]
         split = statistics.median(r["samples_s"] for r in runs)
         results[device] = {
             "splitrun_2w_1s_samples_s": round(split, 1),
             "accuracy": [r["accuracy"] for r in runs],
+            "busy_ms_per_step": runs[0]["busy_ms_per_step"],
             "one_process_samples_s": round(statistics.median(single), 1),
             "splitrun_vs_one_process": round(split / statistics.median(single), 3),
         }
     return results
+
+
+def ps_model(repeats: int, steps: int = 40) -> dict:
+    runs = [ps_bench_model("cuda", steps) for _ in range(repeats)]
+    single = statistics.median(ps_bench_model_one_process("cuda", steps) for _ in range(repeats))
+    split = statistics.median(r["steps_s"] for r in runs)
+    return {"splitrun_2w_1s_steps_s": round(split, 2),
+            "busy_ms_per_step": runs[0]["busy_ms_per_step"],
+            "one_process_steps_s": round(single, 2),
+            "splitrun_vs_one_process": round(split / single, 3)}
 
 
 def main() -> int:
@@ -427,7 +495,7 @@ def main() -> int:
     started = time.perf_counter()
     if "transport" in args.parts:
         results = memcpy_baselines(10 * args.repeats)
-        for kind in ("ring_cuda", "shm_transport"):
+        for kind in ("ring_cuda", "shm_transport", "shm_transport_unpinned"):
             results[kind] = two_process(kind, 10 * args.repeats)
             results[kind]["vs_memcpy_pinned"] = round(
                 results[kind]["gbytes_s"] / results["memcpy_pinned"]["gbytes_s"], 3)
@@ -438,6 +506,7 @@ def main() -> int:
         out["nccl_two_ranks_one_gpu"] = nccl_on_one_gpu()
     if "job" in args.parts:
         out["main_job"] = job(args.repeats, args.epochs)
+        out["ps_bench_model_cuda"] = ps_model(args.repeats)
     out["wall_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(out, indent=2))
     return 0

@@ -44,7 +44,7 @@ from .process import ProcessRuntime
 from .state_gather import control_channels
 from .trainer import Trainer
 from .transport.contract import receive_contracts
-from .transport.grpc import GrpcTransport
+from .transport.grpc import GrpcSettings, GrpcTransport
 from .transport.shm_transport import ShmSettings, ShmTransport, TransportChoice
 
 __all__ = ["Job", "Trainer", "JobSettings", "ENV", "PlanWritten", "report_uncaught",
@@ -119,12 +119,15 @@ class Job(JobMember):
             shm_prefix = client.shm_prefix()
             logger.info("same-host peers share memory under /dev/shm/%s* (the scheduler's "
                         "prefix)", shm_prefix)
+        # On CUDA, what arrives lands in pinned memory: the executor copies
+        # every received tensor to the GPU, and pinned copies are DMA.
+        on_gpu = device.type == "cuda"
+        ring_bytes = ShmSettings().ring_bytes if env.shm_ring_mb is None else env.shm_ring_mb << 20
         transport = ShmTransport(
             GrpcTransport(provisional, token=env.token, incarnation=0, host=env.host, port=0,
-                          tls=env.tls),
+                          tls=env.tls, settings=GrpcSettings(pin_receive_buffers=on_gpu)),
             prefix=shm_prefix, choice=choice,
-            settings=(ShmSettings() if env.shm_ring_mb is None
-                      else ShmSettings(ring_bytes=env.shm_ring_mb << 20)))
+            settings=ShmSettings(ring_bytes=ring_bytes, pin_incoming=on_gpu))
         bound = transport.start()
         port = bound.rsplit(":", 1)[1]
         host = advertised_host(env)

@@ -184,6 +184,35 @@ def test_cuda_tensors_arrive_as_cpu_tensors(pair):
     assert all(g.device.type == "cpu" and torch.equal(g, t.cpu()) for g, t in zip(got, tensors))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("lent", [False, True], ids=["copied", "lent"])
+def test_a_cuda_process_receives_into_pinned_memory(kind, lent, prefix):
+    """With the settings a job on CUDA uses, large received tensors lie in
+    pinned memory (a pooled buffer, or the registered ring they are lent
+    from), so the executor's copy to the GPU is DMA."""
+    ring = dataclasses.replace(SMALL_RING, ring_bytes=(16 << 20) if lent else 64 << 10,
+                               pin_incoming=True)
+    settings = dataclasses.replace(SETTINGS, pin_receive_buffers=True)
+    bulk = ((torch.float32, (1 << 19,)), (torch.float64, (1 << 15,)))  # viewable in place
+    a = make(kind, W0, prefix, W0_CONTRACTS, ring=ring, settings=settings)
+    b = make(kind, W1, prefix, {"bulk": ChannelContract(W0, bulk, later_bytes=0)}, ring=ring,
+             settings=settings)
+    connect(a, b)
+    try:
+        tensors = [torch.randn(1 << 19, device="cuda"),
+                   torch.randn(1 << 15, dtype=torch.float64, device="cuda")]
+        a.send(W1, key(0, "bulk"), tensors)
+        got = b.recv(W0, key(0, "bulk"), RECV_TIMEOUT_S)
+        assert all(torch.equal(g, t.cpu()) for g, t in zip(got, tensors))
+        assert all(g.is_pinned() for g in got)
+        if kind == "shm":
+            assert b.is_lent(got[0]) == lent
+        del got
+    finally:
+        close_all(a, b)
+
+
 # Each bad message, the receiver's reason, and the gRPC status that carries it.
 # Each bad message, the receiver's reason, and the gRPC status that carries it
 # back to a gRPC sender.

@@ -166,9 +166,11 @@ class BufferPool:
     size.
     """
 
-    def __init__(self, max_bytes: int = 1 << 30, min_bytes: int = 1 << 20) -> None:
+    def __init__(self, max_bytes: int = 1 << 30, min_bytes: int = 1 << 20, *,
+                 pin_memory: bool = False) -> None:
         self.max_bytes = max_bytes
         self.min_bytes = min_bytes
+        self.pin_memory = pin_memory  # pooled buffers pinned, for copies to a GPU
         self._buffers: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self.num_reused = 0
@@ -196,7 +198,7 @@ class BufferPool:
             if best is not None:
                 self.num_reused += 1
                 return best[:nbytes]
-            buffer = torch.empty(nbytes, dtype=torch.uint8)
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
             self.num_allocated += 1
             self._make_room(nbytes)
             if self.pooled_bytes + nbytes <= self.max_bytes:

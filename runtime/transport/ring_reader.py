@@ -270,6 +270,11 @@ class RingReader:
             self.num_lent += 1
             return torch.frombuffer(memory, dtype=torch.uint8)
 
+    def pin(self) -> None:
+        """Register the ring as pinned memory, so that payloads lent from it
+        reach a GPU by DMA (a process that computes on CUDA)."""
+        self._segment.pin()
+
     def can_lend(self, later_bytes: int) -> bool:
         """Whether lending the current payload leaves the producer room for
         `later_bytes` more (its messages still to come in this step) even if

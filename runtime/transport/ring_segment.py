@@ -101,13 +101,19 @@ class Segment:
         if self._tensor is None:
             raw = (ctypes.c_char * self.capacity).from_address(self.address)
             self._tensor = torch.frombuffer(raw, dtype=torch.uint8)
-        if not self._is_pinned:
-            code = torch.cuda.cudart().cudaHostRegister(self.address, self.capacity, 0)
-            if int(code) != 0:
-                raise RingError(f"cudaHostRegister of a {self.capacity}-byte ring failed "
-                                f"(cudaError {int(code)}); is the memlock limit too low?")
-            self._is_pinned = True
+        self.pin()
         return self._tensor
+
+    def pin(self) -> None:
+        """Register the data as pinned host memory (once): copies between it
+        and a GPU are then DMA, whichever tensor views it."""
+        if self._is_pinned:
+            return
+        code = torch.cuda.cudart().cudaHostRegister(self.address, self.capacity, 0)
+        if int(code) != 0:
+            raise RingError(f"cudaHostRegister of a {self.capacity}-byte ring failed "
+                            f"(cudaError {int(code)}); is the memlock limit too low?")
+        self._is_pinned = True
 
     def close(self) -> None:
         if self._is_pinned:

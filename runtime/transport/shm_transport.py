@@ -113,6 +113,10 @@ class ShmSettings:
     # larger messages stream through it in pieces, and messages up to half of
     # it may be lent in place (a parameter server's 27 MB in the benchmark).
     ring_bytes: int = 64 << 20
+    # A process that computes on CUDA registers the rings it reads from as
+    # pinned memory: what it receives in place then reaches its GPU by DMA
+    # (measured on an H200: 64 MiB at 0.13x a pinned cudaMemcpy without).
+    pin_incoming: bool = False
     # Bounds the wait for a peer to create or attach to a ring: peers do so in
     # `set_peers`, once their model is captured and split, which may take a
     # loaded machine minutes; the job's failure (`abort`) or a close ends the
@@ -161,6 +165,8 @@ class _IncomingRing:
             self.reader = self._attach()
             if self.reader is None:
                 return  # the transport closes, or the job failed, first
+            if settings.pin_incoming:
+                self.reader.pin()
         except RingClosed:
             logger.debug("%s ring from %s closed before its first message", owner.tag,
                          peer.describe())

@@ -62,6 +62,9 @@ class GrpcSettings:
     max_server_threads: int = 64
     # Receive buffers kept for reuse, in bytes.
     pool_bytes: int = 1 << 30
+    # Pooled receive buffers in pinned memory: for a process that computes on
+    # CUDA, whose executor copies every received tensor to its GPU.
+    pin_receive_buffers: bool = False
 
 
 @dataclass(frozen=True, slots=True)

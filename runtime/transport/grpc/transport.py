@@ -71,9 +71,10 @@ class GrpcTransport:
         self.host = host
         self.port = port
         self.address: str | None = None
+        pool = BufferPool(self.settings.pool_bytes, pin_memory=self.settings.pin_receive_buffers)
         self._current = CurrentEndpoint(Endpoint(
             label=label, incarnation=incarnation, token=token, settings=self.settings,
-            mailbox=Mailbox(label, incarnation), pool=BufferPool(self.settings.pool_bytes),
+            mailbox=Mailbox(label, incarnation), pool=pool,
             contracts=ReceiveContracts(), on_fatal=self.fail, tls=tls))
         self._envelopes = EnvelopeWriter(str(label))
         if contracts is not None:
