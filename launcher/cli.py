@@ -570,6 +570,10 @@ def _join(args) -> int:
     if args.insecure:
         env[ENV.INSECURE] = "1"
     if args.rank is not None:
+        if args.rank < 0:
+            print(f"splitrun: --rank {args.rank}: ranks start at 0; leave --rank out to take "
+                  f"the next free one", file=sys.stderr)
+            return 2
         env[ENV.RANK] = str(args.rank)
     if args.advertise:
         env[ENV.ADVERTISE] = args.advertise

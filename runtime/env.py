@@ -108,6 +108,9 @@ class ProcessEnvironment:
             raise ClusterError(f"{ENV.ROLE}: {exc}") from None
         host = environ.get(ENV.HOST, "127.0.0.1")
         rank = _integer(environ, ENV.RANK)
+        if rank is not None and rank < 0:
+            raise ClusterError(f"{ENV.RANK}={rank}: ranks start at 0; leave it unset (no "
+                               f"--rank) to take the next free one")
         if identity is not None:
             _check_identity_alone(environ, identity)
             scheduler, role, rank = identity.scheduler, identity.label.role, identity.label.rank
@@ -121,7 +124,7 @@ class ProcessEnvironment:
                 environ)
         return cls(
             scheduler=scheduler, token=environ.get(ENV.TOKEN, ""), role=role,
-            rank=None if rank is None or rank < 0 else rank,
+            rank=rank,
             device=environ.get(ENV.DEVICE, "auto") or "auto", host=host,
             advertise=environ.get(ENV.ADVERTISE) or host,
             recv_timeout_s=_seconds(environ, ENV.RECV_TIMEOUT_S),
