@@ -19,7 +19,12 @@ from splitrun.runtime.env import ENV
 from splitrun.runtime.errors import ClusterError
 from splitrun.runtime.identity import foreign_identity
 from splitrun.runtime.transport.grpc.tls import TlsFiles, check_bind
-from splitrun.runtime.transport.ring_files import new_job_prefix, remove_job_segments
+from splitrun.runtime.step_file import read_step
+from splitrun.runtime.transport.ring_files import (
+    job_file_path,
+    new_job_prefix,
+    remove_job_segments,
+)
 from splitrun.splitter.errors import SplitrunError
 from splitrun.splitter.labels import Label, Role
 
@@ -485,19 +490,30 @@ def _run_once(args, token: str, tls: TlsFiles | None, supervisor: Supervisor,
                       ENV.CHECKPOINT_DIR: checkpoint_dir})
     if restart_from is not None:
         extra[ENV.RESTART_FROM] = restart_from
+    # Each process keeps its steps done in a file under the job's prefix: a
+    # process killed between two heartbeats is named at the step it reached.
+    step_files = {label: job_file_path(shm_prefix, str(label), ".step")
+                  for label in _labels(args)}
+
+    def step_of(label: Label) -> int | None:
+        recorded = read_step(step_files[label]) if label in step_files else None
+        return recorded if recorded is not None else scheduler.member_step(label)
     try:
-        labels = ([Label(r, Role.WORKER) for r in range(args.workers)]
-                  + [Label(r, Role.SERVER) for r in range(args.servers)])
-        for local_rank, label in enumerate(labels):
+        for local_rank, label in enumerate(_labels(args)):
             env = _child_env(args, address, token, label, shm_prefix)
             env.update(extra)
             env[ENV.LOCAL_RANK] = str(local_rank)  # its GPU: cuda:local_rank % GPUs
+            env[ENV.STEP_FILE] = step_files[label]
             supervisor.spawn(label, _script_argv(args, die_with_launcher=True), env)
-        return supervisor.run(external_failure=lambda: scheduler.failure,
-                              step_of=scheduler.member_step)
+        return supervisor.run(external_failure=lambda: scheduler.failure, step_of=step_of)
     finally:
         scheduler.stop()
         remove_job_segments(shm_prefix)
+
+
+def _labels(args) -> list[Label]:
+    return ([Label(r, Role.WORKER) for r in range(args.workers)]
+            + [Label(r, Role.SERVER) for r in range(args.servers)])
 
 
 def _plan(args) -> int:

@@ -42,6 +42,7 @@ from .joining import advertised_host, host_scheduler, pick_device
 from .member import JobMember
 from .process import ProcessRuntime
 from .state_gather import control_channels
+from .step_file import StepFile
 from .trainer import Trainer
 from .transport.contract import receive_contracts
 from .transport.grpc import GrpcTransport
@@ -85,10 +86,11 @@ class Job(JobMember):
                  heartbeat_interval_s: float = 0.5, plan_out: str | None = None,
                  host: str = "127.0.0.1",
                  hosted_scheduler: HostedScheduler | None = None,
-                 plan_modules_out: str | None = None) -> None:
+                 plan_modules_out: str | None = None,
+                 step_file: StepFile | None = None) -> None:
         super().__init__(label, cluster, device, settings, client=client, transport=transport,
                          incarnation=incarnation, heartbeat_interval_s=heartbeat_interval_s,
-                         host=host, hosted_scheduler=hosted_scheduler)
+                         host=host, hosted_scheduler=hosted_scheduler, step_file=step_file)
         self.plan_out = plan_out
         self.plan_modules_out = plan_modules_out
 
@@ -136,7 +138,8 @@ class Job(JobMember):
         job = cls(registration.label, registration.cluster, device, settings,
                   client=client, transport=transport, incarnation=registration.incarnation,
                   heartbeat_interval_s=registration.heartbeat_interval_s, host=host,
-                  hosted_scheduler=hosted)
+                  hosted_scheduler=hosted,
+                  step_file=None if env.step_file is None else StepFile(env.step_file))
         global _joined
         _joined = job
         return job
