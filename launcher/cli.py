@@ -644,20 +644,18 @@ def _scheduler(args) -> int:
                                             _new_incarnation(),
                                             heartbeat_timeout_s=args.heartbeat_timeout,
                                             stall_timeout_s=args.stall_timeout))
+    interrupted: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: interrupted.append(signum))
     address = scheduler.start(args.host, args.port, tls)
     print(f"splitrun scheduler at {address}; token in {os.path.abspath(args.token_file)} "
           f"(join with --token-file)", flush=True)
-    stop = {"interrupted": False}
-
-    def on_signal(*_):
-        stop["interrupted"] = True
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
     try:
         while not scheduler.wait_done(timeout_s=0.5):
-            if stop["interrupted"]:
-                print("splitrun scheduler: interrupted", flush=True)
-                return 130
+            if interrupted:  # exit as the launcher does: 128 + the signal
+                name = signal.Signals(interrupted[0]).name
+                print(f"splitrun scheduler: interrupted by {name}", flush=True)
+                return 128 + interrupted[0]
         failure = scheduler.failure
         if failure is not None:
             print(f"splitrun scheduler: job failed: {failure[1]}", flush=True)

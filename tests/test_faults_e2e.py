@@ -123,6 +123,14 @@ def test_signal_to_the_launcher_stops_everything(local_cluster, sig, code):
     assert not wait_exited(pids.values(), 1.0)
 
 
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_to_a_standalone_scheduler_exits_as_the_launcher_does(local_cluster, sig,
+                                                                       code):
+    scheduler, _, _ = local_cluster.scheduler(workers=1)  # its address printed: listening
+    assert kill_and_wait(scheduler, scheduler.process.pid, sig)[0] == code
+    assert f"splitrun scheduler: interrupted by {sig.name}" in scheduler.output()
+
+
 def test_children_die_with_a_killed_launcher(local_cluster):
     started = time.monotonic()
     proc = local_cluster.start("launch", "--workers", 2, FAULT_JOB)
