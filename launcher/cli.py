@@ -18,8 +18,8 @@ from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
 from splitrun.runtime.env import ENV
 from splitrun.runtime.errors import ClusterError
 from splitrun.runtime.identity import foreign_identity
-from splitrun.runtime.transport.grpc.tls import TlsFiles, check_bind
 from splitrun.runtime.step_file import read_step
+from splitrun.runtime.transport.grpc.tls import TlsFiles, check_bind
 from splitrun.runtime.transport.ring_files import (
     job_file_path,
     new_job_prefix,

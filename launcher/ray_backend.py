@@ -43,6 +43,7 @@ from .process_logs import ProcessLogs, Tee
 from .ray_process import Placement, Polled, ProcessHost
 from .supervisor import (
     BLAME_WINDOW_S,
+    ERROR_KINDS,
     TERMINATE_GRACE_S,
     FailureKind,
     FailureSign,
@@ -50,6 +51,7 @@ from .supervisor import (
     error_kind,
     parse_label,
     shell_code,
+    stopped_clause,
 )
 
 __all__ = ["launch_on_ray", "parse_resources", "DEFAULT_RESOURCES"]
@@ -487,7 +489,7 @@ class _RayJob:
         judged = []
         for sign in signs:
             member = by_label.get(sign.label)
-            if sign.kind in (FailureKind.OWN_ERROR, FailureKind.CONSEQUENCE) and member is not None:
+            if sign.kind in ERROR_KINDS and member is not None:
                 sign = FailureSign(error_kind(member.error), sign.seen, sign.label,
                              sign.exit_code, sign.what)
             judged.append(sign)
@@ -498,14 +500,15 @@ class _RayJob:
                    if m.death is not None and m.label not in signed]
         culprit = min(judged, key=lambda s: (s.kind, s.seen))
         if culprit.kind is FailureKind.REPORTED:
-            return culprit.exit_code, f"job failed: {culprit.what}; stopped every process"
+            return culprit.exit_code, (f"job failed: {culprit.what}"
+                                       f"{stopped_clause(len(running), False)}")
         step = scheduler.member_step(culprit.label) if culprit.label is not None else None
         member = by_label.get(culprit.label)
         others = [m for m in running if m.label != culprit.label]
         at = f" at step {step}" if step is not None else ""
         because = f": {member.error}" if member is not None and member.error else ""
-        return culprit.exit_code, (f"{culprit.what}{at}{because}; stopped the other "
-                                   f"{len(others)} processes")
+        return culprit.exit_code, (f"{culprit.what}{at}{because}"
+                                   f"{stopped_clause(len(others))}")
 
     def _stop_all(self) -> None:
         """Stop every script still running (SIGTERM, then SIGKILL after the

@@ -14,7 +14,7 @@ from splitrun.splitter.labels import Cluster, Label, Role
 
 from .cluster.hosted import HostedScheduler
 from .cluster.membership import Heartbeat, SchedulerClient
-from .errors import ClusterError, JobFinished, PeerFailed
+from .errors import ClusterError, JobFinished, PeerFailed, RecvTimeout
 from .job_settings import JobSettings
 from .step_file import StepFile
 from .transport.grpc import GrpcTransport
@@ -125,9 +125,13 @@ class JobMember:
             return
         self._failure_reported = True
         first_line = (str(error).strip().splitlines() or [""])[0]
+        # A receive that timed out says on whom: the scheduler blames that peer
+        # instead when it knows the peer stalled.
+        waiting = ((error.peer, error.waited_s or 0.0)
+                   if isinstance(error, RecvTimeout) and error.peer is not None else None)
         try:
             if self._heartbeat is not None:
-                self._heartbeat.beat_now()
+                self._heartbeat.beat_now(waiting)
             self.client.report_failure(self.label, f"{type(error).__name__}: {first_line}")
         except ClusterError:
             logger.warning("[%s] could not report the failure to the scheduler",

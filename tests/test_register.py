@@ -124,3 +124,21 @@ def test_a_wrong_rank_is_refused_before_the_dial_back(scheduler, listener, close
     refused = register(stub, "worker", 0, closed_address)
     assert refused.code() is grpc.StatusCode.ALREADY_EXISTS
     assert scheduler.failure is None
+
+
+def test_after_the_job_failed_a_late_process_stops_as_a_consequence(scheduler, listener):
+    # Its Register (and any blocking call) is ABORTED with the job's reason; the
+    # process stops with PeerFailed, which the launcher never blames over the
+    # failure itself.
+    from splitrun.runtime.errors import PeerFailed
+
+    scheduler, stub = scheduler
+    scheduler.fail("w1", "worker 1 failed at step 3: ValueError: boom")
+    refused = register(stub, "worker", 0, listener)
+    assert refused.code() is grpc.StatusCode.ABORTED
+    assert refused.details() == "worker 1 failed at step 3: ValueError: boom"
+    client = SchedulerClient(scheduler.address, TOKEN)
+    with pytest.raises(PeerFailed, match=r"^job failed: worker 1 failed at step 3: "
+                                         r"ValueError: boom$"):
+        client.register(Role.WORKER, 0, listener)
+    client.close()

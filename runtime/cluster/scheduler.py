@@ -291,9 +291,8 @@ class Scheduler(pb_grpc.SchedulerServicer):
                           f"it joins as a worker or a server (the scheduler is this service); "
                           f"pass --role worker or --role server")
         state = self._state
-        if state.status == pb.JobStatus.FAILED:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"the job already failed: {state.reason}")
+        if state.status == pb.JobStatus.FAILED:  # ABORTED: the caller stops as a consequence
+            context.abort(grpc.StatusCode.ABORTED, state.reason)
         if state.status == pb.JobStatus.FINISHED:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"the job already finished after {state.num_steps} steps; start a "
@@ -380,9 +379,15 @@ class Scheduler(pb_grpc.SchedulerServicer):
     def ReportFailure(self, request, context):
         label = self._label(request.label, context)
         with self._cond:
-            step = self._state.members[label].step
-            self._fail(str(label), f"{label.describe()} failed {_at_step(step)}: "
-                                   f"{one_line(request.message)}")
+            member = self._state.members[label]
+            stalled = self._stalled_peer_of(member, time.monotonic())
+            if stalled is not None:  # its receive timed out on a peer known to be stalled
+                self._fail(str(stalled.label), self._stall_verdict(
+                    stalled, member, member.waiting_s, time.monotonic(),
+                    f" (its receive timed out: {one_line(request.message, 200)})"))
+            else:
+                self._fail(str(label), f"{label.describe()} failed {_at_step(member.step)}: "
+                                       f"{one_line(request.message)}")
             return self._status()
 
     def ReportFinished(self, request, context):
@@ -486,12 +491,37 @@ class Scheduler(pb_grpc.SchedulerServicer):
             if not waiters:
                 continue
             peer, waited = max(waiters, key=lambda w: w[1])
-            self._fail(name, f"{member.label.describe()} (pid {member.pid} on {member.host}) "
-                             f"is stalled at step {member.step}: alive, but its step has not "
-                             f"advanced for {now - member.step_since:.1f} s while "
-                             f"{peer.label.describe()} has waited on it for {waited:.1f} s; "
-                             f"is it stuck in a loop or waiting on something else?")
+            self._fail(name, self._stall_verdict(member, peer, waited, now))
             return
+
+    def _stalled_peer_of(self, waiter: _Member, now: float) -> _Member | None:
+        """The peer `waiter` waited on when it failed, if the scheduler knows
+        that peer stalled: alive (heartbeats come), waiting on no one, its step
+        not advanced for the stall timeout while `waiter` waited as long. The
+        bound allows for the heartbeats' delay: a receive timeout equal to the
+        stall timeout ends the wait when the stall is due, not after."""
+        if not waiter.waiting_on:
+            return None
+        peer = next((m for m in self._state.members.values()
+                     if str(m.label) == waiter.waiting_on), None)
+        limit = (self.settings.stall_timeout_s - self.settings.heartbeat_interval_s
+                 - _MONITOR_PERIOD_S)
+        if peer is None or peer.done or peer.waiting_on or peer.step == SETTING_UP:
+            return None
+        if now - peer.last_seen > self.settings.heartbeat_timeout_s:
+            return None  # not known alive: the heartbeat monitor names it
+        if now - peer.step_since < limit or waiter.waiting_s < limit:
+            return None
+        return peer
+
+    @staticmethod
+    def _stall_verdict(member: _Member, waiter: _Member, waited: float, now: float,
+                       note: str = "") -> str:
+        return (f"{member.label.describe()} (pid {member.pid} on {member.host}) is stalled at "
+                f"step {member.step}: alive, but its step has not advanced for "
+                f"{now - member.step_since:.1f} s while {waiter.label.describe()} has waited "
+                f"on it for {waited:.1f} s{note}; is it stuck in a loop or waiting on "
+                f"something else?")
 
 
 def _at_step(step: int, qualifier: str = "") -> str:
