@@ -33,13 +33,13 @@ from typing import TextIO
 
 from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
 from splitrun.runtime.env import ENV
-from splitrun.runtime.errors import ClusterError
 from splitrun.runtime.transport.grpc.tls import TlsFiles
 from splitrun.runtime.transport.ring_files import new_job_prefix, remove_job_segments
 from splitrun.splitter.labels import Label, Role
 
 from .bootstrap import ERROR_MARK
 from .process_logs import ProcessLogs, Tee
+from .ray_cluster import RayBackendError, check_fits, connect, first_line
 from .ray_process import Placement, Polled, ProcessHost
 from .supervisor import (
     BLAME_WINDOW_S,
@@ -76,11 +76,6 @@ _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)(:|$)")
 # The environment a process of the job gets: (scheduler address, label, shared-memory
 # prefix) -> variables, as `splitrun launch` would give its child.
 ProcessEnv = Callable[[str, Label, str], dict[str, str]]
-
-
-class RayBackendError(ClusterError):
-    """The Ray backend cannot run the job as asked (no Ray, bad resources, a
-    cluster that cannot place it)."""
 
 
 def parse_resources(text: str | None, option: str) -> dict[str, float]:
@@ -185,24 +180,19 @@ def launch_on_ray(args, tls: TlsFiles | None, token: str, process_env: ProcessEn
         return 2
     logs = ProcessLogs(args.log_dir) if args.log_dir is not None else None
     console = _Console(logs)
-    where = args.address or os.environ.get("RAY_ADDRESS") or "a new local cluster"
-    console.say(f"connecting to Ray ({where})")
+    resources = {Role.WORKER: worker_resources, Role.SERVER: server_resources}
+    bundles = ([worker_resources] * args.workers) + ([server_resources] * args.servers)
+    existing = args.address or os.environ.get("RAY_ADDRESS")
+    console.say(f"connecting to Ray ({existing or 'a new local cluster, sized to the job'})")
     started = time.monotonic()
-    try:
-        ray.init(address=args.address, log_to_driver=False,
-                 logging_level=logging.DEBUG if args.log_level == "DEBUG" else logging.WARNING)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        print(f"splitrun: cannot connect to Ray ({where}): {_first_line(exc)}; is a cluster "
-              f"running there (`ray start --head`), and is --address HOST:PORT its GCS "
-              f"address?", file=sys.stderr)
-        return 1
     interrupted: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, _frame: interrupted.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        job = _RayJob(ray, args, tls, token, process_env, interrupted,
-                      {Role.WORKER: worker_resources, Role.SERVER: server_resources}, console)
-        code = job.run(started)
+        with connect(ray, args.address, bundles,
+                     logging.DEBUG if args.log_level == "DEBUG" else logging.WARNING):
+            job = _RayJob(ray, args, tls, token, process_env, interrupted, resources, console)
+            code = job.run(started)
     except RayBackendError as exc:
         console.say(str(exc))
         code = 1
@@ -210,9 +200,6 @@ def launch_on_ray(args, tls: TlsFiles | None, token: str, process_env: ProcessEn
         console.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        disconnect = time.monotonic()
-        ray.shutdown()
-        logger.debug("disconnected from Ray in %.1f s", time.monotonic() - disconnect)
     return code
 
 
@@ -276,6 +263,9 @@ class _RayJob:
         from ray.util.placement_group import placement_group, remove_placement_group
 
         bundles = [self.resources[label.role] for label in self.labels]
+        check_fits([node["Resources"] for node in self.ray.nodes() if node["Alive"]],
+                   self.resources, {Role.WORKER: self.args.workers,
+                                    Role.SERVER: self.args.servers})
         group = placement_group(bundles, strategy="PACK", name=self.name)
         scheduler = None
         shm_prefix = new_job_prefix()
@@ -374,7 +364,7 @@ class _RayJob:
                                       f"within {ACTOR_START_TIMEOUT_S:g} s") from None
             except self.ray.exceptions.RayError as exc:
                 raise RayBackendError(f"the actor of {member.label.describe()} failed to "
-                                      f"start: {_first_line(exc)}") from None
+                                      f"start: {first_line(exc)}") from None
             place = member.placement
             self.console.say(f"started {member.label.describe()} (pid {place.pid}, actor pid "
                  f"{place.actor_pid}) on host {place.host} node {member.node_ip}"
@@ -447,7 +437,7 @@ class _RayJob:
         try:
             polled: Polled = self.ray.get(ref)
         except self.ray.exceptions.RayActorError as exc:
-            member.is_dead, member.death = True, f"({type(exc).__name__}: {_first_line(exc)})"
+            member.is_dead, member.death = True, f"({type(exc).__name__}: {first_line(exc)})"
             return self._death_sign(member, now)
         self._relay(member, polled.lines)
         if polled.exit_code is None:
@@ -533,7 +523,7 @@ class _RayJob:
                     member.exit_code = polled.exit_code
             except self.ray.exceptions.RayActorError as exc:
                 member.is_dead = True  # its script died with it (the bootstrap's parent pid)
-                member.death = f"({type(exc).__name__}: {_first_line(exc)})"
+                member.death = f"({type(exc).__name__}: {first_line(exc)})"
             except self.ray.exceptions.RayError:
                 member.is_dead = True  # did not answer: ray.kill ends it and its script
             member.poll = None
@@ -549,8 +539,3 @@ class _RayJob:
                 self.ray.kill(member.actor, no_restart=True)
             except Exception as exc:  # noqa: BLE001 - already gone is fine
                 logger.debug("ray.kill of %s: %s", member.label, exc)
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
