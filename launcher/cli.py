@@ -38,7 +38,7 @@ HEARTBEAT_TIMEOUT_S = 3.0
 # A live process that holds up its peers this long is named (a busy loop).
 STALL_TIMEOUT_S = 20.0
 
-__all__ = ["main", "run"]
+__all__ = ["main", "run", "parse_args"]
 
 logger = logging.getLogger("splitrun.launcher")
 
@@ -47,13 +47,17 @@ example:
   splitrun launch --workers 3 examples/pipeline_split.py --steps 50
   splitrun launch --workers 2 --servers 1 examples/ps_train.py
   splitrun launch --workers 2 --max-restarts 2 --checkpoint-every 100 train.py
+  splitrun launch --backend ray --workers 2 --servers 1 examples/ps_train.py
+  splitrun launch --backend ray --address HEAD:6379 --host 0.0.0.0 --insecure \\
+      --workers 4 --servers 2 --worker-resources '{"CPU": 2, "GPU": 1}' train.py
 
 Every process runs SCRIPT; its output lines are prefixed with the process
-("[worker 1] ..."). On the first failure the others are stopped and the
-launcher exits with the failing process's code. With --max-restarts N the
-whole job then starts again (a new incarnation) from the last good checkpoint
-that --checkpoint-every K wrote, up to N times; the script resumes at
-trainer.steps_done.
+("[worker 1] ..."). Shown: the driver's progress, what the script prints,
+warnings and errors (-v: every process's lifecycle too). On the first failure
+the others are stopped and the launcher exits with the failing process's code.
+With --max-restarts N the whole job then starts again (a new incarnation) from
+the last good checkpoint that --checkpoint-every K wrote, up to N times; the
+script resumes at trainer.steps_done (local backend only).
 """
 
 _EPILOG_PLAN = """\
@@ -97,13 +101,17 @@ example:
 
 Writes the job's token to --token-file (mode 0600; processes join with
 --token-file), prints its address, then serves until every process of the
-job is done (exit 0) or the job failed (exit 1).
+job is done (exit 0) or the job failed (exit 1); SIGINT exits 130, SIGTERM
+143. A join that cannot be part of the job (a rank taken or out of range, a
+role it does not have, an address it cannot reach) is refused; the job goes on.
 """
 
 
 def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=1, help="number of worker processes")
-    parser.add_argument("--servers", type=int, default=0, help="number of server processes")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="number of worker processes (default %(default)s)")
+    parser.add_argument("--servers", type=int, default=0,
+                        help="number of server processes (default %(default)s)")
 
 
 def _add_tls_args(parser: argparse.ArgumentParser) -> None:
@@ -157,9 +165,10 @@ def _write_token_file(path: str, token: str) -> None:
 
 
 def _add_stall_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S,
+    parser.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S, metavar="S",
                         help="seconds a process may not advance its step while a peer waits "
-                             "on it inside a step, before it counts as stalled")
+                             "on it inside a step, before it counts as stalled (default "
+                             "%(default)g)")
 
 
 def _add_ray_args(parser: argparse.ArgumentParser) -> None:
@@ -170,7 +179,7 @@ def _add_ray_args(parser: argparse.ArgumentParser) -> None:
                           "Ray actor per process in one placement group")
     ray.add_argument("--address", default=None,
                      help="the Ray cluster: auto, or HOST:PORT (default: $RAY_ADDRESS, "
-                          "else a new local cluster)")
+                          "else a new local cluster, sized to the job)")
     ray.add_argument("--worker-resources", default=None, metavar="JSON",
                      help='each worker\'s Ray resources, e.g. \'{"CPU": 1, "GPU": 1}\' '
                           '(default {"CPU": 1})')
@@ -189,7 +198,9 @@ def _add_script_args(parser: argparse.ArgumentParser) -> None:
 # splitrun's global options and their defaults. They are accepted before the
 # subcommand (`splitrun --log-level DEBUG launch ...`) and after it (`splitrun
 # launch --log-level DEBUG ...`); given in both places, the later one wins.
-_GLOBAL_DEFAULTS = {"log_level": "INFO", "log_dir": None, "metrics_dir": None}
+_GLOBAL_DEFAULTS = {"log_level": None, "verbose": 0, "log_dir": None, "metrics_dir": None}
+# What -v asks for: none, the processes' and the launcher's lifecycle (INFO), everything.
+_VERBOSITY = ("WARNING", "INFO", "DEBUG")
 
 
 def _global_options(*, in_subcommand: bool) -> argparse.ArgumentParser:
@@ -201,8 +212,14 @@ def _global_options(*, in_subcommand: bool) -> argparse.ArgumentParser:
 
     def default(name: str):
         return argparse.SUPPRESS if in_subcommand else _GLOBAL_DEFAULTS[name]
+    group.add_argument("-v", "--verbose", action="count", default=default("verbose"),
+                       help="also show every process's and the launcher's lifecycle (which "
+                            "process started where, transports, byte counters); -vv: debug "
+                            "detail. Without it: the progress, the results, warnings and "
+                            "errors")
     group.add_argument("--log-level", default=default("log_level"),
-                       choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+                       choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                       help="the log level itself (wins over -v)")
     group.add_argument("--log-dir", default=default("log_dir"), metavar="DIR",
                        help="also write each process's output to DIR/<process>.log "
                             "(worker0.log, server0.log; appended across restarts) and the "
@@ -224,7 +241,8 @@ def _parser() -> argparse.ArgumentParser:
 
     launch = commands.add_parser(
         "launch", help="start a local cluster and supervise it", parents=[sub_globals],
-        description="Start the scheduler and W workers + S servers on this machine.",
+        description="Start the scheduler and W workers + S servers: child processes on this\n"
+                    "machine, or Ray actors on a Ray cluster with --backend ray.",
         epilog=_EPILOG_LAUNCH, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_cluster_args(launch)
     launch.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -234,7 +252,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_stall_arg(launch)
     _add_tls_args(launch)
     launch.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
-                        help="seconds without a heartbeat before a process counts as lost")
+                        metavar="S", help="seconds without a heartbeat before a process "
+                                          "counts as lost (default %(default)g; one every "
+                                          "0.5 s)")
     launch.add_argument("--max-restarts", type=int, default=0,
                         help="after a failure, restart the whole job (from its last good "
                              "checkpoint, with --checkpoint-every) up to N times")
@@ -243,12 +263,14 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--checkpoint-dir", default=None,
                         help="where --checkpoint-every saves (default: a temporary "
                              "directory, removed when the job succeeds)")
-    launch.add_argument("--recv-timeout", type=float, default=None,
-                        help="seconds a receive inside a step waits for its message")
+    launch.add_argument("--recv-timeout", type=float, default=None, metavar="S",
+                        help="seconds a receive inside a step waits for its message (default "
+                             "120)")
     launch.add_argument("--threads-per-process", type=int, default=None, metavar="N",
-                        help="intra-op threads of each process (default: this machine's "
-                             "cores divided by the processes started here, at least 1); "
-                             "OMP_NUM_THREADS/MKL_NUM_THREADS set by you win")
+                        help="intra-op threads of each process (default: local backend, this "
+                             "machine's cores divided by its processes; Ray, the process's "
+                             "CPU resource; at least 1); OMP_NUM_THREADS/MKL_NUM_THREADS set "
+                             "by you win")
     _add_ray_args(launch)
     _add_script_args(launch)
 
@@ -308,7 +330,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_stall_arg(scheduler)
     _add_tls_args(scheduler)
     scheduler.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
-                           help="seconds without a heartbeat before a process counts as lost")
+                           metavar="S", help="seconds without a heartbeat before a process "
+                                             "counts as lost (default %(default)g)")
 
     export = commands.add_parser(
         "export", help="turn a sharded checkpoint directory into one plain file",
@@ -338,10 +361,16 @@ def _export(args) -> int:
 def new_supervisor(args) -> Supervisor:
     """A supervisor for the processes of one start of the job: their lines on
     the console, prefixed, and with --log-dir in one file per process too."""
+    verbose = is_verbose(args)
     if getattr(args, "log_dir", None) is None:
-        return Supervisor()
+        return Supervisor(verbose=verbose)
     logs = ProcessLogs(args.log_dir)
-    return Supervisor(out=Tee(sys.stdout, logs.open_launcher()), logs=logs)
+    return Supervisor(out=Tee(sys.stdout, logs.open_launcher()), logs=logs, verbose=verbose)
+
+
+def is_verbose(args) -> bool:
+    """The launcher's own lifecycle lines are shown (-v, or --log-level INFO/DEBUG)."""
+    return logging.getLevelName(args.log_level) <= logging.INFO
 
 
 def _log_to_dir(args) -> None:
@@ -482,7 +511,7 @@ def _run_once(args, token: str, tls: TlsFiles | None, supervisor: Supervisor,
     shm_prefix = new_job_prefix()
     logger.info("same-host peers share memory under /dev/shm/%s*", shm_prefix)
     threads = thread_budget(args.threads_per_process, args.workers + args.servers)
-    supervisor.say(f"scheduler at {address}; starting {args.workers} workers and "
+    supervisor.note(f"scheduler at {address}; starting {args.workers} workers and "
                    f"{args.servers} servers running {args.script} ({threads} threads each)")
     extra = _tls_env(tls)
     if args.checkpoint_every is not None:
@@ -666,8 +695,16 @@ def _scheduler(args) -> int:
         scheduler.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, its log level resolved: --log-level, else -v's."""
     args = _parser().parse_args(argv)
+    if args.log_level is None:
+        args.log_level = _VERBOSITY[min(args.verbose, len(_VERBOSITY) - 1)]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="[splitrun] %(levelname)s %(message)s")
     _log_to_dir(args)
     if args.command != "join" and (getattr(args, "workers", 1) < 1

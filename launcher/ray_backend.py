@@ -179,11 +179,11 @@ def launch_on_ray(args, tls: TlsFiles | None, token: str, process_env: ProcessEn
               "when it fails (it starts from step 0)", file=sys.stderr)
         return 2
     logs = ProcessLogs(args.log_dir) if args.log_dir is not None else None
-    console = _Console(logs)
+    console = _Console(logs, logging.getLevelName(args.log_level) <= logging.INFO)
     resources = {Role.WORKER: worker_resources, Role.SERVER: server_resources}
     bundles = ([worker_resources] * args.workers) + ([server_resources] * args.servers)
     existing = args.address or os.environ.get("RAY_ADDRESS")
-    console.say(f"connecting to Ray ({existing or 'a new local cluster, sized to the job'})")
+    console.note(f"connecting to Ray ({existing or 'a new local cluster, sized to the job'})")
     started = time.monotonic()
     interrupted: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, _frame: interrupted.append(signum))
@@ -208,8 +208,9 @@ class _Console:
     process's, prefixed, on stdout; with --log-dir also in launcher.log, and
     each process's lines as it wrote them in a file of its own."""
 
-    def __init__(self, logs: ProcessLogs | None) -> None:
+    def __init__(self, logs: ProcessLogs | None, verbose: bool = True) -> None:
         self.logs = logs
+        self.verbose = verbose
         self.files: dict[Label, TextIO] = {}
         self._launcher_log = logs.open_launcher() if logs is not None else None
         self.out = sys.stdout if logs is None else Tee(sys.stdout, self._launcher_log)
@@ -217,6 +218,11 @@ class _Console:
     def say(self, text: str) -> None:
         self.out.write(f"[splitrun] {text}\n")
         self.out.flush()
+
+    def note(self, text: str) -> None:
+        """A lifecycle line (connecting, actors started): said with -v only."""
+        if self.verbose:
+            self.say(text)
 
     def relay(self, label: Label, lines: Sequence[str], shown: list[str]) -> None:
         """`lines` into `label`'s log file; `shown` (prefixed) to the console."""
@@ -278,12 +284,12 @@ class _RayJob:
                 heartbeat_timeout_s=self.args.heartbeat_timeout,
                 stall_timeout_s=self.args.stall_timeout))
             address = self._scheduler_address(scheduler.start(self.args.host, 0, self.tls))
-            self.console.say(f"scheduler at {address}; starting {self.args.workers} workers and "
+            self.console.note(f"scheduler at {address}; starting {self.args.workers} workers and "
                  f"{self.args.servers} servers running {self.args.script} as Ray actors "
                  f"(placement group {self.name}, "
                  f"{time.monotonic() - started:.1f} s after start)")
             self._start_actors(group, nodes, address, shm_prefix)
-            self.console.say(f"every actor started {time.monotonic() - started:.1f} s after start")
+            self.console.note(f"every actor started {time.monotonic() - started:.1f} s after start")
             outcome_code, summary = self._supervise(scheduler)
             self.console.say(summary)
             logger.debug("job over %.1f s after start", time.monotonic() - started)
@@ -366,7 +372,7 @@ class _RayJob:
                 raise RayBackendError(f"the actor of {member.label.describe()} failed to "
                                       f"start: {first_line(exc)}") from None
             place = member.placement
-            self.console.say(f"started {member.label.describe()} (pid {place.pid}, actor pid "
+            self.console.note(f"started {member.label.describe()} (pid {place.pid}, actor pid "
                  f"{place.actor_pid}) on host {place.host} node {member.node_ip}"
                  + (f" CUDA_VISIBLE_DEVICES={place.cuda_visible_devices}"
                     if place.cuda_visible_devices else ""))

@@ -162,9 +162,11 @@ class Supervisor:
     """Runs one command per label; `run()` returns when all exited cleanly or
     after the first failure has stopped the rest."""
 
-    def __init__(self, out=None, logs: ProcessLogs | None = None) -> None:
+    def __init__(self, out=None, logs: ProcessLogs | None = None, verbose: bool = True) -> None:
         self.children: list[Child] = []
         self._out = out or sys.stdout
+        # Lifecycle lines (`note`) are shown only when asked (-v).
+        self._verbose = verbose
         # --log-dir: each child's lines also go to a file of its own.
         self._logs = logs
         self._write_lock = threading.Lock()
@@ -189,13 +191,19 @@ class Supervisor:
                                         name=f"relay-{label}")
         child.reader.start()
         self.children.append(child)
-        self.say(f"started {label.describe()} (pid {process.pid})")
+        self.note(f"started {label.describe()} (pid {process.pid})")
         return child
 
     def say(self, text: str) -> None:
         with self._write_lock:
             self._out.write(f"[splitrun] {text}\n")
             self._out.flush()
+
+    def note(self, text: str) -> None:
+        """A lifecycle line (a process started, where the scheduler listens):
+        said with -v only."""
+        if self._verbose:
+            self.say(text)
 
     def _relay(self, child: Child, log=None) -> None:
         prefix = f"[{child.label.describe()}] "

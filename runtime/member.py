@@ -138,6 +138,8 @@ class JobMember:
                            self.label.describe())
 
     def close(self) -> None:
+        if self._step_file is not None:
+            self._step_file.close()
         if self._heartbeat is not None:
             self._heartbeat.stop()
         if self.transport is not None:

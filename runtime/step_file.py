@@ -27,6 +27,7 @@ class StepFile:
     """The writing end, in the process: `record(steps_done)` each step."""
 
     def __init__(self, path: str) -> None:
+        self.path = path
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.ftruncate(descriptor, _SIZE)
@@ -39,7 +40,14 @@ class StepFile:
         struct.pack_into(_FORMAT, self._map, 0, steps_done)
 
     def close(self) -> None:
+        """The process leaves cleanly: nothing for its launcher to name, so the
+        file goes (a killed process's stays for the launcher, which removes it
+        with the job's other files)."""
         self._map.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
 
 
 def read_step(path: str) -> int | None:

@@ -173,7 +173,7 @@ def test_two_ray_nodes_servers_on_one_workers_on_the_other(tmp_path):
             env=child_env()) as gcs:
         a, b = hosts.a, hosts.b
         launcher = Proc(a.argv([
-            sys.executable, "-m", "splitrun.launcher", "launch", "--backend", "ray",
+            sys.executable, "-m", "splitrun.launcher", "-v", "launch", "--backend", "ray",
             "--address", gcs, "--host", "0.0.0.0", "--insecure", "--workers", 2,
             "--servers", 1, "--worker-resources", WORKER, "--server-resources", SERVER,
             EXAMPLES / "ps_train.py", "--epochs", 8, "--min-accuracy", 0.95]),
