@@ -30,6 +30,7 @@ import torch
 from splitrun.splitter.graph_splitter import split_program
 from splitrun.splitter.labels import Cluster, Label
 from splitrun.splitter.modes import Mode
+from splitrun.splitter.picture_names import picture_names
 from splitrun.splitter.program import Program
 
 from .checkpointing import resume_state
@@ -198,14 +199,9 @@ class Job(JobMember):
 
 
 def _write_module_map(program: Program, path: str) -> None:
-    """Each op's module path (as the capture annotated it), as JSON."""
-    modules = {}
-    for node in program.graph.nodes:
-        module = program.module_of(node)
-        if module is not None:
-            modules[node.name] = module
+    """The names of the plan's picture (`picture_names`), as JSON."""
     with open(path, "w") as out:
-        json.dump(modules, out, sort_keys=True)
+        json.dump(picture_names(program), out, sort_keys=True)
 
 
 def _waiting(process: ProcessRuntime) -> tuple[Label, float] | None:
