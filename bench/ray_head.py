@@ -5,7 +5,8 @@ loopback address it keeps), every port chosen free. `close()` ends the group
 (SIGTERM, then SIGKILL) and removes the cluster's temporary folder.
 
     head = RayHead(num_cpus=2, resources={"sr_worker": 2})
-    head.wait_up(this_process=True)     # ray.init(address=head.address) here too
+    head.wait_up()                      # ray.init(address=head.address) here too
+    (or head.wait_started(): up, this process not connected)
     ...  splitrun launch --backend ray --address head.address ... (with RAY_ENV)
     head.close()
 
@@ -58,7 +59,7 @@ def _free_port(host: str) -> int:
 class RayHead:
     def __init__(self, num_cpus: int, resources: dict[str, float],
                  env: dict[str, str] | None = None, node_ip: str = NODE_IP,
-                 dashboard: bool = False) -> None:
+                 dashboard: bool = False, auth_token: str | None = None) -> None:
         self.temp_dir = tempfile.mkdtemp(prefix="srray-", dir="/tmp")  # short: Ray's sockets
         self.address = f"{node_ip}:{_free_port(node_ip)}"
         argv = _ray_argv("--head", "--node-ip-address", node_ip,
@@ -78,6 +79,8 @@ class RayHead:
         self.log = open(os.path.join(self.temp_dir, "head.log"), "w")
         environment = dict(os.environ if env is None else env)
         environment.update(RAY_ENV)
+        if auth_token is not None:  # a cluster that refuses clients without this token
+            environment.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": auth_token})
         try:
             self.process = subprocess.Popen(argv, env=environment, stdin=subprocess.DEVNULL,
                                             stdout=self.log, stderr=subprocess.STDOUT,
@@ -86,6 +89,19 @@ class RayHead:
             self.log.close()
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             raise
+
+    def wait_started(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Return once `ray start` says the head runs (without connecting this
+        process); raise if it exits first or does not within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with open(self.log.name, errors="replace") as log:
+                output = log.read()
+            if _STARTED.search(output):
+                return
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray start not up (exit {self.process.poll()}):\n{output}")
+            time.sleep(0.2)  # polling a head that is starting, with a deadline
 
     def wait_up(self) -> None:
         """Connect this process to the cluster once it is up (bounded); the

@@ -52,10 +52,21 @@ def die_with_parent(parent_pid: int) -> None:
         raise SystemExit(1)
 
 
+# The driver's progress lines: shown at every level (they are the progress
+# bar of a job whose output is a pipe), plainly.
+_PROGRESS_LOGGER = "splitrun.runtime.progress"
+
+
 def configure_logging(level: str | None) -> None:
     if level and not logging.getLogger().handlers:
         logging.basicConfig(level=level.upper(), stream=sys.stderr,
                             format="%(levelname)s %(name)s: %(message)s")
+        progress = logging.getLogger(_PROGRESS_LOGGER)
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        progress.addHandler(handler)
+        progress.setLevel(min(logging.INFO, logging.getLogger().level))
+        progress.propagate = False
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,8 +18,13 @@ from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
 from splitrun.runtime.env import ENV
 from splitrun.runtime.errors import ClusterError
 from splitrun.runtime.identity import foreign_identity
+from splitrun.runtime.step_file import read_step
 from splitrun.runtime.transport.grpc.tls import TlsFiles, check_bind
-from splitrun.runtime.transport.ring_files import new_job_prefix, remove_job_segments
+from splitrun.runtime.transport.ring_files import (
+    job_file_path,
+    new_job_prefix,
+    remove_job_segments,
+)
 from splitrun.splitter.errors import SplitrunError
 from splitrun.splitter.labels import Label, Role
 
@@ -33,7 +38,7 @@ HEARTBEAT_TIMEOUT_S = 3.0
 # A live process that holds up its peers this long is named (a busy loop).
 STALL_TIMEOUT_S = 20.0
 
-__all__ = ["main", "run"]
+__all__ = ["main", "run", "parse_args"]
 
 logger = logging.getLogger("splitrun.launcher")
 
@@ -42,13 +47,17 @@ example:
   splitrun launch --workers 3 examples/pipeline_split.py --steps 50
   splitrun launch --workers 2 --servers 1 examples/ps_train.py
   splitrun launch --workers 2 --max-restarts 2 --checkpoint-every 100 train.py
+  splitrun launch --backend ray --workers 2 --servers 1 examples/ps_train.py
+  splitrun launch --backend ray --address HEAD:6379 --host 0.0.0.0 --insecure \\
+      --workers 4 --servers 2 --worker-resources '{"CPU": 2, "GPU": 1}' train.py
 
 Every process runs SCRIPT; its output lines are prefixed with the process
-("[worker 1] ..."). On the first failure the others are stopped and the
-launcher exits with the failing process's code. With --max-restarts N the
-whole job then starts again (a new incarnation) from the last good checkpoint
-that --checkpoint-every K wrote, up to N times; the script resumes at
-trainer.steps_done.
+("[worker 1] ..."). Shown: the driver's progress, what the script prints,
+warnings and errors (-v: every process's lifecycle too). On the first failure
+the others are stopped and the launcher exits with the failing process's code.
+With --max-restarts N the whole job then starts again (a new incarnation) from
+the last good checkpoint that --checkpoint-every K wrote, up to N times; the
+script resumes at trainer.steps_done (local backend only).
 """
 
 _EPILOG_PLAN = """\
@@ -92,13 +101,17 @@ example:
 
 Writes the job's token to --token-file (mode 0600; processes join with
 --token-file), prints its address, then serves until every process of the
-job is done (exit 0) or the job failed (exit 1).
+job is done (exit 0) or the job failed (exit 1); SIGINT exits 130, SIGTERM
+143. A join that cannot be part of the job (a rank taken or out of range, a
+role it does not have, an address it cannot reach) is refused; the job goes on.
 """
 
 
 def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=1, help="number of worker processes")
-    parser.add_argument("--servers", type=int, default=0, help="number of server processes")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="number of worker processes (default %(default)s)")
+    parser.add_argument("--servers", type=int, default=0,
+                        help="number of server processes (default %(default)s)")
 
 
 def _add_tls_args(parser: argparse.ArgumentParser) -> None:
@@ -159,9 +172,10 @@ def _default_device() -> str:
 
 
 def _add_stall_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S,
+    parser.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S, metavar="S",
                         help="seconds a process may not advance its step while a peer waits "
-                             "on it inside a step, before it counts as stalled")
+                             "on it inside a step, before it counts as stalled (default "
+                             "%(default)g)")
 
 
 def _add_ray_args(parser: argparse.ArgumentParser) -> None:
@@ -172,7 +186,7 @@ def _add_ray_args(parser: argparse.ArgumentParser) -> None:
                           "Ray actor per process in one placement group")
     ray.add_argument("--address", default=None,
                      help="the Ray cluster: auto, or HOST:PORT (default: $RAY_ADDRESS, "
-                          "else a new local cluster)")
+                          "else a new local cluster, sized to the job)")
     ray.add_argument("--worker-resources", default=None, metavar="JSON",
                      help='each worker\'s Ray resources, e.g. \'{"CPU": 1, "GPU": 1}\' '
                           '(default {"CPU": 1})')
@@ -191,7 +205,9 @@ def _add_script_args(parser: argparse.ArgumentParser) -> None:
 # splitrun's global options and their defaults. They are accepted before the
 # subcommand (`splitrun --log-level DEBUG launch ...`) and after it (`splitrun
 # launch --log-level DEBUG ...`); given in both places, the later one wins.
-_GLOBAL_DEFAULTS = {"log_level": "INFO", "log_dir": None, "metrics_dir": None}
+_GLOBAL_DEFAULTS = {"log_level": None, "verbose": 0, "log_dir": None, "metrics_dir": None}
+# What -v asks for: none, the processes' and the launcher's lifecycle (INFO), everything.
+_VERBOSITY = ("WARNING", "INFO", "DEBUG")
 
 
 def _global_options(*, in_subcommand: bool) -> argparse.ArgumentParser:
@@ -203,8 +219,14 @@ def _global_options(*, in_subcommand: bool) -> argparse.ArgumentParser:
 
     def default(name: str):
         return argparse.SUPPRESS if in_subcommand else _GLOBAL_DEFAULTS[name]
+    group.add_argument("-v", "--verbose", action="count", default=default("verbose"),
+                       help="also show every process's and the launcher's lifecycle (which "
+                            "process started where, transports, byte counters); -vv: debug "
+                            "detail. Without it: the progress, the results, warnings and "
+                            "errors")
     group.add_argument("--log-level", default=default("log_level"),
-                       choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+                       choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                       help="the log level itself (wins over -v)")
     group.add_argument("--log-dir", default=default("log_dir"), metavar="DIR",
                        help="also write each process's output to DIR/<process>.log "
                             "(worker0.log, server0.log; appended across restarts) and the "
@@ -226,7 +248,8 @@ def _parser() -> argparse.ArgumentParser:
 
     launch = commands.add_parser(
         "launch", help="start a local cluster and supervise it", parents=[sub_globals],
-        description="Start the scheduler and W workers + S servers on this machine.",
+        description="Start the scheduler and W workers + S servers: child processes on this\n"
+                    "machine, or Ray actors on a Ray cluster with --backend ray.",
         epilog=_EPILOG_LAUNCH, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_cluster_args(launch)
     launch.add_argument("--device", default=_default_device(), choices=["auto", "cpu", "cuda"],
@@ -237,7 +260,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_stall_arg(launch)
     _add_tls_args(launch)
     launch.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
-                        help="seconds without a heartbeat before a process counts as lost")
+                        metavar="S", help="seconds without a heartbeat before a process "
+                                          "counts as lost (default %(default)g; one every "
+                                          "0.5 s)")
     launch.add_argument("--max-restarts", type=int, default=0,
                         help="after a failure, restart the whole job (from its last good "
                              "checkpoint, with --checkpoint-every) up to N times")
@@ -246,12 +271,14 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--checkpoint-dir", default=None,
                         help="where --checkpoint-every saves (default: a temporary "
                              "directory, removed when the job succeeds)")
-    launch.add_argument("--recv-timeout", type=float, default=None,
-                        help="seconds a receive inside a step waits for its message")
+    launch.add_argument("--recv-timeout", type=float, default=None, metavar="S",
+                        help="seconds a receive inside a step waits for its message (default "
+                             "120)")
     launch.add_argument("--threads-per-process", type=int, default=None, metavar="N",
-                        help="intra-op threads of each process (default: this machine's "
-                             "cores divided by the processes started here, at least 1); "
-                             "OMP_NUM_THREADS/MKL_NUM_THREADS set by you win")
+                        help="intra-op threads of each process (default: local backend, this "
+                             "machine's cores divided by its processes; Ray, the process's "
+                             "CPU resource; at least 1); OMP_NUM_THREADS/MKL_NUM_THREADS set "
+                             "by you win")
     _add_ray_args(launch)
     _add_script_args(launch)
 
@@ -312,7 +339,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_stall_arg(scheduler)
     _add_tls_args(scheduler)
     scheduler.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
-                           help="seconds without a heartbeat before a process counts as lost")
+                           metavar="S", help="seconds without a heartbeat before a process "
+                                             "counts as lost (default %(default)g)")
 
     export = commands.add_parser(
         "export", help="turn a sharded checkpoint directory into one plain file",
@@ -342,10 +370,16 @@ def _export(args) -> int:
 def new_supervisor(args) -> Supervisor:
     """A supervisor for the processes of one start of the job: their lines on
     the console, prefixed, and with --log-dir in one file per process too."""
+    verbose = is_verbose(args)
     if getattr(args, "log_dir", None) is None:
-        return Supervisor()
+        return Supervisor(verbose=verbose)
     logs = ProcessLogs(args.log_dir)
-    return Supervisor(out=Tee(sys.stdout, logs.open_launcher()), logs=logs)
+    return Supervisor(out=Tee(sys.stdout, logs.open_launcher()), logs=logs, verbose=verbose)
+
+
+def is_verbose(args) -> bool:
+    """The launcher's own lifecycle lines are shown (-v, or --log-level INFO/DEBUG)."""
+    return logging.getLevelName(args.log_level) <= logging.INFO
 
 
 def _log_to_dir(args) -> None:
@@ -486,7 +520,7 @@ def _run_once(args, token: str, tls: TlsFiles | None, supervisor: Supervisor,
     shm_prefix = new_job_prefix()
     logger.info("same-host peers share memory under /dev/shm/%s*", shm_prefix)
     threads = thread_budget(args.threads_per_process, args.workers + args.servers)
-    supervisor.say(f"scheduler at {address}; starting {args.workers} workers and "
+    supervisor.note(f"scheduler at {address}; starting {args.workers} workers and "
                    f"{args.servers} servers running {args.script} ({threads} threads each)")
     extra = _tls_env(tls)
     if args.checkpoint_every is not None:
@@ -494,19 +528,30 @@ def _run_once(args, token: str, tls: TlsFiles | None, supervisor: Supervisor,
                       ENV.CHECKPOINT_DIR: checkpoint_dir})
     if restart_from is not None:
         extra[ENV.RESTART_FROM] = restart_from
+    # Each process keeps its steps done in a file under the job's prefix: a
+    # process killed between two heartbeats is named at the step it reached.
+    step_files = {label: job_file_path(shm_prefix, str(label), ".step")
+                  for label in _labels(args)}
+
+    def step_of(label: Label) -> int | None:
+        recorded = read_step(step_files[label]) if label in step_files else None
+        return recorded if recorded is not None else scheduler.member_step(label)
     try:
-        labels = ([Label(r, Role.WORKER) for r in range(args.workers)]
-                  + [Label(r, Role.SERVER) for r in range(args.servers)])
-        for local_rank, label in enumerate(labels):
+        for local_rank, label in enumerate(_labels(args)):
             env = _child_env(args, address, token, label, shm_prefix)
             env.update(extra)
             env[ENV.LOCAL_RANK] = str(local_rank)  # its GPU: cuda:local_rank % GPUs
+            env[ENV.STEP_FILE] = step_files[label]
             supervisor.spawn(label, _script_argv(args, die_with_launcher=True), env)
-        return supervisor.run(external_failure=lambda: scheduler.failure,
-                              step_of=scheduler.member_step)
+        return supervisor.run(external_failure=lambda: scheduler.failure, step_of=step_of)
     finally:
         scheduler.stop()
         remove_job_segments(shm_prefix)
+
+
+def _labels(args) -> list[Label]:
+    return ([Label(r, Role.WORKER) for r in range(args.workers)]
+            + [Label(r, Role.SERVER) for r in range(args.servers)])
 
 
 def _plan(args) -> int:
@@ -579,6 +624,10 @@ def _join(args) -> int:
     if args.insecure:
         env[ENV.INSECURE] = "1"
     if args.rank is not None:
+        if args.rank < 0:
+            print(f"splitrun: --rank {args.rank}: ranks start at 0; leave --rank out to take "
+                  f"the next free one", file=sys.stderr)
+            return 2
         env[ENV.RANK] = str(args.rank)
     if args.advertise:
         env[ENV.ADVERTISE] = args.advertise
@@ -633,20 +682,18 @@ def _scheduler(args) -> int:
                                             _new_incarnation(),
                                             heartbeat_timeout_s=args.heartbeat_timeout,
                                             stall_timeout_s=args.stall_timeout))
+    interrupted: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: interrupted.append(signum))
     address = scheduler.start(args.host, args.port, tls)
     print(f"splitrun scheduler at {address}; token in {os.path.abspath(args.token_file)} "
           f"(join with --token-file)", flush=True)
-    stop = {"interrupted": False}
-
-    def on_signal(*_):
-        stop["interrupted"] = True
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
     try:
         while not scheduler.wait_done(timeout_s=0.5):
-            if stop["interrupted"]:
-                print("splitrun scheduler: interrupted", flush=True)
-                return 130
+            if interrupted:  # exit as the launcher does: 128 + the signal
+                name = signal.Signals(interrupted[0]).name
+                print(f"splitrun scheduler: interrupted by {name}", flush=True)
+                return 128 + interrupted[0]
         failure = scheduler.failure
         if failure is not None:
             print(f"splitrun scheduler: job failed: {failure[1]}", flush=True)
@@ -657,8 +704,16 @@ def _scheduler(args) -> int:
         scheduler.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, its log level resolved: --log-level, else -v's."""
     args = _parser().parse_args(argv)
+    if args.log_level is None:
+        args.log_level = _VERBOSITY[min(args.verbose, len(_VERBOSITY) - 1)]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="[splitrun] %(levelname)s %(message)s")
     _log_to_dir(args)
     if args.command != "join" and (getattr(args, "workers", 1) < 1

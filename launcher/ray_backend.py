@@ -33,16 +33,17 @@ from typing import TextIO
 
 from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
 from splitrun.runtime.env import ENV
-from splitrun.runtime.errors import ClusterError
 from splitrun.runtime.transport.grpc.tls import TlsFiles
 from splitrun.runtime.transport.ring_files import new_job_prefix, remove_job_segments
 from splitrun.splitter.labels import Label, Role
 
 from .bootstrap import ERROR_MARK
 from .process_logs import ProcessLogs, Tee
+from .ray_cluster import RayBackendError, check_fits, connect, first_line
 from .ray_process import Placement, Polled, ProcessHost
 from .supervisor import (
     BLAME_WINDOW_S,
+    ERROR_KINDS,
     TERMINATE_GRACE_S,
     FailureKind,
     FailureSign,
@@ -50,6 +51,7 @@ from .supervisor import (
     error_kind,
     parse_label,
     shell_code,
+    stopped_clause,
 )
 
 __all__ = ["launch_on_ray", "parse_resources", "DEFAULT_RESOURCES"]
@@ -74,11 +76,6 @@ _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)(:|$)")
 # The environment a process of the job gets: (scheduler address, label, shared-memory
 # prefix) -> variables, as `splitrun launch` would give its child.
 ProcessEnv = Callable[[str, Label, str], dict[str, str]]
-
-
-class RayBackendError(ClusterError):
-    """The Ray backend cannot run the job as asked (no Ray, bad resources, a
-    cluster that cannot place it)."""
 
 
 def parse_resources(text: str | None, option: str) -> dict[str, float]:
@@ -182,25 +179,20 @@ def launch_on_ray(args, tls: TlsFiles | None, token: str, process_env: ProcessEn
               "when it fails (it starts from step 0)", file=sys.stderr)
         return 2
     logs = ProcessLogs(args.log_dir) if args.log_dir is not None else None
-    console = _Console(logs)
-    where = args.address or os.environ.get("RAY_ADDRESS") or "a new local cluster"
-    console.say(f"connecting to Ray ({where})")
+    console = _Console(logs, logging.getLevelName(args.log_level) <= logging.INFO)
+    resources = {Role.WORKER: worker_resources, Role.SERVER: server_resources}
+    bundles = ([worker_resources] * args.workers) + ([server_resources] * args.servers)
+    existing = args.address or os.environ.get("RAY_ADDRESS")
+    console.note(f"connecting to Ray ({existing or 'a new local cluster, sized to the job'})")
     started = time.monotonic()
-    try:
-        ray.init(address=args.address, log_to_driver=False,
-                 logging_level=logging.DEBUG if args.log_level == "DEBUG" else logging.WARNING)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        print(f"splitrun: cannot connect to Ray ({where}): {_first_line(exc)}; is a cluster "
-              f"running there (`ray start --head`), and is --address HOST:PORT its GCS "
-              f"address?", file=sys.stderr)
-        return 1
     interrupted: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, _frame: interrupted.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        job = _RayJob(ray, args, tls, token, process_env, interrupted,
-                      {Role.WORKER: worker_resources, Role.SERVER: server_resources}, console)
-        code = job.run(started)
+        with connect(ray, args.address, bundles,
+                     logging.DEBUG if args.log_level == "DEBUG" else logging.WARNING):
+            job = _RayJob(ray, args, tls, token, process_env, interrupted, resources, console)
+            code = job.run(started)
     except RayBackendError as exc:
         console.say(str(exc))
         code = 1
@@ -208,9 +200,6 @@ def launch_on_ray(args, tls: TlsFiles | None, token: str, process_env: ProcessEn
         console.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        disconnect = time.monotonic()
-        ray.shutdown()
-        logger.debug("disconnected from Ray in %.1f s", time.monotonic() - disconnect)
     return code
 
 
@@ -219,8 +208,9 @@ class _Console:
     process's, prefixed, on stdout; with --log-dir also in launcher.log, and
     each process's lines as it wrote them in a file of its own."""
 
-    def __init__(self, logs: ProcessLogs | None) -> None:
+    def __init__(self, logs: ProcessLogs | None, verbose: bool = True) -> None:
         self.logs = logs
+        self.verbose = verbose
         self.files: dict[Label, TextIO] = {}
         self._launcher_log = logs.open_launcher() if logs is not None else None
         self.out = sys.stdout if logs is None else Tee(sys.stdout, self._launcher_log)
@@ -228,6 +218,11 @@ class _Console:
     def say(self, text: str) -> None:
         self.out.write(f"[splitrun] {text}\n")
         self.out.flush()
+
+    def note(self, text: str) -> None:
+        """A lifecycle line (connecting, actors started): said with -v only."""
+        if self.verbose:
+            self.say(text)
 
     def relay(self, label: Label, lines: Sequence[str], shown: list[str]) -> None:
         """`lines` into `label`'s log file; `shown` (prefixed) to the console."""
@@ -274,6 +269,9 @@ class _RayJob:
         from ray.util.placement_group import placement_group, remove_placement_group
 
         bundles = [self.resources[label.role] for label in self.labels]
+        check_fits([node["Resources"] for node in self.ray.nodes() if node["Alive"]],
+                   self.resources, {Role.WORKER: self.args.workers,
+                                    Role.SERVER: self.args.servers})
         group = placement_group(bundles, strategy="PACK", name=self.name)
         scheduler = None
         shm_prefix = new_job_prefix()
@@ -286,12 +284,12 @@ class _RayJob:
                 heartbeat_timeout_s=self.args.heartbeat_timeout,
                 stall_timeout_s=self.args.stall_timeout))
             address = self._scheduler_address(scheduler.start(self.args.host, 0, self.tls))
-            self.console.say(f"scheduler at {address}; starting {self.args.workers} workers and "
+            self.console.note(f"scheduler at {address}; starting {self.args.workers} workers and "
                  f"{self.args.servers} servers running {self.args.script} as Ray actors "
                  f"(placement group {self.name}, "
                  f"{time.monotonic() - started:.1f} s after start)")
             self._start_actors(group, nodes, address, shm_prefix)
-            self.console.say(f"every actor started {time.monotonic() - started:.1f} s after start")
+            self.console.note(f"every actor started {time.monotonic() - started:.1f} s after start")
             outcome_code, summary = self._supervise(scheduler)
             self.console.say(summary)
             logger.debug("job over %.1f s after start", time.monotonic() - started)
@@ -372,9 +370,9 @@ class _RayJob:
                                       f"within {ACTOR_START_TIMEOUT_S:g} s") from None
             except self.ray.exceptions.RayError as exc:
                 raise RayBackendError(f"the actor of {member.label.describe()} failed to "
-                                      f"start: {_first_line(exc)}") from None
+                                      f"start: {first_line(exc)}") from None
             place = member.placement
-            self.console.say(f"started {member.label.describe()} (pid {place.pid}, actor pid "
+            self.console.note(f"started {member.label.describe()} (pid {place.pid}, actor pid "
                  f"{place.actor_pid}) on host {place.host} node {member.node_ip}"
                  + (f" CUDA_VISIBLE_DEVICES={place.cuda_visible_devices}"
                     if place.cuda_visible_devices else ""))
@@ -445,7 +443,7 @@ class _RayJob:
         try:
             polled: Polled = self.ray.get(ref)
         except self.ray.exceptions.RayActorError as exc:
-            member.is_dead, member.death = True, f"({type(exc).__name__}: {_first_line(exc)})"
+            member.is_dead, member.death = True, f"({type(exc).__name__}: {first_line(exc)})"
             return self._death_sign(member, now)
         self._relay(member, polled.lines)
         if polled.exit_code is None:
@@ -487,7 +485,7 @@ class _RayJob:
         judged = []
         for sign in signs:
             member = by_label.get(sign.label)
-            if sign.kind in (FailureKind.OWN_ERROR, FailureKind.CONSEQUENCE) and member is not None:
+            if sign.kind in ERROR_KINDS and member is not None:
                 sign = FailureSign(error_kind(member.error), sign.seen, sign.label,
                              sign.exit_code, sign.what)
             judged.append(sign)
@@ -498,14 +496,15 @@ class _RayJob:
                    if m.death is not None and m.label not in signed]
         culprit = min(judged, key=lambda s: (s.kind, s.seen))
         if culprit.kind is FailureKind.REPORTED:
-            return culprit.exit_code, f"job failed: {culprit.what}; stopped every process"
+            return culprit.exit_code, (f"job failed: {culprit.what}"
+                                       f"{stopped_clause(len(running), False)}")
         step = scheduler.member_step(culprit.label) if culprit.label is not None else None
         member = by_label.get(culprit.label)
         others = [m for m in running if m.label != culprit.label]
         at = f" at step {step}" if step is not None else ""
         because = f": {member.error}" if member is not None and member.error else ""
-        return culprit.exit_code, (f"{culprit.what}{at}{because}; stopped the other "
-                                   f"{len(others)} processes")
+        return culprit.exit_code, (f"{culprit.what}{at}{because}"
+                                   f"{stopped_clause(len(others))}")
 
     def _stop_all(self) -> None:
         """Stop every script still running (SIGTERM, then SIGKILL after the
@@ -530,7 +529,7 @@ class _RayJob:
                     member.exit_code = polled.exit_code
             except self.ray.exceptions.RayActorError as exc:
                 member.is_dead = True  # its script died with it (the bootstrap's parent pid)
-                member.death = f"({type(exc).__name__}: {_first_line(exc)})"
+                member.death = f"({type(exc).__name__}: {first_line(exc)})"
             except self.ray.exceptions.RayError:
                 member.is_dead = True  # did not answer: ray.kill ends it and its script
             member.poll = None
@@ -546,8 +545,3 @@ class _RayJob:
                 self.ray.kill(member.actor, no_restart=True)
             except Exception as exc:  # noqa: BLE001 - already gone is fine
                 logger.debug("ray.kill of %s: %s", member.label, exc)
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__

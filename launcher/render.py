@@ -6,7 +6,9 @@ In the picture a block of ops is named by the modules its ops come from (the
 capture records each node's module path, as `nn_module_stack` would, plus
 `optimizer.<param>` and `accumulate.<param>` for the optimizer's and the
 gradient sums' nodes), not by aten op names; a channel by the modules of the
-values it carries. A legend tells data, data-sync and control edges apart.
+values it carries, and the step's inputs among them by their names (a
+parameter's key, `batch.0`). A legend tells data, data-sync and control edges
+apart (and, in embedding-cache mode, the row traffic).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from collections.abc import Mapping, Sequence
 
 from splitrun.splitter.errors import SplitrunError
 from splitrun.splitter.plan import SplitPlan
-from splitrun.splitter.plan_dot import plan_to_dot
+from splitrun.splitter.plan_dot import count_of, plan_to_dot
 
-__all__ = ["render_plan", "read_module_map", "ModuleNames", "LEGEND"]
+__all__ = ["render_plan", "read_module_map", "ModuleNames", "PlanNames", "LEGEND"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,17 +50,46 @@ style=dotted];
   }
 """
 
-_GRAPHVIZ_HINT = ("graphviz's `dot` is not on PATH: install graphviz (Debian/Ubuntu: apt-get "
-                  "install graphviz; macOS: brew install graphviz; conda: conda install -c "
-                  "conda-forge graphviz), or write a .dot file and run `dot -Tsvg plan.dot -o "
-                  "plan.svg` where graphviz is installed")
+# In embedding-cache mode: the rows of the cached tables, outside the channels.
+ROWS_LEGEND = """\
+  subgraph cluster_legend_rows {
+    label=""; style=invis;
+    node [shape=plaintext, style="", fontsize=8, label=""];
+    legend_rows_a -> legend_rows_b [label="embedding rows: misses pulled, dirty rows pushed", \
+dir=both, style=bold, color="#2563eb", fontcolor="#1d4ed8"];
+  }
+"""
+
+
+def _graphviz_missing(path: pathlib.Path) -> str:
+    return (f"cannot write {path}: graphviz's `dot` is not on PATH. Install graphviz "
+            f"(Debian/Ubuntu: apt-get install graphviz; macOS: brew install graphviz; "
+            f"conda: conda install -c conda-forge graphviz), or write {path.with_suffix('.dot')} "
+            f"(--out {path.with_suffix('.dot').name}) and run `dot -Tsvg "
+            f"{path.with_suffix('.dot').name} -o {path.name}` where graphviz is installed")
+
+
+class PlanNames:
+    """What `Job.start` wrote in plan mode for the picture: each op's module
+    and each input's name."""
+
+    def __init__(self, modules: Mapping[str, str], values: Mapping[str, str] | None = None
+                 ) -> None:
+        self.modules = dict(modules)
+        self.values = dict(values or {})
+
+    def __bool__(self) -> bool:
+        return bool(self.modules or self.values)
 
 
 class ModuleNames:
-    """Names blocks and channels by the modules of their nodes."""
+    """Names blocks and channels by the modules of their nodes (and the step's
+    inputs by their own names)."""
 
-    def __init__(self, module_of: Mapping[str, str]) -> None:
+    def __init__(self, module_of: Mapping[str, str],
+                 value_names: Mapping[str, str] | None = None) -> None:
         self._module_of = module_of
+        self._value_names = value_names or {}
 
     def _groups(self, names: Sequence[str], *, keep_unknown: bool
                 ) -> tuple[dict[str, list[str]], dict[str, int]]:
@@ -70,7 +101,7 @@ class ModuleNames:
             module = self._module_of.get(name)
             part = None
             if module is None:
-                key = name if keep_unknown else _OUTSIDE
+                key = self._value_names.get(name, name) if keep_unknown else _OUTSIDE
             else:
                 key = f"module {module}"
                 for prefix, group in _PARAMETER_GROUPS:
@@ -93,7 +124,7 @@ class ModuleNames:
                 more = len(members) - _MAX_SHOWN
                 text += f" ({shown}{f', +{more}' if more > 0 else ''})"
             if counts is not None:
-                text += f": {counts[key]} ops"
+                text += f": {count_of(counts[key], 'op')}"
             lines.append(text)
         if len(groups) > _MAX_SHOWN:
             lines.append(f"+{len(groups) - _MAX_SHOWN} more modules")
@@ -101,7 +132,7 @@ class ModuleNames:
 
     def describe_ops(self, ops: Sequence[str]) -> str:
         groups, counts = self._groups(ops, keep_unknown=False)
-        return "\\n".join([f"{len(ops)} ops"] + self._lines(groups, counts))
+        return "\\n".join([count_of(len(ops), "op")] + self._lines(groups, counts))
 
     def describe_values(self, values: Sequence[str]) -> str:
         # A value outside every module is state or a batch input: its own name says it.
@@ -109,35 +140,38 @@ class ModuleNames:
         return ", ".join(self._lines(groups, None))
 
 
-def read_module_map(path: str | pathlib.Path) -> dict[str, str]:
-    """The node -> module map `Job.start` wrote in plan mode ({} if none)."""
+def read_module_map(path: str | pathlib.Path) -> PlanNames:
+    """The names `Job.start` wrote in plan mode (none if it wrote none)."""
     path = pathlib.Path(path)
     if not path.exists():
-        return {}
+        return PlanNames({})
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise SplitrunError(f"cannot read the plan's module map {path}: {exc}") from None
-    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                             for k, v in data.items()):
-        raise SplitrunError(f"the plan's module map {path} is not a JSON object of strings")
-    return data
+    parts = [data.get("modules"), data.get("values")] if isinstance(data, dict) else [None]
+    if not all(isinstance(part, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                              for k, v in part.items()) for part in parts):
+        raise SplitrunError(f"the plan's module map {path} is not a JSON object of "
+                            f"\"modules\" and \"values\", each of strings")
+    return PlanNames(data["modules"], data["values"])
 
 
-def plan_picture(plan: SplitPlan, module_of: Mapping[str, str] | None = None) -> str:
-    """The DOT source: blocks named by modules where `module_of` knows them,
-    and the legend."""
-    if module_of:
-        names = ModuleNames(module_of)
-        dot = plan_to_dot(plan, names.describe_ops, names.describe_values)
+def plan_picture(plan: SplitPlan, names: PlanNames | None = None) -> str:
+    """The DOT source: blocks named by modules where `names` knows them, and
+    the legend."""
+    if names:
+        named = ModuleNames(names.modules, names.values)
+        dot = plan_to_dot(plan, named.describe_ops, named.describe_values)
     else:
         dot = plan_to_dot(plan)
     body, closing = dot.rstrip().rsplit("}", 1)
-    return body + LEGEND + "}" + closing + "\n"
+    legend = LEGEND + (ROWS_LEGEND if plan.cached_tables else "")
+    return body + legend + "}" + closing + "\n"
 
 
 def render_plan(text: str, out: str | pathlib.Path,
-                module_of: Mapping[str, str] | None = None) -> SplitPlan:
+                names: PlanNames | None = None) -> SplitPlan:
     """Write the plan whose text form is `text` to `out`, by its suffix:
     .txt (the text form), .svg (needs graphviz's `dot`), else DOT."""
     plan = SplitPlan.from_text(text)
@@ -147,9 +181,9 @@ def render_plan(text: str, out: str | pathlib.Path,
     elif path.suffix == ".svg":
         dot = shutil.which("dot")
         if dot is None:
-            raise SplitrunError(f"writing {path} needs {_GRAPHVIZ_HINT}")
-        subprocess.run([dot, "-Tsvg", "-o", str(path)], input=plan_picture(plan, module_of),
+            raise SplitrunError(_graphviz_missing(path))
+        subprocess.run([dot, "-Tsvg", "-o", str(path)], input=plan_picture(plan, names),
                        text=True, check=True, timeout=_DOT_TIMEOUT_S)
     else:
-        path.write_text(plan_picture(plan, module_of))
+        path.write_text(plan_picture(plan, names))
     return plan

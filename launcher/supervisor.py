@@ -15,8 +15,10 @@ Blame: after the first sign of failure (a child exits with an error, is
 stopped, or the scheduler reports a failure), the supervisor keeps collecting
 exits for `BLAME_WINDOW_S` and blames, in this order: a child killed by a signal
 or stopped, a child that exited with its own error, the scheduler's report, a
-child that exited because a peer failed; the earliest seen within a kind. A
-peer's report can reach the scheduler before a killed process shows as exited.
+child whose receive timed out (the scheduler names the peer it waited on when
+it knows that peer stalled), a child that exited because a peer failed; the
+earliest seen within a kind. A peer's report can reach the scheduler before a
+killed process shows as exited. The last line is the culprit's own message.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from .janitor import Janitor
 from .process_logs import ProcessLogs
 
 __all__ = ["Child", "Supervisor", "Outcome", "FailureKind", "FailureSign", "error_kind",
-           "parse_label"]
+           "parse_label", "stopped_clause", "ERROR_KINDS"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,8 @@ _CHAIN_LINES = ("During handling of the above exception",
                 "The above exception was the direct cause")
 # Exceptions a process raises because another one failed.
 _CONSEQUENCES = ("PeerFailed", "JobFinished")
+# A receive that waited past its deadline: the peer waited on may be the cause.
+_TIMEOUTS = ("RecvTimeout",)
 
 
 @dataclass
@@ -92,7 +96,8 @@ class FailureKind(enum.IntEnum):
     KILLED = 0       # killed by a signal, or stopped
     OWN_ERROR = 1    # exited non-zero with its own error
     REPORTED = 2     # the scheduler's report (a silent or stalled process, a mismatch)
-    CONSEQUENCE = 3  # exited because a peer failed
+    TIMED_OUT = 3    # a receive of its step timed out (on a peer that may have stalled)
+    CONSEQUENCE = 4  # exited because a peer failed
 
 
 @dataclass(frozen=True)
@@ -157,9 +162,11 @@ class Supervisor:
     """Runs one command per label; `run()` returns when all exited cleanly or
     after the first failure has stopped the rest."""
 
-    def __init__(self, out=None, logs: ProcessLogs | None = None) -> None:
+    def __init__(self, out=None, logs: ProcessLogs | None = None, verbose: bool = True) -> None:
         self.children: list[Child] = []
         self._out = out or sys.stdout
+        # Lifecycle lines (`note`) are shown only when asked (-v).
+        self._verbose = verbose
         # --log-dir: each child's lines also go to a file of its own.
         self._logs = logs
         self._write_lock = threading.Lock()
@@ -184,13 +191,19 @@ class Supervisor:
                                         name=f"relay-{label}")
         child.reader.start()
         self.children.append(child)
-        self.say(f"started {label.describe()} (pid {process.pid})")
+        self.note(f"started {label.describe()} (pid {process.pid})")
         return child
 
     def say(self, text: str) -> None:
         with self._write_lock:
             self._out.write(f"[splitrun] {text}\n")
             self._out.flush()
+
+    def note(self, text: str) -> None:
+        """A lifecycle line (a process started, where the scheduler listens):
+        said with -v only."""
+        if self._verbose:
+            self.say(text)
 
     def _relay(self, child: Child, log=None) -> None:
         prefix = f"[{child.label.describe()}] "
@@ -304,18 +317,18 @@ class Supervisor:
         # Stopping joins the relays: every child's last lines (its error) are read.
         self._stop_all()
         signs = [_reclassified(s) for s in signs] + self._traceback_signs(signs)
-        culprit = min(signs, key=lambda s: (s.kind, s.seen))
+        culprit = _own_sign(min(signs, key=lambda s: (s.kind, s.seen)), signs)
         step = step_of(culprit.label) if step_of and culprit.label is not None else None
         others = [c for c in running if c is not culprit.child]
+        ending = stopped_clause(len(others), culprit.child is not None)
         if culprit.kind is FailureKind.REPORTED:
-            summary = f"job failed: {culprit.what}; stopped every process"
+            summary = f"job failed: {culprit.what}{ending}"
         else:
             at = f" at step {step}" if step is not None else ""
             # Read after stopping: the relay has then seen the child's last line.
             error = culprit.child.error if culprit.child is not None else None
             because = f": {error}" if error else ""
-            summary = (f"{culprit.what}{at}{because}; stopped the other {len(others)} "
-                       f"processes")
+            summary = f"{culprit.what}{at}{because}{ending}"
         return Outcome(culprit.exit_code, summary, culprit.label, self.children)
 
     def _stop_all(self) -> None:
@@ -343,17 +356,44 @@ class Supervisor:
                 child.reader.join(timeout=TERMINATE_GRACE_S)
 
 
+def stopped_clause(num_others: int, is_one_process: bool = True) -> str:
+    """The end of a failure line: the processes stopped because of it, the
+    others than the culprit (`is_one_process`) or every one; nothing said when
+    none was left running."""
+    if num_others == 0:
+        return ""
+    if not is_one_process:
+        return "; stopped every process"
+    return f"; stopped the other {num_others} process{'es' if num_others > 1 else ''}"
+
+
+def _own_sign(culprit: FailureSign, signs: list[FailureSign]) -> FailureSign:
+    """The scheduler's report names a process that also left a sign of its
+    own (its exit, its error): that sign, which says it in its own words."""
+    if culprit.kind is not FailureKind.REPORTED or culprit.label is None:
+        return culprit
+    own = [s for s in signs if s.child is not None and s.label == culprit.label]
+    return min(own, key=lambda s: s.seen) if own else culprit
+
+
 def _reclassified(sign: FailureSign) -> FailureSign:
     """An exit with an error, judged by the error line the relay has read by now."""
-    if sign.kind in (FailureKind.OWN_ERROR, FailureKind.CONSEQUENCE) and sign.child is not None:
+    if sign.kind in ERROR_KINDS and sign.child is not None:
         return dataclasses.replace(sign, kind=error_kind(sign.child.error))
     return sign
 
 
+ERROR_KINDS = (FailureKind.OWN_ERROR, FailureKind.TIMED_OUT, FailureKind.CONSEQUENCE)
+
+
 def error_kind(error: str | None) -> FailureKind:
-    """A process's own error, or one it raised because another process failed."""
-    if error and error.split(":", 1)[0].endswith(_CONSEQUENCES):
+    """A process's own error, a receive of its that timed out, or an error it
+    raised because another process failed."""
+    kind = error.split(":", 1)[0] if error else ""
+    if kind.endswith(_CONSEQUENCES):
         return FailureKind.CONSEQUENCE
+    if kind.endswith(_TIMEOUTS):
+        return FailureKind.TIMED_OUT
     return FailureKind.OWN_ERROR
 
 

@@ -52,6 +52,8 @@ class ENV:
     TLS_CA = "SPLITRUN_TLS_CA"            # ...and the CA peers' certificates are checked against
     LOCAL_RANK = "SPLITRUN_LOCAL_RANK"    # index among the job's processes on this machine
     METRICS_DIR = "SPLITRUN_METRICS_DIR"  # TensorBoard scalars go to METRICS_DIR/<process>/
+    STEP_FILE = "SPLITRUN_STEP_FILE"      # the process keeps its steps done here for its
+                                          # launcher, which names them if it is killed
     INSECURE = "SPLITRUN_INSECURE"        # Slurm/torchrun: 1 lets a process serve off
                                           # loopback without TLS (splitrun join --insecure)
     SCHEDULER_PORT = SCHEDULER_PORT_VARIABLE  # Slurm/torchrun: task 0's scheduler port
@@ -90,6 +92,7 @@ class ProcessEnvironment:
     metrics_dir: str | None = None       # splitrun --metrics-dir: TensorBoard scalars
     plan_modules_out: str | None = None  # `splitrun plan`: node -> module map, for the picture
     is_insecure: bool = False            # SPLITRUN_INSECURE=1
+    step_file: str | None = None         # SPLITRUN_STEP_FILE (splitrun launch)
 
     @classmethod
     def parse(cls, environ: Mapping[str, str]) -> ProcessEnvironment:
@@ -111,6 +114,9 @@ class ProcessEnvironment:
         if identity is not None:
             _check_identity_alone(environ, identity)
             scheduler, role, rank = identity.scheduler, identity.label.role, identity.label.rank
+        elif rank is not None and rank < 0:
+            raise ClusterError(f"{ENV.RANK}={rank}: ranks start at 0; leave it unset (no "
+                               f"--rank) to take the next free one")
         shm_ring_mb = _integer(environ, ENV.SHM_RING_MB)
         if shm_ring_mb is not None and shm_ring_mb < 1:
             raise ClusterError(f"{ENV.SHM_RING_MB}={shm_ring_mb}: each ring needs at least 1 "
@@ -121,7 +127,7 @@ class ProcessEnvironment:
                 environ)
         return cls(
             scheduler=scheduler, token=environ.get(ENV.TOKEN, ""), role=role,
-            rank=None if rank is None or rank < 0 else rank,
+            rank=rank,
             device=environ.get(ENV.DEVICE, "auto") or "auto", host=host,
             advertise=environ.get(ENV.ADVERTISE) or host,
             recv_timeout_s=_seconds(environ, ENV.RECV_TIMEOUT_S),
@@ -141,7 +147,8 @@ class ProcessEnvironment:
             local_rank=max(local_rank, 0), identity=identity,
             metrics_dir=environ.get(ENV.METRICS_DIR) or None,
             plan_modules_out=environ.get(ENV.PLAN_MODULES_OUT) or None,
-            is_insecure=environ.get(ENV.INSECURE, "") == "1")
+            is_insecure=environ.get(ENV.INSECURE, "") == "1",
+            step_file=environ.get(ENV.STEP_FILE) or None)
 
 
 def _check_identity_alone(environ: Mapping[str, str], identity: ForeignIdentity) -> None:

@@ -31,7 +31,14 @@ class TransportError(SplitrunError):
 
 
 class RecvTimeout(TransportError):
-    """A receive whose message did not come before its deadline."""
+    """A receive whose message did not come before its deadline. Raised by a
+    step, it names the peer waited on (`peer`, a Label) and for how long
+    (`waited_s`): the scheduler then tells a stalled peer from a slow one."""
+
+    def __init__(self, message: str, *, peer=None, waited_s: float | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.waited_s = waited_s
 
 
 class MessageRejected(TransportError):

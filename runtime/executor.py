@@ -22,7 +22,7 @@ from splitrun.splitter.labels import Label
 from splitrun.splitter.plan import OpKind, SplitPlan
 from splitrun.splitter.program import Program
 
-from .errors import MessageRejected, SplitrunError, StepFailed
+from .errors import MessageRejected, RecvTimeout, SplitrunError, StepFailed
 from .pointwise_tiles import find_tiled_runs
 from .transport.dtypes import nbytes_of
 from .transport.protocol import MessageKey, Transport
@@ -310,13 +310,17 @@ class Executor:
                  idle: bool = False) -> None:
         key = MessageKey(self.incarnation, step, channel)
         waited = time.perf_counter()
+        since = time.monotonic()
         if not idle:
-            self._waiting = Waiting(src, time.monotonic())
+            self._waiting = Waiting(src, since)
         try:
             if control is None:
                 tensors = self.transport.recv(src, key, timeout_s)
             else:
                 tensors = self.transport.recv(src, key, timeout_s, control=control)
+        except RecvTimeout as exc:  # say whom this step waited on, and how long
+            raise RecvTimeout(str(exc), peer=src,
+                              waited_s=time.monotonic() - since) from None
         finally:
             self._waiting = None
         waited = time.perf_counter() - waited

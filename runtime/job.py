@@ -30,6 +30,7 @@ import torch
 from splitrun.splitter.graph_splitter import split_program
 from splitrun.splitter.labels import Cluster, Label
 from splitrun.splitter.modes import Mode
+from splitrun.splitter.picture_names import picture_names
 from splitrun.splitter.program import Program
 
 from .checkpointing import resume_state
@@ -42,6 +43,7 @@ from .joining import advertised_host, host_scheduler, pick_device
 from .member import JobMember
 from .process import ProcessRuntime
 from .state_gather import control_channels
+from .step_file import StepFile
 from .trainer import Trainer
 from .transport.contract import receive_contracts
 from .transport.grpc import GrpcSettings, GrpcTransport
@@ -85,10 +87,11 @@ class Job(JobMember):
                  heartbeat_interval_s: float = 0.5, plan_out: str | None = None,
                  host: str = "127.0.0.1",
                  hosted_scheduler: HostedScheduler | None = None,
-                 plan_modules_out: str | None = None) -> None:
+                 plan_modules_out: str | None = None,
+                 step_file: StepFile | None = None) -> None:
         super().__init__(label, cluster, device, settings, client=client, transport=transport,
                          incarnation=incarnation, heartbeat_interval_s=heartbeat_interval_s,
-                         host=host, hosted_scheduler=hosted_scheduler)
+                         host=host, hosted_scheduler=hosted_scheduler, step_file=step_file)
         self.plan_out = plan_out
         self.plan_modules_out = plan_modules_out
 
@@ -139,7 +142,8 @@ class Job(JobMember):
         job = cls(registration.label, registration.cluster, device, settings,
                   client=client, transport=transport, incarnation=registration.incarnation,
                   heartbeat_interval_s=registration.heartbeat_interval_s, host=host,
-                  hosted_scheduler=hosted)
+                  hosted_scheduler=hosted,
+                  step_file=None if env.step_file is None else StepFile(env.step_file))
         global _joined
         _joined = job
         return job
@@ -198,14 +202,9 @@ class Job(JobMember):
 
 
 def _write_module_map(program: Program, path: str) -> None:
-    """Each op's module path (as the capture annotated it), as JSON."""
-    modules = {}
-    for node in program.graph.nodes:
-        module = program.module_of(node)
-        if module is not None:
-            modules[node.name] = module
+    """The names of the plan's picture (`picture_names`), as JSON."""
     with open(path, "w") as out:
-        json.dump(modules, out, sort_keys=True)
+        json.dump(picture_names(program), out, sort_keys=True)
 
 
 def _waiting(process: ProcessRuntime) -> tuple[Label, float] | None:

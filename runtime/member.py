@@ -14,8 +14,9 @@ from splitrun.splitter.labels import Cluster, Label, Role
 
 from .cluster.hosted import HostedScheduler
 from .cluster.membership import Heartbeat, SchedulerClient
-from .errors import ClusterError, JobFinished, PeerFailed
+from .errors import ClusterError, JobFinished, PeerFailed, RecvTimeout
 from .job_settings import JobSettings
+from .step_file import StepFile
 from .transport.grpc import GrpcTransport
 from .transport.shm_transport import ShmTransport
 
@@ -31,7 +32,8 @@ class JobMember:
                  settings: JobSettings, *, client: SchedulerClient | None = None,
                  transport: GrpcTransport | ShmTransport | None = None, incarnation: int = 0,
                  heartbeat_interval_s: float = 0.5, host: str = "127.0.0.1",
-                 hosted_scheduler: HostedScheduler | None = None) -> None:
+                 hosted_scheduler: HostedScheduler | None = None,
+                 step_file: StepFile | None = None) -> None:
         self.label = label
         self.host = host  # the address peers reach this process by
         self.cluster = cluster
@@ -44,6 +46,8 @@ class JobMember:
         self._failure_reported = False
         # Task 0 of a Slurm or torchrun job hosts the job's scheduler.
         self._hosted_scheduler = hosted_scheduler
+        # Where the launcher reads this process's step if it is killed.
+        self._step_file = step_file
         if client is not None:
             self._heartbeat = Heartbeat(
                 client, label, heartbeat_interval_s, settings.heartbeat_timeout_s,
@@ -88,9 +92,12 @@ class JobMember:
         return None if self._heartbeat is None else self._heartbeat.scheduler_unreachable()
 
     def report_progress(self, steps_done: int) -> None:
-        """Tell the scheduler (with the next heartbeat) how far this process got."""
+        """Tell the scheduler (with the next heartbeat) and the launcher (at
+        once, in the step file) how far this process got."""
         if self._heartbeat is not None:
             self._heartbeat.report_step(steps_done)
+        if self._step_file is not None:
+            self._step_file.record(steps_done)
 
     def watch_waits(self, waiting_on: Callable[[], tuple[Label, float] | None]) -> None:
         """Let the heartbeat tell the scheduler which peer this process waits
@@ -118,15 +125,21 @@ class JobMember:
             return
         self._failure_reported = True
         first_line = (str(error).strip().splitlines() or [""])[0]
+        # A receive that timed out says on whom: the scheduler blames that peer
+        # instead when it knows the peer stalled.
+        waiting = ((error.peer, error.waited_s or 0.0)
+                   if isinstance(error, RecvTimeout) and error.peer is not None else None)
         try:
             if self._heartbeat is not None:
-                self._heartbeat.beat_now()
+                self._heartbeat.beat_now(waiting)
             self.client.report_failure(self.label, f"{type(error).__name__}: {first_line}")
         except ClusterError:
             logger.warning("[%s] could not report the failure to the scheduler",
                            self.label.describe())
 
     def close(self) -> None:
+        if self._step_file is not None:
+            self._step_file.close()
         if self._heartbeat is not None:
             self._heartbeat.stop()
         if self.transport is not None:

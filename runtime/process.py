@@ -62,20 +62,28 @@ class ProcessRuntime:
 
     # -- steps --
 
-    def feeds(self, step: int, batch: Feeds | None) -> dict[str, torch.Tensor]:
+    def hparams(self, step: int) -> dict[str, torch.Tensor]:
+        """The step's hyperparameters (learning rates, step count), read now
+        from the program's optimizer (a `torch.optim` one's current rates)."""
+        return self.split.program.hparams(step)
+
+    def feeds(self, step: int, batch: Feeds | None,
+              hparams: Feeds | None = None) -> dict[str, torch.Tensor]:
         """The feeds of `step`: this process's batch (None for servers) and the
-        step's hyperparameters (learning rates, step count)."""
-        return {**(batch or {}), **self.split.program.hparams(step)}
+        step's hyperparameters (`hparams` when read already)."""
+        return {**(batch or {}), **(self.hparams(step) if hparams is None else hparams)}
 
     def run_step(self, step: int, batch: Feeds | None,
-                 next_batch: Feeds | None = None) -> dict[str, torch.Tensor]:
+                 next_batch: Feeds | None = None, *,
+                 hparams: Feeds | None = None) -> dict[str, torch.Tensor]:
         """Run this process's subgraph for `step`; the outputs delivered here.
-        `next_batch` lets an embedding cache prefetch the next step's rows."""
+        `next_batch` lets an embedding cache prefetch the next step's rows;
+        `hparams`: the step's hyperparameters, if read before (else now)."""
         client = self._cache.client
         if client is not None:
             client.begin_step(step, None if next_batch is None
                               else self.feeds(step + 1, next_batch))
-        return self.executor.run_step(step, self.feeds(step, batch))
+        return self.executor.run_step(step, self.feeds(step, batch, hparams))
 
     def serve_step(self, step: int, *, first_recv_timeout_s: float,
                    control: tuple[str, Callable] | None = None) -> dict[str, torch.Tensor]:

@@ -43,7 +43,8 @@ class Progress:
         if now - self._last_line >= _LINE_EVERY_S or (self.total and done == self.total):
             self._last_line = now
             of = f"/{self.total}" if self.total else ""
-            logger.info("step %d%s %s %.1f steps/s %s", done, of, loss_text, rate, extra)
+            logger.info("%s", " ".join(part for part in (f"step {done}{of}", loss_text,
+                                                         f"{rate:.1f} steps/s", extra) if part))
 
     def close(self) -> float:
         """Stop; return the steps per second over the whole run."""

@@ -3,6 +3,13 @@
 The way to test a split without sockets: results must equal the unsplit step.
 The first failure aborts every other thread's pending receive with an error
 naming the failed process.
+
+Batches and hyperparameters come in the order a launched job's loop of
+`trainer.step(batch)` takes them: `batches(step)` is called once per step, in
+step order, and the step's hyperparameters (a `torch.optim` optimizer's
+current learning rates) are read right after it, before the next step's batch
+is asked for. So a learning-rate schedule stepped in `batches` applies from
+that step on, for every thread alike.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import torch
 
 from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label, Role
-from splitrun.splitter.plan import ModeKind
+from splitrun.splitter.plan import ModeKind, SplitPlan
 
 from .cluster.rendezvous import InProcessRendezvous
 from .data import shard_batch
@@ -48,8 +55,17 @@ def run_threaded(split: SplitProgram, num_steps: int,
     gives the global batch's feeds, the program's optimizer the hyperparameters.
 
     In parameter-server and embedding-cache modes each worker gets its shard of
-    the global batch, as `Trainer.shard` gives it in a real job.
+    the global batch, as `Trainer.shard` gives it in a real job. `batches` is
+    called once per step, in order, each step's hyperparameters read right
+    after it (module docstring).
     """
+    if isinstance(split, SplitPlan):
+        raise SplitrunError("run_threaded needs what split_program(program, cluster, mode) "
+                            "returns (the plan with the program it runs); split(...) gives "
+                            "the plan alone")
+    if not isinstance(split, SplitProgram):
+        raise SplitrunError(f"run_threaded needs what split_program(program, cluster, mode) "
+                            f"returns, got {type(split).__name__}")
     plan = split.plan
     hub = LoopbackHub(plan.labels)
     rendezvous = InProcessRendezvous(recv_timeout_s)  # parallel mode's process groups
@@ -64,18 +80,21 @@ def run_threaded(split: SplitProgram, num_steps: int,
     failures: list[tuple[Label, BaseException]] = []
     lock = threading.Lock()
     sharded = plan.mode in (ModeKind.PARAMETER_SERVER, ModeKind.EMBEDDING_CACHE)
+    steps = _StepFeeds(batches, split.program.hparams, len(plan.labels))
 
     def batch_for(label: Label, step: int) -> Mapping[str, torch.Tensor] | None:
         if label.role is not Role.WORKER or step >= num_steps:
             return None
-        batch = batches(step)
+        batch = steps.batch(step)
         return shard_batch(batch, label.rank, plan.cluster.num_workers) if sharded else batch
 
     def work(label: Label, process: ProcessRuntime) -> None:
         try:
             for step in range(num_steps):
                 outputs = process.run_step(step, batch_for(label, step),
-                                           next_batch=batch_for(label, step + 1))
+                                           next_batch=batch_for(label, step + 1),
+                                           hparams=steps.hparams(step))
+                steps.done(step)
                 with lock:
                     history[step].update(outputs)
             if label == Label.worker(0):
@@ -108,3 +127,42 @@ def run_threaded(split: SplitProgram, num_steps: int,
                 if process.has_cache}
     return ThreadedRun(history, final_state,
                        {label: process.stats for label, process in processes.items()}, counters)
+
+
+class _StepFeeds:
+    """Each step's global batch and hyperparameters, made once for all
+    `num_threads` threads: `batches(step)` in step order, each step's
+    hyperparameters read right after its batch (the order of a launched job's
+    loop). A step's are dropped once every thread is done with it."""
+
+    def __init__(self, batches: Callable[[int], Mapping[str, torch.Tensor]],
+                 hparams: Callable[[int], dict[str, torch.Tensor]], num_threads: int) -> None:
+        self._batches = batches
+        self._read_hparams = hparams
+        self._num_threads = num_threads
+        self._made: dict[int, tuple[Mapping[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
+        self._next = 0
+        self._done: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def _get(self, step: int):
+        with self._lock:
+            while self._next <= step:
+                batch = self._batches(self._next)
+                self._made[self._next] = (batch, self._read_hparams(self._next))
+                self._next += 1
+            return self._made[step]
+
+    def batch(self, step: int) -> Mapping[str, torch.Tensor]:
+        return self._get(step)[0]
+
+    def hparams(self, step: int) -> dict[str, torch.Tensor]:
+        return self._get(step)[1]
+
+    def done(self, step: int) -> None:
+        """One thread finished `step` (and needs nothing of it any more)."""
+        with self._lock:
+            self._done[step] = self._done.get(step, 0) + 1
+            if self._done[step] == self._num_threads:
+                self._made.pop(step, None)
+                del self._done[step]

@@ -71,18 +71,23 @@ class Trainer:
 
     def run(self, batches):
         """Step through `batches`, yielding each step's outputs; each step also
-        gets the next batch, so an embedding cache prefetches its rows."""
+        gets the next batch, so an embedding cache prefetches its rows. A
+        step's hyperparameters are read before the next batch is taken, so a
+        learning-rate schedule stepped while `batches` makes a batch applies
+        from that batch's step on, as in a loop of `step`."""
         iterator = iter(batches)
         current = next(iterator, None)
         while current is not None:
+            hparams = self.process.hparams(self.steps_done)
             following = next(iterator, None)
-            yield self.step(current, next_batch=following)
+            yield self.step(current, next_batch=following, hparams=hparams)
             current = following
 
-    def step(self, batch, next_batch=None) -> dict[str, torch.Tensor]:
+    def step(self, batch, next_batch=None, *, hparams=None) -> dict[str, torch.Tensor]:
         """Run one training step on this worker; returns the outputs delivered
         here (the loss, on worker 0). `next_batch` (optional) lets an embedding
-        cache fetch the next step's missing rows while this one computes."""
+        cache fetch the next step's missing rows while this one computes.
+        `hparams`: the step's hyperparameters if read already (`run` does)."""
         if not self.job.is_worker:
             raise SplitrunError(
                 f"[{self.job.label.describe()}] servers do not run the training loop; "
@@ -93,7 +98,7 @@ class Trainer:
         try:
             outputs = self.process.run_step(
                 self.steps_done, _feeds_of(batch),
-                None if next_batch is None else _feeds_of(next_batch))
+                None if next_batch is None else _feeds_of(next_batch), hparams=hparams)
         except TransportError as exc:
             lost = self.job.scheduler_unreachable()
             if lost is None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from .cache_summary import cached_table_entries
 from .cached_tables import (
     CachedTable,
     CacheSettings,
@@ -45,7 +46,7 @@ from .cached_tables import (
 from .embedding_bags import bag_gradient
 from .errors import PlanError
 from .labels import Cluster
-from .plan import ModeKind
+from .plan import ModeKind, SplitPlan
 from .program import InputKind, OutputKind, Program
 from .ps_mode import ParameterServerMode, ServerAssignment
 from .sparse_optim import ROW_WISE_UPDATES, sparse_adagrad, sparse_adam, sparse_sgd
@@ -112,6 +113,14 @@ class EmbeddingCacheMode(ParameterServerMode):
         rewritten, servers = super().prebuild(rewritten, cluster)
         return rewritten, CacheArtifacts(servers.owner, servers.slots, tuple(tables),
                                          tables_initial)
+
+    def postbuild(self, plan: SplitPlan, program: Program,
+                  artifacts: CacheArtifacts) -> SplitPlan:
+        """The parameter-server plan, and the tables whose rows it moves
+        outside its channels (for its summary and picture)."""
+        plan = super().postbuild(plan, program, artifacts)
+        return dataclasses.replace(plan, cached_tables=cached_table_entries(program,
+                                                                            artifacts.tables))
 
     def _take_table(self, program, graph, nodes, key, settings) -> CachedTable:
         spec = program.input_for_key(key)

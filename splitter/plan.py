@@ -29,6 +29,7 @@ __all__ = [
     "ControlEdge",
     "CollectiveEntry",
     "ParallelSummary",
+    "CachedTableEntry",
     "SplitPlan",
 ]
 
@@ -136,6 +137,35 @@ class CollectiveEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class CachedTableEntry:
+    """A table an embedding-cache plan keeps on the servers (rows sliced by a
+    hash of the id) and caches on every worker. Its rows travel outside the
+    channels, between each worker and the servers: misses pulled, evicted
+    dirty rows (or, with several workers, gradients) pushed; per worker and
+    step at most `lookups` rows each way, each at most `row_bytes` (the row
+    and its optimizer state). `lookups` is 0 where the ids are not a batch
+    input, so not known before the step runs."""
+
+    key: str
+    num_rows: int
+    row_bytes: int
+    lookups: int
+    cache_rows: int
+    policy: str
+
+    def __str__(self) -> str:
+        return (f"{self.key} rows={self.num_rows} row_bytes={self.row_bytes} "
+                f"lookups={self.lookups} cache_rows={self.cache_rows} policy={self.policy}")
+
+    @classmethod
+    def parse(cls, text: str) -> CachedTableEntry:
+        key, *pairs = text.split()
+        fields = dict(pair.split("=", 1) for pair in pairs)
+        return cls(key, int(fields["rows"]), int(fields["row_bytes"]), int(fields["lookups"]),
+                   int(fields["cache_rows"]), fields["policy"])
+
+
+@dataclass(frozen=True, slots=True)
 class ParallelSummary:
     """What a parallel-mode plan adds: its groups (each named by its first
     member), where each state slot lives and how it is sharded, and the
@@ -169,6 +199,8 @@ class SplitPlan:
     data_syncs: tuple[DataSync, ...] = ()
     # Parallel mode: groups, shardings, collectives (None in other modes).
     parallel: ParallelSummary | None = None
+    # Embedding-cache mode: the cached tables, whose rows travel outside the channels.
+    cached_tables: tuple[CachedTableEntry, ...] = ()
     _index: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -212,6 +244,11 @@ class SplitPlan:
     def bytes_per_step(self) -> int:
         return sum(c.nbytes for c in self.channels)
 
+    def row_bytes_per_step(self) -> int:
+        """Embedding-cache mode: the most a worker's cached tables exchange with
+        the servers in a step, each way (every lookup a miss); 0 otherwise."""
+        return sum(t.lookups * t.row_bytes for t in self.cached_tables)
+
     # -- forms --
 
     def to_text(self) -> str:
@@ -250,6 +287,11 @@ class SplitPlan:
             recvs = len(self.recv_channels(proc.label))
             lines.append(f"  {proc.label.describe()}: {proc.num_ops} ops, "
                          f"{sends} sends, {recvs} receives, {len(proc.state)} state")
+        if self.cached_tables:
+            tables = len(self.cached_tables)
+            lines.append(f"  embedding rows of {tables} cached table{'s' if tables > 1 else ''}, "
+                         f"outside these messages: up to {self.row_bytes_per_step()} bytes per "
+                         f"step each way per worker (misses pulled, dirty rows pushed)")
         return "\n".join(lines)
 
     # -- invariants --

@@ -5,16 +5,19 @@ communication points); each channel is an edge from the block that sends it to
 the block that receives it, labelled with its tensors and bytes per step.
 Data-sync channels are dashed, control edges dotted. A parallel plan draws a
 cluster per group around its members, and labels each edge with the placement
-changes its values serve (`addmm_1: P→R all-reduce 256 B`).
+changes its values serve (`addmm_1: P→R all-reduce 256 B`). An embedding-cache
+plan draws each worker's row cache and its row traffic with every server
+(bold, both ways), which travels outside the channels.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from .labels import Role
 from .plan import ChannelKind, OpKind, SplitPlan
 
-__all__ = ["plan_to_dot"]
+__all__ = ["plan_to_dot", "count_of"]
 
 _COLOURS = ["#dbeafe", "#dcfce7", "#fef9c3", "#fce7f3", "#ede9fe", "#ffedd5",
             "#cffafe", "#e5e7eb"]
@@ -32,6 +35,11 @@ def _size(nbytes: int) -> str:
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
         nbytes /= 1024
     return f"{nbytes} B"
+
+
+def count_of(number: int, noun: str) -> str:
+    """`1 op`, `3 ops`."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _names(values: tuple[str, ...]) -> str:
@@ -80,12 +88,15 @@ def plan_to_dot(plan: SplitPlan,
             if ops:
                 name = f"{proc.label}_b{number}"
                 text = (describe_ops(ops) if describe_ops is not None
-                        else f"{len(ops)} ops\\n{_names(tuple(ops))}")
+                        else f"{count_of(len(ops), 'op')}\\n{_names(tuple(ops))}")
                 lines.append(f"    {name} [label={_quote(text)}, fillcolor=white];")
                 lines.append(f"    {previous} -> {name} [style=invis];")
             recv_block.update((channel, name) for channel in recvs)
             send_block.update((channel, name) for channel in sends)
             previous = name
+        if plan.cached_tables and proc.label.role is Role.WORKER:
+            lines.append(f"    {proc.label}_rows [label={_quote(_cache_text(plan))}, "
+                         f"shape=cylinder, fillcolor=white];")
         lines.append("  }")
     if open_group is not None:
         lines.append("  }")
@@ -105,8 +116,32 @@ def plan_to_dot(plan: SplitPlan,
             if served:
                 label = f"{channel.name}\\n{served}\\n{_size(channel.nbytes)}/step"
         lines.append(f"  {src} -> {dst} [label={_quote(label)}, style={style}];")
+    lines += _row_traffic(plan)
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def _cache_text(plan: SplitPlan) -> str:
+    tables = plan.cached_tables
+    sizes = sorted({(t.cache_rows, t.policy) for t in tables})
+    each = ", ".join(f"{rows} rows ({policy})" for rows, policy in sizes)
+    return f"row cache\\n{count_of(len(tables), 'table')}: {each} each"
+
+
+def _row_traffic(plan: SplitPlan) -> list[str]:
+    """Each worker's cache to each server: the rows the cached tables move,
+    outside the channels (an upper bound: every lookup a miss)."""
+    if not plan.cached_tables:
+        return []
+    names = _names(tuple(t.key for t in plan.cached_tables))
+    bound = plan.row_bytes_per_step()
+    amount = (f"≤ {_size(bound)}/step each way, all servers" if bound
+              else "as many rows as a step looks up")
+    label = f"embedding rows: {names}\\nmisses pulled, dirty rows pushed\\n{amount}"
+    workers = [p.label for p in plan.processes if p.label.role is Role.WORKER]
+    servers = [p.label for p in plan.processes if p.label.role is Role.SERVER]
+    return [f"  {w}_rows -> {s}_start [label={_quote(label)}, dir=both, style=bold, "
+            f"color=\"#2563eb\", fontcolor=\"#1d4ed8\"];" for w in workers for s in servers]
 
 
 def _collectives_of(plan: SplitPlan, values: tuple[str, ...]) -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from .errors import LabelError, PlanParseError
 from .labels import Cluster, Label
 from .plan import (
+    CachedTableEntry,
     Channel,
     ChannelKind,
     CollectiveEntry,
@@ -57,6 +58,7 @@ def plan_to_text(plan: SplitPlan) -> str:
         lines += [f"shard {key} {placement} {group}"
                   for key, placement, group in plan.parallel.shardings]
         lines += [f"collective {c}" for c in plan.parallel.collectives]
+    lines += [f"cached_table {t}" for t in plan.cached_tables]
     for c in plan.channels:
         values = " ".join(_value_token(s, r) for s, r in zip(c.values, c.recv_names))
         lines.append(f"channel {c.name} {c.kind.value} {c.nbytes}: {values}".rstrip())
@@ -94,6 +96,7 @@ def plan_from_text(text: str) -> SplitPlan:
     groups: list[tuple[Label, ...]] = []
     shardings: list[tuple[str, str, Label]] = []
     collectives: list[CollectiveEntry] = []
+    tables: list[CachedTableEntry] = []
     current: dict | None = None
     for number, raw in enumerate(lines[1:], start=2):
         line = raw.strip()
@@ -138,6 +141,8 @@ def plan_from_text(text: str) -> SplitPlan:
                 kind, value, change, nbytes = rest.split()
                 src, dst = change.split("->")
                 collectives.append(CollectiveEntry(kind, value, src, dst, int(nbytes)))
+            elif word == "cached_table":
+                tables.append(CachedTableEntry.parse(rest))
             elif word == "sync":
                 key, owner, arrow, reader, channel = rest.split()
                 if arrow != "->":
@@ -159,4 +164,5 @@ def plan_from_text(text: str) -> SplitPlan:
     parallel = None
     if groups or shardings or collectives:
         parallel = ParallelSummary(tuple(groups), tuple(shardings), tuple(collectives))
-    return SplitPlan(mode, cluster, tuple(processes), tuple(channels), tuple(syncs), parallel)
+    return SplitPlan(mode, cluster, tuple(processes), tuple(channels), tuple(syncs), parallel,
+                     tuple(tables))

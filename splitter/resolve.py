@@ -18,7 +18,7 @@ from .errors import PlanError
 from .labels import ANY_SERVER, LABEL_ANNOTATION, Cluster, Label, Role
 from .program import InputKind, OutputKind, Program
 
-__all__ = ["resolve_labels", "describe_node", "FOLLOWER_OPS"]
+__all__ = ["resolve_labels", "describe_node", "FOLLOWER_OPS", "is_follower"]
 
 _aten = torch.ops.aten
 
@@ -34,7 +34,8 @@ FOLLOWER_OPS = frozenset({
 })
 
 
-def _is_follower(node: fx.Node) -> bool:
+def is_follower(node: fx.Node) -> bool:
+    """`node` only views, reshapes or indexes its one input (FOLLOWER_OPS)."""
     target = getattr(node.target, "overloadpacket", node.target)
     return target in FOLLOWER_OPS and len(node.all_input_nodes) == 1
 
@@ -116,7 +117,7 @@ def resolve_labels(program: Program, cluster: Cluster, mode) -> dict[fx.Node, La
                 explicit_inputs.add(node)
         if text is not None:
             label = checker.parse(node, text)
-        elif op == "call_function" and _is_follower(node):
+        elif op == "call_function" and is_follower(node):
             label = labels[node.all_input_nodes[0]] or default
         else:
             label = default

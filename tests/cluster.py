@@ -103,11 +103,13 @@ def child_env(env_extra=None) -> dict[str, str]:
     return env
 
 
-def splitrun(*args, env_extra=None, cwd=REPO) -> Proc:
+def splitrun(*args, env_extra=None, cwd=REPO, verbose: bool = True) -> Proc:
     """`splitrun ARGS...` as a subprocess. In tests, start it through LocalCluster,
-    which ends it when the test does."""
-    return Proc([sys.executable, "-m", "splitrun.launcher", *args], env=child_env(env_extra),
-                cwd=cwd)
+    which ends it when the test does. `verbose`: with -v, so the lifecycle lines
+    tests wait on (`started worker 1 (pid N)`, a process's transport) are shown."""
+    options = ["-v"] if verbose else []
+    return Proc([sys.executable, "-m", "splitrun.launcher", *options, *args],
+                env=child_env(env_extra), cwd=cwd)
 
 
 class LocalCluster:
@@ -119,8 +121,8 @@ class LocalCluster:
         self.cwd = cwd
         self.procs: list[Proc] = []
 
-    def start(self, *args, env_extra=None) -> Proc:
-        proc = splitrun(*args, env_extra=env_extra, cwd=self.cwd)
+    def start(self, *args, env_extra=None, verbose: bool = True) -> Proc:
+        proc = splitrun(*args, env_extra=env_extra, cwd=self.cwd, verbose=verbose)
         self.procs.append(proc)
         return proc
 

@@ -9,25 +9,29 @@ import sys
 import pytest
 from cluster import child_env
 
-from splitrun.launcher.cli import _parser
+from splitrun.launcher.cli import parse_args
 
 
 @pytest.mark.parametrize("argv, level, log_dir", [
-    (["launch", "train.py"], "INFO", None),
+    # By default the progress, results and warnings; -v the lifecycle too, -vv debug.
+    (["launch", "train.py"], "WARNING", None),
+    (["-v", "launch", "train.py"], "INFO", None),
+    (["launch", "-vv", "train.py"], "DEBUG", None),
     (["--log-level", "DEBUG", "--log-dir", "a", "launch", "train.py"], "DEBUG", "a"),
     (["launch", "--log-level", "WARNING", "--log-dir", "b", "train.py"], "WARNING", "b"),
-    # Given in both places, the later one wins.
+    # Given in both places, the later one wins; --log-level wins over -v.
     (["--log-level", "DEBUG", "plan", "--log-level", "ERROR", "train.py"], "ERROR", None),
-    (["--log-dir", "a", "join", "train.py"], "INFO", "a"),
+    (["-v", "launch", "--log-level", "ERROR", "train.py"], "ERROR", None),
+    (["--log-dir", "a", "join", "train.py"], "WARNING", "a"),
 ])
 def test_global_options_before_or_after_the_subcommand(argv, level, log_dir):
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     assert (args.log_level, args.log_dir, args.metrics_dir) == (level, log_dir, None)
 
 
 def test_options_after_the_script_belong_to_the_script():
-    args = _parser().parse_args(["launch", "--workers", "2", "train.py", "--log-level", "x"])
-    assert args.log_level == "INFO" and args.script_args == ["--log-level", "x"]
+    args = parse_args(["launch", "--workers", "2", "train.py", "--log-level", "x", "-v"])
+    assert args.log_level == "WARNING" and args.script_args == ["--log-level", "x", "-v"]
 
 
 def test_python_m_splitrun_is_the_splitrun_command(tmp_path):

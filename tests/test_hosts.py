@@ -126,7 +126,7 @@ def test_main_job_across_two_hosts_reaches_its_accuracy(bind, tmp_path):
     require_root()
     env = dict(os.environ)
     env.pop("SPLITRUN_LAUNCHER_PID", None)
-    launcher = [sys.executable, "-m", "splitrun.launcher"]
+    launcher = [sys.executable, "-m", "splitrun.launcher", "-v"]  # -v: the lines checked below
     job = [EXAMPLES / "ps_train.py", "--epochs", "8", "--min-accuracy", "0.95"]
     with two_hosts(rate_mbit=1000) as hosts:
         a, b = hosts.a, hosts.b

@@ -223,7 +223,7 @@ def test_slurm_tasks_train_the_main_job_like_splitrun_launch(tmp_path, launched_
                 "SLURM_JOB_NODELIST": "localhost", ENV.SCHEDULER_PORT: port}
 
     def argv_of(task):
-        return [sys.executable, "-m", "splitrun.launcher", "join", "--workers", "2",
+        return [sys.executable, "-m", "splitrun.launcher", "-v", "join", "--workers", "2",
                 "--servers", "1", str(PS_TRAIN), "--epochs", "1", "--save", str(out)]
 
     procs = start_tasks(tmp_path, argv_of, env_of, 3)

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 import torch
-from cluster import JOB_TIMEOUT_S, SCRIPTS, assert_clean_output, pid_alive
+from cluster import JOB_TIMEOUT_S, REPO, SCRIPTS, assert_clean_output, pid_alive
 from train_job import build
 
 from splitrun.launcher import cli
@@ -116,6 +116,18 @@ def test_plan_command_writes_the_plan(local_cluster, tmp_path):
     assert dot.read_text().startswith("digraph")
 
 
+def test_launch_help_shows_the_defaults_and_how_to_use_ray(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["launch", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for shown in ("number of worker processes (default 1)",
+                  "number of server processes (default 0)",
+                  "counts as stalled (default 20)", "counts as lost (default 3;",
+                  "splitrun launch --backend ray --workers 2 --servers 1 examples/ps_train.py",
+                  "or Ray actors on a Ray cluster with --backend ray", "-v, --verbose"):
+        assert shown in text, shown
+
+
 def test_help_has_an_example(capsys):
     # The command's own parser, in this process (`python -m splitrun ... --help` as
     # a process is tests/test_cli_options.py's).
@@ -124,3 +136,20 @@ def test_help_has_an_example(capsys):
             cli.main([command, "--help"])
         assert exited.value.code == 0
         assert "example" in capsys.readouterr().out, command
+
+
+def test_by_default_the_main_job_shows_progress_results_and_warnings_only(local_cluster):
+    # The main job without -v: no INFO line of any process or the launcher,
+    # no lifecycle line; the driver's progress, what the script prints and the
+    # launcher's last line.
+    proc = local_cluster.start("launch", "--workers", 2, "--servers", 1,
+                               REPO / "examples" / "ps_train.py", "--epochs", 1, verbose=False)
+    assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
+    lines = proc.lines
+    assert not [line for line in lines if " INFO " in line or "INFO splitrun" in line], \
+        proc.output()
+    assert not [line for line in lines if line.startswith("[splitrun] started ")]
+    assert any(line.startswith("[worker 0] step ") and "loss" in line for line in lines)
+    assert any(line.startswith("[worker 0] held-out accuracy: ") for line in lines)
+    assert lines[-1].startswith("[splitrun] all 3 processes finished in "), proc.output()
+    assert len(lines) < 12, proc.output()

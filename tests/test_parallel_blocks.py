@@ -87,13 +87,19 @@ def test_vocab_parallel_embedding_head_and_cross_entropy(optimizer, num_workers,
     layout, _ = train(program, num_workers, batches, backend=backend)
     assert layout.state["emb.weight"] == S(0)
     assert layout.state["head.weight"] == S(0)
-    kinds = [c.kind for c in layout.collectives]
     # The class dimension stays sharded through the loss: members exchange
-    # row statistics, never logits; the loss is summed once, as a scalar.
-    assert CollectiveKind.EXCHANGE in kinds or num_workers > 2
+    # row statistics, never logits, and with them each member's sum of the
+    # target logits it holds: the loss comes out whole from that one exchange
+    # (rows + 1 numbers a member), with no all-reduce of its own.
+    exchanges = [c for c in layout.collectives if c.kind is CollectiveKind.EXCHANGE]
+    rows = BATCH * TOKENS
+    assert [c.nbytes for c in exchanges] == [num_workers * (num_workers - 1) * (rows + 1) * 4]
+    losses = [s for s in layout.sharding.strategies.values()
+              if getattr(s.local, "__name__", "") == "vocab_nll_loss_from_exchange"]
+    assert [s.outputs for s in losses] == [(R, R)], "the loss itself comes out whole"
     loss_sums = [c for c in layout.collectives if c.kind is CollectiveKind.ALL_REDUCE
                  and c.nbytes == num_workers * (num_workers - 1) * 4]
-    assert len(loss_sums) == 1, layout.collectives
+    assert not loss_sums, layout.collectives
 
 
 def test_the_vocab_parallel_path_itself_under_greedy():
@@ -106,7 +112,7 @@ def test_the_vocab_parallel_path_itself_under_greedy():
     used = {str(s.local.__name__) for s in strategies.values() if s.local is not None}
     # The backward of the log-softmax needs no exchange after nll_loss: the
     # row sums of its gradient follow from the targets on every member.
-    assert {"vocab_embedding", "vocab_log_softmax", "vocab_nll_loss",
+    assert {"vocab_embedding", "vocab_log_softmax_with_loss", "vocab_nll_loss_from_exchange",
             "vocab_nll_loss_backward", "vocab_log_softmax_backward_after_nll"} <= used
 
 
@@ -218,8 +224,31 @@ def test_a_cost_per_collective_trades_a_few_bytes_for_fewer_collectives():
     assert fewest_bytes.bytes_per_step < fewest_rounds.bytes_per_step
     assert len(fewest_rounds.collectives) < len(fewest_bytes.collectives)
     assert cost(fewest_rounds) <= cost(fewest_bytes)
-    # the log-softmax's members exchange one log-sum-exp per row
+    # the log-softmax's members exchange one log-sum-exp per row, and the
+    # loss rides along (one number)
     (exchange,) = [c for c in fewest_rounds.collectives if c.kind is CollectiveKind.EXCHANGE]
-    assert exchange.nbytes == 4 * 3 * BATCH * TOKENS * 4
+    assert exchange.nbytes == 4 * 3 * (BATCH * TOKENS + 1) * 4
     with pytest.raises(PlanError, match="collective_latency_bytes must be .* got -1"):
         ParallelMode(collective_latency_bytes=-1)
+
+
+@pytest.mark.parametrize("num_workers", [2, 4])
+def test_the_transformer_block_example_takes_five_collectives(num_workers):
+    # examples/tp_train.py: the embedding's all-gather, the MLP's all-reduce,
+    # the loss's one exchange (log-sum-exps and the loss together) and two
+    # all-reduces in the backward; at 2 ranks one message a rank each.
+    import tp_train
+
+    program, batches = tp_train.build(3, 0.01)
+    split = split_program(program, Cluster(num_workers=num_workers), ParallelMode())
+    kinds = [c.kind for c in split.artifacts.collectives]
+    assert kinds.count(CollectiveKind.EXCHANGE) == 1 and len(kinds) == 5, kinds
+    if num_workers == 2:
+        assert len(split.plan.channels) == 2 * 5
+    run = run_threaded(split, 3, tp_train.feeds(batches), recv_timeout_s=30)
+    history, expected = program.train_unsplit(3, tp_train.feeds(batches))
+    full = collect_state_dict(split.artifacts, run.state)
+    for key, value in expected.items():  # the example's own tolerance (Adam's small moments)
+        torch.testing.assert_close(full[key], value, rtol=0, atol=tp_train.TOLERANCE)
+    for got, want in zip(run.history, history):
+        torch.testing.assert_close(got["loss"], want["loss"], rtol=0, atol=TOLERANCE)

@@ -60,6 +60,11 @@ def test_one_forward_all_reduce_and_predicted_bytes_equal_the_counters(num_worke
     assert sent == NUM_STEPS * trained.plan.bytes_per_step()
     per_rank = {label: stats.bytes_sent for label, stats in trained.run.stats.items()}
     assert set(per_rank.values()) == {NUM_STEPS * reduce.nbytes // num_workers}
+    # At 2 ranks each member sends its whole partial sum once (the same bytes
+    # as a reduce-scatter and an all-gather of halves, in half the messages);
+    # beyond, reduce-scatter then all-gather: 2(N-1) messages a rank.
+    messages = {stats.messages_sent for stats in trained.run.stats.values()}
+    assert messages == {NUM_STEPS * (1 if num_workers == 2 else 2 * (num_workers - 1))}
 
 
 @pytest.mark.parametrize("backend", ["channels", "torch_distributed"])

@@ -3,6 +3,7 @@ by modules, not aten op names; a legend for data, data-sync and control edges.""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pydot
@@ -12,10 +13,11 @@ import torch.nn.functional as F
 from cluster import REPO
 from torch import nn
 
-from splitrun.launcher.render import plan_picture, render_plan
+from splitrun.launcher.render import ModuleNames, PlanNames, plan_picture, render_plan
 from splitrun.splitter import ParameterServerMode, capture, place
 from splitrun.splitter.graph_splitter import split_program
 from splitrun.splitter.labels import Cluster
+from splitrun.splitter.picture_names import picture_names
 
 ATEN_NAMES = ("addmm", "relu", "threshold_backward", "_log_softmax", "nll_loss")
 
@@ -29,9 +31,7 @@ def ps_split():
     batch = (torch.randn(4, 8), torch.randint(0, 4, (4,)))
     program = capture(model, lambda m, x, y: F.cross_entropy(m(x), y), optimizer, batch)
     split = split_program(program, Cluster(2, 1), ParameterServerMode())
-    modules = {node.name: split.program.module_of(node) for node in split.program.graph.nodes
-               if split.program.module_of(node) is not None}
-    return split.plan, modules
+    return split.plan, PlanNames(**picture_names(split.program))
 
 
 def block_labels(graph: pydot.Dot) -> list[str]:
@@ -91,3 +91,62 @@ def test_splitrun_plan_names_the_modules_of_the_main_job(local_cluster, tmp_path
     labels = " ".join(block_labels(graph))
     assert "optimizer (0.weight, 0.bias, 2.weight, 2.bias" in labels
     assert "addmm" not in labels and "cluster_legend" in out.read_text()
+
+
+def test_channels_carry_module_and_parameter_names(ps_split):
+    plan, names = ps_split
+    graph = pydot.graph_from_dot_data(plan_picture(plan, names))[0]
+    labels = [edge.get("label") or "" for edge in graph.get_edges()]
+    synced = [label for label in labels if "s0->w0" in label]
+    assert synced and "0.weight" in synced[0] and "2.bias" in synced[0], synced
+    for label in labels:  # no fx node names: p_0_weight, view_5, t_3
+        assert not re.search(r"\b(p_\w+|view_\d+|t_\d+|addmm\w*)\b", label), label
+
+
+def test_one_op_is_one_op():
+    names = ModuleNames({"linear": "l1"})
+    assert names.describe_ops(["linear"]).split("\\n") == ["1 op", "module l1: 1 op"]
+    assert names.describe_ops(["linear", "other"]).startswith("2 ops\\n")
+
+
+def test_the_cache_mode_picture_shows_the_embedding_row_traffic():
+    from cache_models import make
+
+    from splitrun.splitter.cache_mode import EmbeddingCacheMode
+    from splitrun.splitter.plan import SplitPlan
+
+    program, _ = make("adagrad", 1, 2, cache_rows=48)
+    split = split_program(program, Cluster(1, 2), EmbeddingCacheMode())
+    plan = split.plan
+    assert SplitPlan.from_text(plan.to_text()) == plan, "the text form keeps the tables"
+    assert [t.key for t in plan.cached_tables] == ["tables.0.weight", "tables.1.weight"]
+    assert plan.row_bytes_per_step() > plan.bytes_per_step()
+    assert f"up to {plan.row_bytes_per_step()} bytes per step each way" in plan.summary()
+    graph = pydot.graph_from_dot_data(plan_picture(plan, PlanNames(**picture_names(
+        split.program))))[0]
+    rows = [edge for edge in graph.get_edges() if edge.get("dir") == "both"
+            and not edge.get_source().startswith("legend")]
+    assert sorted((e.get_source(), e.get_destination()) for e in rows) == [
+        ("w0_rows", "s0_start"), ("w0_rows", "s1_start")]
+    label = rows[0].get("label")
+    assert "embedding rows: tables.0.weight, tables.1.weight" in label, label
+    assert "misses pulled, dirty rows pushed" in label
+    worker = next(sub for sub in graph.get_subgraphs() if sub.get_name() == "cluster_w0")
+    cache = next(node for node in worker.get_nodes() if node.get_name() == "w0_rows")
+    assert "row cache" in cache.get("label") and "48 rows (lru)" in cache.get("label")
+
+
+def test_an_svg_without_graphviz_says_what_to_do(ps_split, tmp_path, monkeypatch):
+    from splitrun.launcher import render
+    from splitrun.splitter.errors import SplitrunError
+
+    plan, names = ps_split
+    monkeypatch.setattr(render.shutil, "which", lambda name: None)
+    with pytest.raises(SplitrunError) as refused:
+        render_plan(plan.to_text(), tmp_path / "plan.svg", names)
+    assert str(refused.value) == (
+        f"cannot write {tmp_path / 'plan.svg'}: graphviz's `dot` is not on PATH. Install "
+        f"graphviz (Debian/Ubuntu: apt-get install graphviz; macOS: brew install graphviz; "
+        f"conda: conda install -c conda-forge graphviz), or write {tmp_path / 'plan.dot'} "
+        f"(--out plan.dot) and run `dot -Tsvg plan.dot -o plan.svg` where graphviz is "
+        f"installed")

@@ -15,6 +15,7 @@ from parallel_models import capture_mlp, mlp_batches
 from ps_models import DenseNet
 from ps_models import feeds as ps_feeds
 from ps_models import make as make_ps
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from splitrun.launcher import cli
 from splitrun.runtime.sharded_checkpoint import CHECKSUMS, METADATA, ShardedCheckpoint
@@ -195,3 +196,61 @@ def test_each_machine_writes_locally_and_the_files_are_gathered_later(local_clus
     plain = torch.load(tmp_path / "model.pt", weights_only=True)
     assert plain["step"] == 4
     DenseNet().load_state_dict(plain["model"])
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+def test_dcps_own_reader_takes_an_embedding_cache_checkpoint(launch, export, tmp_path,
+                                                             optimizer):
+    # torch.distributed.checkpoint's dcp_to_torch_save on a job with cached
+    # tables whose rows carry optimizer state: it reads every tensor, equal to
+    # `splitrun export`'s (which puts the tables' rows back in id order).
+    directory = tmp_path / "ckpt"
+    launch(CACHE_JOB, optimizer, 1, 2, "--optimizer", optimizer, "--steps", 4, "--save",
+           directory)
+    dcp_to_torch_save(directory, tmp_path / "dcp.pt")
+    converted = torch.load(tmp_path / "dcp.pt", weights_only=True)
+    code, stderr = export(directory, tmp_path / "plain.pt")
+    assert code == 0, stderr
+    plain = torch.load(tmp_path / "plain.pt", weights_only=True)
+    assert converted["step"] == plain["step"] == 4
+    # Every tensor of the plain checkpoint is in DCP's, where DCP nests it: the
+    # tables and their rows' state under hashed_rows in hash order (with the
+    # ids), the optimizer state by the parameter's index as a string.
+    found = {("model", key): value for key, value in converted["model"].items()}
+    for index, state in converted["optimizer"]["state"].items():
+        found.update({("optimizer", int(index), name): value for name, value in state.items()})
+    tables = converted["hashed_rows"]
+    assert set(tables) == {"tables.0.weight", "tables.1.weight"}
+    for table, rows in tables.items():
+        in_id_order = {("model", table): rows["model"][table]}
+        for index, state in rows["optimizer"]["state"].items():
+            in_id_order.update({("optimizer", int(index), name): value
+                                for name, value in state.items()})
+        for where, hashed in in_id_order.items():
+            assert where not in found, where
+            found[where] = torch.empty_like(hashed).index_copy_(0, rows["ids"], hashed)
+    expected = {("model", key): value for key, value in plain["model"].items()}
+    for index, state in plain["optimizer"]["state"].items():
+        expected.update({("optimizer", index, name): value for name, value in state.items()})
+    assert found.keys() == expected.keys()
+    for where, value in expected.items():
+        assert torch.equal(found[where], torch.as_tensor(value)), where
+
+
+def test_dcps_own_reader_takes_the_ps_and_parallel_checkpoints(ps_saved_at_ten,
+                                                               parallel_saved_at_five, export,
+                                                               tmp_path):
+    for name, directory in (("ps", ps_saved_at_ten), ("parallel", parallel_saved_at_five[1])):
+        dcp_to_torch_save(directory, tmp_path / f"{name}.dcp.pt")
+        converted = torch.load(tmp_path / f"{name}.dcp.pt", weights_only=True)
+        code, stderr = export(directory, tmp_path / f"{name}.pt")
+        assert code == 0, stderr
+        plain = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+        assert converted["model"].keys() == plain["model"].keys(), name
+        for key, value in plain["model"].items():
+            assert torch.equal(converted["model"][key], value), (name, key)
+        states = converted["optimizer"]["state"]
+        for index, state in plain["optimizer"]["state"].items():
+            for key, value in state.items():
+                assert torch.equal(torch.as_tensor(states[str(index)][key]),
+                                   torch.as_tensor(value)), (name, index, key)

@@ -31,7 +31,7 @@ def test_every_process_runs_with_its_budget(tmp_path, requested, expected):
     extra = [] if requested is None else ["--threads-per-process", requested]
     env = {k: v for k, v in child_env().items()
            if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    proc = Proc([sys.executable, "-m", "splitrun.launcher", "launch", "--workers", 2,
+    proc = Proc([sys.executable, "-m", "splitrun.launcher", "-v", "launch", "--workers", 2,
                  "--servers", 1, *extra, SCRIPTS / "ps_job.py", "--steps", 3,
                  "--out", tmp_path / "out.pt"], env=env)
     assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()

@@ -15,7 +15,7 @@ import grpc
 
 from splitrun.splitter.labels import Cluster, Label, Role
 
-from ..errors import ClusterError
+from ..errors import ClusterError, PeerFailed
 from ..transport.grpc.service import TOKEN_METADATA_KEY
 from ..transport.grpc.tls import TlsFiles
 from ..transport.wire import splitrun_pb2 as pb
@@ -65,6 +65,8 @@ class SchedulerClient:
                 raise ClusterError(
                     f"cannot reach the scheduler at {self.address} within {timeout_s:g} s; "
                     f"is it running, and is the address right?") from None
+            if exc.code() is grpc.StatusCode.ABORTED:  # the job failed elsewhere: its reason
+                raise PeerFailed(f"job failed: {exc.details()}") from None
             raise ClusterError(
                 f"scheduler {self.address} {method}: {exc.code().name}: {exc.details()}"
             ) from None
@@ -162,10 +164,12 @@ class Heartbeat:
         (the scheduler names the step when this process fails or stalls)."""
         self._step = step
 
-    def beat_now(self) -> None:
+    def beat_now(self, waiting: tuple[Label, float] | None = None) -> None:
         """One heartbeat from the calling thread, with the step reported so far
-        (a failing process tells its step before it reports the failure)."""
-        self._client.heartbeat(self._label, self._step, timeout_s=max(self._interval_s * 4, 2.0))
+        (a failing process tells its step before it reports the failure) and
+        `waiting`, the peer its step waited on when it failed, for how long."""
+        self._client.heartbeat(self._label, self._step, timeout_s=max(self._interval_s * 4, 2.0),
+                               waiting=waiting)
 
     def stop(self) -> None:
         self._stop.set()

@@ -249,46 +249,23 @@ class Scheduler(pb_grpc.SchedulerServicer):
     # -- RPCs --
 
     def Register(self, request, context):
-        try:
-            role = Role.parse(request.role)
-        except Exception as exc:  # noqa: BLE001
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, one_line(str(exc)))
+        # Everything about the request is checked before anything happens: a
+        # surplus or mistyped join is refused with a status of its own, and
+        # the job it tried to join goes on untouched.
+        with self._cond:
+            role, rank = self._admit(request, context)
         timeout_s = self.settings.dial_back_timeout_s
         unreachable = None if timeout_s is None else dial_back(request.address, timeout_s)
-        if unreachable is not None:
-            asked = "" if request.rank < 0 else f" {request.rank}"
-            who = f"{role.value}{asked} (pid {request.pid} on {request.host})"
-            reason = (f"{who} advertises {request.address}, but the scheduler cannot connect "
-                      f"to it ({unreachable}); its peers could not either. Pass --advertise "
-                      f"with an address of that machine the others can reach (or bind "
-                      f"--host 0.0.0.0 without --advertise)")
-            with self._cond:
-                self._fail(who, reason)
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
-        size = {Role.WORKER: self.settings.num_workers,
-                Role.SERVER: self.settings.num_servers}.get(role, 0)
+        if unreachable is not None:  # refuses this caller only
+            who = f"{role.value} {rank}" if rank is not None else role.value
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{who} (pid {request.pid} on {one_line(request.host, 80)}) advertises "
+                          f"{one_line(request.address, 80)}, but the scheduler cannot connect "
+                          f"to it ({unreachable}); its peers could not either. Pass "
+                          f"--advertise with an address of that machine the others can reach "
+                          f"(or bind --host 0.0.0.0 without --advertise)")
         with self._cond:
-            if self._state.status == pb.JobStatus.FAILED:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"the job already failed: {self._state.reason}")
-            taken = {m.label.rank for m in self._state.members.values() if m.label.role is role}
-            if request.rank >= 0:
-                rank = request.rank
-                if rank >= size:
-                    context.abort(grpc.StatusCode.OUT_OF_RANGE,
-                                  f"{role.value} rank {rank} is out of range: this job has "
-                                  f"{size} {role.value}s")
-                if rank in taken:
-                    other = self._state.members[Label(rank, role)]
-                    context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                  f"{role.value} {rank} is already registered (pid "
-                                  f"{other.pid} on {other.host})")
-            else:
-                free = [r for r in range(size) if r not in taken]
-                if not free:
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"all {size} {role.value} ranks are taken")
-                rank = free[0]
+            role, rank = self._admit(request, context)  # again: another may have come meanwhile
             label = Label(rank, role)
             now = time.monotonic()
             self._state.members[label] = _Member(label, request.address, request.host,
@@ -300,6 +277,55 @@ class Scheduler(pb_grpc.SchedulerServicer):
                                 num_workers=self.settings.num_workers,
                                 num_servers=self.settings.num_servers,
                                 heartbeat_interval_s=self.settings.heartbeat_interval_s)
+
+    def _admit(self, request, context) -> tuple[Role, int]:
+        """The role and rank a Register may take (call with the lock held), or
+        an abort saying why not and what to do instead."""
+        try:
+            role = Role.parse(request.role)
+        except Exception:  # noqa: BLE001 - refused below, with the roles that exist
+            role = None
+        if role not in (Role.WORKER, Role.SERVER):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"a process cannot register as {one_line(repr(request.role), 40)}: "
+                          f"it joins as a worker or a server (the scheduler is this service); "
+                          f"pass --role worker or --role server")
+        state = self._state
+        if state.status == pb.JobStatus.FAILED:  # ABORTED: the caller stops as a consequence
+            context.abort(grpc.StatusCode.ABORTED, state.reason)
+        if state.status == pb.JobStatus.FINISHED:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"the job already finished after {state.num_steps} steps; start a "
+                          f"new scheduler for a new job")
+        size = {Role.WORKER: self.settings.num_workers,
+                Role.SERVER: self.settings.num_servers}[role]
+        name = role.value
+        if size == 0:
+            other = "server" if role is Role.WORKER else "worker"
+            asked = f" rank {request.rank}" if request.rank != -1 else ""
+            context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                          f"{name}{asked} cannot join: this job has no {name}s; join as a "
+                          f"{other} (--role {other}), or start a job with --{name}s N")
+        has = f"this job has {size} {name}{'s' if size > 1 else ''} (ranks 0 to {size - 1})"
+        taken = {m.label.rank: m for m in state.members.values() if m.label.role is role}
+        free = [r for r in range(size) if r not in taken]
+        if request.rank < -1 or request.rank >= size:
+            context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                          f"{name} rank {request.rank} is out of range: {has}; ask for "
+                          f"--rank 0 to {size - 1}, or for none (the next free one)")
+        if request.rank == -1 and not free or request.rank in taken:
+            rank = request.rank if request.rank >= 0 else None
+            if rank is not None:
+                other = taken[rank]
+                what = (f"{name} {rank} is already registered (pid {other.pid} on "
+                        f"{one_line(other.host, 80)})")
+            else:
+                what = f"every {name} rank is taken: {has}, all registered"
+            fix = (f"ask for a free one (--rank {free[0]}) or for none" if free else
+                   "this process is one too many; to run more, start a job with more "
+                   f"{name}s (--{name}s N)")
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"{what}; {fix}")
+        return role, (request.rank if request.rank >= 0 else free[0])
 
     def WaitForPeers(self, request, context):
         deadline = time.monotonic() + self._wait_s(request.timeout_s)
@@ -353,9 +379,15 @@ class Scheduler(pb_grpc.SchedulerServicer):
     def ReportFailure(self, request, context):
         label = self._label(request.label, context)
         with self._cond:
-            step = self._state.members[label].step
-            self._fail(str(label), f"{label.describe()} failed {_at_step(step)}: "
-                                   f"{one_line(request.message)}")
+            member = self._state.members[label]
+            stalled = self._stalled_peer_of(member, time.monotonic())
+            if stalled is not None:  # its receive timed out on a peer known to be stalled
+                self._fail(str(stalled.label), self._stall_verdict(
+                    stalled, member, member.waiting_s, time.monotonic(),
+                    f" (its receive timed out: {one_line(request.message, 200)})"))
+            else:
+                self._fail(str(label), f"{label.describe()} failed {_at_step(member.step)}: "
+                                       f"{one_line(request.message)}")
             return self._status()
 
     def ReportFinished(self, request, context):
@@ -459,12 +491,37 @@ class Scheduler(pb_grpc.SchedulerServicer):
             if not waiters:
                 continue
             peer, waited = max(waiters, key=lambda w: w[1])
-            self._fail(name, f"{member.label.describe()} (pid {member.pid} on {member.host}) "
-                             f"is stalled at step {member.step}: alive, but its step has not "
-                             f"advanced for {now - member.step_since:.1f} s while "
-                             f"{peer.label.describe()} has waited on it for {waited:.1f} s; "
-                             f"is it stuck in a loop or waiting on something else?")
+            self._fail(name, self._stall_verdict(member, peer, waited, now))
             return
+
+    def _stalled_peer_of(self, waiter: _Member, now: float) -> _Member | None:
+        """The peer `waiter` waited on when it failed, if the scheduler knows
+        that peer stalled: alive (heartbeats come), waiting on no one, its step
+        not advanced for the stall timeout while `waiter` waited as long. The
+        bound allows for the heartbeats' delay: a receive timeout equal to the
+        stall timeout ends the wait when the stall is due, not after."""
+        if not waiter.waiting_on:
+            return None
+        peer = next((m for m in self._state.members.values()
+                     if str(m.label) == waiter.waiting_on), None)
+        limit = (self.settings.stall_timeout_s - self.settings.heartbeat_interval_s
+                 - _MONITOR_PERIOD_S)
+        if peer is None or peer.done or peer.waiting_on or peer.step == SETTING_UP:
+            return None
+        if now - peer.last_seen > self.settings.heartbeat_timeout_s:
+            return None  # not known alive: the heartbeat monitor names it
+        if now - peer.step_since < limit or waiter.waiting_s < limit:
+            return None
+        return peer
+
+    @staticmethod
+    def _stall_verdict(member: _Member, waiter: _Member, waited: float, now: float,
+                       note: str = "") -> str:
+        return (f"{member.label.describe()} (pid {member.pid} on {member.host}) is stalled at "
+                f"step {member.step}: alive, but its step has not advanced for "
+                f"{now - member.step_since:.1f} s while {waiter.label.describe()} has waited "
+                f"on it for {waited:.1f} s{note}; is it stuck in a loop or waiting on "
+                f"something else?")
 
 
 def _at_step(step: int, qualifier: str = "") -> str:

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..checkpoint import file_sha256
 from ..errors import CheckpointError
-from .layout import CHECKSUMS, METADATA, Path, fqn_of, numel
+from .layout import CHECKSUMS, METADATA, Path, dcp_path, fqn_of, numel
 
 __all__ = ["start_checkpoint", "finish_checkpoint"]
 
@@ -63,7 +63,7 @@ def finish_checkpoint(directory: str | os.PathLike, reports: Mapping[str, bytes]
         written = []
         for entry in report["items"]:
             fqn = fqn_of(entry["path"])
-            planner_data[fqn] = entry["path"]
+            planner_data[fqn] = dcp_path(entry["path"])
             storage = _StorageInfo(entry["file"], entry["offset"], entry["length"])
             if "size" not in entry:
                 state_md[fqn] = BytesStorageMetadata()

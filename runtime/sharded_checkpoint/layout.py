@@ -15,8 +15,8 @@ from splitrun.splitter.parallel.layout import ParallelLayout
 from splitrun.splitter.program import InputKind, Program
 
 __all__ = ["CHECKSUMS", "METADATA", "ROWS", "FORMAT", "Path", "Piece", "is_directory_path",
-           "fqn_of", "state_paths", "step_paths", "row_paths", "ids_path", "dtype_name",
-           "numel", "member_region"]
+           "fqn_of", "dcp_path", "plain_path", "state_paths", "step_paths", "row_paths",
+           "ids_path", "dtype_name", "numel", "member_region"]
 
 
 CHECKSUMS = "checksums.sha256"
@@ -37,6 +37,28 @@ def is_directory_path(path: str | os.PathLike) -> bool:
 
 def fqn_of(path: Path) -> str:
     return ".".join(str(part) for part in path)
+
+
+def dcp_path(path: Path) -> Path:
+    """`path` as DCP's `planner_data` keeps it: every part a string. DCP nests
+    an integer part as a list index, and a list cannot have a gap: the state of
+    parameter 1 without that of parameter 0 (kept with a cached table's rows,
+    or never made by SGD) would stop `dcp_to_torch_save` ("Missing key ...
+    optimizer.state.0"). As strings they nest as dictionary keys."""
+    return tuple(str(part) for part in path)
+
+
+def plain_path(path: Path) -> Path:
+    """Back from `dcp_path`: the optimizer state's parameter index an integer
+    again (where `torch.optim` keeps it). Paths written before `dcp_path` had
+    integers already."""
+    parts = list(path)
+    for i in range(len(parts) - 2):
+        index = parts[i + 2]
+        if parts[i] == "optimizer" and parts[i + 1] == "state" and isinstance(index, str) \
+                and index.isdigit():
+            parts[i + 2] = int(index)
+    return tuple(parts)
 
 
 def state_paths(program: Program) -> dict[str, Path]:

@@ -32,6 +32,7 @@ from .layout import (
     fqn_of,
     ids_path,
     numel,
+    plain_path,
     row_paths,
 )
 
@@ -92,7 +93,7 @@ class ShardedCheckpoint:
         reader.set_up_storage_reader(self.metadata, True)
         self._reader = reader
         self._verified = {METADATA}
-        self.paths: dict[str, Path] = {fqn: tuple(path) for fqn, path
+        self.paths: dict[str, Path] = {fqn: plain_path(tuple(path)) for fqn, path
                                        in (self.metadata.planner_data or {}).items()}
         self.info = self.read_objects([("splitrun",)])["splitrun"]
         if not isinstance(self.info, Mapping) or self.info.get("format") != FORMAT:

@@ -10,7 +10,8 @@ value's full size in bytes:
 - `P -> S(d)` (reduce-scatter): (N-1)·|v|.
 - `P -> R` (all-reduce as reduce-scatter then all-gather): 2(N-1)·|v|, i.e.
   2(N-1)/N·|v| per rank as in a ring; a value with no dimension that divides
-  by N is summed point to point instead: N(N-1)·|v|.
+  by N is summed point to point instead: N(N-1)·|v| (at N = 2, which every
+  value of a group of 2 is, the same bytes as the ring, in one message).
 - `S(d) -> S(e)` (all-to-all): (N-1)/N·|v|.
 - `S(d) -> P`: not offered (never cheaper than keeping the shard).
 """

@@ -15,12 +15,13 @@ import torch
 
 __all__ = ["vocab_embedding", "vocab_embedding_backward", "vocab_nll_loss",
            "vocab_nll_loss_backward", "Exchange", "VOCAB_LOG_SOFTMAX",
-           "VOCAB_LOG_SOFTMAX_BACKWARD", "VOCAB_LOG_SOFTMAX_BACKWARD_AFTER_NLL", "AfterNllLoss"]
+           "VOCAB_LOG_SOFTMAX_BACKWARD", "VOCAB_LOG_SOFTMAX_BACKWARD_AFTER_NLL", "AfterNllLoss",
+           "local_ids", "log_softmax_summary", "log_softmax_finish"]
 
 _aten = torch.ops.aten
 
 
-def _local_ids(ids: torch.Tensor, index: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def local_ids(ids: torch.Tensor, index: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Ids relative to this member's rows, and the mask of ids it does not hold."""
     local = ids - index * rows
     outside = (local < 0) | (local >= rows)
@@ -32,7 +33,7 @@ def vocab_embedding(index: int, num: int, weight: torch.Tensor, ids: torch.Tenso
                     sparse: bool = False) -> torch.Tensor:
     """Lookup in a table sharded by rows: the rows this member holds, zeros for
     the others, so the members' results add up to the whole lookup (P)."""
-    local, outside = _local_ids(ids, index, weight.shape[0])
+    local, outside = local_ids(ids, index, weight.shape[0])
     rows = _aten.embedding.default(weight, local)
     return rows.masked_fill(outside.unsqueeze(-1), 0)
 
@@ -42,7 +43,7 @@ def vocab_embedding_backward(index: int, num: int, grad: torch.Tensor, ids: torc
                              scale_grad_by_freq: bool = False) -> torch.Tensor:
     """The gradient of this member's rows of a row-sharded table."""
     rows = num_weights // num
-    local, outside = _local_ids(ids, index, rows)
+    local, outside = local_ids(ids, index, rows)
     start = index * rows
     local_padding = padding_idx - start if start <= padding_idx < start + rows else -1
     grad = grad.masked_fill(outside.unsqueeze(-1), 0)
@@ -79,13 +80,13 @@ def _rows(shape: tuple[int, ...], dim: int) -> int:
     return math.prod(shape) // shape[dim]
 
 
-def _log_softmax_summary(index, num, x, dim, half_to_float=False):
+def log_softmax_summary(index, num, x, dim, half_to_float=False):
     """This member's log-sum-exp of its classes, per row: one number per row."""
     top = x.amax(dim, keepdim=True)
     return top + (x - top).exp().sum(dim, keepdim=True).log()
 
 
-def _log_softmax_finish(index, num, args, *summaries):
+def log_softmax_finish(index, num, args, *summaries):
     """The rows' log-sum-exp over every member's classes, from the members'
     own (the largest first, so no exponential overflows)."""
     x = args[0]
@@ -116,7 +117,7 @@ def _log_softmax_backward_finish(index, num, args, *summaries):
 # log-sum-exp (one number per row, one message), every member forms the same
 # log-sum-exp of the whole row from them.
 VOCAB_LOG_SOFTMAX = Exchange(
-    "vocab_log_softmax", _log_softmax_summary, _log_softmax_finish,
+    "vocab_log_softmax", log_softmax_summary, log_softmax_finish,
     lambda shapes, dim: _rows(shapes[0], dim), dim_arg=1)
 VOCAB_LOG_SOFTMAX_BACKWARD = Exchange(
     "vocab_log_softmax_backward", _log_softmax_backward_summary,
@@ -128,7 +129,7 @@ def vocab_nll_loss(index: int, num: int, logp: torch.Tensor, target: torch.Tenso
     """nll_loss over log-probabilities sharded by class: the classes this
     member holds contribute, so the members' losses add up to the loss (P);
     the count of counted targets is the same on every member (R)."""
-    local, outside = _local_ids(target, index, logp.shape[-1])
+    local, outside = local_ids(target, index, logp.shape[-1])
     counted = target != ignore_index
     picked = logp.gather(-1, local.unsqueeze(-1)).squeeze(-1)
     picked = picked.masked_fill(outside | ~counted, 0)
@@ -143,7 +144,7 @@ def vocab_nll_loss(index: int, num: int, logp: torch.Tensor, target: torch.Tenso
 def vocab_nll_loss_backward(index: int, num: int, grad: torch.Tensor, logp: torch.Tensor,
                             target: torch.Tensor, weight, reduction: int, ignore_index: int,
                             total_weight: torch.Tensor) -> torch.Tensor:
-    local, outside = _local_ids(target, index, logp.shape[-1])
+    local, outside = local_ids(target, index, logp.shape[-1])
     hit = ~(outside | (target == ignore_index))
     scale = grad / total_weight if reduction == 1 else grad
     values = (-scale * hit.to(logp.dtype)) if reduction == 0 else \

@@ -31,6 +31,7 @@ from torch import fx
 
 from ..program import InputKind, OutputKind, Program, node_annotation
 from .cost import INFEASIBLE, CollectiveKind, bytes_of, redistribute_bytes, redistribute_kind
+from .loss_exchange import fuse_loss_exchange, log_softmax_of
 from .placement import Placement, R, S, ShardingError, to_placement
 from .registry import Exchange, OpStrategy, has_strategy, strategies_for, tensor_args, value_shapes
 from .solver import Policy, Problem, Use, Value, local_costs, solve, total_cost
@@ -211,10 +212,13 @@ def build_problem(program: Program, group_size: int, pins: dict[str, Placement] 
         if found is None:
             src, index = vars_.var_of[node]
             shape, size = value_shapes(node)[0], _itemsize(node)
+            # A class-sharded loss rides on its log-softmax's exchange
+            # (loss_exchange.py): its P -> R sends bytes but is no collective.
+            own_round = 0.0 if _is_exchanged_loss(node) else collective_cost
             found = values[node] = Value(
                 src, tuple(c.outputs[index] for c in vars_.candidates[src]), [],
                 functools.partial(_redistribute_cost, shape=shape, itemsize=size, n=n,
-                                  collective_cost=collective_cost))
+                                  collective_cost=own_round))
         return found
 
     for var, node in enumerate(vars_.nodes):
@@ -244,6 +248,12 @@ def build_problem(program: Program, group_size: int, pins: dict[str, Placement] 
     problem = Problem([len(c) for c in vars_.candidates], list(values.values()), unary,
                       dict(followers))
     return problem, vars_
+
+
+def _is_exchanged_loss(node: fx.Node) -> bool:
+    """`node` is the loss of an nll_loss that `fuse_loss_exchange` can fuse."""
+    return (node.target is operator.getitem and node.args[1] == 0
+            and log_softmax_of(node.args[0]) is not None)
 
 
 def exchange_bytes(node: fx.Node, strategy: OpStrategy, n: int) -> int:
@@ -347,4 +357,5 @@ def propagate(program: Program, group_size: int, pins: dict[str, Placement] | No
             strategies[node.name] = OpStrategy((out,), ())
     ordered = {node.name: strategies[node.name] for node in program.graph.nodes
                if node.name in strategies}
+    ordered = fuse_loss_exchange(program.graph, ordered)
     return ShardingLayout(group_size, policy, ordered, bytes_of(cost), alternatives)

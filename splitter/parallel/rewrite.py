@@ -11,7 +11,9 @@ member that read the other members' pieces:
 - reduce-scatter: member i slices its partial sum for every j; member j adds
   the slices it gets, in rank order;
 - all-reduce: reduce-scatter, then all-gather (2(N-1)/N·|v| per rank); a value
-  with no dimension divisible by N is summed whole, in rank order;
+  with no dimension divisible by N is summed whole, in rank order, and so is
+  every value of a group of 2 (each member sends its whole partial sum once:
+  the same |v| per rank as both halves, in one message instead of two);
 - all-to-all: member i slices its shard for every j; j concatenates.
 
 Under the `torch.distributed` backend each of these is instead one node per
@@ -55,6 +57,12 @@ from .collective_ops import CollectiveBackend, FinishGathered
 from .cost import CollectiveKind, chunk_dim, redistribute_bytes, redistribute_kind
 from .layout import Collective, ParallelLayout, member_key, relocate_state_dict, shard_of
 from .local_ops import AfterNllLoss
+from .loss_exchange import (
+    VOCAB_LOG_SOFTMAX_WITH_LOSS,
+    LossFromExchange,
+    log_softmax_of,
+    nll_of,
+)
 from .placement import Placement, R
 from .propagate import ShardingLayout, exchange_bytes
 from .registry import Exchange, tensor_args, value_shapes
@@ -110,6 +118,9 @@ class _Expander:
         # values every process has (batch, hyperparameters): per reader label
         self.everywhere: dict[tuple[fx.Node, Label], fx.Node] = {}
         self.moved: dict[tuple[fx.Node, Placement], list[fx.Node]] = {}
+        # An exchange's summaries, per member (one stacked node each under
+        # process groups), for a loss that reads them (loss_exchange.py).
+        self.exchanged: dict[fx.Node, list[tuple[fx.Node, ...]]] = {}
         self.transfers: set[tuple] = set()
         self.collectives: list[Collective] = []
         self.inputs: list[InputSpec] = []
@@ -219,11 +230,17 @@ class _Expander:
                 new_args = _localise_sizes(new_args, full_out, local_out)
             self.naming = node.name
             if isinstance(strategy.local, Exchange):
+                extra = ()
+                if strategy.local is VOCAB_LOG_SOFTMAX_WITH_LOSS:  # the loss's target rides along
+                    nll = nll_of(node)
+                    extra = (self._local(nll.args[1], R, group[j], node), nll.args[4])
                 summaries.append(self._call(group[j], strategy.local.summarise,
-                                            (j, self.n, *new_args), module))
+                                            (j, self.n, *new_args, *extra), module))
                 finishing.append(new_args)
                 continue
             name = f"{node.name}__{group[j]}"
+            if isinstance(strategy.local, LossFromExchange):
+                new_args = (*new_args, *self.exchanged[log_softmax_of(node)][j])
             if isinstance(strategy.local, AfterNllLoss):
                 extra = tuple(self._local(a, R, group[j], node) if isinstance(a, fx.Node) else a
                               for a in strategy.local.extra_args(node))
@@ -256,7 +273,9 @@ class _Expander:
             for j in range(self.n):
                 self.env[(node, j)] = self._call(
                     group[j], finish, (j, self.n, tuple(finishing[j]), gathered[j]), module)
+            self.exchanged[node] = [(gathered[j],) for j in range(self.n)]
         else:
+            self.exchanged[node] = [tuple(summaries)] * self.n
             for j in range(self.n):
                 self.env[(node, j)] = self._call(
                     group[j], exchange.finish, (j, self.n, tuple(finishing[j]), *summaries),
@@ -351,7 +370,7 @@ class _Expander:
                     for j in range(n)]
         assert kind is CollectiveKind.ALL_REDUCE, kind
         dim = chunk_dim(shape, n)
-        if dim is None:
+        if dim is None or n == 2:  # 2 members: the same bytes in one message each
             return [self._call(group[j], fold_sum, tuple(pieces), module) for j in range(n)]
         reduced = self._reduce_scatter(group, pieces, dim, module)
         return [self._call(group[j], gather_shards, (dim, *reduced), module) for j in range(n)]

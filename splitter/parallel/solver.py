@@ -13,30 +13,34 @@ over those distinct tokens, of `cost(produced, needed)`. Four policies:
   what is already decided. A variable with no decided producer (a parameter,
   or a view of one) is left open until its first consumer decides: that
   consumer picks the best placement for it through its chain of views.
-- `global`: the whole step's cost. Exact (branch and bound) while the search
-  is small enough; otherwise local search from the better of `first` and
-  `greedy`: sweeps that move one variable together with its followers (views
-  that only re-express it) and let its neighbours re-pick, until a sweep finds
-  nothing cheaper. Never worse than either starting point.
+- `global`: the whole step's cost, exactly, by variable elimination
+  (`elimination.py`: dynamic programming over the step's chains and ladders),
+  whenever each of its tables stays under `elimination.MAX_TABLE_ENTRIES`.
+  A step too entangled for that gets local search from the better of `first`
+  and `greedy`: sweeps that move one variable together with its followers
+  (views that only re-express it) and let its neighbours re-pick, then exact
+  neighbourhoods, until a sweep finds nothing cheaper; never worse than either
+  starting point, but it can stop in a local minimum (logged).
 - `brute_force`: every combination; for tests on small problems.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 from ..errors import PlanError
+from .elimination import MAX_TABLE_ENTRIES, solve_exactly
 
 __all__ = ["Policy", "Problem", "Value", "Use", "solve", "brute_force", "total_cost",
            "local_costs"]
 
-# `global` enumerates exactly (with pruning) while the product of the
-# candidate counts stays at or below this; beyond it, local search.
-EXACT_SEARCH_LIMIT = 100_000
+logger = logging.getLogger(__name__)
+
 # Below this a cost sends nothing (only tie-breakers), for `first`.
 _NO_BYTES = 0.5
 # Local search stops after this many sweeps even if it still improves.
@@ -149,13 +153,17 @@ def local_costs(problem: Problem, choice: Sequence[int | None], var: int) -> lis
     return costs
 
 
-def solve(problem: Problem, policy: Policy | str) -> list[int]:
+def solve(problem: Problem, policy: Policy | str, *,
+          max_table_entries: int = MAX_TABLE_ENTRIES) -> list[int]:
+    """One candidate per variable under `policy`. `max_table_entries`: the
+    largest table `global` builds for its exact search before it searches
+    locally instead."""
     policy = Policy.parse(policy)
     if policy is Policy.FIRST:
         return _first(problem)
     if policy is Policy.GREEDY:
         return _greedy(problem)
-    return _global(problem)
+    return _global(problem, max_table_entries)
 
 
 def brute_force(problem: Problem) -> tuple[list[int], float]:
@@ -242,37 +250,15 @@ def _open_options(problem, choice, var) -> list[tuple[dict[int, int], float]]:
 
 # -- global ------------------------------------------------------------------------
 
-def _global(problem: Problem) -> list[int]:
+def _global(problem: Problem, max_table_entries: int) -> list[int]:
+    exact = solve_exactly(problem, max_table_entries)
+    if exact is not None:
+        return exact
+    logger.info("parallel mode: the step is too entangled to place exactly (%d variables); "
+                "searching locally, which may miss the cheapest layout", problem.num_vars)
     first, greedy = _first(problem), _greedy(problem)
     start = min((first, greedy), key=lambda c: total_cost(problem, c))
-    if math.prod(problem.num_candidates) <= EXACT_SEARCH_LIMIT:
-        return _branch_and_bound(problem, start)
     return _local_search(problem, list(start))
-
-
-def _branch_and_bound(problem: Problem, start: list[int]) -> list[int]:
-    """Exact: depth-first over variables in order. The cost of the decided
-    part is a lower bound of every completion (costs are >= 0 and deciding a
-    consumer only adds tokens), so a branch that reaches the best is cut."""
-    best = list(start)
-    best_cost = total_cost(problem, best)
-    n = problem.num_vars
-    choice: list[int | None] = [None] * n
-
-    def visit(var: int) -> None:
-        nonlocal best, best_cost
-        if total_cost(problem, choice) >= best_cost:
-            return
-        if var == n:
-            best, best_cost = list(choice), total_cost(problem, choice)  # type: ignore
-            return
-        for cand in range(problem.num_candidates[var]):
-            choice[var] = cand
-            visit(var + 1)
-        choice[var] = None
-
-    visit(0)
-    return best
 
 
 def _local_search(problem: Problem, choice: list[int]) -> list[int]:

@@ -1,0 +1,123 @@
+"""An exact oracle for the propagation problem, independent of the solver: the
+objective in whole bytes, written as an integer program and solved by HiGHS
+(`scipy.optimize.milp`).
+
+Enumerating every combination (`solver.brute_force`) is the plainest oracle,
+but a captured step has 1e10 to 1e30 combinations; the integer program finds
+the same optimum (tests/test_parallel_propagation.py checks that it does on
+problems small enough to enumerate) on steps of hundreds of variables.
+
+Whole bytes: every cost is rounded down to bytes (`cost.bytes_of`), dropping
+the sub-byte tie-breakers the solver adds (a local copy, each collective's
+round): proving the best of those tie-breakers optimal takes HiGHS minutes
+on a step of a few hundred variables, whole bytes seconds. The solver's
+tie-breakers add up to less than a byte, so its choice is also least in
+whole bytes when it is least in its own terms.
+
+The program: a 0/1 variable x[v, c] per variable and candidate, one per
+variable set; per value and token t some reader may need, y[t] >= x[r, b] for
+every reader r whose candidate b needs t (1 if a fixed reader needs it); and
+z[c, t] >= x[src, c] + y[t] - 1, which costs what making t from the producer's
+candidate c's token costs. Costs are >= 0, so at the optimum y and z are the
+indicators `Problem.value_cost` sums over.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from splitrun.splitter.parallel import Problem
+from splitrun.splitter.parallel.cost import bytes_of
+
+
+def whole_bytes(cost: float) -> float:
+    return cost if math.isinf(cost) else float(bytes_of(cost))
+
+
+def whole_bytes_cost(problem: Problem, choice: list[int]) -> float:
+    """The cost of `choice` in whole bytes, term by term (written apart from
+    `solver.total_cost` on purpose)."""
+    total = sum(whole_bytes(problem.unary[v][c]) for v, c in enumerate(choice))
+    for value in problem.values:
+        made = value.makes[choice[value.src]]
+        needed = {use.needs[0] if use.dst < 0 else use.needs[choice[use.dst]]
+                  for use in value.uses}
+        total += sum(whole_bytes(value.between(made, token)) for token in needed
+                     if token != made)
+    return total
+
+
+def exact_choice(problem: Problem, time_limit_s: float = 120.0) -> tuple[list[int], float]:
+    """(a choice of every variable least in whole bytes, that least cost)."""
+    counts = problem.num_candidates
+    columns: list[float] = []       # objective coefficient of each column
+    integral: list[int] = []
+    x_col: dict[tuple[int, int], int] = {}
+    rows: list[dict[int, float]] = []
+    lower: list[float] = []
+    upper: list[float] = []
+
+    def column(cost: float, is_integral: bool) -> int:
+        columns.append(cost)
+        integral.append(1 if is_integral else 0)
+        return len(columns) - 1
+
+    def row(entries: dict[int, float], lo: float, hi: float) -> None:
+        rows.append(entries)
+        lower.append(lo)
+        upper.append(hi)
+
+    for v, count in enumerate(counts):
+        for c in range(count):
+            x_col[v, c] = column(whole_bytes(problem.unary[v][c]), True)
+        row({x_col[v, c]: 1.0 for c in range(count)}, 1.0, 1.0)
+
+    for value in problem.values:
+        needed: dict[object, list[int | None]] = {}   # token -> x columns (None: always)
+        for use in value.uses:
+            if use.dst < 0:
+                needed.setdefault(use.needs[0], []).append(None)
+                continue
+            for b, token in enumerate(use.needs):
+                needed.setdefault(token, []).append(x_col[use.dst, b])
+        for token, readers in needed.items():
+            y = column(0.0, False)
+            for reader in readers:
+                if reader is None:
+                    row({y: 1.0}, 1.0, math.inf)
+                else:
+                    row({y: 1.0, reader: -1.0}, 0.0, math.inf)
+            for c, made in enumerate(value.makes):
+                cost = 0.0 if made == token else whole_bytes(value.between(made, token))
+                if cost == 0:
+                    continue
+                src = x_col[value.src, c]
+                if math.isinf(cost):
+                    row({src: 1.0, y: 1.0}, -math.inf, 1.0)
+                else:
+                    z = column(cost, False)
+                    row({z: 1.0, src: -1.0, y: -1.0}, -1.0, math.inf)
+
+    data, row_index, col_index = [], [], []
+    for r, entries in enumerate(rows):
+        for col, coefficient in entries.items():
+            row_index.append(r)
+            col_index.append(col)
+            data.append(coefficient)
+    matrix = coo_matrix((data, (row_index, col_index)), shape=(len(rows), len(columns)))
+    result = milp(np.array(columns), integrality=np.array(integral), bounds=Bounds(0.0, 1.0),
+                  constraints=LinearConstraint(matrix.tocsr(), np.array(lower), np.array(upper)),
+                  options={"mip_rel_gap": 0.0, "time_limit": time_limit_s})
+    assert result.status == 0, f"the integer program did not solve: {result.message}"
+    choice = []
+    for v, count in enumerate(counts):
+        picked = [c for c in range(count) if result.x[x_col[v, c]] > 0.5]
+        assert len(picked) == 1
+        choice.append(picked[0])
+    least = whole_bytes_cost(problem, choice)
+    assert math.isclose(least, result.fun, rel_tol=1e-9, abs_tol=1e-3), (least, result.fun)
+    return choice, least

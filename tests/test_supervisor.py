@@ -1,0 +1,67 @@
+"""The launcher's failure line, from real child processes that print what a
+job's processes print and exit as they do: the first failure is named in its
+own words, and nothing is said of processes that were not running."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+from splitrun.launcher.bootstrap import ERROR_MARK
+from splitrun.launcher.supervisor import Supervisor
+from splitrun.splitter.labels import Label
+
+
+def child(supervisor: Supervisor, label: Label, line: str, code: int, sleep_s: float = 0.0):
+    """A process that prints `line`, sleeps, and exits with `code`."""
+    program = (f"import sys, time; print({line!r}, flush=True); time.sleep({sleep_s}); "
+               f"sys.exit({code})")
+    return supervisor.spawn(label, [sys.executable, "-c", program], {})
+
+
+def test_a_receive_timeout_is_not_blamed_over_the_stall_the_scheduler_names():
+    # Worker 0's receive timed out on worker 1, which the scheduler knows stalled.
+    out = io.StringIO()
+    supervisor = Supervisor(out=out)
+    child(supervisor, Label.worker(0), f"{ERROR_MARK}RecvTimeout: [worker 0] receive on "
+          f"channel 'w1->w0#0' step 5: no message from worker 1 within 8 s", 1)
+    child(supervisor, Label.worker(1), "spinning", 0, sleep_s=60)
+    stall = ("w1", "worker 1 (pid 7 on vm) is stalled at step 5: alive, but its step has not "
+                   "advanced for 8.1 s while worker 0 has waited on it for 8.0 s")
+    outcome = supervisor.run(external_failure=lambda: stall)
+    assert outcome.failed == Label.worker(1)
+    assert outcome.summary.startswith("job failed: worker 1 (pid 7 on vm) is stalled at step 5")
+
+
+def test_nothing_is_said_of_processes_that_had_already_ended():
+    out = io.StringIO()
+    supervisor = Supervisor(out=out)
+    child(supervisor, Label.worker(1), "done", 0)
+    child(supervisor, Label.worker(0), f"{ERROR_MARK}ValueError: boom", 1, sleep_s=0.5)
+    outcome = supervisor.run()
+    assert outcome.failed == Label.worker(0)
+    assert outcome.summary.endswith("exited with code 1: ValueError: boom"), outcome.summary
+
+
+def test_one_other_process_stopped_is_one_process():
+    out = io.StringIO()
+    supervisor = Supervisor(out=out)
+    child(supervisor, Label.worker(0), f"{ERROR_MARK}ValueError: boom", 1)
+    child(supervisor, Label.worker(1), "training", 0, sleep_s=60)
+    outcome = supervisor.run()
+    assert outcome.summary.endswith("ValueError: boom; stopped the other 1 process"), \
+        outcome.summary
+
+
+def test_the_schedulers_report_of_a_process_with_its_own_error_uses_its_words():
+    # The scheduler's report (from the process's own ReportFailure) and the
+    # process's exit both name worker 1: its exit says it with pid and code.
+    out = io.StringIO()
+    supervisor = Supervisor(out=out)
+    child(supervisor, Label.worker(1), f"{ERROR_MARK}ValueError: boom", 1, sleep_s=0.3)
+    child(supervisor, Label.worker(0), "training", 0, sleep_s=60)
+    report = ("w1", "worker 1 failed at step 3: ValueError: boom")
+    outcome = supervisor.run(external_failure=lambda: report, step_of=lambda label: 3)
+    assert outcome.failed == Label.worker(1)
+    assert outcome.summary.startswith("worker 1 (pid "), outcome.summary
+    assert "at step 3: ValueError: boom; stopped the other 1 process" in outcome.summary

@@ -1,0 +1,77 @@
+"""`run_threaded` takes what `split_program` returns, and asks for batches in
+the order a launched job's loop does: once per step, in order, the step's
+learning rate read right after its batch (a schedule stepped in the batch
+callback applies from that step on, not one step early)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitrun.runtime import run_threaded
+from splitrun.splitter import (
+    Cluster,
+    ParameterServerMode,
+    SplitrunError,
+    capture,
+    place,
+    split,
+    split_program,
+)
+
+NUM_STEPS = 5
+
+
+def scheduled_program():
+    """A parameter-server step whose torch.optim learning rate a schedule halves."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    place(model, role="server")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.4)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 0.5 ** epoch)
+    data = [(torch.randn(8, 6, generator=torch.Generator().manual_seed(s)),
+             torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(s)))
+            for s in range(NUM_STEPS)]
+    program = capture(model, lambda m, x, y: F.cross_entropy(m(x), y), optimizer,
+                      tuple(t[:4] for t in data[0]))
+    calls: list[int] = []
+
+    def batches(step):  # the schedule steps as each step's batch is made
+        calls.append(step)
+        if step > 0:
+            schedule.step()
+        return {"batch.0": data[step][0], "batch.1": data[step][1]}
+    return program, batches, calls
+
+
+def test_a_schedule_stepped_in_the_batch_callback_applies_from_that_step():
+    program, batches, calls = scheduled_program()
+    splitted = split_program(program, Cluster(num_workers=2, num_servers=1),
+                             ParameterServerMode())
+    run = run_threaded(splitted, NUM_STEPS, batches)
+    assert calls == list(range(NUM_STEPS)), "once per step, in order, for both workers"
+    # Plain torch, as the loop of a launched job runs it: make step s's batch
+    # (the schedule steps), then train on it (the two workers' shards together).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.4)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 0.5 ** epoch)
+    for step in range(NUM_STEPS):
+        if step > 0:
+            schedule.step()
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
+        y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(step))
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(run.state[key], value, rtol=0, atol=1e-6, msg=key)
+
+
+def test_the_plan_alone_is_refused_naming_split_program():
+    program, batches, _ = scheduled_program()
+    plan = split(program, Cluster(num_workers=2, num_servers=1), ParameterServerMode())
+    with pytest.raises(SplitrunError, match=r"^run_threaded needs what split_program\(program, "
+                                            r"cluster, mode\) returns .*split\(\.\.\.\) gives "
+                                            r"the plan alone$"):
+        run_threaded(plan, NUM_STEPS, batches)
