@@ -10,6 +10,10 @@ cache. A bag is captured as one fused op (`embedding_bags.sparse_bag`): it
 becomes `cached_bag(ids, offsets, weights, table=...)`, which sums each bag
 straight from the cached rows, and its gradient, `bag_gradient`, becomes
 `cached_bag_gradient`, summed per unique id with the unique of the lookup.
+Consecutive bags then become one `cached_bags` node (one plan and one
+exchange with each server for every table of the step), and the bags FBGEMM
+can train run their backward and SGD update as one fused call
+(`cached_bags_update`; see bag_batching.py).
 Everything else is parameter-server mode: dense parameters on servers,
 gradients averaged over workers.
 
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from .bag_batching import FUSED_OPTIMIZERS, batch_cached_bags
 from .cached_tables import (
     CachedTable,
     CacheSettings,
@@ -71,6 +76,9 @@ class CacheArtifacts(ServerAssignment):
 
     tables: tuple[CachedTable, ...] = ()
     initial: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # Tables whose bags' backward and update run as one fused kernel call each
+    # step (`bag_batching`): their caches share one buffer per group.
+    fused_groups: tuple[tuple[str, ...], ...] = ()
 
 
 class EmbeddingCacheMode(ParameterServerMode):
@@ -94,6 +102,9 @@ class EmbeddingCacheMode(ParameterServerMode):
             tables.append(table)
             removed_inputs |= {key, *(f"{key}.{s}" for s in table.state_names)}
             removed_outputs |= removed_inputs
+        tables, fused_groups = batch_cached_bags(
+            graph, tables, lambda t: (t.optimizer in FUSED_OPTIMIZERS and t.dtype == torch.float32
+                                      and t.settings.write_back(cluster.num_workers)))
         outputs = [(spec, node) for spec, node in zip(program.outputs, returned)
                    if not (spec.kind is OutputKind.STATE and spec.key in removed_outputs)]
         for spec in program.inputs:
@@ -111,7 +122,7 @@ class EmbeddingCacheMode(ParameterServerMode):
             outputs=tuple(spec for spec, _ in outputs), initial_state=initial)
         rewritten, servers = super().prebuild(rewritten, cluster)
         return rewritten, CacheArtifacts(servers.owner, servers.slots, tuple(tables),
-                                         tables_initial)
+                                         tables_initial, fused_groups)
 
     def _take_table(self, program, graph, nodes, key, settings) -> CachedTable:
         spec = program.input_for_key(key)

@@ -14,7 +14,7 @@ from cache_models import NUM_TABLES, feeds, make, make_bags
 
 from splitrun.runtime import run_threaded
 from splitrun.runtime.embedding import StepIds
-from splitrun.runtime.embedding.protocol import Op, read_header
+from splitrun.runtime.embedding.protocol import Op, read_request
 from splitrun.runtime.embedding.store import EmbeddingStore
 from splitrun.splitter import Cluster, ParameterServerMode, split_program
 from splitrun.splitter.cache_mode import EmbeddingCacheMode
@@ -58,13 +58,16 @@ def test_one_worker_runs_one_unique_per_table_and_step(monkeypatch, optimizer, b
 
 
 def _spy_on_gradients(monkeypatch) -> list[tuple[int, torch.Tensor]]:
-    """Every GRADS request a server receives: (worker rank, ids)."""
+    """Every table's ids in each GRADS request a server receives: (worker
+    rank, ids). A request holds every table's (ids, grads, lr, step)."""
     seen: list[tuple[int, torch.Tensor]] = []
     receive = EmbeddingStore.on_message
 
     def on_message(self, key, src, tensors):
-        if read_header(tensors[0])[0] is Op.GRADS:
-            seen.append((src.rank, tensors[1].clone()))
+        op, _, tables, parts = read_request(tensors)
+        if op is Op.GRADS:
+            assert len(parts) == 4 * len(tables)
+            seen.extend((src.rank, parts[4 * i].clone()) for i in range(len(tables)))
         receive(self, key, src, tensors)
 
     monkeypatch.setattr(EmbeddingStore, "on_message", on_message)

@@ -136,6 +136,15 @@ class RowCache:
                           if self.policy is EvictionPolicy.LFU else None)
         self.counters = TableCounters()
 
+    def adopt_rows(self, rows: torch.Tensor) -> None:
+        """Keep the cached rows in `rows` (a [capacity, dim] view of a buffer
+        several tables share: the fused bags' kernel reads them there)."""
+        if rows.shape != self.rows.shape or rows.dtype != self.rows.dtype:
+            raise CacheError(f"table {self.table.key!r}: rows of {list(self.rows.shape)} "
+                             f"{self.rows.dtype} cannot move into {list(rows.shape)} {rows.dtype}")
+        rows.copy_(self.rows)
+        self.rows = rows
+
     # -- planning a batch --
 
     def check_ids(self, ids: torch.Tensor) -> None:

@@ -1,5 +1,5 @@
 """A server's slices of the cached tables, and the thread that serves the
-workers' requests (see embedding_protocol.py).
+workers' requests (see protocol.py: one request carries every table's part).
 
 Requests are handled one at a time in arrival order, so a worker's write-back
 of a row is applied before its later pull of the same row. With several
@@ -22,7 +22,7 @@ from splitrun.splitter.cached_tables import CachedTable
 from splitrun.splitter.labels import Cluster, Label
 from splitrun.splitter.sparse_optim import IN_PLACE
 
-from .protocol import Op, read_header, reply_channel
+from .protocol import Op, read_request, reply_channel
 from ..errors import MessageRejected, SplitrunError
 from .sharding import RowSharding
 from ..transport.protocol import MessageKey, Transport
@@ -60,6 +60,13 @@ class _Shard:
     applied_step: int                       # updates of steps <= this are in
     write_back: bool                        # the worker updates rows it caches
     pending: dict[int, dict[int, tuple]] = field(default_factory=dict)  # step -> worker -> grads
+
+
+def _part_size(op: Op, shard: _Shard) -> int:
+    """Tensors per table in a request (see protocol.py)."""
+    if op is Op.PUSH:
+        return 2 + len(shard.table.state_names)
+    return 4 if op is Op.GRADS else 1
 
 
 class EmbeddingStore:
@@ -123,34 +130,54 @@ class EmbeddingStore:
                 return
 
     def _handle(self, key: MessageKey, src: Label, tensors: list[torch.Tensor]) -> None:
-        op, index, step = read_header(tensors[0])
-        if not 0 <= index < len(self.shards):
-            raise MessageRejected(f"{self._tag} embedding request from {src.describe()} names "
-                                  f"table {index}; this job caches {len(self.shards)} tables")
-        shard = self.shards[index]
+        op, step, indices, rest = read_request(tensors)
+        for index in indices:
+            if not 0 <= index < len(self.shards):
+                raise MessageRejected(f"{self._tag} embedding request from {src.describe()} "
+                                      f"names table {index}; this job caches "
+                                      f"{len(self.shards)} tables")
+        shards = [self.shards[i] for i in indices]
         if op is Op.PUSH:
-            ids, rows, *state = tensors[1:]
-            local = shard.sharding.local_index(ids, self.label.rank)
-            shard.rows.index_copy_(0, local, rows)
-            for name, value in zip(shard.table.state_names, state):
-                shard.state[name].index_copy_(0, local, value)
+            for shard, (ids, rows, *state) in zip(shards, self._parts(rest, shards, op)):
+                local = shard.sharding.local_index(ids, self.label.rank)
+                shard.rows.index_copy_(0, local, rows)
+                for name, value in zip(shard.table.state_names, state):
+                    shard.state[name].index_copy_(0, local, value)
         elif op is Op.GRADS:
-            shard.pending.setdefault(step, {})[src.rank] = tuple(tensors[1:])
-            if len(shard.pending[step]) == self.cluster.num_workers:
-                self._apply(shard, step, shard.pending.pop(step))
+            applied = False
+            for shard, part in zip(shards, self._parts(rest, shards, op)):
+                shard.pending.setdefault(step, {})[src.rank] = tuple(part)
+                if len(shard.pending[step]) == self.cluster.num_workers:
+                    self._apply(shard, step, shard.pending.pop(step))
+                    applied = True
+            if applied:
                 self._retry_parked()
         elif op is Op.SAVE:
             if all(self._ready(s, op, step) for s in self.shards):
-                self._save(key, src, step, tensors[1])
+                self._save(key, src, step, rest[0])
             else:
                 self._parked.append((key, src, tensors))
         elif op in (Op.PULL, Op.DUMP):
-            if self._ready(shard, op, step):
-                self._answer(key, src, op, shard, tensors)
+            if all(self._ready(shard, op, step) for shard in shards):
+                self._answer(key, src, op, shards, rest)
             else:
                 self._parked.append((key, src, tensors))
         else:
             raise MessageRejected(f"unknown embedding request {op}")
+
+    def _parts(self, tensors: list[torch.Tensor], shards: list[_Shard], op: Op
+               ) -> list[list[torch.Tensor]]:
+        """Each table's tensors of a PUSH, GRADS or PULL request."""
+        sizes = [_part_size(op, shard) for shard in shards]
+        if sum(sizes) != len(tensors):
+            raise MessageRejected(f"{self._tag} embedding {op.name} for {len(shards)} tables "
+                                  f"holds {len(tensors)} tensors after its header; expected "
+                                  f"{sum(sizes)}")
+        parts, start = [], 0
+        for size in sizes:
+            parts.append(tensors[start:start + size])
+            start += size
+        return parts
 
     def _ready(self, shard: _Shard, op: Op, step: int) -> bool:
         """With several workers, a pull fresh for `step` (or a dump after
@@ -162,14 +189,19 @@ class EmbeddingStore:
         for key, src, tensors in parked:
             self._handle(key, src, tensors)
 
-    def _answer(self, key, src, op, shard: _Shard, tensors) -> None:
+    def _answer(self, key, src, op, shards: list[_Shard], tensors) -> None:
+        reply = []
         if op is Op.PULL:
-            local = shard.sharding.local_index(tensors[1], self.label.rank)
-            reply = [shard.rows.index_select(0, local)]  # faster than rows[local]
-            if shard.write_back:  # the row's optimizer state travels with it
-                reply += [shard.state[n].index_select(0, local) for n in shard.table.state_names]
+            for shard, (ids,) in zip(shards, self._parts(tensors, shards, op)):
+                local = shard.sharding.local_index(ids, self.label.rank)
+                reply.append(shard.rows.index_select(0, local))  # faster than rows[local]
+                if shard.write_back:  # the row's optimizer state travels with it
+                    reply += [shard.state[n].index_select(0, local)
+                              for n in shard.table.state_names]
         else:
-            reply = [shard.rows.clone(), *(shard.state[n].clone() for n in shard.table.state_names)]
+            for shard in shards:
+                reply += [shard.rows.clone(),
+                          *(shard.state[n].clone() for n in shard.table.state_names)]
         self.transport.send(src, MessageKey(self.incarnation, key.step, reply_channel(self.label)),
                             reply)
 
