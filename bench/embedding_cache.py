@@ -274,7 +274,6 @@ def run_job(args: argparse.Namespace) -> None:
     """Runs inside `splitrun launch`: every process runs this. Worker 0 prints
     one line BENCH {...}: when each step ended, and the cache counters."""
     from splitrun.runtime.job import Job
-    from splitrun.splitter.cache_mode import EmbeddingCacheMode
 
     job_args = recsys_cache.parser().parse_args(args.job_args)
     torch.set_num_threads(job_args.threads)
@@ -285,7 +284,7 @@ def run_job(args: argparse.Namespace) -> None:
         hidden = recsys_cache.HiddenModel.build(spec)
         batches = recsys_cache.global_batches(spec, hidden, job_args.batch_size, job_args.steps)
     # No final state: the whole tables' dump is no part of a training step.
-    trainer = job.start(program, EmbeddingCacheMode(), gather_state=False)
+    trainer = job.start(program, recsys_cache.cache_mode(job_args), gather_state=False)
     profiler = _StepProfiler(args.profile_dir, args.profile_after) if (
         args.profile_dir and job.is_driver) else None
     stamps = [time.perf_counter()]

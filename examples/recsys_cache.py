@@ -25,8 +25,10 @@ model gets to the labels' own model.
 The model: dense features through a bottom MLP; one `nn.EmbeddingBag` (mode sum) per
 categorical feature (sum-pooled over its ids); DLRM's interaction (the pairwise
 dot products of the embedding vectors and the bottom MLP's output); a top MLP
-to a click logit. Dense parameters live on the servers, the tables on the
-servers too, hash-sliced, with `cache_rows` rows of each cached on every worker.
+to a click logit. The tables live on the servers, hash-sliced, with
+`cache_rows` rows of each cached on every worker; the dense parameters on
+every worker (`--dense worker`, the default: gradients all-reduced between
+workers) or on the servers (`--dense server`).
 
 The in-memory synthetic stream below (`HiddenModel`, `global_batches`), which
 bench/embedding_cache.py drives: each table's ids are drawn from a Zipf law
@@ -349,7 +351,8 @@ def build(args: argparse.Namespace, num_workers: int):
     shard = args.batch_size // num_workers
     torch.manual_seed(MODEL_SEED)
     model = DLRM(spec.rows, args.dim, args.bottom, args.top)
-    place(model, role="server")  # dense parameters on the servers
+    if args.dense == "server":
+        place(model, role="server")  # dense parameters on the servers too
     cache_rows = [cache_rows_for(n, shard, args) for n in spec.rows]
     for table, rows in zip(model.tables, cache_rows):
         place_embedding_cache(table, cache_rows=rows, policy=args.policy,
@@ -358,6 +361,13 @@ def build(args: argparse.Namespace, num_workers: int):
     optimizer = OPTIMIZERS[args.optimizer](lr=args.lr)
     program = capture(model, click_loss, optimizer, example_batch(spec, shard))
     return model, program, spec, cache_rows
+
+
+def cache_mode(args: argparse.Namespace) -> EmbeddingCacheMode:
+    """The tables' rows on the servers; the dense MLPs on every worker
+    (`--dense worker`, gradients all-reduced between workers) or on the
+    servers too (`--dense server`)."""
+    return EmbeddingCacheMode(dense=args.dense)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -385,6 +395,9 @@ def parser() -> argparse.ArgumentParser:
                                                        "--cache-fraction)")
     parser.add_argument("--policy", choices=["lru", "lfu", "none"], default="lru",
                         help="eviction policy; none: no caching, every lookup to the servers")
+    parser.add_argument("--dense", choices=["worker", "server"], default="worker",
+                        help="where the MLPs live: replicated on the workers (all-reduced) "
+                             "or on the servers")
     parser.add_argument("--max-staleness", type=int, default=2,
                         help="several workers: re-read a cached row older than this many steps")
     parser.add_argument("--data", help="training data: a Criteo-format TSV file (without "
@@ -492,7 +505,7 @@ def main() -> int:
     # Servers train on no batch: only workers read (or generate) the data.
     files = data_files(args, spec) if job.is_worker else None
     source = criteo_source(files.train, spec, args.batch_size) if job.is_worker else []
-    trainer = job.start(program, EmbeddingCacheMode(), num_steps=args.steps,
+    trainer = job.start(program, cache_mode(args), num_steps=args.steps,
                         resume=args.resume)
 
     started = time.perf_counter()

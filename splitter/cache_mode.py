@@ -15,7 +15,9 @@ exchange with each server for every table of the step), and the bags FBGEMM
 can train run their backward and SGD update as one fused call
 (`cached_bags_update`; see bag_batching.py).
 Everything else is parameter-server mode: dense parameters on servers,
-gradients averaged over workers.
+gradients averaged over workers; or, with `dense="worker"`, dense parameters
+on every worker (gradients all-reduced between them) and only the tables'
+rows on the servers.
 
 Consistency (see runtime/embedding/client.py): with one worker the cache is
 write-back (updates applied to cached rows, their optimizer state travelling
@@ -47,6 +49,7 @@ from .cached_tables import (
     cached_update,
     place_embedding_cache,
 )
+from .dense_placement import DensePlacement
 from .embedding_bags import bag_gradient
 from .errors import PlanError
 from .labels import Cluster
@@ -61,7 +64,7 @@ _SPARSE_BAG = torch.ops.splitrun.sparse_bag.default
 # The table marks and types live in cached_tables; re-exported here, where
 # users of this mode look for them.
 __all__ = ["EmbeddingCacheMode", "CacheArtifacts", "EvictionPolicy", "CacheSettings",
-           "CachedTable", "place_embedding_cache"]
+           "CachedTable", "DensePlacement", "place_embedding_cache"]
 
 # The row-wise updates a cached table can take (the keys of sparse_optim.IN_PLACE):
 # their per-row state (Adagrad's sum, Adam's moments) travels with the row.
@@ -84,8 +87,10 @@ class CacheArtifacts(ServerAssignment):
 class EmbeddingCacheMode(ParameterServerMode):
     kind = ModeKind.EMBEDDING_CACHE
 
-    def __init__(self) -> None:
-        super().__init__()  # gradients in one message a step (no buckets)
+    def __init__(self, *, dense: DensePlacement | str = DensePlacement.SERVER) -> None:
+        # Gradients in one message a step (no buckets). dense="worker": the
+        # dense parameters on every worker (all-reduced), only rows on servers.
+        super().__init__(dense=dense)
 
     def prebuild(self, program: Program, cluster: Cluster
                  ) -> tuple[Program, CacheArtifacts]:

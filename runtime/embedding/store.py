@@ -93,6 +93,7 @@ class EmbeddingStore:
         self._thread = threading.Thread(target=self._serve, daemon=True,
                                         name=f"splitrun-embedding-{label}")
         self.error: BaseException | None = None
+        self.requests_served = 0
         self._save_handler: SaveHandler | None = None
 
     def set_save_handler(self, handler: SaveHandler) -> None:
@@ -120,6 +121,7 @@ class EmbeddingStore:
                 continue
             try:
                 self._handle(key, src, tensors)
+                self.requests_served += 1
             except BaseException as exc:  # noqa: BLE001 - the job must learn about it
                 self.error = exc
                 logger.error("%s embedding request %s from %s failed: %s", self._tag, key,
