@@ -47,6 +47,7 @@ cache hit rate per table, samples/s and the time taken. `--json` adds one line
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import itertools
 import json
@@ -160,12 +161,77 @@ class DLRM(nn.Module):
 
     def forward(self, dense: torch.Tensor, *ids: torch.Tensor) -> torch.Tensor:
         bottom = self.bottom(dense)
-        vectors = [bottom] + [table(i) for table, i in zip(self.tables, ids)]
-        stacked = torch.stack(vectors, 1)                       # [B, F, D]
-        gram = torch.bmm(stacked, stacked.transpose(1, 2))      # [B, F, F]
-        # The strictly lower triangle, row by row: every pair once, static slices.
-        pairs = torch.cat([gram[:, i, :i] for i in range(1, self.num_features)], 1)
-        return self.top(torch.cat([bottom, pairs], 1)).squeeze(1)
+        return interact(self.top, bottom, [table(i) for table, i in zip(self.tables, ids)])
+
+
+def interact(top: nn.Module, bottom: torch.Tensor, pooled: list[torch.Tensor]) -> torch.Tensor:
+    """DLRM's interaction: the pairwise dot products of the bottom MLP's output
+    and the pooled embeddings, with the bottom output, through the top MLP."""
+    vectors = [bottom, *pooled]
+    stacked = torch.stack(vectors, 1)                       # [B, F, D]
+    gram = torch.bmm(stacked, stacked.transpose(1, 2))      # [B, F, F]
+    # The strictly lower triangle, row by row: every pair once, static slices.
+    pairs = torch.cat([gram[:, i, :i] for i in range(1, len(vectors))], 1)
+    return top(torch.cat([bottom, pairs], 1)).squeeze(1)
+
+
+# -- the same model in TorchRec's form -------------------------------------------
+
+def feature_name(table: int) -> str:
+    return f"feature_{table}"
+
+
+class TorchRecDLRM(nn.Module):
+    """`DLRM` with its tables in one `torchrec.EmbeddingBagCollection` (table
+    `table_<i>` pools feature `feature_<i>`, sum), fed a `KeyedJaggedTensor`:
+    the model a TorchRec user writes. `tables=` passes another collection
+    (TorchRec's `FusedEmbeddingBagCollection`) of the same tables."""
+
+    def __init__(self, rows: tuple[int, ...], dim: int, bottom: list[int], top: list[int], *,
+                 tables: nn.Module | None = None, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        from torchrec import EmbeddingBagCollection
+
+        self.bottom = mlp([NUM_DENSE, *bottom, dim], last_relu=True)
+        self.tables = tables if tables is not None else EmbeddingBagCollection(
+            tables=torchrec_tables(rows, dim), device=torch.device(device))
+        self.num_tables = len(rows)
+        num_pairs = (self.num_tables + 1) * self.num_tables // 2
+        self.top = mlp([dim + num_pairs, *top, 1], last_relu=False)
+
+    def forward(self, dense: torch.Tensor, features) -> torch.Tensor:
+        pooled = self.tables(features)  # a KeyedTensor
+        return interact(self.top, self.bottom(dense),
+                        [pooled[feature_name(i)] for i in range(self.num_tables)])
+
+    def load_dlrm(self, dlrm: DLRM) -> TorchRecDLRM:
+        """Take `dlrm`'s parameters (the same model: the same starting point)."""
+        state = {k: v for k, v in dlrm.state_dict().items() if not k.startswith("tables.")}
+        for index, table in enumerate(dlrm.tables):
+            state[f"tables.embedding_bags.table_{index}.weight"] = table.weight.detach()
+        self.load_state_dict(state)  # the fused collection names its weights alike
+        return self
+
+
+def torchrec_tables(rows: tuple[int, ...], dim: int) -> list:
+    from torchrec import EmbeddingBagConfig, PoolingType
+
+    return [EmbeddingBagConfig(name=f"table_{i}", embedding_dim=dim, num_embeddings=n,
+                               feature_names=[feature_name(i)], pooling=PoolingType.SUM,
+                               init_fn=functools.partial(nn.init.normal_,
+                                                         std=EMBEDDING_INIT_STD))
+            for i, n in enumerate(rows)]
+
+
+def features_of(ids: list[torch.Tensor]):
+    """One batch's ids ([samples, ids per sample] per table) as the
+    `KeyedJaggedTensor` TorchRec models read."""
+    from torchrec import KeyedJaggedTensor
+
+    lengths = torch.cat([torch.full((t.shape[0],), t.shape[1], dtype=torch.int64) for t in ids])
+    return KeyedJaggedTensor.from_lengths_sync(
+        [feature_name(i) for i in range(len(ids))], torch.cat([t.reshape(-1) for t in ids]),
+        lengths)
 
 
 def click_loss(model: nn.Module, dense: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:

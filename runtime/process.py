@@ -134,6 +134,14 @@ class ProcessRuntime:
         client = self._cache.client
         return {} if client is None else client.counters
 
+    @property
+    def cache_waits(self) -> dict[str, float]:
+        """Embedding-cache workers: seconds blocked for rows so far, for
+        prefetched replies (what the prefetch did not hide) and for pulls made
+        in the step; empty without a cache."""
+        client = self._cache.client
+        return {} if client is None else dict(client.waits)
+
     def cache_hit_rate(self) -> float | None:
         client = self._cache.client
         return None if client is None else client.hit_rate()
@@ -173,6 +181,12 @@ class ProcessRuntime:
                 if store is None or store.requests_served == served:
                     raise
                 served = store.requests_served
+
+    def set_store_hook(self, hook) -> None:
+        """A server of an embedding-cache split: `hook(step)` runs in its table
+        store's serving thread before each request (`EmbeddingStore.set_request_hook`)."""
+        if self._cache.store is not None:
+            self._cache.store.set_request_hook(hook)
 
     def drain_prefetch(self) -> None:
         """Take the replies of prefetches no step will use (the last batch's)."""

@@ -13,7 +13,7 @@ import collections
 
 import pytest
 import torch
-from cache_models import NUM_SUM_BAG_TABLES, feeds, make, make_bags, make_sum_bags
+from cache_models import NUM_SUM_BAG_TABLES, ROWS, feeds, make, make_bags, make_sum_bags
 
 from splitrun.runtime import run_threaded
 from splitrun.runtime.embedding.fused_bags import FusedBags
@@ -119,3 +119,21 @@ def test_each_server_gets_one_request_of_a_kind_per_step(monkeypatch, build, num
     assert max(n for k, n in seen.items() if k[2] in (Op.PUSH, Op.GRADS)
                and k[1] < NUM_STEPS - 1) <= num_workers * (1 if build is make_sum_bags else 2)
     assert any(k[2] in (Op.PUSH, Op.GRADS) for k in seen), "nothing went back to a server"
+
+
+@pytest.mark.parametrize("build, optimizer", [(make_sum_bags, "sgd"), (make, "adagrad")])
+def test_a_table_cached_whole_is_resident_and_equals_the_unsplit_step(build, optimizer):
+    """cache_rows >= the table's rows with one worker: every row pulled once,
+    slot = id, no plan and no miss afterwards; the same numbers as ever."""
+    program, batches = build(optimizer, 1, NUM_STEPS, cache_rows=ROWS)
+    run = run_threaded(_split(program), NUM_STEPS, feeds(batches), recv_timeout_s=30)
+    options = {"sparse_tables": True} if build is make else {}
+    whole, _ = build(optimizer, 1, NUM_STEPS, cache_rows=None, **options)
+    expected = whole.train_unsplit(NUM_STEPS, feeds(batches))[1]
+    for key, value in expected.items():
+        assert torch.equal(run.state[key], value), f"{key} differs"
+    for table, counters in next(iter(run.cache_counters.values())).items():
+        assert counters["misses"] == 0 and counters["evictions"] == 0, table
+        assert counters["hit_rate"] == 1.0
+        # Pulled once, whole: the rows and any row state.
+        assert counters["bytes_pulled"] >= ROWS * 4 * 4, table

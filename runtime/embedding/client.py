@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Mapping
 
 import torch
@@ -87,6 +88,12 @@ class EmbeddingClient:
         self.servers = [Label.server(k) for k in range(cluster.num_servers)]
         self.fused = {group: FusedBags([self.caches[key] for key in group])
                       for group in fused_groups}
+        # A table one worker caches whole is resident: slot = id, every row
+        # pulled once (at its first lookup), no plan, no misses afterwards.
+        self.resident = {t.key: self.write_back[t.key] and self.caches[t.key].capacity
+                         >= t.num_rows for t in tables}
+        self._loaded: set[str] = set()
+        self._resident_slots: dict[str, torch.Tensor] = {}  # this step's lookups
         self._step = first_step
         self._next_feeds: Mapping[str, torch.Tensor] | None = None
         self._plans: dict[str, BatchPlan] = {}
@@ -101,6 +108,9 @@ class EmbeddingClient:
         # such table's are in.
         self._gradients: dict[Label, list[tuple[str, list[torch.Tensor]]]] = {}
         self._num_write_through = sum(not w for w in self.write_back.values())
+        # Seconds blocked for rows: for replies to prefetches (what the
+        # prefetch did not hide) and to pulls made in the step itself.
+        self.waits = {"prefetched": 0.0, "pulled": 0.0}
         self._seq = itertools.count()
 
     def begin_step(self, step: int, next_feeds: Mapping[str, torch.Tensor] | None) -> None:
@@ -136,15 +146,21 @@ class EmbeddingClient:
                                                request_channel(self.label)), message)
         return seq
 
-    def _reply(self, server: Label, seq: int) -> list[torch.Tensor]:
-        return self.transport.recv(server, MessageKey(self.incarnation, seq,
-                                                      reply_channel(server)), self.timeout_s)
+    def _reply(self, server: Label, seq: int, waited: str | None = None) -> list[torch.Tensor]:
+        """The reply to request `seq`; the time blocked for it is added to
+        `self.waits[waited]`."""
+        started = time.perf_counter()
+        reply = self.transport.recv(server, MessageKey(self.incarnation, seq,
+                                                       reply_channel(server)), self.timeout_s)
+        if waited is not None:
+            self.waits[waited] += time.perf_counter() - started
+        return reply
 
-    def _reply_parts(self, server: Label, seq: int, tables: list[str]
+    def _reply_parts(self, server: Label, seq: int, tables: list[str], waited: str
                      ) -> list[list[torch.Tensor]]:
         """A pull's reply, split by table: rows, and the row state of
         write-back tables."""
-        reply = self._reply(server, seq)
+        reply = self._reply(server, seq, waited)
         parts, start = [], 0
         for table in tables:
             size = 1 + (len(self.caches[table].table.state_names) if self.write_back[table]
@@ -177,8 +193,10 @@ class EmbeddingClient:
         return StepIds.of(ids)
 
     def lookup(self, ids: torch.Tensor, *, table: str) -> torch.Tensor:
-        plan = self._plan_tables([(table, ids)])[0]
-        return self.caches[table].gather(plan, ids.shape)
+        slots = self._lookup_slots([(table, ids)])[0]
+        cache = self.caches[table]
+        return cache.rows.index_select(0, slots.to(cache.device)).reshape(
+            *ids.shape, cache.table.dim)
 
     def bag(self, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, *,
             table: str, mean: bool, padding_idx: int | None) -> torch.Tensor:
@@ -193,8 +211,7 @@ class EmbeddingClient:
         with each server for all of them; each lookup reads its row's slot in
         place (no row per lookup is gathered), as `sparse_bag` reads the whole
         table; a fused group's tables in one kernel call."""
-        plans = self._plan_tables(list(zip(tables, ids)))
-        slots = [plan.slots.index_select(0, plan.inverse) for plan in plans]
+        slots = self._lookup_slots(list(zip(tables, ids)))
         out: list[torch.Tensor | None] = [None] * len(tables)
         position = {table: index for index, table in enumerate(tables)}
         for group, fused in self.fused.items():
@@ -218,8 +235,9 @@ class EmbeddingClient:
         fused.backward_update(grads, lr, maximize=bool(
             self.caches[tables[0]].table.optimizer_settings.get("maximize", False)))
         for table in tables:
-            plan = self._plans.pop(table)
-            self.caches[table].dirty.index_fill_(0, plan.slots, True)
+            plan = self._plans.pop(table, None)
+            slots = plan.slots if plan is not None else self._resident_slots.pop(table)
+            self.caches[table].dirty.index_fill_(0, slots, True)
 
     def bag_gradient(self, grad: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
                      weights: torch.Tensor | None, *, table: str, mean: bool,
@@ -229,6 +247,47 @@ class EmbeddingClient:
         step_ids = plan.ids if plan is not None and plan.ids.holds(ids) else StepIds.of(ids)
         return step_ids.unique, bag_gradient_rows(grad, ids, offsets, weights, mean,
                                                   padding_idx, step_ids.order, step_ids.starts)
+
+    def _lookup_slots(self, lookups: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """The cache slot of each lookup's row, every row in place: resident
+        tables' slots are their ids; the others are planned (`_plan_tables`)."""
+        planned = [(t, ids) for t, ids in lookups if not self.resident[t]]
+        plans = dict(zip((t for t, _ in planned), self._plan_tables(planned))) if planned else {}
+        slots = []
+        for table, ids in lookups:
+            if table in plans:
+                plan = plans[table]
+                slots.append(plan.slots.index_select(0, plan.inverse))
+                continue
+            self._load_resident(table)
+            flat = ids.reshape(-1).to("cpu", torch.int64)
+            self.caches[table].check_ids(flat)
+            count = flat.numel()  # every lookup hits (counted per lookup)
+            self.caches[table].counters.record(lookups=count, unique_ids=count, hits=count,
+                                               misses=0, evictions=0, bytes_pulled=0,
+                                               bytes_pushed=0)
+            self._resident_slots[table] = flat
+            slots.append(flat)
+        return slots
+
+    def _load_resident(self, table: str) -> None:
+        """Pull every row of a resident table into slot = id (once)."""
+        if table in self._loaded:
+            return
+        cache = self.caches[table]
+        ids = torch.arange(cache.table.num_rows)
+        requests = [(server, positions, self._request(server, Op.PULL, self._step, [
+            (table, [ids.index_select(0, positions)])]))
+            for server, positions in self._by_server(table, ids)]
+        pulled = 0
+        for server, positions, seq in requests:
+            (reply,) = self._reply_parts(server, seq, [table], "pulled")
+            cache.install(positions, reply[0], dict(zip(cache.table.state_names, reply[1:])),
+                          fresh_for=self._step)
+            pulled += nbytes_of(reply)
+        cache.make_resident()
+        cache.counters.bytes_pulled += pulled
+        self._loaded.add(table)
 
     def _plan_tables(self, lookups: list[tuple[str, torch.Tensor]]) -> list[BatchPlan]:
         """Plan each table's ids against its cache; evicted dirty rows go back
@@ -315,7 +374,7 @@ class EmbeddingClient:
             if not wanted & {table for table, _ in parts}:
                 pending.append((server, seq, parts, asked_at))
                 continue
-            replies = self._reply_parts(server, seq, [table for table, _ in parts])
+            replies = self._reply_parts(server, seq, [table for table, _ in parts], "prefetched")
             for (table, ids), reply in zip(parts, replies):
                 self._prefetched.setdefault(table, []).append((ids, reply, asked_at))
                 received += nbytes_of(reply)
@@ -357,7 +416,7 @@ class EmbeddingClient:
             [(table, [needed[table][0].index_select(0, positions)]) for table, positions in parts]))
             for server, parts in by_server.items()]
         for server, parts, seq in requests:
-            replies = self._reply_parts(server, seq, [table for table, _ in parts])
+            replies = self._reply_parts(server, seq, [table for table, _ in parts], "pulled")
             for (table, positions), reply in zip(parts, replies):
                 cache = self.caches[table]
                 pulled[table] += nbytes_of(reply)

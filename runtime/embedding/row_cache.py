@@ -145,6 +145,16 @@ class RowCache:
         rows.copy_(self.rows)
         self.rows = rows
 
+    def make_resident(self) -> None:
+        """Every row of the table is installed at slot = id (the client pulled
+        them): the map is the identity, no row is ever evicted."""
+        if self.capacity != self.table.num_rows:
+            raise CacheError(f"table {self.table.key!r}: a cache of {self.capacity} rows "
+                             f"cannot hold all {self.table.num_rows}")
+        self.slot_of_id = torch.arange(self.capacity)
+        self.id_of_slot = torch.arange(self.capacity)
+        self.filled = self.capacity
+
     # -- planning a batch --
 
     def check_ids(self, ids: torch.Tensor) -> None:

@@ -94,7 +94,14 @@ class EmbeddingStore:
                                         name=f"splitrun-embedding-{label}")
         self.error: BaseException | None = None
         self.requests_served = 0
+        self._request_hook: Callable[[int], None] | None = None
         self._save_handler: SaveHandler | None = None
+
+    def set_request_hook(self, hook: Callable[[int], None] | None) -> None:
+        """Call `hook(step)` in the serving thread before each request of that
+        training step is handled (a profiler of the server's work hooks in
+        here: the serving thread is where it runs)."""
+        self._request_hook = hook
 
     def set_save_handler(self, handler: SaveHandler) -> None:
         """What writes this server's rows when worker 0 asks for a sharded save."""
@@ -120,6 +127,8 @@ class EmbeddingStore:
             except queue.Empty:
                 continue
             try:
+                if self._request_hook is not None:
+                    self._request_hook(read_request(tensors)[1])
                 self._handle(key, src, tensors)
                 self.requests_served += 1
             except BaseException as exc:  # noqa: BLE001 - the job must learn about it
