@@ -9,6 +9,7 @@ the Criteo display-advertising format.
     splitrun launch --workers 1 --servers 2 examples/recsys_cache.py --resume ckpt.pt
     splitrun launch --workers 2 --servers 2 examples/recsys_cache.py --tables 26 \\
         --data day_0.tsv --eval-data day_1.tsv
+    splitrun launch --workers 1 --servers 2 examples/recsys_cache.py --model torchrec
 
 The data: `--data FILE` (and `--eval-data FILE` for the held-out scores) is a
 Criteo-format TSV file (label, 13 integer and 26 hexadecimal categorical
@@ -28,7 +29,11 @@ dot products of the embedding vectors and the bottom MLP's output); a top MLP
 to a click logit. The tables live on the servers, hash-sliced, with
 `cache_rows` rows of each cached on every worker; the dense parameters on
 every worker (`--dense worker`, the default: gradients all-reduced between
-workers) or on the servers (`--dense server`).
+workers) or on the servers (`--dense server`). `--model torchrec` trains the
+same model in TorchRec's form (`TorchRecDLRM`: its tables in one
+`torchrec.EmbeddingBagCollection`, fed `KeyedJaggedTensor`s), converted once
+by `TorchRecInput`; the final state is loaded back into an unconverted
+TorchRec model for the held-out scores.
 
 The in-memory synthetic stream below (`HiddenModel`, `global_batches`), which
 bench/embedding_cache.py drives: each table's ids are drawn from a Zipf law
@@ -74,6 +79,7 @@ from splitrun.runtime.datasets import (
 from splitrun.runtime.job import Job
 from splitrun.splitter import capture, optim, place
 from splitrun.splitter.cache_mode import EmbeddingCacheMode, place_embedding_cache
+from splitrun.splitter.torchrec_input import TorchRecInput
 
 # Criteo's click logs have 13 dense features; the synthetic data keeps that.
 NUM_DENSE = 13
@@ -409,7 +415,10 @@ def cache_rows_for(num_rows: int, shard: int, args: argparse.Namespace) -> int:
 
 def build(args: argparse.Namespace, num_workers: int):
     """(model, program for one worker's shard of a global batch, data spec,
-    cache rows per table). The same on every process."""
+    cache rows per table, what turns a batch (dense, ids..., label) into the
+    step's). The same on every process. `--model torchrec`: the TorchRec form
+    (`TorchRecDLRM`, fed KeyedJaggedTensors), converted for capture by
+    `TorchRecInput`."""
     spec = DataSpec(table_rows(args), args.ids_per_table, args.zipf)
     if args.batch_size % num_workers:
         raise SystemExit(f"--batch-size {args.batch_size} must divide among "
@@ -417,16 +426,41 @@ def build(args: argparse.Namespace, num_workers: int):
     shard = args.batch_size // num_workers
     torch.manual_seed(MODEL_SEED)
     model = DLRM(spec.rows, args.dim, args.bottom, args.top)
+    loss, convert, tables = click_loss, _as_it_is, list(model.tables)
+    if args.model == "torchrec":
+        model = TorchRecDLRM(spec.rows, args.dim, args.bottom, args.top).load_dlrm(model)
+        rec = TorchRecInput(model)  # the one conversion step
+        loss, tables = rec.loss(torchrec_click_loss), list(rec.tables)
+
+        def convert(batch):
+            dense, *ids, label = batch
+            return rec.batch(dense, features_of(ids), label)
     if args.dense == "server":
         place(model, role="server")  # dense parameters on the servers too
     cache_rows = [cache_rows_for(n, shard, args) for n in spec.rows]
-    for table, rows in zip(model.tables, cache_rows):
+    for table, rows in zip(tables, cache_rows):
         place_embedding_cache(table, cache_rows=rows, policy=args.policy,
                               max_staleness=args.max_staleness)
     # One optimizer for everything: cached tables take SGD or row-wise Adagrad.
     optimizer = OPTIMIZERS[args.optimizer](lr=args.lr)
-    program = capture(model, click_loss, optimizer, example_batch(spec, shard))
-    return model, program, spec, cache_rows
+    program = capture(model, loss, optimizer, convert(example_batch(spec, shard)))
+    return model, program, spec, cache_rows, convert
+
+
+def _as_it_is(batch):
+    return batch
+
+
+def torchrec_click_loss(model: nn.Module, dense: torch.Tensor, features,
+                        label: torch.Tensor) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(model(dense, features), label)
+
+
+def table_keys(args: argparse.Namespace) -> list[str]:
+    """The cached tables' state keys, in table order."""
+    if args.model == "torchrec":
+        return [f"tables.embedding_bags.table_{i}.weight" for i in range(args.tables)]
+    return [f"tables.{i}.weight" for i in range(args.tables)]
 
 
 def cache_mode(args: argparse.Namespace) -> EmbeddingCacheMode:
@@ -461,6 +495,9 @@ def parser() -> argparse.ArgumentParser:
                                                        "--cache-fraction)")
     parser.add_argument("--policy", choices=["lru", "lfu", "none"], default="lru",
                         help="eviction policy; none: no caching, every lookup to the servers")
+    parser.add_argument("--model", choices=["dlrm", "torchrec"], default="dlrm",
+                        help="the model's form: plain torch bags, or TorchRec's "
+                             "EmbeddingBagCollection fed KeyedJaggedTensors")
     parser.add_argument("--dense", choices=["worker", "server"], default="worker",
                         help="where the MLPs live: replicated on the workers (all-reduced) "
                              "or on the servers")
@@ -486,7 +523,7 @@ def parser() -> argparse.ArgumentParser:
 
 # -- evaluation and the report ---------------------------------------------------
 
-def evaluate(model: DLRM, spec: DataSpec, files: DataFiles) -> dict:
+def evaluate(model: nn.Module, spec: DataSpec, files: DataFiles) -> dict:
     """Held-out log-loss and AUC of `model`, next to the base rate's entropy
     (what predicting the click rate alone scores) and, for generated data,
     the hidden model's AUC (the best any model can do on these labels).
@@ -497,7 +534,8 @@ def evaluate(model: DLRM, spec: DataSpec, files: DataFiles) -> dict:
     with torch.no_grad():
         for dense, *ids, label in criteo_source(files.held_out, spec, EVAL_CHUNK,
                                                 drop_last=False):
-            scores.append(model(dense, *ids))
+            scores.append(model(dense, features_of(ids)) if isinstance(model, TorchRecDLRM)
+                          else model(dense, *ids))
             labels.append(label)
     probability = torch.sigmoid(torch.cat(scores)).double().numpy()
     truth = torch.cat(labels).numpy()
@@ -516,8 +554,7 @@ def report(args, job: Job, trainer, spec: DataSpec, cache_rows: list[int], metri
     """The numbers worker 0 prints (and `--json` emits)."""
     counters = trainer.cache_counters
     tables = {}
-    for index, (rows, num_rows) in enumerate(zip(cache_rows, spec.rows)):
-        key = f"tables.{index}.weight"
+    for key, rows, num_rows in zip(table_keys(args), cache_rows, spec.rows):
         counter = counters[key]
         tables[key] = {"rows": num_rows, "cache_rows": rows, "hit_rate": counter["hit_rate"],
                        "lookups": counter["lookups"], "unique_ids": counter["unique_ids"],
@@ -567,7 +604,7 @@ def main() -> int:
     if args.eval_data and not args.data:
         raise SystemExit("--eval-data goes with --data (generated data has its own)")
     job = Job.from_env()
-    model, program, spec, cache_rows = build(args, job.cluster.num_workers)
+    model, program, spec, cache_rows, convert = build(args, job.cluster.num_workers)
     # Servers train on no batch: only workers read (or generate) the data.
     files = data_files(args, spec) if job.is_worker else None
     source = criteo_source(files.train, spec, args.batch_size) if job.is_worker else []
@@ -577,7 +614,8 @@ def main() -> int:
     started = time.perf_counter()
     first = trainer.steps_done
     # Each worker reads its own shard of every global batch from the file.
-    for _ in trainer.run(itertools.islice(trainer.shard(source), first, args.steps)):
+    for _ in trainer.run(map(convert, itertools.islice(trainer.shard(source), first,
+                                                        args.steps))):
         pass
     train_s = time.perf_counter() - started
     if args.save and job.is_worker:
@@ -587,6 +625,8 @@ def main() -> int:
         return 0
 
     total_s = time.perf_counter() - started
+    if args.model == "torchrec":  # the trained state back in an unconverted TorchRec model
+        model = TorchRecDLRM(spec.rows, args.dim, args.bottom, args.top)
     model.load_state_dict({k: v for k, v in final_state.items() if k in model.state_dict()})
     metrics = evaluate(model, spec, files)
     result = report(args, job, trainer, spec, cache_rows, metrics, trainer.steps_done - first,

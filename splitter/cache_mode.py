@@ -52,7 +52,7 @@ from .cached_tables import (
 from .dense_placement import DensePlacement
 from .embedding_bags import bag_gradient
 from .errors import PlanError
-from .labels import Cluster
+from .labels import Cluster, Label, Role
 from .plan import ModeKind
 from .program import InputKind, OutputKind, Program
 from .ps_mode import ParameterServerMode, ServerAssignment
@@ -91,6 +91,9 @@ class EmbeddingCacheMode(ParameterServerMode):
         # Gradients in one message a step (no buckets). dense="worker": the
         # dense parameters on every worker (all-reduced), only rows on servers.
         super().__init__(dense=dense)
+
+    def works_outside_the_plan(self, label: Label) -> bool:
+        return label.role is Role.SERVER  # servers serve the tables' rows
 
     def prebuild(self, program: Program, cluster: Cluster
                  ) -> tuple[Program, CacheArtifacts]:
