@@ -296,7 +296,8 @@ def run_job(args: argparse.Namespace) -> None:
     job_args = recsys_cache.parser().parse_args(args.job_args)
     torch.set_num_threads(job_args.threads)
     job = Job.from_env()
-    _, program, spec, _, _ = recsys_cache.build(job_args, job.cluster.num_workers)
+    _, program, spec, _, _ = recsys_cache.build(job_args, job.cluster.num_workers,
+                                                tables_here=not job.is_worker)
     batches = []
     if job.is_worker:
         hidden = recsys_cache.HiddenModel.build(spec)

@@ -101,6 +101,7 @@ MODEL_SEED = 0
 HIDDEN_SEED = 1
 PERMUTATION_SEED = 2
 TRAIN_SEED = 3
+TABLE_SEED = 4  # each table's starting rows (this seed and the table's index)
 # The held-out set is scored in chunks of this many samples.
 EVAL_CHUNK = 16384
 # Intra-op threads per process. The launcher starts W + S processes on one
@@ -152,15 +153,19 @@ class DLRM(nn.Module):
     """Bottom MLP, embedding tables, pairwise-dot interaction, top MLP."""
 
     def __init__(self, rows: tuple[int, ...], dim: int, bottom: list[int],
-                 top: list[int]) -> None:
+                 top: list[int], *, init_tables: bool = True) -> None:
         super().__init__()
         self.bottom = mlp([NUM_DENSE, *bottom, dim], last_relu=True)
         # Multi-hot features pooled by sum bags, as DLRM's. skip_init:
-        # initialize million-row tables once, not twice.
+        # initialize million-row tables once, not twice; not at all with
+        # init_tables=False (their memory is then never written, so never
+        # paged in: a worker whose tables live on the servers).
         self.tables = nn.ModuleList(nn.utils.skip_init(nn.EmbeddingBag, n, dim, mode="sum")
                                     for n in rows)
-        for table in self.tables:
-            nn.init.normal_(table.weight, std=EMBEDDING_INIT_STD)
+        for index, table in enumerate(self.tables if init_tables else ()):
+            # A generator of its own: a worker skipping this draws the MLPs alike.
+            generator = torch.Generator().manual_seed(_seed(TABLE_SEED, index))
+            nn.init.normal_(table.weight, std=EMBEDDING_INIT_STD, generator=generator)
         self.num_features = len(rows) + 1
         num_pairs = self.num_features * (self.num_features - 1) // 2
         self.top = mlp([dim + num_pairs, *top, 1], last_relu=False)
@@ -413,19 +418,21 @@ def cache_rows_for(num_rows: int, shard: int, args: argparse.Namespace) -> int:
     return min(num_rows, max(wanted, batch_ids))
 
 
-def build(args: argparse.Namespace, num_workers: int):
+def build(args: argparse.Namespace, num_workers: int, *, tables_here: bool = True):
     """(model, program for one worker's shard of a global batch, data spec,
     cache rows per table, what turns a batch (dense, ids..., label) into the
     step's). The same on every process. `--model torchrec`: the TorchRec form
     (`TorchRecDLRM`, fed KeyedJaggedTensors), converted for capture by
-    `TorchRecInput`."""
+    `TorchRecInput`. `tables_here=False` (workers): the tables' starting
+    values are the servers' alone, so a worker leaves them unwritten and they
+    take no memory there (its caches pull rows from the servers)."""
     spec = DataSpec(table_rows(args), args.ids_per_table, args.zipf)
     if args.batch_size % num_workers:
         raise SystemExit(f"--batch-size {args.batch_size} must divide among "
                          f"{num_workers} workers")
     shard = args.batch_size // num_workers
     torch.manual_seed(MODEL_SEED)
-    model = DLRM(spec.rows, args.dim, args.bottom, args.top)
+    model = DLRM(spec.rows, args.dim, args.bottom, args.top, init_tables=tables_here)
     loss, convert, tables = click_loss, _as_it_is, list(model.tables)
     if args.model == "torchrec":
         model = TorchRecDLRM(spec.rows, args.dim, args.bottom, args.top).load_dlrm(model)
@@ -604,7 +611,8 @@ def main() -> int:
     if args.eval_data and not args.data:
         raise SystemExit("--eval-data goes with --data (generated data has its own)")
     job = Job.from_env()
-    model, program, spec, cache_rows, convert = build(args, job.cluster.num_workers)
+    model, program, spec, cache_rows, convert = build(args, job.cluster.num_workers,
+                                                      tables_here=not job.is_worker)
     # Servers train on no batch: only workers read (or generate) the data.
     files = data_files(args, spec) if job.is_worker else None
     source = criteo_source(files.train, spec, args.batch_size) if job.is_worker else []
