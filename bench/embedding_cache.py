@@ -175,8 +175,8 @@ def simulate(policy: EvictionPolicy, ids: torch.Tensor, capacity: int, num_rows:
             lookup_hits += int((cache.slot_of_id[batch] >= 0).sum())
         plan = cache.plan(batch, step, write_back=True, max_staleness=0)
         if step in window:
-            unique_total += plan.unique_ids.numel()
-            unique_hits += plan.unique_ids.numel() - plan.pull_ids.numel()
+            unique_total += plan.num_unique
+            unique_hits += plan.num_unique - plan.pull_ids.numel()
     return {"per_lookup": lookup_hits / (len(window) * ids.shape[1]),
             "per_unique_id": unique_hits / unique_total,
             "seconds": time.perf_counter() - started}

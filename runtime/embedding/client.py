@@ -12,13 +12,15 @@ unique id; `cached_update` applies a table's row-wise optimizer (with
 several workers: its gradients go to the servers, every table's in one
 message per server once the step's last table is in).
 
-Each table's ids are made unique once per step (`StepIds`; a step early when
-the next batch's rows are prefetched): the cache plans, counts and pulls by
-unique id, and the gradient is summed per unique id before it is applied to
-the cached rows or sent to the servers (so a server receives each id once per
-worker): a bag's from its bag gradient in that unique's order
-(`embedding_bags.bag_gradient_rows`), an embedding's, one row per lookup,
-with one `index_add_` over that step's inverse.
+The cache plans a step without sorting its ids (`RowCache.plan`: each
+lookup's slot from the id -> slot map, the ids to pull made distinct in a
+bitmap); a fused group's kernel sums its gradients itself. A table whose
+gradient is summed here makes its ids unique once per step (`StepIds`, one
+stable sort, when the gradient first asks): the gradient is summed per
+unique id before it is applied to the cached rows or sent to the servers (so
+a server receives each id once per worker): a bag's from its bag gradient in
+that unique's order (`embedding_bags.bag_gradient_rows`), an embedding's,
+one row per lookup, with one `index_add_` over that step's inverse.
 
 Consistency model:
 - One worker: write-back. The update runs on the cached rows, whose optimizer
@@ -102,8 +104,6 @@ class EmbeddingClient:
         self._prefetch_requests: list[tuple[Label, int, list[tuple[str, torch.Tensor]], int]] = []
         # Prefetched rows per table: [(ids, reply tensors, step they are fresh for)].
         self._prefetched: dict[str, list[tuple[torch.Tensor, list[torch.Tensor], int]]] = {}
-        # The next step's ids per table, made unique when they were prefetched.
-        self._next_ids: dict[str, StepIds] = {}
         # Write-through: this step's gradients per server, sent once every
         # such table's are in.
         self._gradients: dict[Label, list[tuple[str, list[torch.Tensor]]]] = {}
@@ -184,14 +184,6 @@ class EmbeddingClient:
 
     # -- bound to the graph's marker ops --
 
-    def _step_ids(self, table: str, ids: torch.Tensor) -> StepIds:
-        """`ids` made unique: by the prefetch of this step's rows if it saw
-        these very ids, else now."""
-        prepared = self._next_ids.pop(table, None)
-        if prepared is not None and prepared.holds(ids):
-            return prepared
-        return StepIds.of(ids)
-
     def lookup(self, ids: torch.Tensor, *, table: str) -> torch.Tensor:
         slots = self._lookup_slots([(table, ids)])[0]
         cache = self.caches[table]
@@ -236,7 +228,7 @@ class EmbeddingClient:
             self.caches[tables[0]].table.optimizer_settings.get("maximize", False)))
         for table in tables:
             plan = self._plans.pop(table, None)
-            slots = plan.slots if plan is not None else self._resident_slots.pop(table)
+            slots = plan.lookup_slots if plan is not None else self._resident_slots.pop(table)
             self.caches[table].dirty.index_fill_(0, slots, True)
 
     def bag_gradient(self, grad: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
@@ -256,8 +248,7 @@ class EmbeddingClient:
         slots = []
         for table, ids in lookups:
             if table in plans:
-                plan = plans[table]
-                slots.append(plan.slots.index_select(0, plan.inverse))
+                slots.append(plans[table].lookup_slots)
                 continue
             self._load_resident(table)
             flat = ids.reshape(-1).to("cpu", torch.int64)
@@ -299,8 +290,7 @@ class EmbeddingClient:
         plans = []
         for table, ids in lookups:
             cache = self.caches[table]
-            plans.append(cache.plan(self._step_ids(table, ids), self._step,
-                                    write_back=self.write_back[table],
+            plans.append(cache.plan(ids, self._step, write_back=self.write_back[table],
                                     max_staleness=cache.table.settings.max_staleness))
         pushed = self._write_back([(t, p.evicted_ids, p.evicted_slots)
                                    for t, p in zip(keys, plans)])
@@ -309,8 +299,8 @@ class EmbeddingClient:
             # A hit is a row served without a pull (a stale cached row is a miss).
             misses = plan.pull_ids.numel()
             self.caches[table].counters.record(
-                lookups=ids.numel(), unique_ids=plan.unique_ids.numel(),
-                hits=plan.unique_ids.numel() - misses, misses=misses, evictions=plan.evictions,
+                lookups=ids.numel(), unique_ids=plan.num_unique,
+                hits=plan.num_unique - misses, misses=misses, evictions=plan.evictions,
                 bytes_pulled=pulled.get(table, 0), bytes_pushed=pushed.get(table, 0))
             self._plans[table] = plan
         self._prefetch(keys)
@@ -441,11 +431,8 @@ class EmbeddingClient:
                     not self.write_back[table] and (settings.max_staleness < 1
                                                     or settings.policy is EvictionPolicy.NONE)):
                 continue
-            next_ids = StepIds.of(self._next_feeds[feed])
-            self._next_ids[table] = next_ids  # the next step's lookup reuses this unique
-            ids = next_ids.unique
-            cache.check_ids(ids)
-            wanted.append((table, ids.masked_select(cache.slot_of_id.index_select(0, ids) < 0)))
+            next_ids = self._next_feeds[feed].reshape(-1).to("cpu", torch.int64)
+            wanted.append((table, cache.uncached_ids(next_ids)))
         by_server: dict[Label, list[tuple[str, torch.Tensor]]] = {}
         for table, ids in wanted:
             for server, positions in self._by_server(table, ids):
@@ -492,7 +479,6 @@ class EmbeddingClient:
             self._reply(server, seq)
         self._prefetch_requests = []
         self._prefetched.clear()
-        self._next_ids.clear()
 
     def save_rows(self, directory: str, steps_done: int) -> dict[str, bytes]:
         """Worker 0, for a sharded checkpoint: every server writes its rows of
