@@ -13,8 +13,8 @@ several workers: its gradients go to the servers, every table's in one
 message per server once the step's last table is in).
 
 The cache plans a step without sorting its ids (`RowCache.plan`: each
-lookup's slot from the id -> slot map, the ids to pull made distinct in a
-bitmap); a fused group's kernel sums its gradients itself. A table whose
+lookup's slot from the id -> slot map; only the misses are made distinct); a
+fused group's kernel sums its gradients itself. A table whose
 gradient is summed here makes its ids unique once per step (`StepIds`, one
 stable sort, when the gradient first asks): the gradient is summed per
 unique id before it is applied to the cached rows or sent to the servers (so

@@ -3,11 +3,11 @@ optimizer state) in slots on the worker's device, an id -> slot map, and the
 eviction policy. It only decides and stores; `client.py` talks to
 the servers.
 
-All bookkeeping is vectorized over a batch's lookups and sorts nothing:
+All bookkeeping is vectorized over a batch's lookups, which it never sorts:
 `slot_of_id` is a dense int64 map over the table (8 bytes a row) that gives
-each lookup its slot, the ids to pull are made distinct in a bitmap over the
-table, and eviction picks the candidate slots with the smallest policy keys
-(LRU: last use; LFU: lookups, then last use).
+each lookup its slot, only the misses are made distinct, and eviction picks
+the candidate slots with the smallest policy keys (LRU: last use; LFU:
+lookups, then last use).
 Gathers by index are `index_select` and masks `masked_select`: on the CPU they
 are 2-5x faster than advanced indexing (`t[index]`), which dominated the plan.
 """
@@ -149,9 +149,7 @@ class RowCache:
         self.frequency = (torch.zeros(table.num_rows, dtype=torch.int64)
                           if self.policy is EvictionPolicy.LFU else None)
         self.counters = TableCounters()
-        # Scratch bitmaps (all False between plans): ids (made on first use: a
-        # table's size) and slots.
-        self._id_marks: torch.Tensor | None = None
+        # A scratch bitmap over the slots (all False between plans).
         self._slot_marks = torch.zeros(self.capacity, dtype=torch.bool)
 
     def adopt_rows(self, rows: torch.Tensor) -> None:
@@ -190,9 +188,9 @@ class RowCache:
         """Make room for the batch's ids and say which rows to pull.
 
         `ids`: the batch's ids (any shape), or their `StepIds` when the caller
-        has made them unique already. No sort: each lookup's slot comes from
-        the id -> slot map, and the ids to pull are made distinct by marking
-        them in a table-sized bitmap. Rows of this batch are pinned: never
+        has made them unique already. The lookups are not sorted: each
+        lookup's slot comes from the id -> slot map, and only the misses are
+        made distinct (a fraction of the lookups). Rows of this batch are pinned: never
         chosen for eviction. Misses go to free slots first, then to the
         policy's victims; with several workers, cached rows older than
         `max_staleness` steps are pulled again.
@@ -238,16 +236,9 @@ class RowCache:
                          evicted.numel(), step_ids)
 
     def _distinct_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """`ids` made distinct and sorted, by marking them in a bitmap over the
-        table (reused, cleared again): no sort."""
-        if ids.numel() == 0:
-            return ids
-        if self._id_marks is None:
-            self._id_marks = torch.zeros(self.table.num_rows, dtype=torch.bool)
-        self._id_marks.index_fill_(0, ids, True)
-        distinct = self._id_marks.nonzero().reshape(-1)
-        self._id_marks.index_fill_(0, distinct, False)
-        return distinct
+        """`ids` made distinct and sorted: a batch's misses, a fraction of its
+        lookups (a bitmap over the whole table costs more to scan)."""
+        return torch.unique(ids) if ids.numel() else ids
 
     def uncached_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """The distinct ids of `ids` (flat, int64) not cached now, sorted."""
