@@ -6,7 +6,8 @@ train by one fused backward-and-SGD call (`cached_bags_update`); the trained
 tables and dense parameters equal the unsplit step bit for bit. The tables
 the kernel cannot train keep their own gradient and update. Each server gets
 at most one pull, one write-back and one prefetch request a step, whatever
-the number of tables.
+the number of tables, and applies a group of tables' gradients in one call.
+A table cached whole is resident.
 """
 
 import collections
@@ -19,7 +20,7 @@ from splitrun.runtime import run_threaded
 from splitrun.runtime.embedding.fused_bags import FusedBags
 from splitrun.runtime.embedding.protocol import Op, read_request
 from splitrun.runtime.embedding.store import EmbeddingStore
-from splitrun.splitter import Cluster, split_program
+from splitrun.splitter import Cluster, ParameterServerMode, split_program
 from splitrun.splitter.cache_mode import EmbeddingCacheMode
 from splitrun.splitter.cached_tables import (
     cached_bag_gradient,
@@ -137,3 +138,27 @@ def test_a_table_cached_whole_is_resident_and_equals_the_unsplit_step(build, opt
         assert counters["hit_rate"] == 1.0
         # Pulled once, whole: the rows and any row state.
         assert counters["bytes_pulled"] >= ROWS * 4 * 4, table
+
+
+def test_servers_update_a_group_of_tables_in_one_call_per_step(monkeypatch):
+    """Two workers (gradients go to the servers): the tables a server holds
+    that train alike share one buffer and take one row-wise update call a
+    step, not one per table; the numbers stay parameter-server mode's."""
+    import splitrun.runtime.embedding.store as store_module
+
+    calls = collections.Counter()
+    original = dict(store_module.IN_PLACE)
+    for name, update in original.items():
+        def counted(*args, _update=update, _name=name, **kwargs):
+            calls[_name] += 1
+            return _update(*args, **kwargs)
+        monkeypatch.setitem(store_module.IN_PLACE, name, counted)
+    program, batches = make("adagrad", 2, NUM_STEPS, cache_rows=48)  # two tables alike
+    run = run_threaded(_split(program, 2, 2), NUM_STEPS, feeds(batches), recv_timeout_s=30)
+    assert calls["adagrad"] == NUM_STEPS * 2  # a call per server and step
+    expected = run_threaded(split_program(*make("adagrad", 2, NUM_STEPS, cache_rows=None,
+                                                 sparse_tables=True)[:1], Cluster(2, 2),
+                                          ParameterServerMode()), NUM_STEPS, feeds(batches),
+                            recv_timeout_s=30).state
+    for key, value in expected.items():
+        assert torch.equal(run.state[key], value), f"{key} differs"
