@@ -201,17 +201,23 @@ class RowCache:
         slots = self.slot_of_id.index_select(0, flat)
         cached = slots >= 0
         hit_slots = slots.masked_select(cached)
-        miss_ids = self._distinct_ids(flat.masked_select(~cached))
-        num_unique = miss_ids.numel() + self._count_distinct_slots(hit_slots)
+        if self.policy is EvictionPolicy.NONE:
+            # Every row is pulled: the ids are made unique once, and the
+            # gradient sums per unique id with the same unique.
+            step_ids = step_ids if step_ids is not None else StepIds.of(flat)
+            unique = step_ids.unique
+            miss_ids = unique.masked_select(self.slot_of_id.index_select(0, unique) < 0)
+            num_unique = unique.numel()
+        else:
+            miss_ids = self._distinct_ids(flat.masked_select(~cached))
+            num_unique = miss_ids.numel() + self._count_distinct_slots(hit_slots)
         if num_unique > self.capacity:
             raise CacheError(
                 f"table {self.table.key!r}: this batch looks up {num_unique} distinct "
                 f"ids but the cache holds {self.capacity} rows; cache_rows must be at least "
                 f"{num_unique} (place_embedding_cache(..., cache_rows=...))")
         stale_ids = miss_ids[:0]
-        if self.policy is EvictionPolicy.NONE:
-            stale_ids = self.id_of_slot.index_select(0, hit_slots)  # no reuse
-        elif not write_back:
+        if not write_back and self.policy is not EvictionPolicy.NONE:
             old = (step - self.fresh_for.index_select(0, hit_slots)) > max_staleness
             stale_ids = self.id_of_slot.index_select(0, hit_slots.masked_select(old))
         new_slots, evicted = self._make_room(miss_ids.numel(), pinned=hit_slots)
@@ -229,7 +235,9 @@ class RowCache:
         if self.frequency is not None:
             self.frequency.index_add_(0, flat, torch.ones_like(flat))
         pull_ids = miss_ids
-        if stale_ids.numel():
+        if self.policy is EvictionPolicy.NONE:
+            pull_ids = step_ids.unique  # no reuse
+        elif stale_ids.numel():
             pull_ids = self._distinct_ids(torch.cat([miss_ids, stale_ids]))
         pull_slots = self.slot_of_id.index_select(0, pull_ids)
         return BatchPlan(flat, slots, num_unique, pull_ids, pull_slots, dirty_ids, dirty_slots,
