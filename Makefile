@@ -7,9 +7,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv run run-pipeline run-recsys run-parallel lint test test-fast proto bench clean
 
+# torchrec goes in with --no-deps: its metadata's `fbgemm-gpu` (the CUDA build)
+# would overwrite fbgemm-gpu-cpu's files; its other dependencies come with setup.cfg.
 $(STAMP): setup.cfg setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt --no-deps torchrec
 	touch $(STAMP)
 
 venv: $(STAMP)

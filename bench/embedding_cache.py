@@ -14,20 +14,28 @@ recommendation job. Prints JSON.
     0.02 and LRU within 0.06 of the ideal static cache (per lookup).
 
 (b) Throughput. The DLRM job of examples/recsys_cache.py through the real
-    launcher (1 worker, 2 servers), with LRU caches against the same job with
-    policy none (every lookup pulls its rows from the servers and every
-    gradient goes back) and with the whole tables cached (the ceiling: no
-    misses once warm), interleaved, median of --repeats runs; samples/s over
-    the steps after a warm-up (the cache is full by then) and over the whole
-    run. The same three jobs then run across two simulated hosts
-    (bench/hosts.py, needs root): scheduler and servers on one side of a link
-    shaped to 10 Gbit/s, then 1 Gbit/s, the worker on the other. Goals (ratios
-    in one run, at 10 Gbit/s): the LRU 20 % cache at least 3x the uncached
-    job's samples/s and at least 0.85x the whole-table-cached ceiling's.
+    launcher (1 worker, 2 servers; the MLPs on the worker, the tables' rows on
+    the servers), with LRU caches against the same job with policy none
+    (every lookup pulls its rows from the servers and every gradient goes
+    back) and with the whole tables cached (the ceiling: no misses once
+    warm); next to them, in the same run, on the same model, starting
+    weights and batches, what users would run instead (bench/torchrec_anchors.py):
+    plain torch in one process, TorchRec's FusedEmbeddingBagCollection in one
+    process, TorchRec's DistributedModelParallel on 2 processes (gloo).
+    Interleaved, median of --repeats runs; samples/s over the steps after a
+    warm-up (the cache is full by then) and over the whole run; every ratio
+    of a splitrun job to an anchor. Goals (one host): the LRU 20 % cache at
+    least 1.0x DMP's samples/s, the whole-table-cached job at least 1.0x the
+    fused collection's, the LRU 20 % cache at least 0.9x the whole-table
+    ceiling. The three splitrun jobs then run across two simulated hosts
+    (bench/hosts.py, needs root): scheduler and servers on one side of a
+    link shaped to 10 Gbit/s, then 1 Gbit/s, the worker on the other.
 
-(c) Profile (only with --part profile): worker 0's steps after the warm-up
-    of the three jobs of (b) on one host, under torch.profiler (aten
-    ops by self CPU time) and cProfile; the tables go to --profile-dir.
+(c) Profile (only with --part profile): the three jobs of (b) on one host,
+    the steps after the warm-up: worker 0's under torch.profiler (aten ops
+    by self CPU time) and cProfile; server 0's table store (the requests of
+    those steps, in its serving thread) the same way; the tables go to
+    --profile-dir/<job>/{worker0,server0}/.
 
     python bench/embedding_cache.py [--quick] [--repeats 3] [--one-host]
         [--rates-mbit 10000 1000] [--part hit_rates|throughput|profile]
@@ -43,6 +51,7 @@ import os
 import pathlib
 import platform
 import pstats
+import resource
 import statistics
 import subprocess
 import sys
@@ -167,8 +176,8 @@ def simulate(policy: EvictionPolicy, ids: torch.Tensor, capacity: int, num_rows:
             lookup_hits += int((cache.slot_of_id[batch] >= 0).sum())
         plan = cache.plan(batch, step, write_back=True, max_staleness=0)
         if step in window:
-            unique_total += plan.unique_ids.numel()
-            unique_hits += plan.unique_ids.numel() - plan.pull_ids.numel()
+            unique_total += plan.num_unique
+            unique_hits += plan.num_unique - plan.pull_ids.numel()
     return {"per_lookup": lookup_hits / (len(window) * ids.shape[1]),
             "per_unique_id": unique_hits / unique_total,
             "seconds": time.perf_counter() - started}
@@ -259,8 +268,18 @@ WARMUP_STEPS = 30
 MEASURED_STEPS = 60
 QUICK_WARMUP_STEPS = 15
 QUICK_MEASURED_STEPS = 20
+# What users would run instead (bench/torchrec_anchors.py), on the same job.
+ANCHORS = {"torch_one_process": "plain", "torchrec_fused_one_process": "fused",
+           "torchrec_dmp_2_processes": "dmp"}
+TORCH, FUSED, DMP = ANCHORS
+DMP_PROCESSES = 2
+# Goals on one host: (numerator, denominator, at least).
+GOALS = {"lru_20_percent_vs_torchrec_dmp": (CACHED, DMP, 1.0),
+         "whole_table_cached_vs_torchrec_fused": (CEILING, FUSED, 1.0),
+         "lru_20_percent_vs_whole_table_cached": (CACHED, CEILING, 0.9)}
+# The goals of the two-host runs (at 10 Gbit/s): the cache at least 3x the
+# uncached job, and at least this share of the ceiling.
 GOAL_SPEEDUP = 3.0
-# ... and the cached job at least this share of the whole-table-cached one's.
 GOAL_OF_CEILING = 0.85
 # Bounds one launched job (start, data, steps, shutdown) on 2 cores.
 RUN_TIMEOUT_S = 900
@@ -274,23 +293,28 @@ def run_job(args: argparse.Namespace) -> None:
     """Runs inside `splitrun launch`: every process runs this. Worker 0 prints
     one line BENCH {...}: when each step ended, and the cache counters."""
     from splitrun.runtime.job import Job
-    from splitrun.splitter.cache_mode import EmbeddingCacheMode
 
     job_args = recsys_cache.parser().parse_args(args.job_args)
     torch.set_num_threads(job_args.threads)
     job = Job.from_env()
-    _, program, spec, _ = recsys_cache.build(job_args, job.cluster.num_workers)
+    _, program, spec, _, _ = recsys_cache.build(job_args, job.cluster.num_workers,
+                                                tables_here=not job.is_worker)
     batches = []
     if job.is_worker:
         hidden = recsys_cache.HiddenModel.build(spec)
         batches = recsys_cache.global_batches(spec, hidden, job_args.batch_size, job_args.steps)
     # No final state: the whole tables' dump is no part of a training step.
-    trainer = job.start(program, EmbeddingCacheMode(), gather_state=False)
-    profiler = _StepProfiler(args.profile_dir, args.profile_after) if (
+    trainer = job.start(program, recsys_cache.cache_mode(job_args), gather_state=False)
+    profiler = _StepProfiler(pathlib.Path(args.profile_dir) / "worker0", args.profile_after) if (
         args.profile_dir and job.is_driver) else None
+    if args.profile_dir and job.label.role.value == "server" and job.rank == 0:
+        trainer.process.set_store_hook(_StoreProfiler(
+            pathlib.Path(args.profile_dir) / "server0", args.profile_after).on_request)
     stamps = [time.perf_counter()]
+    waits = []  # seconds blocked for rows so far, after each step
     for step, _ in enumerate(trainer.run(trainer.shard(batches))):
         stamps.append(time.perf_counter())
+        waits.append(trainer.process.cache_waits)
         if profiler is not None:
             profiler.after_step(step)
     if profiler is not None:
@@ -299,7 +323,7 @@ def run_job(args: argparse.Namespace) -> None:
     if job.is_driver:
         counters = trainer.cache_counters.values()
         print(BENCH_PREFIX + json.dumps({
-            "stamps": stamps,
+            "stamps": stamps, "waits": waits,
             "hits": sum(c["hits"] for c in counters),
             "unique_ids": sum(c["unique_ids"] for c in counters),
             "bytes_pulled": sum(c["bytes_pulled"] for c in counters),
@@ -311,8 +335,8 @@ class _StepProfiler:
     torch.profiler (ops: self CPU time) and cProfile (Python functions); the
     tables are written to `directory` when it stops."""
 
-    def __init__(self, directory: str, after: int) -> None:
-        self.directory = pathlib.Path(directory)
+    def __init__(self, directory: pathlib.Path, after: int) -> None:
+        self.directory = directory
         self.after = after
         self.torch_profile = torch.profiler.profile(activities=[
             torch.profiler.ProfilerActivity.CPU])
@@ -341,6 +365,54 @@ class _StepProfiler:
         (self.directory / "python.txt").write_text(f"{self.steps} steps\n{text.getvalue()}")
 
 
+class _StoreProfiler:
+    """Server 0's table store over the requests of steps [after, after +
+    PROFILED_STEPS), in its serving thread (`set_store_hook`): the same two
+    tables as the worker's, and the store's CPU time per step."""
+
+    def __init__(self, directory: pathlib.Path, after: int) -> None:
+        self.directory = directory
+        self.after = after
+        self.torch_profile = None
+        self.python_profile = cProfile.Profile()
+        self.started_cpu_s = self.started_process_s = 0.0
+        self.done = False
+
+    def on_request(self, step: int) -> None:
+        if self.done or step < self.after:
+            return
+        if self.torch_profile is None:
+            self.torch_profile = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU])
+            self.torch_profile.start()
+            self.python_profile.enable()
+            self.started_cpu_s = time.thread_time()
+            self.started_process_s = _process_cpu_s()
+        elif step >= self.after + PROFILED_STEPS:
+            cpu_s = time.thread_time() - self.started_cpu_s
+            process_s = _process_cpu_s() - self.started_process_s
+            self.python_profile.disable()
+            self.torch_profile.stop()
+            self.done = True
+            self.directory.mkdir(parents=True, exist_ok=True)
+            table = self.torch_profile.key_averages().table(sort_by="self_cpu_time_total",
+                                                           row_limit=PROFILE_ROWS)
+            (self.directory / "ops.txt").write_text(
+                f"{PROFILED_STEPS} steps; the serving thread's CPU time: {cpu_s:.3f} s "
+                f"({1e3 * cpu_s / PROFILED_STEPS:.1f} ms a step); the whole server process "
+                f"(its plan step too): {1e3 * process_s / PROFILED_STEPS:.1f} ms a step"
+                f"\n{table}\n")
+            text = io.StringIO()
+            pstats.Stats(self.python_profile, stream=text).sort_stats("tottime").print_stats(
+                PROFILE_ROWS)
+            (self.directory / "python.txt").write_text(f"{PROFILED_STEPS} steps\n{text.getvalue()}")
+
+
+def _process_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def launch(variant: str, steps: int, profile_dir: str | None = None,
            profile_after: int = 0) -> dict:
     profile = ["--profile-dir", profile_dir, "--profile-after", str(profile_after)] if (
@@ -355,6 +427,44 @@ def launch(variant: str, steps: int, profile_dir: str | None = None,
             return json.loads(line.split(BENCH_PREFIX, 1)[1])
     raise RuntimeError(f"the {variant} job failed ({out.returncode}):\n"
                        f"{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
+
+
+def launch_anchor(anchor: str, steps: int) -> dict:
+    """One run of an anchor (bench/torchrec_anchors.py) on the same job; DMP's
+    processes meet at a TCPStore this process serves (port 0)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    script = str(HERE.parent / "torchrec_anchors.py")
+    job = [*THROUGHPUT_JOB, "--steps", str(steps)]
+    kind = ANCHORS[anchor]
+    if kind != "dmp":
+        commands, store = [[sys.executable, script, kind, "--", *job]], None
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, DMP_PROCESSES + 1, is_master=True,
+                              wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=RUN_TIMEOUT_S))
+        commands = [[sys.executable, script, kind, "--rank", str(rank), "--world-size",
+                     str(DMP_PROCESSES), "--store", f"127.0.0.1:{store.port}", "--", *job]
+                    for rank in range(DMP_PROCESSES)]
+    processes = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for c in commands]
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=RUN_TIMEOUT_S)[0])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    del store
+    for output in outputs:
+        for line in output.splitlines():
+            if line.startswith(BENCH_PREFIX):
+                return json.loads(line[len(BENCH_PREFIX):])
+    raise RuntimeError(f"the {anchor} run failed:\n" + "\n".join(o[-4000:] for o in outputs))
 
 
 # -- across two simulated hosts (bench/hosts.py) --------------------------------
@@ -398,20 +508,52 @@ def summarize(measured: list[dict], warmup: int, steps: int, batch_size: int) ->
     steady = [samples_per_s(r["stamps"], warmup, batch_size) for r in measured]
     whole = [samples_per_s(r["stamps"], 0, batch_size) for r in measured]
     median = statistics.median
-    return {"samples_per_s": round(median(steady), 1),
-            "step_ms": round(1e3 * batch_size / median(steady), 1),
-            "samples_per_s_whole_run": round(median(whole), 1),
-            "runs_samples_per_s": [round(s, 1) for s in steady],
+    summary = {"samples_per_s": round(median(steady), 1),
+               "step_ms": round(1e3 * batch_size / median(steady), 1),
+               "samples_per_s_whole_run": round(median(whole), 1),
+               "runs_samples_per_s": [round(s, 1) for s in steady]}
+    if "hits" not in measured[0]:  # an anchor
+        return summary
+    return {**summary,
             "hit_rate_per_unique_id_whole_run": round(median(
                 r["hits"] / r["unique_ids"] for r in measured), 4),
             "mb_pulled_per_step": round(median(r["bytes_pulled"] for r in measured)
                                         / steps / 1e6, 2),
             "mb_pushed_per_step": round(median(r["bytes_pushed"] for r in measured)
-                                        / steps / 1e6, 2)}
+                                        / steps / 1e6, 2),
+            "ms_blocked_for_rows_per_step": _blocked(measured, warmup)}
+
+
+def _blocked(measured: list[dict], warmup: int) -> dict:
+    """Medians over the runs of the ms a timed step blocked waiting for
+    prefetched rows (what the next-batch prefetch did not hide) and for rows
+    pulled in the step itself, and the share of the step the first is."""
+    result = {}
+    for kind in ("prefetched", "pulled"):
+        result[kind] = round(1e3 * statistics.median(
+            (r["waits"][-1][kind] - r["waits"][warmup - 1][kind]) / (len(r["waits"]) - warmup)
+            for r in measured), 3)
+    step_ms = statistics.median(1e3 * (r["stamps"][-1] - r["stamps"][warmup])
+                                / (len(r["stamps"]) - 1 - warmup) for r in measured)
+    result["prefetched_share_of_step"] = round(result["prefetched"] / step_ms, 4)
+    return result
+
+
+def _ratios(results: dict[str, dict]) -> dict:
+    """Every splitrun job's samples/s over every anchor's, and the goals."""
+    rate = {name: result["samples_per_s"] for name, result in results.items()}
+    ratios = {f"{v}_vs_{a}": round(rate[v] / rate[a], 3) for v in VARIANTS for a in ANCHORS}
+    ratios.update({f"{a}_vs_{b}": round(rate[a] / rate[b], 3)
+                   for a, b in ((FUSED, TORCH), (DMP, TORCH), (DMP, FUSED))})
+    goals = {name: {"ratio": round(rate[a] / rate[b], 3), "at_least": bound,
+                    "met": rate[a] / rate[b] >= bound}
+             for name, (a, b, bound) in GOALS.items()}
+    return {"ratios": ratios, "goals": goals}
 
 
 def _compare(runs: dict[str, list[dict]], warmup: int, steps: int, batch_size: int) -> dict:
-    results = {v: summarize(r, warmup, steps, batch_size) for v, r in runs.items()}
+    results = {v: summarize(r, warmup, steps, batch_size) for v, r in runs.items()
+               if v in VARIANTS}
     speedup = results[CACHED]["samples_per_s"] / results[UNCACHED]["samples_per_s"]
     of_ceiling = results[CACHED]["samples_per_s"] / results[CEILING]["samples_per_s"]
     return {"results": results,
@@ -432,15 +574,20 @@ def throughput(quick: bool, repeats: int, rates_mbit: tuple[float, ...]) -> dict
     warmup = QUICK_WARMUP_STEPS if quick else WARMUP_STEPS
     steps = warmup + (QUICK_MEASURED_STEPS if quick else MEASURED_STEPS)
     batch_size = int(THROUGHPUT_JOB[THROUGHPUT_JOB.index("--batch-size") + 1])
-    runs: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
+    runs: dict[str, list[dict]] = {name: [] for name in [*VARIANTS, *ANCHORS]}
     for _ in range(repeats):  # interleaved, so drift hits every variant alike
         for variant in VARIANTS:
             runs[variant].append(launch(variant, steps))
+        for anchor in ANCHORS:
+            runs[anchor].append(launch_anchor(anchor, steps))
+    one_host = _compare(runs, warmup, steps, batch_size)
+    one_host["anchors"] = {a: summarize(runs[a], warmup, steps, batch_size) for a in ANCHORS}
+    one_host.update(_ratios({**one_host["results"], **one_host["anchors"]}))
     report = {"job": " ".join(THROUGHPUT_JOB), "variants": {v: " ".join(a) for v, a in
                                                             VARIANTS.items()},
+              "anchors": {a: f"bench/torchrec_anchors.py {k}" for a, k in ANCHORS.items()},
               "workers": THROUGHPUT_WORKERS, "servers": THROUGHPUT_SERVERS, "steps": steps,
-              "timed_after_step": warmup, "repeats": repeats,
-              "one_host": _compare(runs, warmup, steps, batch_size)}
+              "timed_after_step": warmup, "repeats": repeats, "one_host": one_host}
     if rates_mbit:
         report["two_hosts"] = two_host_throughput(rates_mbit, repeats, warmup, steps,
                                                   batch_size)
@@ -471,11 +618,11 @@ def two_host_throughput(rates_mbit: tuple[float, ...], repeats: int, warmup: int
 
 
 def profile(quick: bool, directory: str) -> dict:
-    """One worker step profiled: the cached (LRU 20 %), uncached and
-    whole-table-cached jobs, steps after the warm-up; tables in
-    `directory`/<variant>/."""
+    """Worker 0's steps and server 0's table store profiled: the cached (LRU
+    20 %), uncached and whole-table-cached jobs, steps after the warm-up;
+    tables in `directory`/<variant>/{worker0,server0}/."""
     warmup = QUICK_WARMUP_STEPS if quick else WARMUP_STEPS
-    steps = warmup + PROFILED_STEPS
+    steps = warmup + PROFILED_STEPS + 2  # the server's window closes at a later request
     report = {}
     for variant in VARIANTS:
         where = str(pathlib.Path(directory) / variant)

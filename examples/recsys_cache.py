@@ -9,6 +9,7 @@ the Criteo display-advertising format.
     splitrun launch --workers 1 --servers 2 examples/recsys_cache.py --resume ckpt.pt
     splitrun launch --workers 2 --servers 2 examples/recsys_cache.py --tables 26 \\
         --data day_0.tsv --eval-data day_1.tsv
+    splitrun launch --workers 1 --servers 2 examples/recsys_cache.py --model torchrec
 
 The data: `--data FILE` (and `--eval-data FILE` for the held-out scores) is a
 Criteo-format TSV file (label, 13 integer and 26 hexadecimal categorical
@@ -25,8 +26,14 @@ model gets to the labels' own model.
 The model: dense features through a bottom MLP; one `nn.EmbeddingBag` (mode sum) per
 categorical feature (sum-pooled over its ids); DLRM's interaction (the pairwise
 dot products of the embedding vectors and the bottom MLP's output); a top MLP
-to a click logit. Dense parameters live on the servers, the tables on the
-servers too, hash-sliced, with `cache_rows` rows of each cached on every worker.
+to a click logit. The tables live on the servers, hash-sliced, with
+`cache_rows` rows of each cached on every worker; the dense parameters on
+every worker (`--dense worker`, the default: gradients all-reduced between
+workers) or on the servers (`--dense server`). `--model torchrec` trains the
+same model in TorchRec's form (`TorchRecDLRM`: its tables in one
+`torchrec.EmbeddingBagCollection`, fed `KeyedJaggedTensor`s), converted once
+by `TorchRecInput`; the final state is loaded back into an unconverted
+TorchRec model for the held-out scores.
 
 The in-memory synthetic stream below (`HiddenModel`, `global_batches`), which
 bench/embedding_cache.py drives: each table's ids are drawn from a Zipf law
@@ -45,6 +52,7 @@ cache hit rate per table, samples/s and the time taken. `--json` adds one line
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import itertools
 import json
@@ -71,6 +79,7 @@ from splitrun.runtime.datasets import (
 from splitrun.runtime.job import Job
 from splitrun.splitter import capture, optim, place
 from splitrun.splitter.cache_mode import EmbeddingCacheMode, place_embedding_cache
+from splitrun.splitter.torchrec_input import TorchRecInput
 
 # Criteo's click logs have 13 dense features; the synthetic data keeps that.
 NUM_DENSE = 13
@@ -92,6 +101,7 @@ MODEL_SEED = 0
 HIDDEN_SEED = 1
 PERMUTATION_SEED = 2
 TRAIN_SEED = 3
+TABLE_SEED = 4  # each table's starting rows (this seed and the table's index)
 # The held-out set is scored in chunks of this many samples.
 EVAL_CHUNK = 16384
 # Intra-op threads per process. The launcher starts W + S processes on one
@@ -143,27 +153,96 @@ class DLRM(nn.Module):
     """Bottom MLP, embedding tables, pairwise-dot interaction, top MLP."""
 
     def __init__(self, rows: tuple[int, ...], dim: int, bottom: list[int],
-                 top: list[int]) -> None:
+                 top: list[int], *, init_tables: bool = True) -> None:
         super().__init__()
         self.bottom = mlp([NUM_DENSE, *bottom, dim], last_relu=True)
         # Multi-hot features pooled by sum bags, as DLRM's. skip_init:
-        # initialize million-row tables once, not twice.
+        # initialize million-row tables once, not twice; not at all with
+        # init_tables=False (their memory is then never written, so never
+        # paged in: a worker whose tables live on the servers).
         self.tables = nn.ModuleList(nn.utils.skip_init(nn.EmbeddingBag, n, dim, mode="sum")
                                     for n in rows)
-        for table in self.tables:
-            nn.init.normal_(table.weight, std=EMBEDDING_INIT_STD)
+        for index, table in enumerate(self.tables if init_tables else ()):
+            # A generator of its own: a worker skipping this draws the MLPs alike.
+            generator = torch.Generator().manual_seed(_seed(TABLE_SEED, index))
+            nn.init.normal_(table.weight, std=EMBEDDING_INIT_STD, generator=generator)
         self.num_features = len(rows) + 1
         num_pairs = self.num_features * (self.num_features - 1) // 2
         self.top = mlp([dim + num_pairs, *top, 1], last_relu=False)
 
     def forward(self, dense: torch.Tensor, *ids: torch.Tensor) -> torch.Tensor:
         bottom = self.bottom(dense)
-        vectors = [bottom] + [table(i) for table, i in zip(self.tables, ids)]
-        stacked = torch.stack(vectors, 1)                       # [B, F, D]
-        gram = torch.bmm(stacked, stacked.transpose(1, 2))      # [B, F, F]
-        # The strictly lower triangle, row by row: every pair once, static slices.
-        pairs = torch.cat([gram[:, i, :i] for i in range(1, self.num_features)], 1)
-        return self.top(torch.cat([bottom, pairs], 1)).squeeze(1)
+        return interact(self.top, bottom, [table(i) for table, i in zip(self.tables, ids)])
+
+
+def interact(top: nn.Module, bottom: torch.Tensor, pooled: list[torch.Tensor]) -> torch.Tensor:
+    """DLRM's interaction: the pairwise dot products of the bottom MLP's output
+    and the pooled embeddings, with the bottom output, through the top MLP."""
+    vectors = [bottom, *pooled]
+    stacked = torch.stack(vectors, 1)                       # [B, F, D]
+    gram = torch.bmm(stacked, stacked.transpose(1, 2))      # [B, F, F]
+    # The strictly lower triangle, row by row: every pair once, static slices.
+    pairs = torch.cat([gram[:, i, :i] for i in range(1, len(vectors))], 1)
+    return top(torch.cat([bottom, pairs], 1)).squeeze(1)
+
+
+# -- the same model in TorchRec's form -------------------------------------------
+
+def feature_name(table: int) -> str:
+    return f"feature_{table}"
+
+
+class TorchRecDLRM(nn.Module):
+    """`DLRM` with its tables in one `torchrec.EmbeddingBagCollection` (table
+    `table_<i>` pools feature `feature_<i>`, sum), fed a `KeyedJaggedTensor`:
+    the model a TorchRec user writes. `tables=` passes another collection
+    (TorchRec's `FusedEmbeddingBagCollection`) of the same tables."""
+
+    def __init__(self, rows: tuple[int, ...], dim: int, bottom: list[int], top: list[int], *,
+                 tables: nn.Module | None = None, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        from torchrec import EmbeddingBagCollection
+
+        self.bottom = mlp([NUM_DENSE, *bottom, dim], last_relu=True)
+        self.tables = tables if tables is not None else EmbeddingBagCollection(
+            tables=torchrec_tables(rows, dim), device=torch.device(device))
+        self.num_tables = len(rows)
+        num_pairs = (self.num_tables + 1) * self.num_tables // 2
+        self.top = mlp([dim + num_pairs, *top, 1], last_relu=False)
+
+    def forward(self, dense: torch.Tensor, features) -> torch.Tensor:
+        pooled = self.tables(features)  # a KeyedTensor
+        return interact(self.top, self.bottom(dense),
+                        [pooled[feature_name(i)] for i in range(self.num_tables)])
+
+    def load_dlrm(self, dlrm: DLRM) -> TorchRecDLRM:
+        """Take `dlrm`'s parameters (the same model: the same starting point)."""
+        state = {k: v for k, v in dlrm.state_dict().items() if not k.startswith("tables.")}
+        for index, table in enumerate(dlrm.tables):
+            state[f"tables.embedding_bags.table_{index}.weight"] = table.weight.detach()
+        self.load_state_dict(state)  # the fused collection names its weights alike
+        return self
+
+
+def torchrec_tables(rows: tuple[int, ...], dim: int) -> list:
+    from torchrec import EmbeddingBagConfig, PoolingType
+
+    return [EmbeddingBagConfig(name=f"table_{i}", embedding_dim=dim, num_embeddings=n,
+                               feature_names=[feature_name(i)], pooling=PoolingType.SUM,
+                               init_fn=functools.partial(nn.init.normal_,
+                                                         std=EMBEDDING_INIT_STD))
+            for i, n in enumerate(rows)]
+
+
+def features_of(ids: list[torch.Tensor]):
+    """One batch's ids ([samples, ids per sample] per table) as the
+    `KeyedJaggedTensor` TorchRec models read."""
+    from torchrec import KeyedJaggedTensor
+
+    lengths = torch.cat([torch.full((t.shape[0],), t.shape[1], dtype=torch.int64) for t in ids])
+    return KeyedJaggedTensor.from_lengths_sync(
+        [feature_name(i) for i in range(len(ids))], torch.cat([t.reshape(-1) for t in ids]),
+        lengths)
 
 
 def click_loss(model: nn.Module, dense: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
@@ -339,25 +418,63 @@ def cache_rows_for(num_rows: int, shard: int, args: argparse.Namespace) -> int:
     return min(num_rows, max(wanted, batch_ids))
 
 
-def build(args: argparse.Namespace, num_workers: int):
+def build(args: argparse.Namespace, num_workers: int, *, tables_here: bool = True):
     """(model, program for one worker's shard of a global batch, data spec,
-    cache rows per table). The same on every process."""
+    cache rows per table, what turns a batch (dense, ids..., label) into the
+    step's). The same on every process. `--model torchrec`: the TorchRec form
+    (`TorchRecDLRM`, fed KeyedJaggedTensors), converted for capture by
+    `TorchRecInput`. `tables_here=False` (workers): the tables' starting
+    values are the servers' alone, so a worker leaves them unwritten and they
+    take no memory there (its caches pull rows from the servers)."""
     spec = DataSpec(table_rows(args), args.ids_per_table, args.zipf)
     if args.batch_size % num_workers:
         raise SystemExit(f"--batch-size {args.batch_size} must divide among "
                          f"{num_workers} workers")
     shard = args.batch_size // num_workers
     torch.manual_seed(MODEL_SEED)
-    model = DLRM(spec.rows, args.dim, args.bottom, args.top)
-    place(model, role="server")  # dense parameters on the servers
+    model = DLRM(spec.rows, args.dim, args.bottom, args.top, init_tables=tables_here)
+    loss, convert, tables = click_loss, _as_it_is, list(model.tables)
+    if args.model == "torchrec":
+        model = TorchRecDLRM(spec.rows, args.dim, args.bottom, args.top).load_dlrm(model)
+        rec = TorchRecInput(model)  # the one conversion step
+        loss, tables = rec.loss(torchrec_click_loss), list(rec.tables)
+
+        def convert(batch):
+            dense, *ids, label = batch
+            return rec.batch(dense, features_of(ids), label)
+    if args.dense == "server":
+        place(model, role="server")  # dense parameters on the servers too
     cache_rows = [cache_rows_for(n, shard, args) for n in spec.rows]
-    for table, rows in zip(model.tables, cache_rows):
+    for table, rows in zip(tables, cache_rows):
         place_embedding_cache(table, cache_rows=rows, policy=args.policy,
                               max_staleness=args.max_staleness)
     # One optimizer for everything: cached tables take SGD or row-wise Adagrad.
     optimizer = OPTIMIZERS[args.optimizer](lr=args.lr)
-    program = capture(model, click_loss, optimizer, example_batch(spec, shard))
-    return model, program, spec, cache_rows
+    program = capture(model, loss, optimizer, convert(example_batch(spec, shard)))
+    return model, program, spec, cache_rows, convert
+
+
+def _as_it_is(batch):
+    return batch
+
+
+def torchrec_click_loss(model: nn.Module, dense: torch.Tensor, features,
+                        label: torch.Tensor) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(model(dense, features), label)
+
+
+def table_keys(args: argparse.Namespace) -> list[str]:
+    """The cached tables' state keys, in table order."""
+    if args.model == "torchrec":
+        return [f"tables.embedding_bags.table_{i}.weight" for i in range(args.tables)]
+    return [f"tables.{i}.weight" for i in range(args.tables)]
+
+
+def cache_mode(args: argparse.Namespace) -> EmbeddingCacheMode:
+    """The tables' rows on the servers; the dense MLPs on every worker
+    (`--dense worker`, gradients all-reduced between workers) or on the
+    servers too (`--dense server`)."""
+    return EmbeddingCacheMode(dense=args.dense)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -385,6 +502,12 @@ def parser() -> argparse.ArgumentParser:
                                                        "--cache-fraction)")
     parser.add_argument("--policy", choices=["lru", "lfu", "none"], default="lru",
                         help="eviction policy; none: no caching, every lookup to the servers")
+    parser.add_argument("--model", choices=["dlrm", "torchrec"], default="dlrm",
+                        help="the model's form: plain torch bags, or TorchRec's "
+                             "EmbeddingBagCollection fed KeyedJaggedTensors")
+    parser.add_argument("--dense", choices=["worker", "server"], default="worker",
+                        help="where the MLPs live: replicated on the workers (all-reduced) "
+                             "or on the servers")
     parser.add_argument("--max-staleness", type=int, default=2,
                         help="several workers: re-read a cached row older than this many steps")
     parser.add_argument("--data", help="training data: a Criteo-format TSV file (without "
@@ -407,7 +530,7 @@ def parser() -> argparse.ArgumentParser:
 
 # -- evaluation and the report ---------------------------------------------------
 
-def evaluate(model: DLRM, spec: DataSpec, files: DataFiles) -> dict:
+def evaluate(model: nn.Module, spec: DataSpec, files: DataFiles) -> dict:
     """Held-out log-loss and AUC of `model`, next to the base rate's entropy
     (what predicting the click rate alone scores) and, for generated data,
     the hidden model's AUC (the best any model can do on these labels).
@@ -418,7 +541,8 @@ def evaluate(model: DLRM, spec: DataSpec, files: DataFiles) -> dict:
     with torch.no_grad():
         for dense, *ids, label in criteo_source(files.held_out, spec, EVAL_CHUNK,
                                                 drop_last=False):
-            scores.append(model(dense, *ids))
+            scores.append(model(dense, features_of(ids)) if isinstance(model, TorchRecDLRM)
+                          else model(dense, *ids))
             labels.append(label)
     probability = torch.sigmoid(torch.cat(scores)).double().numpy()
     truth = torch.cat(labels).numpy()
@@ -437,8 +561,7 @@ def report(args, job: Job, trainer, spec: DataSpec, cache_rows: list[int], metri
     """The numbers worker 0 prints (and `--json` emits)."""
     counters = trainer.cache_counters
     tables = {}
-    for index, (rows, num_rows) in enumerate(zip(cache_rows, spec.rows)):
-        key = f"tables.{index}.weight"
+    for key, rows, num_rows in zip(table_keys(args), cache_rows, spec.rows):
         counter = counters[key]
         tables[key] = {"rows": num_rows, "cache_rows": rows, "hit_rate": counter["hit_rate"],
                        "lookups": counter["lookups"], "unique_ids": counter["unique_ids"],
@@ -488,17 +611,19 @@ def main() -> int:
     if args.eval_data and not args.data:
         raise SystemExit("--eval-data goes with --data (generated data has its own)")
     job = Job.from_env()
-    model, program, spec, cache_rows = build(args, job.cluster.num_workers)
+    model, program, spec, cache_rows, convert = build(args, job.cluster.num_workers,
+                                                      tables_here=not job.is_worker)
     # Servers train on no batch: only workers read (or generate) the data.
     files = data_files(args, spec) if job.is_worker else None
     source = criteo_source(files.train, spec, args.batch_size) if job.is_worker else []
-    trainer = job.start(program, EmbeddingCacheMode(), num_steps=args.steps,
+    trainer = job.start(program, cache_mode(args), num_steps=args.steps,
                         resume=args.resume)
 
     started = time.perf_counter()
     first = trainer.steps_done
     # Each worker reads its own shard of every global batch from the file.
-    for _ in trainer.run(itertools.islice(trainer.shard(source), first, args.steps)):
+    for _ in trainer.run(map(convert, itertools.islice(trainer.shard(source), first,
+                                                        args.steps))):
         pass
     train_s = time.perf_counter() - started
     if args.save and job.is_worker:
@@ -508,6 +633,8 @@ def main() -> int:
         return 0
 
     total_s = time.perf_counter() - started
+    if args.model == "torchrec":  # the trained state back in an unconverted TorchRec model
+        model = TorchRecDLRM(spec.rows, args.dim, args.bottom, args.top)
     model.load_state_dict({k: v for k, v in final_state.items() if k in model.state_dict()})
     metrics = evaluate(model, spec, files)
     result = report(args, job, trainer, spec, cache_rows, metrics, trainer.steps_done - first,

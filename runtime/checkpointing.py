@@ -103,7 +103,7 @@ class Checkpointer:
         member = self.member
         key = self._next_sharded_key()
         if not member.is_driver:
-            if self.process.state_keys:
+            if self._written_keys(member.label):
                 member.client.kv_put(f"{key}/{member.label}", self._write_own(directory))
             return
         sharded_checkpoint.start_checkpoint(directory)
@@ -126,9 +126,21 @@ class Checkpointer:
         self._num_sharded_saves += 1
         return key
 
+    def _written_keys(self, label: Label) -> set[str]:
+        """The state keys `label` writes into a sharded checkpoint: those it
+        holds first in plan order (a state replicated on every worker, dense
+        parameters kept on the workers, is written once, by worker 0)."""
+        first_holder: dict[str, Label] = {}
+        for proc in self.split.plan.processes:
+            for key in proc.state:
+                first_holder.setdefault(key, proc.label)
+        return {key for key, holder in first_holder.items() if holder == label}
+
     def _write_own(self, directory: str, extra=(), objects=None) -> bytes:
-        pieces = sharded_checkpoint.owned_pieces(self.source, self.split.artifacts,
-                                                 self.process.state)
+        written = self._written_keys(self.member.label)
+        pieces = sharded_checkpoint.owned_pieces(
+            self.source, self.split.artifacts,
+            {k: v for k, v in self.process.state.items() if k in written})
         return sharded_checkpoint.write_pieces(directory, str(self.member.label),
                                                [*extra, *pieces], objects)
 
@@ -142,7 +154,7 @@ class Checkpointer:
 
     def _other_owners(self) -> list[Label]:
         return [proc.label for proc in self.split.plan.processes
-                if proc.state and proc.label != self.member.label]
+                if proc.label != self.member.label and self._written_keys(proc.label)]
 
     def _command_servers(self, command: int, step: int) -> None:
         """Worker 0: tell every server that owns state to save (servers wait in

@@ -20,12 +20,17 @@ from .allocator import keep_freed_memory
 from .cluster.rendezvous import Rendezvous
 from .collectives import CollectiveStats, attach_collectives
 from .embedding.attach import attach_cache
+from .errors import RecvTimeout
 from .executor import Executor, ExecutorStats
-from .transport.protocol import Transport
+from .transport.protocol import MessageKey, Transport
+from .worker_all_reduce import attach_worker_all_reduce
 
 __all__ = ["ProcessRuntime"]
 
 Feeds = Mapping[str, torch.Tensor]
+
+# A step number no job reaches (see `serve_rows`).
+_NEVER = 1 << 62
 
 
 class ProcessRuntime:
@@ -54,10 +59,13 @@ class ProcessRuntime:
                                    timeout_s=recv_timeout_s)
         self._collectives = attach_collectives(split, label, rendezvous, device=device,
                                                timeout_s=recv_timeout_s)
+        self._worker_average = attach_worker_all_reduce(split, label, rendezvous, device=device,
+                                                        timeout_s=recv_timeout_s)
         self.executor = Executor(split.plan, split.program, label, transport, device=device,
                                  incarnation=incarnation, recv_timeout_s=recv_timeout_s,
                                  bindings={**self._cache.bindings,
-                                           **self._collectives.bindings})
+                                           **self._collectives.bindings,
+                                           **self._worker_average.bindings})
         self.executor.load_state(state)
 
     # -- steps --
@@ -113,8 +121,9 @@ class ProcessRuntime:
     @property
     def collective_stats(self) -> CollectiveStats | None:
         """Collectives run on a torch.distributed process group (parallel mode's
-        opt-in backend): calls and input bytes; None when there is no group."""
-        group = self._collectives.group
+        opt-in backend, or the workers' average of dense gradients kept on
+        the workers): calls and input bytes; None when there is no group."""
+        group = self._collectives.group or self._worker_average.average
         return None if group is None else group.stats
 
     @property
@@ -122,11 +131,24 @@ class ProcessRuntime:
         return self._cache.client is not None
 
     @property
+    def has_store(self) -> bool:
+        """A server holding rows of cached tables."""
+        return self._cache.store is not None
+
+    @property
     def cache_counters(self) -> dict[str, dict]:
         """Per cached table: lookups, unique ids, hits, misses, evictions and
         bytes pulled and pushed (totals and the last step's); empty without a cache."""
         client = self._cache.client
         return {} if client is None else client.counters
+
+    @property
+    def cache_waits(self) -> dict[str, float]:
+        """Embedding-cache workers: seconds blocked for rows so far, for
+        prefetched replies (what the prefetch did not hide) and for pulls made
+        in the step; empty without a cache."""
+        client = self._cache.client
+        return {} if client is None else dict(client.waits)
 
     def cache_hit_rate(self) -> float | None:
         client = self._cache.client
@@ -150,6 +172,30 @@ class ProcessRuntime:
         if self._cache.store is not None:
             self._cache.store.set_save_handler(handler)
 
+    def serve_rows(self, *, idle_timeout_s: float) -> None:
+        """A server whose share of the step is empty (embedding-cache mode with
+        dense parameters on the workers): its table store answers requests
+        until the workers finish (returns then). Raises `RecvTimeout` if no
+        request came for `idle_timeout_s`."""
+        store = self._cache.store
+        # A plan channel no one sends on, at a step no job reaches: its receive
+        # ends with JobFinished once the workers report their last step.
+        key = MessageKey(self.executor.incarnation, _NEVER, "rows-served-until-finished")
+        served = -1
+        while True:
+            try:
+                self.executor.transport.recv(Label.worker(0), key, idle_timeout_s)
+            except RecvTimeout:
+                if store is None or store.requests_served == served:
+                    raise
+                served = store.requests_served
+
+    def set_store_hook(self, hook) -> None:
+        """A server of an embedding-cache split: `hook(step)` runs in its table
+        store's serving thread before each request (`EmbeddingStore.set_request_hook`)."""
+        if self._cache.store is not None:
+            self._cache.store.set_request_hook(hook)
+
     def drain_prefetch(self) -> None:
         """Take the replies of prefetches no step will use (the last batch's)."""
         if self._cache.client is not None:
@@ -158,3 +204,4 @@ class ProcessRuntime:
     def close(self) -> None:
         self._cache.close()
         self._collectives.close()
+        self._worker_average.close()

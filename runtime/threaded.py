@@ -48,16 +48,20 @@ class ThreadedRun:
 
 
 def run_threaded(split: SplitProgram, num_steps: int,
-                 batches: Callable[[int], Mapping[str, torch.Tensor]], *,
+                 batches: Callable[[int], Mapping[str, torch.Tensor]] | None = None, *,
                  state: Mapping[str, torch.Tensor] | None = None, recv_timeout_s: float = 30.0,
-                 device: str = "cpu") -> ThreadedRun:
+                 device: str = "cpu",
+                 worker_batches: Callable[[int, int], Mapping[str, torch.Tensor]] | None = None
+                 ) -> ThreadedRun:
     """Train `num_steps` steps of `split` (from `split_program`); `batches(step)`
     gives the global batch's feeds, the program's optimizer the hyperparameters.
 
     In parameter-server and embedding-cache modes each worker gets its shard of
     the global batch, as `Trainer.shard` gives it in a real job. `batches` is
     called once per step, in order, each step's hyperparameters read right
-    after it (module docstring).
+    after it (module docstring). A batch that cannot be cut by rows (jagged
+    ids: `TorchRecInput.shard` cuts them) comes instead from
+    `worker_batches(rank, step)`: worker `rank`'s feeds.
     """
     if isinstance(split, SplitPlan):
         raise SplitrunError("run_threaded needs what split_program(program, cluster, mode) "
@@ -66,6 +70,8 @@ def run_threaded(split: SplitProgram, num_steps: int,
     if not isinstance(split, SplitProgram):
         raise SplitrunError(f"run_threaded needs what split_program(program, cluster, mode) "
                             f"returns, got {type(split).__name__}")
+    if (batches is None) == (worker_batches is None):
+        raise SplitrunError("run_threaded takes batches(step) or worker_batches(rank, step)")
     plan = split.plan
     hub = LoopbackHub(plan.labels)
     rendezvous = InProcessRendezvous(recv_timeout_s)  # parallel mode's process groups
@@ -80,12 +86,14 @@ def run_threaded(split: SplitProgram, num_steps: int,
     failures: list[tuple[Label, BaseException]] = []
     lock = threading.Lock()
     sharded = plan.mode in (ModeKind.PARAMETER_SERVER, ModeKind.EMBEDDING_CACHE)
-    steps = _StepFeeds(batches, split.program.hparams, len(plan.labels))
+    steps = _StepFeeds(batches or (lambda step: {}), split.program.hparams, len(plan.labels))
 
     def batch_for(label: Label, step: int) -> Mapping[str, torch.Tensor] | None:
         if label.role is not Role.WORKER or step >= num_steps:
             return None
-        batch = steps.batch(step)
+        batch = steps.batch(step)  # asked for in step order, hyperparameters with it
+        if worker_batches is not None:
+            return worker_batches(label.rank, step)
         return shard_batch(batch, label.rank, plan.cluster.num_workers) if sharded else batch
 
     def work(label: Label, process: ProcessRuntime) -> None:

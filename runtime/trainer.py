@@ -155,9 +155,17 @@ class Trainer:
         """A server's loop: run steps as their messages come, until the workers
         finish (a receive for a step they never ran ends with JobFinished);
         between steps it answers worker 0's checkpoint commands."""
-        if self.plan.process(self.job.label).is_idle:
-            return
         settings = self.job.settings
+        if self.plan.process(self.job.label).is_idle:
+            if self.process.has_store:  # rows on the servers, everything else on workers
+                try:
+                    self.process.serve_rows(idle_timeout_s=settings.idle_timeout_s)
+                except JobFinished:
+                    return
+                except BaseException as exc:
+                    self.job.report_failure(exc)
+                    raise
+            return
         control = (checkpoint.CONTROL_CHANNEL, self._on_control)
         while True:
             try:

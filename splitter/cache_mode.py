@@ -10,8 +10,14 @@ cache. A bag is captured as one fused op (`embedding_bags.sparse_bag`): it
 becomes `cached_bag(ids, offsets, weights, table=...)`, which sums each bag
 straight from the cached rows, and its gradient, `bag_gradient`, becomes
 `cached_bag_gradient`, summed per unique id with the unique of the lookup.
+Consecutive bags then become one `cached_bags` node (one plan and one
+exchange with each server for every table of the step), and the bags FBGEMM
+can train run their backward and SGD update as one fused call
+(`cached_bags_update`; see bag_batching.py).
 Everything else is parameter-server mode: dense parameters on servers,
-gradients averaged over workers.
+gradients averaged over workers; or, with `dense="worker"`, dense parameters
+on every worker (gradients all-reduced between them) and only the tables'
+rows on the servers.
 
 Consistency (see runtime/embedding/client.py): with one worker the cache is
 write-back (updates applied to cached rows, their optimizer state travelling
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from .bag_batching import FUSED_OPTIMIZERS, batch_cached_bags
 from .cache_summary import cached_table_entries
 from .cached_tables import (
     CachedTable,
@@ -43,9 +50,10 @@ from .cached_tables import (
     cached_update,
     place_embedding_cache,
 )
+from .dense_placement import DensePlacement
 from .embedding_bags import bag_gradient
 from .errors import PlanError
-from .labels import Cluster
+from .labels import Cluster, Label, Role
 from .plan import ModeKind, SplitPlan
 from .program import InputKind, OutputKind, Program
 from .ps_mode import ParameterServerMode, ServerAssignment
@@ -57,7 +65,7 @@ _SPARSE_BAG = torch.ops.splitrun.sparse_bag.default
 # The table marks and types live in cached_tables; re-exported here, where
 # users of this mode look for them.
 __all__ = ["EmbeddingCacheMode", "CacheArtifacts", "EvictionPolicy", "CacheSettings",
-           "CachedTable", "place_embedding_cache"]
+           "CachedTable", "DensePlacement", "place_embedding_cache"]
 
 # The row-wise updates a cached table can take (the keys of sparse_optim.IN_PLACE):
 # their per-row state (Adagrad's sum, Adam's moments) travels with the row.
@@ -72,13 +80,21 @@ class CacheArtifacts(ServerAssignment):
 
     tables: tuple[CachedTable, ...] = ()
     initial: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # Tables whose bags' backward and update run as one fused kernel call each
+    # step (`bag_batching`): their caches share one buffer per group.
+    fused_groups: tuple[tuple[str, ...], ...] = ()
 
 
 class EmbeddingCacheMode(ParameterServerMode):
     kind = ModeKind.EMBEDDING_CACHE
 
-    def __init__(self) -> None:
-        super().__init__()  # gradients in one message a step (no buckets)
+    def __init__(self, *, dense: DensePlacement | str = DensePlacement.SERVER) -> None:
+        # Gradients in one message a step (no buckets). dense="worker": the
+        # dense parameters on every worker (all-reduced), only rows on servers.
+        super().__init__(dense=dense)
+
+    def works_outside_the_plan(self, label: Label) -> bool:
+        return label.role is Role.SERVER  # servers serve the tables' rows
 
     def prebuild(self, program: Program, cluster: Cluster
                  ) -> tuple[Program, CacheArtifacts]:
@@ -95,6 +111,9 @@ class EmbeddingCacheMode(ParameterServerMode):
             tables.append(table)
             removed_inputs |= {key, *(f"{key}.{s}" for s in table.state_names)}
             removed_outputs |= removed_inputs
+        tables, fused_groups = batch_cached_bags(
+            graph, tables, lambda t: (t.optimizer in FUSED_OPTIMIZERS and t.dtype == torch.float32
+                                      and t.settings.write_back(cluster.num_workers)))
         outputs = [(spec, node) for spec, node in zip(program.outputs, returned)
                    if not (spec.kind is OutputKind.STATE and spec.key in removed_outputs)]
         for spec in program.inputs:
@@ -112,7 +131,7 @@ class EmbeddingCacheMode(ParameterServerMode):
             outputs=tuple(spec for spec, _ in outputs), initial_state=initial)
         rewritten, servers = super().prebuild(rewritten, cluster)
         return rewritten, CacheArtifacts(servers.owner, servers.slots, tuple(tables),
-                                         tables_initial)
+                                         tables_initial, fused_groups)
 
     def postbuild(self, plan: SplitPlan, program: Program,
                   artifacts: CacheArtifacts) -> SplitPlan:

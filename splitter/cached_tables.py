@@ -2,7 +2,9 @@
 marked (`place_embedding_cache`), their settings, what the runtime needs to
 know of each (`CachedTable`), and the marker ops a cached lookup, bag, bag
 gradient and update become in the graph (`cached_lookup`, `cached_bag`,
-`cached_bag_gradient`, `cached_update`), bound by the runtime.
+`cached_bag_gradient`, `cached_update`; several tables' bags at once,
+`cached_bags`, and their fused backward and update, `cached_bags_update`),
+bound by the runtime.
 
 Capture reads the marks; `EmbeddingCacheMode` rewrites the graph. Neither
 depends on the other: both import this module.
@@ -20,7 +22,7 @@ from .errors import CaptureError, PlanError
 
 __all__ = ["EvictionPolicy", "CacheSettings", "CachedTable", "place_embedding_cache",
            "cache_settings_of", "cached_lookup", "cached_bag", "cached_bag_gradient",
-           "cached_update", "CACHE_OPS"]
+           "cached_update", "cached_bags", "cached_bags_update", "CACHE_OPS"]
 
 # The attribute place_embedding_cache sets on a marked table.
 _CACHE_ATTR = "_splitrun_cache"
@@ -66,6 +68,9 @@ class CachedTable:
     state_names: tuple[str, ...]  # per-row optimizer state ("sum"; "exp_avg", "exp_avg_sq")
     ids_feed: str | None          # the batch input its ids come from, for prefetch
     padding_idx: int | None = None  # a row no gradient updates (the layer's padding_idx)
+    # Its bag's backward and row-wise update run as one fused FBGEMM call with
+    # the other tables of its group (`cached_bags_update`); set by the mode.
+    fused: bool = False
 
 
 def place_embedding_cache(modules, *, cache_rows: int, policy: EvictionPolicy | str = "lru",
@@ -126,4 +131,25 @@ def cached_update(indices: torch.Tensor, values: torch.Tensor, lr: torch.Tensor,
     raise PlanError(f"cached_update of table {table!r} ran without an embedding cache")
 
 
-CACHE_OPS = frozenset({cached_lookup, cached_bag, cached_bag_gradient, cached_update})
+def cached_bags(ids: list[torch.Tensor], offsets: list[torch.Tensor],
+                weights: list[torch.Tensor | None], *, tables: tuple[str, ...],
+                means: tuple[bool, ...], padding_idxs: tuple[int | None, ...]
+                ) -> tuple[torch.Tensor, ...]:
+    """`cached_bag` of several tables at once (one plan, one exchange with
+    each server, the fused tables' bags in one kernel call), bound by the
+    runtime."""
+    raise PlanError(f"cached_bags of tables {', '.join(tables)} ran without an embedding cache; "
+                    f"run the program through splitrun's runtime in embedding-cache mode")
+
+
+def cached_bags_update(grads: list[torch.Tensor], lr: torch.Tensor, step: torch.Tensor, *,
+                       tables: tuple[str, ...]) -> None:
+    """The fused tables' bag gradients (`grads`, one [bags, dim] per table)
+    applied to their cached rows by one fused backward-and-update kernel
+    call (bound by the runtime)."""
+    raise PlanError(f"cached_bags_update of tables {', '.join(tables)} ran without an "
+                    f"embedding cache")
+
+
+CACHE_OPS = frozenset({cached_lookup, cached_bag, cached_bag_gradient, cached_update,
+                       cached_bags, cached_bags_update})

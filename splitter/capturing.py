@@ -103,7 +103,11 @@ def capture(model: nn.Module, loss_fn: LossFn,
 
     initial_state: dict[str, torch.Tensor] = {}
     for name in trainable:
-        initial_state[name] = params[name].detach().clone()
+        # A cached table is not copied: it may be larger than a worker's memory,
+        # and only the servers keep (copies of) its rows. Its module must not
+        # change it after capture.
+        value = params[name].detach()
+        initial_state[name] = value if name in cached else value.clone()
         functional = groups.for_param(name)
         if functional is not None:
             for state_name, value in functional.init_state(initial_state[name]).items():
@@ -372,7 +376,11 @@ def _trace_joint(model, loss_fn, trainable, params, frozen, batch) -> fx.GraphMo
                 f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else list(loss.shape)}")
         return (loss,)
 
-    args = [params[n].detach().clone().requires_grad_(True) for n in trainable]
+    # Tracing reads no value. A cached table's stand-in is left unwritten (its
+    # pages never touched): a table larger than a worker's memory costs none.
+    cached = _cached_tables(model)
+    args = [(torch.empty_like(params[n]) if n in cached else params[n].detach().clone()
+             ).requires_grad_(True) for n in trainable]
     args += [t.detach() for t in frozen.values()]
     args += [b.detach() for b in batch]
     try:

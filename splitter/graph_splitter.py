@@ -88,7 +88,7 @@ class GraphSplitter:
         with _gc_paused():
             result = self._split()
         for proc in result.plan.processes:
-            if proc.is_idle:
+            if proc.is_idle and not self.mode.works_outside_the_plan(proc.label):
                 logger.warning("%s holds no part of the step; it will idle",
                                proc.label.describe())
         return result

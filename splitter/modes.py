@@ -78,6 +78,11 @@ class Mode:
         """Why this mode cannot run an op on `label`, or None if it can."""
         return None
 
+    def works_outside_the_plan(self, label: Label) -> bool:
+        """True if `label` has work besides its share of the step (an
+        embedding cache's table server), so an empty share is no mistake."""
+        return False
+
     def prebuild(self, program: Program, cluster: Cluster
                  ) -> tuple[Program, ModeArtifacts | None]:
         """The program to split (rewritten if the mode adds or relabels nodes)

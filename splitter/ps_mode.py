@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from .dense_placement import DensePlacement, average_dense_gradients
 from .embedding_bags import is_bag_gradient
 from .errors import PlanError
 from .labels import ANY_SERVER, MODULE_ANNOTATION, Cluster, Label, Role
@@ -86,14 +87,28 @@ class ParameterServerMode(Mode):
     """`gradient_bucket_bytes`: None (the default) sends each worker's gradients
     to a server in one message after the backward; N sends them in buckets of
     at least N bytes as the backward produces them, each server updating as
-    its buckets come in (see the module's docstring)."""
+    its buckets come in (see the module's docstring).
+
+    `dense`: "server" (the default) keeps every parameter on the servers;
+    "worker" keeps parameters with dense gradients on every worker, averaged
+    between the workers by an all-reduce each step, and only embedding rows
+    (sparse gradients) on the servers (`dense_placement`)."""
 
     kind = ModeKind.PARAMETER_SERVER
 
-    def __init__(self, *, gradient_bucket_bytes: int | None = None) -> None:
+    def __init__(self, *, gradient_bucket_bytes: int | None = None,
+                 dense: DensePlacement | str = DensePlacement.SERVER) -> None:
         if gradient_bucket_bytes is not None and gradient_bucket_bytes < 1:
             raise PlanError(f"gradient_bucket_bytes={gradient_bucket_bytes}: give a positive "
                             f"number of bytes, or None for one message per step")
+        try:
+            self.dense = DensePlacement(dense)
+        except ValueError:
+            raise PlanError(f"dense={dense!r}: dense parameters live on the 'server' (the "
+                            f"default) or on every 'worker'") from None
+        if self.dense is DensePlacement.WORKER and gradient_bucket_bytes is not None:
+            raise PlanError("gradient_bucket_bytes buckets dense gradients on their way to the "
+                            "servers; with dense='worker' they stay on the workers: drop one")
         self.gradient_bucket_bytes = gradient_bucket_bytes
 
     def reject_label(self, label: Label, cluster: Cluster) -> str | None:
@@ -122,6 +137,9 @@ class ParameterServerMode(Mode):
         slots = {}
         if cluster.num_workers >= 2:
             slots = self._accumulate(program, graph, nodes, owner, cluster.num_workers, sparse)
+            on_workers = sorted(p for p in program.grads if p not in owner)
+            if on_workers:
+                average_dense_gradients(graph, program.grads, on_workers, cluster.num_workers)
         graph.output(returned)
         if self.gradient_bucket_bytes is not None:
             _update_as_buckets_fill(graph, self.gradient_bucket_bytes)
@@ -133,6 +151,8 @@ class ParameterServerMode(Mode):
         for spec in program.inputs:
             if spec.kind is not InputKind.PARAM or program.state_output(spec.key) is None:
                 continue
+            if self.dense is DensePlacement.WORKER and spec.key not in program.sparse_grads:
+                continue  # replicated on the workers
             node = nodes[spec.node]
             value = node.meta.get("val")
             sizes[spec.key] = value.numel() * value.element_size() if value is not None else 0
@@ -145,7 +165,7 @@ class ParameterServerMode(Mode):
                         f"has {cluster.num_servers} servers; lower the rank or launch with "
                         f"--servers {rank + 1}")
                 pinned[spec.key] = rank
-        if not sizes:
+        if not sizes and self.dense is DensePlacement.SERVER:
             raise PlanError("parameter-server mode found no trainable parameter to serve; "
                             "capture the step with an optimizer")
         owner = assign_servers(sizes, pinned, cluster.num_servers)

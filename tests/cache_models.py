@@ -140,3 +140,51 @@ def make_bags(optimizer: str, num_workers: int, num_steps: int, *,
     program = capture(model, bag_click_loss, OPTIMIZERS[optimizer](lr=lr),
                       tuple(t[:shard] for t in batches[0]))
     return program, batches
+
+
+# -- DLRM-style sum bags: the embedding cache's fused kernel --------------------------
+
+class SumBagRecommender(nn.Module):
+    """`NUM_SUM_BAG_TABLES` sum bags over fixed-length rows of ids, no padding
+    or weights (what FBGEMM's fused bags take), of two widths."""
+
+    def __init__(self, sparse: bool = False) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList(nn.EmbeddingBag(ROWS, dim, mode="sum", sparse=sparse)
+                                    for dim in SUM_BAG_DIMS)
+        self.dense = nn.Linear(3, DIM)
+        self.top = nn.Sequential(nn.Linear(DIM + sum(SUM_BAG_DIMS), 8), nn.ReLU(),
+                                 nn.Linear(8, 1))
+
+    def forward(self, dense, *ids):
+        parts = [self.dense(dense)] + [t(i) for t, i in zip(self.tables, ids)]
+        return self.top(torch.cat(parts, 1)).squeeze(1)
+
+
+SUM_BAG_DIMS = (4, 4, 8)
+NUM_SUM_BAG_TABLES = len(SUM_BAG_DIMS)
+
+
+def sum_bag_batches(num_steps: int, seed: int = 0, batch: int = GLOBAL_BATCH):
+    batches = []
+    for dense, first, second, label in click_batches(num_steps, seed, batch=batch):
+        batches.append((dense, first, second, (first * 7 + second) % ROWS, label))
+    return batches
+
+
+def make_sum_bags(optimizer: str, num_workers: int, num_steps: int, *,
+                  cache_rows: int | None = 48, policy: str = "lru", max_staleness: int = 0,
+                  batch: int = GLOBAL_BATCH, lr: float = LR, dense_on_servers: bool = True):
+    """As `make`, for `SumBagRecommender`."""
+    torch.manual_seed(0)
+    model = SumBagRecommender(sparse=cache_rows is None)
+    if dense_on_servers:
+        place(model, role="server")
+    if cache_rows is not None:
+        place_embedding_cache(model.tables, cache_rows=cache_rows, policy=policy,
+                              max_staleness=max_staleness)
+    batches = sum_bag_batches(num_steps, batch=batch)
+    shard = batch // num_workers
+    program = capture(model, click_loss, OPTIMIZERS[optimizer](lr=lr),
+                      tuple(t[:shard] for t in batches[0]))
+    return program, batches

@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from cache_models import feeds, make
+from cache_models import feeds, make, make_sum_bags
 from cluster import SCRIPTS
 
 from splitrun.runtime import run_threaded
 from splitrun.splitter import Cluster, ParameterServerMode, split_program
+from splitrun.splitter.cache_mode import EmbeddingCacheMode
 
 pytestmark = pytest.mark.slow
 
@@ -56,4 +57,30 @@ def test_save_writes_dirty_rows_back_and_resumes_with_other_servers(launch, tmp_
     resumed, _ = launch("resumed", 1, 2, "--steps", 20, "--resume", checkpoint)
     straight, _ = launch("straight", 1, 1, "--steps", 20)
     for key, value in straight["state"].items():
+        assert torch.equal(resumed["state"][key], value), key
+
+
+def test_dense_on_workers_and_fused_bags_through_the_launcher(launch, tmp_path):
+    """Sum bags (FBGEMM's fused SGD), dense parameters on the workers: one
+    worker equals the unsplit step bit for bit (the servers only serve rows);
+    two workers equal the threaded run, and a sharded checkpoint of theirs
+    resumes with one server to the same end."""
+    sum_bags = ("--model", "sum_bags", "--dense", "worker", "--optimizer", "sgd",
+                "--cache-rows", 48)
+    result, _ = launch("one", 1, 2, "--steps", 20, *sum_bags)
+    program, batches = make_sum_bags("sgd", 1, 20, cache_rows=None, dense_on_servers=False)
+    expected = program.train_unsplit(20, feeds(batches))[1]
+    assert result["state"].keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(result["state"][key], value), key
+    two, _ = launch("two", 2, 2, "--steps", 20, *sum_bags)
+    program, batches = make_sum_bags("sgd", 2, 20, cache_rows=48, dense_on_servers=False)
+    split_prog = split_program(program, Cluster(2, 2), EmbeddingCacheMode(dense="worker"))
+    threaded = run_threaded(split_prog, 20, feeds(batches)).state
+    for key, value in threaded.items():
+        assert torch.equal(two["state"][key], value), key
+    checkpoint = tmp_path / "step10"
+    launch("first", 2, 2, "--steps", 20, "--stop-after", 10, "--save", checkpoint, *sum_bags)
+    resumed, _ = launch("resumed", 2, 1, "--steps", 20, "--resume", checkpoint, *sum_bags)
+    for key, value in two["state"].items():
         assert torch.equal(resumed["state"][key], value), key

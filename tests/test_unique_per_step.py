@@ -10,11 +10,11 @@ import operator
 
 import pytest
 import torch
-from cache_models import NUM_TABLES, feeds, make, make_bags
+from cache_models import NUM_TABLES, feeds, make, make_bags, make_sum_bags
 
 from splitrun.runtime import run_threaded
 from splitrun.runtime.embedding import StepIds
-from splitrun.runtime.embedding.protocol import Op, read_header
+from splitrun.runtime.embedding.protocol import Op, read_request
 from splitrun.runtime.embedding.store import EmbeddingStore
 from splitrun.splitter import Cluster, ParameterServerMode, split_program
 from splitrun.splitter.cache_mode import EmbeddingCacheMode
@@ -41,30 +41,41 @@ def _cached_run(program, batches, num_workers, num_servers):
     return run_threaded(split, NUM_STEPS, feeds(batches), recv_timeout_s=30)
 
 
-@pytest.mark.parametrize("optimizer, bags", [("sgd", False), ("adam", False), ("sgd", True)])
-def test_one_worker_runs_one_unique_per_table_and_step(monkeypatch, optimizer, bags):
-    """Lookup, cache plan, prefetch of the next batch, a bag's gradient sums and
-    the update (write-back: the row-wise optimizer gets rows already summed)
-    share one unique: one stable sort of each table's ids per step
-    (`sorted_groups`), no `torch.unique` besides."""
-    program, batches = (make_bags if bags else make)(optimizer, 1, NUM_STEPS, cache_rows=48)
+@pytest.mark.parametrize("optimizer, model", [("sgd", "embeddings"), ("adam", "embeddings"),
+                                              ("sgd", "bags"), ("sgd", "fused_bags")])
+def test_one_worker_runs_at_most_one_unique_per_table_and_step(monkeypatch, optimizer, model):
+    """The cache plan and the prefetch of the next batch sort no step's
+    lookups (each lookup's slot comes from the id map; only the misses, fewer,
+    are made distinct); a bag's gradient sums and the update (write-back: the
+    row-wise optimizer gets rows already summed) share one unique, one stable
+    sort of the table's ids per step (`sorted_groups`), made when the gradient
+    asks; a fused table's kernel sums its gradient itself: no unique at all."""
+    build = {"embeddings": make, "bags": make_bags, "fused_bags": make_sum_bags}[model]
+    program, batches = build(optimizer, 1, NUM_STEPS, cache_rows=48)
     unique, sort = _Counting(torch.unique), _Counting(torch.sort)
     monkeypatch.setattr(torch, "unique", unique)
     monkeypatch.setattr(torch, "sort", sort)
     run = _cached_run(program, batches, 1, 2)
-    assert unique.calls + sort.calls == (3 if bags else NUM_TABLES) * NUM_STEPS
-    (tables,) = run.cache_counters.values()
+    # The one stable sort of a table's ids is `sorted_groups`'; nothing else sorts.
+    per_step = {"embeddings": NUM_TABLES, "bags": 3, "fused_bags": 0}[model]
+    assert sort.calls == per_step * NUM_STEPS
+    tables = next(iter(run.cache_counters.values()))
+    # Misses made distinct: at most twice per table and step (the plan, the prefetch).
+    assert unique.calls <= 2 * len(tables) * NUM_STEPS
     assert all(c["evictions"] > 0 for c in tables.values()), "the cache never evicted"
 
 
 def _spy_on_gradients(monkeypatch) -> list[tuple[int, torch.Tensor]]:
-    """Every GRADS request a server receives: (worker rank, ids)."""
+    """Every table's ids in each GRADS request a server receives: (worker
+    rank, ids). A request holds every table's (ids, grads, lr, step)."""
     seen: list[tuple[int, torch.Tensor]] = []
     receive = EmbeddingStore.on_message
 
     def on_message(self, key, src, tensors):
-        if read_header(tensors[0])[0] is Op.GRADS:
-            seen.append((src.rank, tensors[1].clone()))
+        op, _, tables, parts = read_request(tensors)
+        if op is Op.GRADS:
+            assert len(parts) == 4 * len(tables)
+            seen.extend((src.rank, parts[4 * i].clone()) for i in range(len(tables)))
         receive(self, key, src, tensors)
 
     monkeypatch.setattr(EmbeddingStore, "on_message", on_message)

@@ -54,7 +54,8 @@ def attach_cache(split: SplitProgram, label: Label, transport: Transport, incarn
     transport.register(_receive_contracts(split.plan, label))
     if label.role is Role.WORKER:
         client = EmbeddingClient(tables, label, cluster, transport, incarnation,
-                                 device=device, timeout_s=timeout_s, first_step=first_step)
+                                 device=device, timeout_s=timeout_s, first_step=first_step,
+                                 fused_groups=cache.fused_groups)
         return CacheParts(client=client, bindings=client.bindings())
     store = EmbeddingStore(tables, label, cluster, transport, incarnation, state,
                            first_step=first_step)

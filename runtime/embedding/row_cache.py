@@ -3,9 +3,11 @@ optimizer state) in slots on the worker's device, an id -> slot map, and the
 eviction policy. It only decides and stores; `client.py` talks to
 the servers.
 
-All bookkeeping is vectorized over a batch's unique ids: `slot_of_id` is a
-dense int64 map over the table (8 bytes a row), eviction picks the candidate
-slots with the smallest policy keys (LRU: last use; LFU: lookups, then last use).
+All bookkeeping is vectorized over a batch's lookups, which it never sorts:
+`slot_of_id` is a dense int64 map over the table (8 bytes a row) that gives
+each lookup its slot, only the misses are made distinct, and eviction picks
+the candidate slots with the smallest policy keys (LRU: last use; LFU:
+lookups, then last use).
 Gathers by index are `index_select` and masks `masked_select`: on the CPU they
 are 2-5x faster than advanced indexing (`t[index]`), which dominated the plan.
 """
@@ -86,28 +88,40 @@ class TableCounters:
 
 @dataclass
 class BatchPlan:
-    """What a batch needs from the cache: every unique id's slot (valid once
-    the rows to pull are installed), the ids to pull into which slots, and the
-    evicted dirty rows to write back."""
+    """What a batch needs from the cache: every lookup's slot (valid once the
+    rows to pull are installed), the ids to pull into which slots, and the
+    evicted dirty rows to write back. Planning sorts nothing: the batch's ids
+    made unique (`ids`, one stable sort) are computed only if a caller asks
+    (a gradient summed per unique id)."""
 
-    ids: StepIds                 # the batch's ids and their one unique
-    slots: torch.Tensor          # slot of each unique id
-    pull_ids: torch.Tensor
+    flat_ids: torch.Tensor       # the batch's ids, flat, int64, batch order
+    lookup_slots: torch.Tensor   # slot of each lookup
+    num_unique: int              # distinct ids of the batch
+    pull_ids: torch.Tensor       # sorted
     pull_slots: torch.Tensor
     evicted_ids: torch.Tensor    # dirty rows leaving the cache (write-back only)
     # Their slots: the rows stay there until the pulled rows are installed, so
     # the write-back gathers each server's share from the cache in one copy.
     evicted_slots: torch.Tensor
     evictions: int
+    _step_ids: StepIds | None = None
+
+    @property
+    def ids(self) -> StepIds:
+        """The batch's ids made unique (computed once, when first asked)."""
+        if self._step_ids is None:
+            self._step_ids = StepIds.of(self.flat_ids)
+        return self._step_ids
 
     @property
     def unique_ids(self) -> torch.Tensor:
         return self.ids.unique
 
     @property
-    def inverse(self) -> torch.Tensor:
-        """Batch position -> index into `unique_ids`."""
-        return self.ids.inverse
+    def slots(self) -> torch.Tensor:
+        """Slot of each unique id (in `unique_ids`' order)."""
+        first = self.ids.order.index_select(0, self.ids.starts)  # a lookup of each
+        return self.lookup_slots.index_select(0, first)
 
 
 class RowCache:
@@ -135,6 +149,27 @@ class RowCache:
         self.frequency = (torch.zeros(table.num_rows, dtype=torch.int64)
                           if self.policy is EvictionPolicy.LFU else None)
         self.counters = TableCounters()
+        # A scratch bitmap over the slots (all False between plans).
+        self._slot_marks = torch.zeros(self.capacity, dtype=torch.bool)
+
+    def adopt_rows(self, rows: torch.Tensor) -> None:
+        """Keep the cached rows in `rows` (a [capacity, dim] view of a buffer
+        several tables share: the fused bags' kernel reads them there)."""
+        if rows.shape != self.rows.shape or rows.dtype != self.rows.dtype:
+            raise CacheError(f"table {self.table.key!r}: rows of {list(self.rows.shape)} "
+                             f"{self.rows.dtype} cannot move into {list(rows.shape)} {rows.dtype}")
+        rows.copy_(self.rows)
+        self.rows = rows
+
+    def make_resident(self) -> None:
+        """Every row of the table is installed at slot = id (the client pulled
+        them): the map is the identity, no row is ever evicted."""
+        if self.capacity != self.table.num_rows:
+            raise CacheError(f"table {self.table.key!r}: a cache of {self.capacity} rows "
+                             f"cannot hold all {self.table.num_rows}")
+        self.slot_of_id = torch.arange(self.capacity)
+        self.id_of_slot = torch.arange(self.capacity)
+        self.filled = self.capacity
 
     # -- planning a batch --
 
@@ -152,31 +187,40 @@ class RowCache:
              max_staleness: int) -> BatchPlan:
         """Make room for the batch's ids and say which rows to pull.
 
-        `ids`: the batch's ids, or their `StepIds` when the caller has made
-        them unique already (the client does, once per table and step).
-        Rows of this batch are pinned: never chosen for eviction. Misses go to
-        free slots first, then to the policy's victims; with several workers,
-        cached rows older than `max_staleness` steps are pulled again.
+        `ids`: the batch's ids (any shape), or their `StepIds` when the caller
+        has made them unique already. The lookups are not sorted: each
+        lookup's slot comes from the id -> slot map, and only the misses are
+        made distinct (a fraction of the lookups). Rows of this batch are pinned: never
+        chosen for eviction. Misses go to free slots first, then to the
+        policy's victims; with several workers, cached rows older than
+        `max_staleness` steps are pulled again.
         """
-        step_ids = ids if isinstance(ids, StepIds) else StepIds.of(ids)
-        unique_ids, counts = step_ids.unique, step_ids.counts
-        self.check_ids(unique_ids)
-        if unique_ids.numel() > self.capacity:
-            raise CacheError(
-                f"table {self.table.key!r}: this batch looks up {unique_ids.numel()} distinct "
-                f"ids but the cache holds {self.capacity} rows; cache_rows must be at least "
-                f"{unique_ids.numel()} (place_embedding_cache(..., cache_rows=...))")
-        slots = self.slot_of_id.index_select(0, unique_ids)
+        step_ids = ids if isinstance(ids, StepIds) else None
+        flat = ids.ids if step_ids is not None else ids.reshape(-1).to("cpu", torch.int64)
+        self.check_ids(flat)
+        slots = self.slot_of_id.index_select(0, flat)
         cached = slots >= 0
-        stale = torch.zeros_like(cached)
+        hit_slots = slots.masked_select(cached)
         if self.policy is EvictionPolicy.NONE:
-            stale = cached  # no reuse: every row comes from its server
-        elif not write_back:
-            fresh_for = self.fresh_for.index_select(0, slots.clamp(min=0))
-            stale = cached & (step - fresh_for > max_staleness)
-        missed = ~cached
-        miss_ids = unique_ids.masked_select(missed)
-        new_slots, evicted = self._make_room(miss_ids.numel(), pinned=slots.masked_select(cached))
+            # Every row is pulled: the ids are made unique once, and the
+            # gradient sums per unique id with the same unique.
+            step_ids = step_ids if step_ids is not None else StepIds.of(flat)
+            unique = step_ids.unique
+            miss_ids = unique.masked_select(self.slot_of_id.index_select(0, unique) < 0)
+            num_unique = unique.numel()
+        else:
+            miss_ids = self._distinct_ids(flat.masked_select(~cached))
+            num_unique = miss_ids.numel() + self._count_distinct_slots(hit_slots)
+        if num_unique > self.capacity:
+            raise CacheError(
+                f"table {self.table.key!r}: this batch looks up {num_unique} distinct "
+                f"ids but the cache holds {self.capacity} rows; cache_rows must be at least "
+                f"{num_unique} (place_embedding_cache(..., cache_rows=...))")
+        stale_ids = miss_ids[:0]
+        if not write_back and self.policy is not EvictionPolicy.NONE:
+            old = (step - self.fresh_for.index_select(0, hit_slots)) > max_staleness
+            stale_ids = self.id_of_slot.index_select(0, hit_slots.masked_select(old))
+        new_slots, evicted = self._make_room(miss_ids.numel(), pinned=hit_slots)
         evicted_ids = self.id_of_slot.index_select(0, evicted)
         dirty = self.dirty.index_select(0, evicted)
         dirty_slots = evicted.masked_select(dirty)
@@ -185,13 +229,37 @@ class RowCache:
         self.id_of_slot.index_copy_(0, new_slots, miss_ids)
         self.slot_of_id.index_copy_(0, miss_ids, new_slots)
         self.dirty.index_fill_(0, new_slots, False)
-        slots = slots.masked_scatter(missed, new_slots)
+        if miss_ids.numel():
+            slots = self.slot_of_id.index_select(0, flat)
         self.last_used.index_fill_(0, slots, step)
         if self.frequency is not None:
-            self.frequency.index_add_(0, unique_ids, counts)
-        pull_mask = missed | stale
-        return BatchPlan(step_ids, slots, unique_ids.masked_select(pull_mask),
-                         slots.masked_select(pull_mask), dirty_ids, dirty_slots, evicted.numel())
+            self.frequency.index_add_(0, flat, torch.ones_like(flat))
+        pull_ids = miss_ids
+        if self.policy is EvictionPolicy.NONE:
+            pull_ids = step_ids.unique  # no reuse
+        elif stale_ids.numel():
+            pull_ids = self._distinct_ids(torch.cat([miss_ids, stale_ids]))
+        pull_slots = self.slot_of_id.index_select(0, pull_ids)
+        return BatchPlan(flat, slots, num_unique, pull_ids, pull_slots, dirty_ids, dirty_slots,
+                         evicted.numel(), step_ids)
+
+    def _distinct_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """`ids` made distinct and sorted: a batch's misses, a fraction of its
+        lookups (a bitmap over the whole table costs more to scan)."""
+        return torch.unique(ids) if ids.numel() else ids
+
+    def uncached_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """The distinct ids of `ids` (flat, int64) not cached now, sorted."""
+        self.check_ids(ids)
+        return self._distinct_ids(ids.masked_select(self.slot_of_id.index_select(0, ids) < 0))
+
+    def _count_distinct_slots(self, slots: torch.Tensor) -> int:
+        if slots.numel() == 0:
+            return 0
+        self._slot_marks.index_fill_(0, slots, True)
+        count = int(self._slot_marks.sum())
+        self._slot_marks.index_fill_(0, slots, False)
+        return count
 
     def _make_room(self, needed: int, pinned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`needed` slots: free ones first (in slot order), then the policy's
@@ -230,7 +298,7 @@ class RowCache:
 
     def gather(self, plan: BatchPlan, shape: torch.Size) -> torch.Tensor:
         """The rows of the batch, shaped like the ids plus the row dimension."""
-        slots = plan.slots.index_select(0, plan.inverse).to(self.device)
+        slots = plan.lookup_slots.to(self.device)
         return self.rows.index_select(0, slots).reshape(*shape, self.table.dim)
 
     def slots_of(self, ids: torch.Tensor) -> torch.Tensor:

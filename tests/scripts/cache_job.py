@@ -10,7 +10,7 @@ import argparse
 import sys
 
 import torch
-from cache_models import make
+from cache_models import make, make_sum_bags
 
 from splitrun.runtime.job import Job
 from splitrun.splitter.cache_mode import EmbeddingCacheMode
@@ -27,13 +27,16 @@ def main() -> int:
     parser.add_argument("--save")
     parser.add_argument("--resume")
     parser.add_argument("--out")
+    parser.add_argument("--model", choices=["embeddings", "sum_bags"], default="embeddings")
+    parser.add_argument("--dense", choices=["server", "worker"], default="server")
     args = parser.parse_args()
 
     job = Job.from_env()
-    program, batches = make(args.optimizer, job.cluster.num_workers, args.steps,
-                            cache_rows=args.cache_rows, policy=args.policy,
-                            max_staleness=args.max_staleness)
-    trainer = job.start(program, EmbeddingCacheMode(), num_steps=args.steps,
+    options = {"dense_on_servers": args.dense == "server"} if args.model == "sum_bags" else {}
+    program, batches = (make_sum_bags if args.model == "sum_bags" else make)(
+        args.optimizer, job.cluster.num_workers, args.steps, cache_rows=args.cache_rows,
+        policy=args.policy, max_staleness=args.max_staleness, **options)
+    trainer = job.start(program, EmbeddingCacheMode(dense=args.dense), num_steps=args.steps,
                         resume=args.resume)
     stop = args.stop_after or args.steps
     for _ in trainer.run(trainer.shard(batches[trainer.steps_done:stop])):

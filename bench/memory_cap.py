@@ -1,0 +1,232 @@
+"""Tables bigger than the workers' memory: embedding-cache mode trains with a
+memory cap on its worker below the size of its tables, where TorchRec's
+DistributedModelParallel, under the same cap per process, cannot. Prints JSON.
+
+The job is examples/recsys_cache.py's DLRM with large tables (8 tables of
+1 M rows x 64 by default: 2.05 GB of float32 rows), plain SGD, LRU caches of
+5 % on the worker, the MLPs on the worker. A memory cgroup is made for each
+capped process (cgroup v2 `memory.max` where the memory controller is on the
+unified hierarchy, else v1 `memory.limit_in_bytes`; needs root), the process
+enters it before it starts (`sh -c 'echo $$ > cgroup.procs; exec ...'`), and
+the cgroups are removed at the end.
+
+- splitrun: `splitrun scheduler`, 2 servers and 1 worker through `splitrun
+  join` (servers uncapped: they hold the tables), the worker capped. It
+  leaves the tables' starting values to the servers (`build(...,
+  tables_here=False)`: never written, never paged in) and caches rows.
+- TorchRec DMP: 2 processes (gloo; bench/torchrec_anchors.py dmp), the
+  tables sharded table-wise, each process capped the same: each must hold
+  its shard (half the tables) and builds the model first.
+
+    sudo python bench/memory_cap.py [--cap-mb 1024] [--rows 1000000] [--steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+HERE = pathlib.Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+
+from joined_job import run_joined_job  # noqa: E402
+
+CAP_MB = 1024
+TABLES = 8
+ROWS = 1_000_000
+DIM = 64
+STEPS = 40
+WARMUP_STEPS = 10
+BATCH = 1024
+# Bounds each job (start, steps, shutdown) on 2 cores.
+RUN_TIMEOUT_S = 1200
+BENCH_PREFIX = "BENCH "
+_CGROUP_ROOT = pathlib.Path("/sys/fs/cgroup")
+
+
+def job_args(args) -> list[str]:
+    return ["--tables", str(args.tables), "--rows", str(args.rows), "--dim", str(args.dim),
+            "--batch-size", str(BATCH), "--ids-per-table", "16", "--bottom", "64", "--top", "64",
+            "--zipf", "1.05", "--optimizer", "sgd", "--policy", "lru", "--cache-fraction", "0.05",
+            "--steps", str(args.steps)]
+
+
+# -- memory cgroups --------------------------------------------------------------------
+
+class MemoryCgroup:
+    """A memory cgroup of our own with a hard limit; `wrap(command)` starts a
+    command inside it. v2 where the unified hierarchy has the memory
+    controller, else v1."""
+
+    def __init__(self, name: str, limit_bytes: int) -> None:
+        self.version, parent = _memory_hierarchy()
+        self.path = parent / name
+        self.path.mkdir()
+        self.limit_bytes = limit_bytes
+        limit_file = "memory.max" if self.version == 2 else "memory.limit_in_bytes"
+        (self.path / limit_file).write_text(str(limit_bytes))
+
+    def wrap(self, command: list[str]) -> list[str]:
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs"),
+                *command]
+
+    def report(self) -> dict:
+        if self.version == 2:
+            peak = self.path / "memory.peak"
+            events = dict(line.split() for line in
+                          (self.path / "memory.events").read_text().splitlines())
+            return {"cgroup": "v2 memory.max", "limit_mb": self.limit_bytes / 2**20,
+                    "peak_mb": int(peak.read_text()) / 2**20 if peak.exists() else None,
+                    "oom_kills": int(events.get("oom_kill", 0))}
+        oom = dict(line.split() for line in
+                   (self.path / "memory.oom_control").read_text().splitlines())
+        return {"cgroup": "v1 memory.limit_in_bytes", "limit_mb": self.limit_bytes / 2**20,
+                "peak_mb": int((self.path / "memory.max_usage_in_bytes").read_text()) / 2**20,
+                "limit_hits": int((self.path / "memory.failcnt").read_text()),
+                "oom_kills": int(oom.get("oom_kill", 0))}
+
+    def remove(self) -> None:
+        """Remove the cgroup (its processes have exited; a straggler of ours is
+        killed first)."""
+        procs = self.path / "cgroup.procs"
+        for pid in procs.read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), 9)
+        deadline = time.monotonic() + 30
+        while procs.read_text().split() and time.monotonic() < deadline:
+            time.sleep(0.1)  # the kernel empties it as they exit: no event to wait on
+        self.path.rmdir()
+
+
+def _memory_hierarchy() -> tuple[int, pathlib.Path]:
+    """(version, the cgroup of this process on that hierarchy)."""
+    lines = pathlib.Path("/proc/self/cgroup").read_text().splitlines()
+    unified = next((line.split(":", 2)[2] for line in lines if line.startswith("0::")), None)
+    for root in (_CGROUP_ROOT, _CGROUP_ROOT / "unified"):
+        controllers = root / "cgroup.controllers"
+        if unified is not None and controllers.exists() and (
+                "memory" in controllers.read_text().split()):
+            return 2, root / unified.lstrip("/")
+    for line in lines:
+        _, names, path = line.split(":", 2)
+        if "memory" in names.split(","):
+            return 1, _CGROUP_ROOT / "memory" / path.lstrip("/")
+    raise SystemExit("no memory cgroup controller (v1 or v2) on this machine")
+
+
+# -- the two jobs --------------------------------------------------------------------
+
+class _LocalHost:
+    address = "127.0.0.1"
+
+    def __init__(self, cgroup: MemoryCgroup | None = None) -> None:
+        self.cgroup = cgroup
+
+    def popen(self, command, **kwargs):
+        return subprocess.Popen(command if self.cgroup is None else self.cgroup.wrap(command),
+                                **kwargs)
+
+
+def run_splitrun(args, workdir: pathlib.Path, cap_bytes: int) -> dict:
+    cgroup = MemoryCgroup(f"splitrun-memcap-{os.getpid()}-worker", cap_bytes)
+    try:
+        hosts = SimpleNamespace(a=_LocalHost(), b=_LocalHost(cgroup))
+        command = [str(HERE.parent / "embedding_cache.py"), "--job", "--", *job_args(args)]
+        run_dir = workdir / "splitrun"
+        run_dir.mkdir()
+        result = {"finished": False}
+        try:
+            logs = run_joined_job(hosts, run_dir, workers=1, servers=2, job_command=command,
+                                  what="splitrun under the cap", timeout_s=RUN_TIMEOUT_S)
+            bench = _bench_line(logs[2].read_text(errors="replace"))
+            stamps = bench["stamps"]
+            result = {"finished": True, "steps": len(stamps) - 1,
+                      "samples_per_s_after_warmup": round(
+                          (len(stamps) - 1 - WARMUP_STEPS) * BATCH
+                          / (stamps[-1] - stamps[WARMUP_STEPS]), 1),
+                      "hit_rate_per_unique_id": round(bench["hits"] / bench["unique_ids"], 4),
+                      "mb_pulled_per_step": round(bench["bytes_pulled"] / len(stamps) / 1e6, 2)}
+        except RuntimeError as exc:
+            result["error"] = str(exc)[-2000:]
+        result["worker_memory"] = cgroup.report()
+        return result
+    finally:
+        cgroup.remove()
+
+
+def run_dmp(args, cap_bytes: int) -> dict:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=RUN_TIMEOUT_S))
+    cgroups = [MemoryCgroup(f"splitrun-memcap-{os.getpid()}-dmp{rank}", cap_bytes)
+               for rank in range(2)]
+    try:
+        processes = [subprocess.Popen(cgroup.wrap(
+            [sys.executable, str(HERE.parent / "torchrec_anchors.py"), "dmp", "--rank",
+             str(rank), "--world-size", "2", "--store", f"127.0.0.1:{store.port}", "--",
+             *job_args(args)]), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for rank, cgroup in enumerate(cgroups)]
+        outputs = []
+        for process in processes:
+            try:
+                outputs.append(process.communicate(timeout=RUN_TIMEOUT_S)[0])
+            except subprocess.TimeoutExpired:
+                process.kill()
+                outputs.append(process.communicate()[0])
+        codes = [process.returncode for process in processes]
+        finished = all(code == 0 for code in codes)
+        return {"finished": finished, "exit_codes": codes,
+                "killed_by_signal": [-code for code in codes if code < 0],
+                "output_tails": [] if finished else [o[-600:] for o in outputs],
+                "process_memory": [cgroup.report() for cgroup in cgroups]}
+    finally:
+        for cgroup in cgroups:
+            cgroup.remove()
+        del store
+
+
+def _bench_line(text: str) -> dict:
+    for line in text.splitlines():
+        if BENCH_PREFIX in line:
+            return json.loads(line.split(BENCH_PREFIX, 1)[1])
+    raise RuntimeError(f"no {BENCH_PREFIX.strip()} line:\n{text[-3000:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cap-mb", type=int, default=CAP_MB,
+                        help="memory cap of each capped process (MiB)")
+    parser.add_argument("--tables", type=int, default=TABLES)
+    parser.add_argument("--rows", type=int, default=ROWS)
+    parser.add_argument("--dim", type=int, default=DIM)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--skip-dmp", action="store_true")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("memory cgroups need root: run with sudo")
+    cap = args.cap_mb * 2**20
+    tables_bytes = args.tables * args.rows * args.dim * 4
+    started = time.perf_counter()
+    report = {"benchmark": "memory_cap", "job": " ".join(job_args(args)),
+              "tables_mb": round(tables_bytes / 2**20, 1), "cap_mb_per_process": args.cap_mb,
+              "tables_over_cap": round(tables_bytes / cap, 2)}
+    with tempfile.TemporaryDirectory(prefix="splitrun-bench-memcap-") as workdir:
+        report["splitrun_cache_mode"] = run_splitrun(args, pathlib.Path(workdir), cap)
+    if not args.skip_dmp:
+        report["torchrec_dmp_2_processes"] = run_dmp(args, cap)
+    report["total_s"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

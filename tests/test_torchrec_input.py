@@ -1,0 +1,141 @@
+"""TorchRec models and inputs: a model with a `torchrec.EmbeddingBagCollection`
+fed `KeyedJaggedTensor`s (jagged: samples have different numbers of ids)
+trains in embedding-cache and parameter-server modes after one conversion
+(`TorchRecInput`), equal to the unsplit step; its checkpoint loads back into
+the TorchRec model; bad keys and ids are refused naming the key and table."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitrun.runtime import run_threaded
+from splitrun.splitter import (
+    CaptureError,
+    Cluster,
+    ParameterServerMode,
+    capture,
+    optim,
+    split_program,
+)
+from splitrun.splitter.cache_mode import EmbeddingCacheMode, place_embedding_cache
+from splitrun.splitter.torchrec_input import TorchRecInput
+
+torchrec = pytest.importorskip("torchrec")
+
+ROWS = {"users": 300, "items": 200}
+DIM = 4
+BATCH = 16
+NUM_STEPS = 8
+
+
+class Clicks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sparse = torchrec.EmbeddingBagCollection(tables=[
+            torchrec.EmbeddingBagConfig(name=f"{name}_table", embedding_dim=DIM,
+                                        num_embeddings=rows, feature_names=[name])
+            for name, rows in ROWS.items()], device=torch.device("cpu"))
+        self.dense = nn.Linear(3, DIM)
+        self.top = nn.Linear(3 * DIM, 1)
+
+    def forward(self, dense, features):
+        pooled = self.sparse(features)
+        return self.top(torch.cat([self.dense(dense), pooled["users"], pooled["items"]], 1)
+                        ).squeeze(1)
+
+
+def click_loss(model, dense, features, label):
+    return F.binary_cross_entropy_with_logits(model(dense, features), label)
+
+
+def jagged_batches(num_steps, seed=0):
+    """Each sample has 0-3 ids per feature (a different count every batch)."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(num_steps):
+        lengths = torch.randint(0, 4, (2 * BATCH,), generator=generator)
+        counts = lengths.reshape(2, BATCH).sum(1).tolist()
+        values = torch.cat([torch.randint(0, rows, (n,), generator=generator)
+                            for rows, n in zip(ROWS.values(), counts)])
+        features = torchrec.KeyedJaggedTensor.from_lengths_sync(list(ROWS), values, lengths)
+        batches.append((torch.randn(BATCH, 3, generator=generator), features,
+                        torch.randint(0, 2, (BATCH,), generator=generator).float()))
+    return batches
+
+
+def converted(num_workers, *, cache_rows=None):
+    torch.manual_seed(0)
+    model = Clicks()
+    rec = TorchRecInput(model)
+    if cache_rows is not None:
+        place_embedding_cache(rec.tables, cache_rows=cache_rows)
+    batches = jagged_batches(NUM_STEPS)
+    program = capture(model, rec.loss(click_loss), optim.SGD(lr=0.2),
+                      next(rec.shard(batches[:1], 0, num_workers)))
+    return model, rec, program, batches
+
+
+def feeds_of(rec, batches):
+    flat = list(rec.shard(batches, 0, 1))  # global batches; run_threaded shards them
+    return lambda step: {f"batch.{i}": t for i, t in enumerate(flat[step])}
+
+
+def unsplit_state():
+    _, rec, program, batches = converted(1)
+    return program.train_unsplit(NUM_STEPS, feeds_of(rec, batches))[1]
+
+
+@pytest.mark.parametrize("mode", ["cache", "parameter_server"])
+def test_a_torchrec_model_trains_as_the_unsplit_step_and_loads_back(mode):
+    cache = mode == "cache"
+    _, rec, program, batches = converted(1, cache_rows=48 if cache else None)
+    chosen = EmbeddingCacheMode(dense="worker") if cache else ParameterServerMode(dense="worker")
+    split = split_program(program, Cluster(1, 2), chosen)
+    run = run_threaded(split, NUM_STEPS, feeds_of(rec, batches), recv_timeout_s=30)
+    expected = unsplit_state()
+    assert run.state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(run.state[key], value), f"{key} differs"
+    if cache:
+        counters = next(iter(run.cache_counters.values()))
+        assert all(c["evictions"] > 0 for c in counters.values())
+    # The checkpoint's keys are the TorchRec model's: it loads back, strictly.
+    fresh = Clicks()
+    fresh.load_state_dict({k: v for k, v in run.state.items() if k in fresh.state_dict()})
+    assert set(fresh.state_dict()) <= set(run.state)
+    dense, features, label = batches[0]
+    reference = Clicks()
+    reference.load_state_dict({k: v for k, v in expected.items() if k in fresh.state_dict()})
+    assert torch.equal(fresh(dense, features), reference(dense, features))
+
+
+def test_two_workers_cut_jagged_batches_by_samples():
+    _, rec, program, batches = converted(2, cache_rows=48)
+    split = split_program(program, Cluster(2, 1), EmbeddingCacheMode(dense="worker"))
+    shards = [list(rec.shard(batches, rank, 2)) for rank in range(2)]
+    run = run_threaded(split, NUM_STEPS, recv_timeout_s=30, worker_batches=lambda rank, step: {
+        f"batch.{i}": t for i, t in enumerate(shards[rank][step])})
+    expected = unsplit_state()
+    for key, value in expected.items():
+        torch.testing.assert_close(run.state[key], value, rtol=0, atol=1e-5)
+
+
+def test_bad_keys_and_ids_name_the_key_and_table():
+    _, rec, _, batches = converted(1)
+    dense, features, label = batches[0]
+    values, lengths = features.values(), features.lengths()
+    renamed = torchrec.KeyedJaggedTensor.from_lengths_sync(["users", "goods"], values, lengths)
+    with pytest.raises(CaptureError, match="key 'goods' is pooled by no table.*'items' "
+                                           "\\(table 'items_table'\\)"):
+        rec.batch(dense, renamed, label)
+    only = torchrec.KeyedJaggedTensor.from_lengths_sync(
+        ["users"], values[:int(lengths[:BATCH].sum())], lengths[:BATCH])
+    with pytest.raises(CaptureError, match="no key 'items', which table 'items_table' pools"):
+        rec.batch(dense, only, label)
+    too_big = values.clone()
+    too_big[-1] = ROWS["items"]
+    beyond = torchrec.KeyedJaggedTensor.from_lengths_sync(list(ROWS), too_big, lengths)
+    with pytest.raises(CaptureError, match="key 'items' looks up id 200, but its table "
+                                           "'items_table' has 200 rows"):
+        rec.batch(dense, beyond, label)
