@@ -40,7 +40,6 @@ from .embedding_bags import (
     drop_unused_bag_backwards,
 )
 from .errors import CaptureError
-from .sparse_optim import ROW_WISE_UPDATES, sparse_update_for
 from .labels import LABEL_ANNOTATION, MODULE_ANNOTATION, placement_of
 from .program import (
     InputKind,
@@ -52,6 +51,7 @@ from .program import (
     node_annotation,
     set_node_annotation,
 )
+from .sparse_optim import ROW_WISE_UPDATES, sparse_update_for
 
 __all__ = ["capture", "LossFn"]
 
@@ -372,8 +372,8 @@ def _trace_joint(model, loss_fn, trainable, params, frozen, batch) -> fx.GraphMo
             regions.close()
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise CaptureError(
-                f"loss_fn must return a scalar tensor, got "
-                f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else list(loss.shape)}")
+                f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                f"{list(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
         return (loss,)
 
     # Tracing reads no value. A cached table's stand-in is left unwritten (its
@@ -409,9 +409,9 @@ def _capture_error(exc: Exception, where: str) -> CaptureError:
     text = str(exc).strip()
     if "input mutations" in text:
         return CaptureError(
-            f"the step mutates one of its inputs in place (an in-place update of a "
-            f"parameter or buffer inside the forward); splitrun captures pure steps: "
-            f"return new values instead of writing into module state")
+            "the step mutates one of its inputs in place (an in-place update of a "
+            "parameter or buffer inside the forward); splitrun captures pure steps: "
+            "return new values instead of writing into module state")
     first_line = text.splitlines()[0] if text else type(exc).__name__
     return CaptureError(f"capture failed in {where}: {type(exc).__name__}: {first_line}")
 

@@ -38,7 +38,13 @@ from .errors import PlanError
 from .labels import ANY_SERVER, MODULE_ANNOTATION, Cluster, Label, Role
 from .modes import ChannelDraft, Edge, Mode, ModeArtifacts, fuse_by_source_segment
 from .plan import Channel, ChannelKind, DataSync, Instruction, ModeKind, OpKind, SplitPlan
-from .program import InputKind, OutputKind, OutputSpec, Program, node_annotation, set_node_annotation
+from .program import (
+    InputKind,
+    OutputSpec,
+    Program,
+    node_annotation,
+    set_node_annotation,
+)
 from .sparse_optim import coalesce
 
 __all__ = ["ParameterServerMode", "ServerAssignment", "gradient_slot", "assign_servers"]
@@ -184,7 +190,8 @@ class ParameterServerMode(Mode):
                     set_node_annotation(node, worker)
             elif node.op == "call_function":
                 module = node_annotation(node, MODULE_ANNOTATION) or ""
-                param = module[len(_OPTIMIZER_PREFIX):] if module.startswith(_OPTIMIZER_PREFIX) else None
+                param = (module[len(_OPTIMIZER_PREFIX):]
+                         if module.startswith(_OPTIMIZER_PREFIX) else None)
                 if param in owner:
                     set_node_annotation(node, str(Label.server(owner[param])))
                 elif (node_annotation(node) or "").startswith("s"):

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from splitrun.runtime.errors import MessageRejected, TransportError
 from splitrun.runtime.transport.buffers import (
     BufferPool,
     MessageBuffer,
@@ -24,7 +25,6 @@ from splitrun.runtime.transport.framing import (
     specs_from_envelope,
     split_step,
 )
-from splitrun.runtime.errors import MessageRejected, TransportError
 from splitrun.runtime.transport.protocol import MessageKey
 from splitrun.runtime.transport.wire import splitrun_pb2
 

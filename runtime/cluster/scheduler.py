@@ -336,7 +336,8 @@ class Scheduler(pb_grpc.SchedulerServicer):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._stopped.is_set():
                     registered = set(self._state.members)
-                    missing = [str(l) for l in self._expected_labels() if l not in registered]
+                    missing = [str(label) for label in self._expected_labels()
+                               if label not in registered]
                     context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                   f"still waiting for {', '.join(missing)} to register after "
                                   f"{request.timeout_s:g} s; did they start, and with this "
@@ -447,7 +448,8 @@ class Scheduler(pb_grpc.SchedulerServicer):
                     context.abort(grpc.StatusCode.ABORTED, self._state.reason)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._stopped.is_set():
-                    missing = [str(l) for l in self._expected_labels() if l not in arrived]
+                    missing = [str(label) for label in self._expected_labels()
+                               if label not in arrived]
                     context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                   f"barrier {request.name!r}: {', '.join(missing)} did not "
                                   f"arrive within {request.timeout_s:g} s")

@@ -9,5 +9,5 @@ from .sharding import RowSharding
 from .step_ids import StepIds
 from .store import EmbeddingStore
 
-__all__ = ["CacheParts", "attach_cache", "cached_tables_of", "EmbeddingClient", "RowCache", "RowSharding",
-           "StepIds", "EmbeddingStore"]
+__all__ = ["CacheParts", "attach_cache", "cached_tables_of", "EmbeddingClient", "RowCache",
+           "RowSharding", "StepIds", "EmbeddingStore"]

@@ -58,14 +58,14 @@ from splitrun.splitter.embedding_bags import bag_forward, bag_gradient_rows
 from splitrun.splitter.labels import Cluster, Label
 from splitrun.splitter.sparse_optim import IN_PLACE
 
+from ..errors import CacheError
+from ..transport.dtypes import nbytes_of
+from ..transport.protocol import MessageKey, Transport
 from .fused_bags import FusedBags
 from .protocol import Op, reply_channel, request, request_channel
 from .row_cache import BatchPlan, RowCache
 from .sharding import RowSharding
 from .step_ids import StepIds
-from ..errors import CacheError
-from ..transport.dtypes import nbytes_of
-from ..transport.protocol import MessageKey, Transport
 
 __all__ = ["EmbeddingClient"]
 

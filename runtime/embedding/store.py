@@ -22,10 +22,10 @@ from splitrun.splitter.cached_tables import CachedTable
 from splitrun.splitter.labels import Cluster, Label
 from splitrun.splitter.sparse_optim import IN_PLACE
 
-from .protocol import Op, read_request, reply_channel
 from ..errors import MessageRejected, SplitrunError
-from .sharding import RowSharding
 from ..transport.protocol import MessageKey, Transport
+from .protocol import Op, read_request, reply_channel
+from .sharding import RowSharding
 
 __all__ = ["EmbeddingStore", "ShardSnapshot"]
 

@@ -28,10 +28,10 @@ from ..framing import CHUNK_OVERHEAD, EnvelopeWriter
 from ..keys import MessageKey
 from ..mailbox import Mailbox
 from ..wire import splitrun_pb2
-from .endpoint import CurrentEndpoint, Endpoint, GrpcSettings
-from .receive import TensorServicer, server_options
-from .outgoing import outgoing
 from .auth import TokenInterceptor
+from .endpoint import CurrentEndpoint, Endpoint, GrpcSettings
+from .outgoing import outgoing
+from .receive import TensorServicer, server_options
 from .send import JOIN_GRACE_S, PeerSender, open_channel
 from .service import PING_METHOD
 from .tls import TlsFiles
