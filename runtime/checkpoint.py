@@ -18,9 +18,10 @@ shape and finiteness of every tensor against the model; each problem is one
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -33,7 +34,7 @@ from .transport.protocol import OUT_OF_PLAN
 __all__ = ["CONTROL_CHANNEL", "SAVE", "SAVE_SHARDED", "sharded_save_key", "save_channel",
            "final_state_channel",
            "to_checkpoint", "from_checkpoint", "write_checkpoint", "read_checkpoint",
-           "load_checkpoint", "checksum_path", "verify_checksum", "file_sha256"]
+           "load_checkpoint", "checksum_path", "verify_checksum", "file_sha256", "writing"]
 
 CHECKSUM_SUFFIX = ".sha256"
 _CHUNK = 1 << 20
@@ -163,18 +164,32 @@ def file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+@contextlib.contextmanager
+def writing(where: str) -> Iterator[None]:
+    """Writes inside fail as one `CheckpointError` line naming `where` (a
+    missing directory, a full disk, no permission), as reads do."""
+    try:
+        yield
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        on = f" ({exc.filename})" if exc.filename else ""
+        raise CheckpointError(f"{where}: cannot write it: {reason}{on}") from None
+
+
 def write_checkpoint(checkpoint: dict, path: str | os.PathLike) -> None:
     """Write atomically, with the checksum next to it: a crash mid-write leaves
     the previous checkpoint (or a mismatch that a resume refuses)."""
     path = os.fspath(path)
     partial = f"{path}.partial"
-    torch.save(checkpoint, partial)
-    line = f"{file_sha256(partial)}  {os.path.basename(path)}\n"
-    sum_partial = f"{checksum_path(path)}.partial"
-    with open(sum_partial, "w") as out:
-        out.write(line)
-    os.replace(partial, path)
-    os.replace(sum_partial, checksum_path(path))
+    with writing(f"checkpoint {path}"):
+        with open(partial, "wb") as out:  # a file object: I/O errors are OSErrors
+            torch.save(checkpoint, out)
+        line = f"{file_sha256(partial)}  {os.path.basename(path)}\n"
+        sum_partial = f"{checksum_path(path)}.partial"
+        with open(sum_partial, "w") as out:
+            out.write(line)
+        os.replace(partial, path)
+        os.replace(sum_partial, checksum_path(path))
 
 
 def verify_checksum(path: str | os.PathLike) -> None:

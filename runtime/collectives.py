@@ -75,10 +75,6 @@ class ProcessGroupCollectives:
     def backend_name(self) -> str:
         return "nccl" if self.device.type == "cuda" else "gloo"
 
-    @property
-    def is_formed(self) -> bool:
-        return self._group is not None
-
     def _form(self):
         """Meet the other members and build the process group (bounded by the
         rendezvous's timeout)."""

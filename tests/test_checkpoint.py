@@ -108,6 +108,14 @@ def test_a_written_checkpoint_is_verified_and_loads(tmp_path):
         assert torch.equal(state[key], value)
 
 
+def test_a_write_that_fails_is_one_checkpoint_error_naming_the_path(tmp_path):
+    program, _ = saved(tmp_path)
+    missing = tmp_path / "no-such-dir" / "ckpt.pt"
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {missing}: cannot write it: "
+                                              rf"No such file or directory"):
+        write_checkpoint(to_checkpoint(program, program.initial_state, 1), missing)
+
+
 def test_flipped_bytes_in_the_middle_are_refused(tmp_path):
     program, path = saved(tmp_path)
     data = bytearray(path.read_bytes())

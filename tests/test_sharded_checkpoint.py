@@ -83,6 +83,19 @@ def test_pieces_of_several_writers_load_back_whole(tmp_path):
         assert torch.equal(loaded[key], value), key
 
 
+def test_writes_that_fail_are_one_checkpoint_error_naming_the_directory(tmp_path):
+    program, state = trained()
+    taken = tmp_path / "a-file"
+    taken.write_text("not a directory")
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {taken}/ckpt: cannot write it: "
+                                              rf"Not a directory"):
+        sc.start_checkpoint(taken / "ckpt")
+    piece = sc.Piece.whole(sc.state_paths(program)["2.bias"], state["2.bias"])
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {taken} \(w0's part\): cannot "
+                                              rf"write it: "):
+        sc.write_pieces(taken, "w0", [piece])
+
+
 def test_a_process_reads_only_its_own_keys(tmp_path):
     program, state = trained()
     write(tmp_path / "ckpt", program, state)

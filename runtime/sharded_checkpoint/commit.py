@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..checkpoint import file_sha256
+from ..checkpoint import file_sha256, writing
 from ..errors import CheckpointError
 from .layout import CHECKSUMS, METADATA, Path, dcp_path, fqn_of, numel
 
@@ -85,22 +85,24 @@ def finish_checkpoint(directory: str | os.PathLike, reports: Mapping[str, bytes]
             raise CheckpointError(
                 f"checkpoint {directory}: the pieces of {fqn!r} cover {covered} of its "
                 f"{numel(md.size)} elements; a process did not write its part")
-    writer = FileSystemWriter(directory, single_file_per_rank=True)
-    writer.set_up_storage_writer(True)
-    writer.finish(Metadata(state_md, planner_data=planner_data), results)
-    sums[METADATA] = file_sha256(os.path.join(directory, METADATA))
-    partial = os.path.join(directory, f"{CHECKSUMS}.partial")
-    with open(partial, "w") as out:
-        out.writelines(f"{digest}  {name}\n" for name, digest in sorted(sums.items()))
-    os.replace(partial, os.path.join(directory, CHECKSUMS))
+    with writing(f"checkpoint {directory}"):
+        writer = FileSystemWriter(directory, single_file_per_rank=True)
+        writer.set_up_storage_writer(True)
+        writer.finish(Metadata(state_md, planner_data=planner_data), results)
+        sums[METADATA] = file_sha256(os.path.join(directory, METADATA))
+        partial = os.path.join(directory, f"{CHECKSUMS}.partial")
+        with open(partial, "w") as out:
+            out.writelines(f"{digest}  {name}\n" for name, digest in sorted(sums.items()))
+        os.replace(partial, os.path.join(directory, CHECKSUMS))
 
 
 def start_checkpoint(directory: str | os.PathLike) -> None:
     """Worker 0, before anyone writes: a directory that held a checkpoint loses
     its checksum file first, so a save cut short is never taken for complete."""
     directory = os.fspath(directory)
-    os.makedirs(directory, exist_ok=True)
-    try:
-        os.remove(os.path.join(directory, CHECKSUMS))
-    except FileNotFoundError:
-        pass
+    with writing(f"checkpoint {directory}"):
+        os.makedirs(directory, exist_ok=True)
+        try:
+            os.remove(os.path.join(directory, CHECKSUMS))
+        except FileNotFoundError:
+            pass

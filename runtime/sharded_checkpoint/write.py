@@ -30,7 +30,7 @@ from splitrun.splitter.modes import ModeArtifacts
 from splitrun.splitter.parallel.layout import ParallelLayout, split_member_key
 from splitrun.splitter.program import Program
 
-from ..checkpoint import file_sha256
+from ..checkpoint import file_sha256, writing
 from ..embedding.store import ShardSnapshot
 from .layout import (
     FORMAT,
@@ -96,18 +96,19 @@ def write_pieces(directory: str | os.PathLike, name: str, pieces: Sequence[Piece
         items.append(WriteItem(index=index, type=WriteItemType.BYTE_IO))
         data[index] = buffer
         described.append({"path": list(path)})
-    writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=1)
-    # Without collectives the writer prefixes its files with `rank`: our name.
-    writer.set_up_storage_writer(False, rank=name, use_collectives=False)
-    plan = writer.prepare_local_plan(SavePlan(items))
-    results: list[WriteResult] = writer.write_data(plan, _Resolver(data)).wait()
-    where = {(r.index.fqn, tuple(r.index.offset or ())): r.storage_data for r in results}
-    for entry in described:
-        info = where[(fqn_of(tuple(entry["path"])), tuple(entry.get("offsets", ())))]
-        entry.update(file=info.relative_path, offset=info.offset, length=info.length)
-    files = sorted({entry["file"] for entry in described})
-    report = {"name": name, "items": described,
-              "files": {f: file_sha256(os.path.join(directory, f)) for f in files}}
+    with writing(f"checkpoint {directory} ({name}'s part)"):
+        writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=1)
+        # Without collectives the writer prefixes its files with `rank`: our name.
+        writer.set_up_storage_writer(False, rank=name, use_collectives=False)
+        plan = writer.prepare_local_plan(SavePlan(items))
+        results: list[WriteResult] = writer.write_data(plan, _Resolver(data)).wait()
+        where = {(r.index.fqn, tuple(r.index.offset or ())): r.storage_data for r in results}
+        for entry in described:
+            info = where[(fqn_of(tuple(entry["path"])), tuple(entry.get("offsets", ())))]
+            entry.update(file=info.relative_path, offset=info.offset, length=info.length)
+        files = sorted({entry["file"] for entry in described})
+        report = {"name": name, "items": described,
+                  "files": {f: file_sha256(os.path.join(directory, f)) for f in files}}
     return json.dumps(report).encode()
 
 

@@ -297,11 +297,6 @@ class RingReader:
         with self._report_lock:
             return sum(self._lent.values())
 
-    def holds_memory_of(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor` views this ring's memory (a lent payload)."""
-        return (tensor.device.type == "cpu"
-                and self.holds_address(tensor.untyped_storage().data_ptr()))
-
     def holds_address(self, address: int) -> bool:
         """Whether `address` (a CPU tensor's storage) lies in this ring's memory."""
         return self._segment.address <= address < self._segment.address + self.capacity

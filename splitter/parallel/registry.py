@@ -15,7 +15,6 @@ functional optimizers. An op with no entry runs replicated, with a warning.
 from __future__ import annotations
 
 import logging
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -486,6 +485,3 @@ def _layer_norm_backward(node, in_shapes, out_shapes):
         found.append(OpStrategy(outs, ins))
     return found
 
-
-# getitem is not an op: it takes its tuple's output placement (see propagate.py).
-FOLLOWS_TUPLE = operator.getitem

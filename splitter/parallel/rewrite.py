@@ -93,15 +93,6 @@ def local_shape(shape: tuple[int, ...], placement: Placement, n: int) -> tuple[i
     return tuple(local)
 
 
-def _param_of_state(key: str, program: Program) -> str:
-    base = key.rsplit(".", 1)[0]
-    try:
-        spec = program.input_for_key(base)
-    except KeyError:
-        return key
-    return base if spec.kind is InputKind.PARAM else key
-
-
 class _Expander:
     def __init__(self, program: Program, layout: ShardingLayout,
                  groups: tuple[tuple[Label, ...], ...], group_of: dict[str, int],

@@ -86,7 +86,6 @@ class PeerSender:
         self._stop = threading.Event()
         # The stream call or connect wait in progress, so close() can cancel it.
         self._future: grpc.Future | None = None
-        self.num_streams = 0
         # Messages queued, and messages the peer confirmed it delivered; flush()
         # waits for the second to catch up with the first.
         self._confirm = threading.Condition()
@@ -238,7 +237,6 @@ class PeerSender:
         settings = self._settings
         state = _StreamState()
         deadline_s = settings.stream_max_s + settings.message_timeout_s
-        self.num_streams += 1
         future = self._stream.future(self._requests(state), timeout=deadline_s,
                                      metadata=self._metadata)
         self._future = future
