@@ -445,11 +445,11 @@ class _StepBuilder:
         self._update_cache: dict[tuple, fx.GraphModule] = {}
 
     def _placeholder(self, name: str, kind: InputKind, key: str,
-                     owner: str | None = None) -> fx.Node:
+                     owner: str | None = None, param: str | None = None) -> fx.Node:
         node = self.graph.placeholder(name)
         if owner is not None:
             set_node_annotation(node, owner)
-        self.inputs.append(InputSpec(node.name, kind, key))
+        self.inputs.append(InputSpec(node.name, kind, key, param))
         self.input_nodes[key] = node
         return node
 
@@ -469,7 +469,7 @@ class _StepBuilder:
             for name in self.trainable:
                 for state_name in groups.for_param(name).state_names:
                     self._placeholder(f"o_{_safe(name)}_{state_name}", InputKind.OPT_STATE,
-                                      f"{name}.{state_name}", self.owners.get(name))
+                                      f"{name}.{state_name}", self.owners.get(name), name)
             for index in range(len(groups.functional)):
                 key = groups.lr_key(index)
                 self._placeholder(_safe(key), InputKind.HPARAM, key)
@@ -630,9 +630,8 @@ class _StepBuilder:
             elif spec.kind is InputKind.BUFFER:
                 values.append(frozen[spec.key].detach())
             elif spec.kind is InputKind.OPT_STATE:
-                param_name, state_name = spec.key.rsplit(".", 1)
-                values.append(groups.for_param(param_name).init_state(
-                    params[param_name].detach())[state_name])
+                values.append(groups.for_param(spec.param).init_state(
+                    params[spec.param].detach())[spec.state_name])
             elif spec.kind is InputKind.HPARAM:
                 values.append(hparams[spec.key])
             else:

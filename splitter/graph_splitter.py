@@ -23,10 +23,10 @@ import operator
 from collections import defaultdict
 from dataclasses import dataclass
 
-import torch
 from torch import fx
 
 from .errors import PlanError
+from .fx_facts import value_nbytes
 from .labels import Cluster, Label, Role
 from .modes import STEP_START, ChannelDraft, Edge, GeneralMode, Mode, ModeArtifacts
 from .plan import (
@@ -203,7 +203,7 @@ class _Scan:
                 spec = program.input_spec(value.name)
                 key = spec.key if spec.kind.is_state else None
             found[(value, dst)] = Edge(value.name, src, dst, src_pos, src_segment, dst_pos,
-                                       _nbytes(value), key)
+                                       value_nbytes(value), key)
 
         pos = 0
         for pos, node in enumerate(graph.nodes):
@@ -233,13 +233,6 @@ class _Scan:
                 add(value, src, home, src_pos, src_segment, end)
         self.edges = list(found.values())
         self.runs = runs
-
-
-def _nbytes(node: fx.Node) -> int:
-    value = node.meta.get("val")
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    return 0
 
 
 @contextlib.contextmanager
