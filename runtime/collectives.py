@@ -25,13 +25,13 @@ import torch.distributed as dist
 
 from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label
-from splitrun.splitter.parallel import ParallelLayout, collective_ops
+from splitrun.splitter.parallel import collective_ops
 
 from .cluster.rendezvous import Rendezvous
 from .errors import ClusterError, CollectiveFailed, SplitrunError
 
 __all__ = ["CollectiveStats", "ProcessGroupCollectives", "CollectiveParts",
-           "attach_collectives", "process_group_layout"]
+           "attach_collectives"]
 
 logger = logging.getLogger(__name__)
 
@@ -222,22 +222,12 @@ class CollectiveParts:
             self.group.close()
 
 
-def process_group_layout(split: SplitProgram) -> ParallelLayout | None:
-    """The split's parallel layout when its collectives run on process groups."""
-    artifacts = split.artifacts
-    if isinstance(artifacts, ParallelLayout) and artifacts.uses_process_groups:
-        return artifacts
-    return None
-
-
 def attach_collectives(split: SplitProgram, label: Label, rendezvous: Rendezvous | None, *,
                        device: torch.device | str = "cpu",
                        timeout_s: float = 120.0) -> CollectiveParts:
     """`label`'s process group, when `split` asks for one and `label` is in a group."""
-    layout = process_group_layout(split)
-    if layout is None:
-        return CollectiveParts()
-    index = layout.group_index_of(label)
+    groups = split.artifacts.process_groups
+    index = next((i for i, group in enumerate(groups) if label in group), None)
     if index is None:
         return CollectiveParts()
     if rendezvous is None:
@@ -245,7 +235,7 @@ def attach_collectives(split: SplitProgram, label: Label, rendezvous: Rendezvous
             f"[{label.describe()}] the split runs its collectives on torch.distributed "
             f"process groups, but no rendezvous was given to form them; run it through "
             f"`Job.start` or `run_threaded`, or split with backend='channels'")
-    group = layout.groups[index]
+    group = groups[index]
     collectives = ProcessGroupCollectives(
         label, f"group-{group[0]}", index, group.index(label), len(group), rendezvous,
         device=torch.device(device), timeout_s=timeout_s)

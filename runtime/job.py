@@ -181,8 +181,7 @@ class Job(JobMember):
         if self.settings.restart_from is not None:  # a restart: the launcher's checkpoint wins
             resume = self.settings.restart_from
         state, first_step = resume_state(program, split, self.label, resume)
-        if split.artifacts is not None:  # parallel mode keeps state in pieces
-            state = split.artifacts.split_state(state)
+        state = split.artifacts.split_state(state)  # parallel mode keeps state in pieces
         # Parallel mode's torch.distributed groups meet through the scheduler.
         rendezvous = None if self.client is None else SchedulerRendezvous(
             self.client, self.incarnation, self.host, self.settings.register_timeout_s)

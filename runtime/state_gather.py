@@ -59,8 +59,7 @@ class StateGather:
     def full(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The collected state keyed like the captured program (parallel mode's
         pieces put together)."""
-        artifacts = self.split.artifacts
-        return state if artifacts is None else artifacts.full_state(state)
+        return self.split.artifacts.full_state(state)
 
 
 def control_channels(plan: SplitPlan, program: Program, me: Label

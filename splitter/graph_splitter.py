@@ -21,7 +21,7 @@ import gc
 import logging
 import operator
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import fx
 
@@ -56,11 +56,11 @@ _EVENT_ORDER = operator.itemgetter(0, 1, 2)  # (position, kind, channel name)
 class SplitProgram:
     """A split ready to run: the plan (plain data), the program its node names
     refer to (the mode's rewrite of the captured one), and the mode's typed
-    artifacts (None in general mode)."""
+    artifacts (a bare `ModeArtifacts` in general mode)."""
 
     plan: SplitPlan
     program: Program
-    artifacts: ModeArtifacts | None = None
+    artifacts: ModeArtifacts = field(default_factory=ModeArtifacts)
 
     def lint(self) -> None:
         """The plan's invariants, dataflow included (see `SplitPlan.lint`)."""

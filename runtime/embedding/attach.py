@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitrun.splitter.cache_mode import CacheArtifacts
 from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label, Role
+from splitrun.splitter.modes import ModeArtifacts
 from splitrun.splitter.plan import SplitPlan
 
 from ..transport.contract import ChannelContract
@@ -34,10 +34,10 @@ class CacheParts:
             self.store.stop()
 
 
-def cached_tables_of(split: SplitProgram) -> CacheArtifacts | None:
-    """The split's cached tables, or None when it caches none."""
-    artifacts = split.artifacts
-    return artifacts if isinstance(artifacts, CacheArtifacts) and artifacts.tables else None
+def cached_tables_of(split: SplitProgram) -> ModeArtifacts | None:
+    """The split's artifacts when it caches tables (`tables`, `initial`,
+    `fused_groups`), or None when it caches none."""
+    return split.artifacts if split.artifacts.tables else None
 
 
 def attach_cache(split: SplitProgram, label: Label, transport: Transport, incarnation: int, *,

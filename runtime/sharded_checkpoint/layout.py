@@ -10,13 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from splitrun.splitter.labels import Label
-from splitrun.splitter.parallel.layout import ParallelLayout
 from splitrun.splitter.program import InputKind, Program
 
 __all__ = ["CHECKSUMS", "METADATA", "ROWS", "FORMAT", "Path", "Piece", "is_directory_path",
            "fqn_of", "dcp_path", "plain_path", "state_paths", "step_paths", "row_paths",
-           "ids_path", "dtype_name", "numel", "member_region"]
+           "ids_path", "dtype_name", "numel"]
 
 
 CHECKSUMS = "checksums.sha256"
@@ -124,17 +122,3 @@ def numel(size: Iterable[int]) -> int:
         total *= n
     return total
 
-
-def member_region(layout: ParallelLayout, base: str, member: Label
-                   ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """Where `member`'s piece of the sharded tensor `base` lies (offsets,
-    sizes); None for a replica."""
-    placement, holders = layout.state[base], layout.members_of(base)
-    size = tuple(layout.state_shapes[base])
-    if not placement.is_shard:
-        return None
-    index = holders.index(member)
-    cut = torch.empty(size, device="meta").chunk(len(holders), placement.dim)
-    offsets = [0] * len(size)
-    offsets[placement.dim] = sum(c.shape[placement.dim] for c in cut[:index])
-    return tuple(offsets), tuple(cut[index].shape)

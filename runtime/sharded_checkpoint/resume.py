@@ -12,13 +12,12 @@ import torch
 
 from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label, Role
-from splitrun.splitter.parallel.layout import ParallelLayout, split_member_key
 from splitrun.splitter.program import Program
 
 from ..embedding.attach import cached_tables_of
 from ..embedding.sharding import RowSharding
 from ..errors import CheckpointError
-from .layout import Path, ids_path, member_region, row_paths, state_paths
+from .layout import Path, ids_path, row_paths, state_paths
 from .read import ShardedCheckpoint, check_against, check_finite, read_step
 
 __all__ = ["RowRange", "load_state", "load_for"]
@@ -113,16 +112,14 @@ def load_for(program: Program, split: SplitProgram, label: Label,
     mode just its piece of each sharded tensor), and on a server of an
     embedding-cache split its rows of every table."""
     keys, regions = [], {}
-    layout = split.artifacts if isinstance(split.artifacts, ParallelLayout) else None
     for key in split.plan.process(label).state:
-        member = split_member_key(key) if layout is not None else None
-        if member is None:
+        piece = split.artifacts.state_piece(key)
+        if piece is None:
             keys.append(key)
             continue
-        keys.append(member[0])
-        region = member_region(layout, *member)
-        if region is not None:
-            regions[member[0]] = region
+        keys.append(piece.key)
+        if not piece.is_replica:
+            regions[piece.key] = (piece.offsets, piece.sizes)
     ranges = []
     cache = cached_tables_of(split)
     if cache is not None and label.role is Role.SERVER:

@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from splitrun.splitter.modes import ModeArtifacts
-from splitrun.splitter.parallel.layout import ParallelLayout, split_member_key
 from splitrun.splitter.program import Program
 
 from ..checkpoint import file_sha256, writing
@@ -39,7 +38,6 @@ from .layout import (
     dtype_name,
     fqn_of,
     ids_path,
-    member_region,
     row_paths,
     state_paths,
     step_paths,
@@ -127,7 +125,7 @@ def driver_objects(program: Program, step: int, info: Mapping[str, object]
     return objects, counts
 
 
-def owned_pieces(program: Program, artifacts: ModeArtifacts | None,
+def owned_pieces(program: Program, artifacts: ModeArtifacts,
                  state: Mapping[str, torch.Tensor]) -> list[Piece]:
     """The pieces of the state a process owns (`state`, keyed like its split
     program): whole tensors, or in parallel mode its piece of each sharded
@@ -135,18 +133,14 @@ def owned_pieces(program: Program, artifacts: ModeArtifacts | None,
     paths = state_paths(program)
     pieces = []
     for key, value in state.items():
-        member = split_member_key(key) if isinstance(artifacts, ParallelLayout) else None
-        if member is None:
+        piece = artifacts.state_piece(key)
+        if piece is None:
             if key in paths:
                 pieces.append(Piece.whole(paths[key], value))
-            continue
-        base, label = member
-        region = member_region(artifacts, base, label)
-        if region is not None:
-            size = tuple(artifacts.state_shapes[base])
-            pieces.append(Piece(paths[base], size, region[0], value))
-        elif artifacts.members_of(base).index(label) == 0:
-            pieces.append(Piece.whole(paths[base], value))
+        elif not piece.is_replica:
+            pieces.append(Piece(paths[piece.key], piece.size, piece.offsets, value))
+        elif piece.is_first_holder:
+            pieces.append(Piece.whole(paths[piece.key], value))
     return pieces
 
 

@@ -204,10 +204,8 @@ class ParallelMode(Mode):
         return expanded, layout
 
     def postbuild(self, plan: SplitPlan, program: Program,
-                  artifacts: ParallelLayout | None) -> SplitPlan:
+                  artifacts: ParallelLayout) -> SplitPlan:
         """The plan gains its groups, shardings and collectives (plain data)."""
-        if artifacts is None:
-            return plan
         summary = ParallelSummary(
             artifacts.groups,
             tuple((key, str(placement), artifacts.members_of(key)[0])
