@@ -17,6 +17,7 @@ from splitrun.splitter.labels import Label, Role
 from splitrun.splitter.program import Program
 
 from . import checkpoint, periodic_checkpoints, sharded_checkpoint
+from .cluster.membership import SchedulerClient
 from .embedding.store import ShardSnapshot
 from .errors import SplitrunError
 from .state_gather import StateGather
@@ -28,20 +29,31 @@ logger = logging.getLogger(__name__)
 
 
 class Checkpointer:
-    """Saves the job `gather.member` runs in: worker 0 leads every save; the
+    """Saves the job `gather.label` runs in: worker 0 leads every save; the
     other workers save at the same point of their loops; serving processes
     `answer` worker 0's commands between steps. `source`: the captured program
-    (the checkpoint's keys)."""
+    (the checkpoint's keys); `client`: the scheduler, whose key-value store
+    carries the reports of a sharded save; `every` and `directory`: the
+    periodic saves of `splitrun launch --checkpoint-every`."""
 
-    def __init__(self, gather: StateGather, source: Program) -> None:
-        self.member = gather.member
+    def __init__(self, gather: StateGather, source: Program, *,
+                 client: SchedulerClient | None = None, every: int | None = None,
+                 directory: str | None = None) -> None:
+        self.label = gather.label
         self.split = gather.split
         self.process = gather.process
         self.source = source
+        self.client = client
+        self.every = every
+        self.directory = directory
         self._gather = gather
         self._num_sharded_saves = 0
-        if self.member.is_server:
+        if self.label.role is Role.SERVER:
             self.process.set_row_writer(self._write_rows)
+
+    @property
+    def _is_driver(self) -> bool:
+        return self.label == Label.worker(0)
 
     def save(self, path: str | os.PathLike, step: int) -> None:
         """A worker's save after `step` steps: `path` ending in .pt or .pth, one
@@ -56,34 +68,30 @@ class Checkpointer:
         a sharded directory (every worker reaches the same step, so they save
         together) and keep the newest few; a restarted job resumes from the
         newest complete one (`periodic_checkpoints.py`)."""
-        settings = self.member.settings
-        every, directory = settings.checkpoint_every, settings.checkpoint_dir
+        every, directory = self.every, self.directory
         if not every or not directory or step % every:
             return
         self.save(periodic_checkpoints.periodic_path(directory, step), step)
-        if self.member.is_driver:
+        if self._is_driver:
             periodic_checkpoints.prune_periodic(directory)
 
     def answer(self, sender: Label, tensors: Sequence[torch.Tensor], step: int) -> None:
         """A serving process, between steps: worker 0 asks for a checkpoint."""
         command = int(tensors[0]) if tensors else None
-        member = self.member
         if command == checkpoint.SAVE_SHARDED:
             key = self._next_sharded_key()
-            directory = member.client.kv_get(f"{key}/dir",
-                                             member.settings.finish_timeout_s).decode()
-            member.client.kv_put(f"{key}/{member.label}", self._write_own(directory))
+            directory = self.client.kv_get(f"{key}/dir", self._gather.timeout_s).decode()
+            self.client.kv_put(f"{key}/{self.label}", self._write_own(directory))
             return
         if command != checkpoint.SAVE:
             raise SplitrunError(f"unknown control command {command} from {sender.describe()}")
-        self._gather.send(checkpoint.save_channel(member.label), step)
+        self._gather.send(checkpoint.save_channel(self.label), step)
 
     # -- one plain file --
 
     def _save_plain(self, path: str | os.PathLike, step: int) -> None:
-        member = self.member
-        if not member.is_driver:
-            self._gather.send(checkpoint.save_channel(member.label), step)
+        if not self._is_driver:
+            self._gather.send(checkpoint.save_channel(self.label), step)
             return
         self._command_servers(checkpoint.SAVE, step)
         state = self._gather.collect(checkpoint.save_channel, step)
@@ -91,7 +99,7 @@ class Checkpointer:
         checkpoint.write_checkpoint(
             checkpoint.to_checkpoint(self.source, self._gather.full(state), step,
                                      self._info()), path)
-        logger.info("[%s] checkpoint of step %d written to %s", member.label.describe(), step,
+        logger.info("[%s] checkpoint of step %d written to %s", self.label.describe(), step,
                     path)
 
     # -- a sharded directory --
@@ -100,29 +108,28 @@ class Checkpointer:
         """Every process that owns state writes it into `directory` and reports
         what it wrote through the scheduler's key-value store; worker 0 writes
         the metadata once every report is in."""
-        member = self.member
+        client = self.client
         key = self._next_sharded_key()
-        if not member.is_driver:
-            if self._written_keys(member.label):
-                member.client.kv_put(f"{key}/{member.label}", self._write_own(directory))
+        if not self._is_driver:
+            if self._written_keys(self.label):
+                client.kv_put(f"{key}/{self.label}", self._write_own(directory))
             return
         sharded_checkpoint.start_checkpoint(directory)
-        member.client.kv_put(f"{key}/dir", directory.encode())
+        client.kv_put(f"{key}/dir", directory.encode())
         self._command_servers(checkpoint.SAVE_SHARDED, step)
         reports = {f"{server}-rows": report
                    for server, report in self.process.save_rows(directory, step).items()}
         objects, counts = sharded_checkpoint.driver_objects(self.source, step, self._info())
-        reports[str(member.label)] = self._write_own(directory, counts, objects)
+        reports[str(self.label)] = self._write_own(directory, counts, objects)
         for label in self._other_owners():
-            reports[str(label)] = member.client.kv_get(f"{key}/{label}",
-                                                       member.settings.finish_timeout_s)
+            reports[str(label)] = client.kv_get(f"{key}/{label}", self._gather.timeout_s)
         sharded_checkpoint.finish_checkpoint(directory, reports)
         logger.info("[%s] sharded checkpoint of step %d written to %s (%d processes wrote)",
-                    member.label.describe(), step, directory, len(reports))
+                    self.label.describe(), step, directory, len(reports))
 
     def _next_sharded_key(self) -> str:
         """Every process counts its sharded saves, so all agree on the key."""
-        key = checkpoint.sharded_save_key(self.member.incarnation, self._num_sharded_saves)
+        key = checkpoint.sharded_save_key(self._gather.incarnation, self._num_sharded_saves)
         self._num_sharded_saves += 1
         return key
 
@@ -137,37 +144,38 @@ class Checkpointer:
         return {key for key, holder in first_holder.items() if holder == label}
 
     def _write_own(self, directory: str, extra=(), objects=None) -> bytes:
-        written = self._written_keys(self.member.label)
+        written = self._written_keys(self.label)
         pieces = sharded_checkpoint.owned_pieces(
             self.source, self.split.artifacts,
             {k: v for k, v in self.process.state.items() if k in written})
-        return sharded_checkpoint.write_pieces(directory, str(self.member.label),
+        return sharded_checkpoint.write_pieces(directory, str(self.label),
                                                [*extra, *pieces], objects)
 
     def _write_rows(self, directory: str, step: int, shards: list[ShardSnapshot]) -> bytes:
         """A server's rows of the cached tables (its embedding store calls this
         when worker 0 asks)."""
-        return sharded_checkpoint.write_pieces(directory, f"{self.member.label}-rows",
+        return sharded_checkpoint.write_pieces(directory, f"{self.label}-rows",
                                                sharded_checkpoint.row_pieces(self.source, shards))
 
     # -- worker 0 --
 
     def _other_owners(self) -> list[Label]:
         return [proc.label for proc in self.split.plan.processes
-                if proc.label != self.member.label and self._written_keys(proc.label)]
+                if proc.label != self.label and self._written_keys(proc.label)]
 
     def _command_servers(self, command: int, step: int) -> None:
         """Worker 0: tell every server that owns state to save (servers wait in
         a step's first receive; workers save at the same point of their loop)."""
         message = [torch.tensor(command, dtype=torch.int64)]
-        member = self.member
+        gather = self._gather
         for label in self._other_owners():
             if label.role is Role.SERVER:
-                member.transport.send(label, MessageKey(member.incarnation, step,
+                gather.transport.send(label, MessageKey(gather.incarnation, step,
                                                         checkpoint.CONTROL_CHANNEL), message)
 
     def _info(self) -> dict[str, str]:
-        return {"cluster": str(self.member.cluster), "plan": self.split.plan.fingerprint}
+        plan = self.split.plan
+        return {"cluster": str(plan.cluster), "plan": plan.fingerprint}
 
 
 def resume_state(program: Program, split: SplitProgram, label: Label,

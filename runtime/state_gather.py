@@ -18,41 +18,43 @@ from splitrun.splitter.plan import SplitPlan
 from splitrun.splitter.program import Program
 
 from . import checkpoint
-from .member import JobMember
 from .process import ProcessRuntime
 from .transport.contract import ChannelContract
-from .transport.protocol import MessageKey
+from .transport.protocol import MessageKey, Transport
 
 __all__ = ["StateGather", "control_channels"]
 
 
 @dataclass(frozen=True)
 class StateGather:
-    """`member`'s state on its way to worker 0, or (on worker 0) every owner's
-    state collected."""
+    """`label`'s state on its way to worker 0, or (on worker 0) every owner's
+    state collected, over `transport`; `timeout_s` bounds waiting for another
+    owner's state."""
 
-    member: JobMember
+    label: Label
+    incarnation: int
+    transport: Transport
     split: SplitProgram
     process: ProcessRuntime
+    timeout_s: float
 
     def send(self, channel: str, step: int) -> None:
         """Send this process's state (if it owns any) to worker 0 on `channel`."""
         keys = self.process.state_keys
         if keys:
             tensors = [self.process.state[k].detach().cpu() for k in keys]
-            self.member.transport.send(Label.worker(0), MessageKey(self.member.incarnation,
-                                                                   step, channel), tensors)
+            self.transport.send(Label.worker(0), MessageKey(self.incarnation, step, channel),
+                                tensors)
 
     def collect(self, channel_of: Callable[[Label], str], step: int
                 ) -> dict[str, torch.Tensor]:
         """Worker 0: its own state and every other owner's, sent on `channel_of(owner)`."""
-        member = self.member
         state = {k: v.detach().cpu() for k, v in self.process.state.items()}
         for proc in self.split.plan.processes:
-            if proc.label == member.label or not proc.state:
+            if proc.label == self.label or not proc.state:
                 continue
-            key = MessageKey(member.incarnation, step, channel_of(proc.label))
-            tensors = member.transport.recv(proc.label, key, member.settings.finish_timeout_s)
+            key = MessageKey(self.incarnation, step, channel_of(proc.label))
+            tensors = self.transport.recv(proc.label, key, self.timeout_s)
             state.update(zip(proc.state, tensors))
         return state
 

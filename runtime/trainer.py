@@ -47,8 +47,12 @@ class Trainer:
         self._metrics = (StepMetrics(job.settings.metrics_dir, job.label)
                          if job.settings.metrics_dir else None)
         self._finished = False
-        self._gather = StateGather(job, split, process)
-        self._checkpointer = Checkpointer(self._gather, self.source)
+        settings = job.settings
+        self._gather = StateGather(job.label, job.incarnation, job.transport, split, process,
+                                   settings.finish_timeout_s)
+        self._checkpointer = Checkpointer(self._gather, self.source, client=job.client,
+                                          every=settings.checkpoint_every,
+                                          directory=settings.checkpoint_dir)
 
     @property
     def plan(self) -> SplitPlan:
