@@ -102,7 +102,7 @@ class _RingCuda:
     job's default, the ack ring small."""
 
     def __init__(self, role: str, prefix: str) -> None:
-        from splitrun.runtime.transport.shm_ring import RingReader, RingSettings, RingWriter
+        from splitrun.runtime.transport.shm.ring import RingReader, RingSettings, RingWriter
         me, peer = ("a", "b") if role == "a" else ("b", "a")
         capacity = 2 * SIZE if role == "a" else 1 * MiB
         self.writer = RingWriter(prefix, f"{me}-{peer}", owner=me, peer=peer,
@@ -137,7 +137,7 @@ class _ShmTransport:
         from splitrun.runtime.transport import ChannelContract
         from splitrun.runtime.transport.grpc import GrpcSettings, GrpcTransport
         from splitrun.runtime.transport.protocol import MessageKey
-        from splitrun.runtime.transport.shm_transport import (
+        from splitrun.runtime.transport.shm.transport import (
             ShmSettings,
             ShmTransport,
             TransportChoice,
@@ -211,7 +211,7 @@ def _side(kind: str, role: str, prefix: str, peer, parent, repeats: int) -> None
 
 
 def two_process(kind: str, repeats: int) -> dict:
-    from splitrun.runtime.transport.shm_ring import new_job_prefix, remove_job_segments
+    from splitrun.runtime.transport.shm.ring import new_job_prefix, remove_job_segments
     ctx = mp.get_context("spawn")
     prefix = new_job_prefix()
     peer_a, peer_b = ctx.Pipe()
@@ -249,7 +249,7 @@ def two_process(kind: str, repeats: int) -> dict:
 
 def overlap(repeats: int) -> dict:
     """Copies against compute, on one stream and on two, and splitrun's send."""
-    from splitrun.runtime.transport.shm_ring import (
+    from splitrun.runtime.transport.shm.ring import (
         RingReader,
         RingSettings,
         RingWriter,

@@ -192,7 +192,7 @@ class _Splitrun:
         self.transport = GrpcTransport(self.me, token=TOKEN, incarnation=1, contracts=expected,
                                        settings=settings)
         if self.shm_prefix is not None:
-            from splitrun.runtime.transport.shm_transport import ShmTransport, TransportChoice
+            from splitrun.runtime.transport.shm.transport import ShmTransport, TransportChoice
             self.transport = ShmTransport(self.transport, prefix=self.shm_prefix,
                                           choice=TransportChoice.SHM)
         conn.send(self.transport.start())
@@ -286,7 +286,7 @@ def _measure(kind: str, sizes: list[int], quick: bool,
     ctx = mp.get_context("spawn")
     shm_prefix = None
     if kind == "splitrun_shm":
-        from splitrun.runtime.transport.shm_ring import new_job_prefix
+        from splitrun.runtime.transport.shm.ring import new_job_prefix
         shm_prefix = new_job_prefix()
     peer_a, peer_b = ctx.Pipe()
     parents, procs = {}, []
@@ -317,7 +317,7 @@ def _measure(kind: str, sizes: list[int], quick: bool,
             if proc.is_alive():
                 proc.kill()
         if shm_prefix is not None:
-            from splitrun.runtime.transport.shm_ring import remove_job_segments
+            from splitrun.runtime.transport.shm.ring import remove_job_segments
             remove_job_segments(shm_prefix)
 
 

@@ -35,8 +35,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from splitrun.runtime.env import ENV
-from splitrun.runtime.transport.ring_files import SHM_DIR
+from splitrun.runtime.cluster.env import ENV
+from splitrun.runtime.transport.shm.job_files import SHM_DIR
 from splitrun.splitter.labels import Label
 
 from .bootstrap import ERROR_MARK

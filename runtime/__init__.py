@@ -1,4 +1,4 @@
-"""Everything that happens while processes run: transports, mailbox, executor."""
+"""Everything that happens while processes run."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ _EXPORTS = {
     "SplitrunError": ".errors",
     "StepFailed": ".errors",
     "TransportError": ".errors",
-    "ChannelStats": ".executor",
-    "Executor": ".executor",
-    "ExecutorStats": ".executor",
+    "ChannelStats": ".engine.executor",
+    "Executor": ".engine.executor",
+    "ExecutorStats": ".engine.executor",
     "ChannelContract": ".transport.contract",
     "check_message": ".transport.contract",
     "receive_contracts": ".transport.contract",
@@ -32,13 +32,13 @@ _EXPORTS = {
     "Job": ".job",
     "JobSettings": ".job",
     "PlanWritten": ".job",
-    "ProcessRuntime": ".process",
+    "ProcessRuntime": ".engine.process",
     "Trainer": ".job",
     "LoopbackHub": ".transport.loopback",
     "LoopbackTransport": ".transport.loopback",
     "Mailbox": ".transport.mailbox",
-    "ThreadedRun": ".threaded",
-    "run_threaded": ".threaded",
+    "ThreadedRun": ".job.threaded",
+    "run_threaded": ".job.threaded",
     "MessageKey": ".transport.protocol",
     "Transport": ".transport.protocol",
 }

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitrun.runtime.checkpoint import (
+from splitrun.runtime.checkpoints.plain import (
     from_checkpoint,
     load_checkpoint,
     read_checkpoint,

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitrun.runtime.errors import MessageRejected, TransportError
+from splitrun.runtime.rpc.wire import splitrun_pb2
 from splitrun.runtime.transport.buffers import (
     BufferPool,
     MessageBuffer,
@@ -26,7 +27,6 @@ from splitrun.runtime.transport.framing import (
     split_step,
 )
 from splitrun.runtime.transport.protocol import MessageKey
-from splitrun.runtime.transport.wire import splitrun_pb2
 
 SHAPES = [(), (0,), (7,), (3, 5), (2, 0, 3)]
 

@@ -17,8 +17,7 @@ sys.path.insert(0, str(SCRIPTS))
 from ring_peer import ordered_message  # noqa: E402
 
 from splitrun.runtime.errors import RecvTimeout
-from splitrun.runtime.transport.ring_segment import GIL_FREE_COPY_BYTES, copy_bytes
-from splitrun.runtime.transport.shm_ring import (
+from splitrun.runtime.transport.shm.ring import (
     SHM_DIR,
     RingClosed,
     RingError,
@@ -30,6 +29,7 @@ from splitrun.runtime.transport.shm_ring import (
     remove_job_segments,
     ring_paths,
 )
+from splitrun.runtime.transport.shm.ring_segment import GIL_FREE_COPY_BYTES, copy_bytes
 
 PEER = SCRIPTS / "ring_peer.py"
 # Bounds a child's start-up (an interpreter importing torch) and its sends.

@@ -36,8 +36,8 @@ from transport_pairs import (
 from splitrun.runtime import MessageKey, TransportError
 from splitrun.runtime.transport import ChannelContract
 from splitrun.runtime.transport.grpc import GrpcSettings, GrpcTransport
-from splitrun.runtime.transport.shm_ring import SHM_DIR, new_job_prefix, remove_job_segments
-from splitrun.runtime.transport.shm_transport import (
+from splitrun.runtime.transport.shm.ring import SHM_DIR, new_job_prefix, remove_job_segments
+from splitrun.runtime.transport.shm.transport import (
     ShmSettings,
     ShmTransport,
     TransportChoice,

@@ -23,12 +23,12 @@ import grpc
 from splitrun.splitter.labels import Label, Role
 
 from ..errors import ClusterError
-from ..transport.grpc.auth import TokenInterceptor, one_line
-from ..transport.grpc.service import TOKEN_METADATA_KEY
-from ..transport.grpc.tls import TlsFiles
-from ..transport.ring_files import new_job_prefix, remove_job_segments
-from ..transport.wire import splitrun_pb2 as pb
-from ..transport.wire import splitrun_pb2_grpc as pb_grpc
+from ..rpc.auth import TokenInterceptor, one_line
+from ..rpc.service import TOKEN_METADATA_KEY
+from ..rpc.tls import TlsFiles
+from ..rpc.wire import splitrun_pb2 as pb
+from ..rpc.wire import splitrun_pb2_grpc as pb_grpc
+from ..transport.shm.job_files import new_job_prefix, remove_job_segments
 
 __all__ = ["SchedulerSettings", "Scheduler", "SHM_PREFIX_KEY", "TOKEN_METADATA_KEY"]
 

@@ -1,7 +1,9 @@
 """How processes hand tensors to each other: the `Transport` protocol, message
 keys, receive contracts and their check, the mailbox, the in-process loopback
 transport, the tensor codec (`dtypes`, `buffers`, `framing`), the gRPC
-transport (`transport.grpc`) and the generated wire code (`transport.wire`)."""
+transport (`grpc/`) and shared memory between processes of one host (`shm/`).
+The gRPC glue it shares with the scheduler (wire code, token, TLS) is the room
+below, `runtime.rpc`."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import torch
 from splitrun.runtime import MessageKey
 from splitrun.runtime.transport import ChannelContract
 from splitrun.runtime.transport.grpc import GrpcSettings, GrpcTransport
-from splitrun.runtime.transport.shm_transport import ShmTransport, TransportChoice
+from splitrun.runtime.transport.shm.transport import ShmTransport, TransportChoice
 from splitrun.splitter import Label
 
 # Bounds how long a held process waits to be killed by the test.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from splitrun.splitter.lazy_exports import lazy_exports
 
-# Imported when first used: the launcher's scheduler needs only `service`
-# and `tls`, not the transport (and torch) behind these names.
+# Imported when first used: the transport (and torch) behind these names
+# is needed only by the processes of a job.
 _EXPORTS = {"GrpcSettings": ".endpoint", "GrpcTransport": ".transport"}
 
 __all__ = list(_EXPORTS)

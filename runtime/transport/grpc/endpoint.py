@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from splitrun.splitter.labels import Label
 
 from ...errors import TransportError
+from ...rpc.service import TOKEN_METADATA_KEY
+from ...rpc.tls import TlsFiles
 from ..buffers import BufferPool
 from ..contract import ReceiveContracts
 from ..framing import DEFAULT_MAX_MESSAGE_BYTES
 from ..mailbox import Mailbox
-from .service import TOKEN_METADATA_KEY
-from .tls import TlsFiles
 
 __all__ = ["GrpcSettings", "Endpoint", "CurrentEndpoint"]
 

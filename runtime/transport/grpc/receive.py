@@ -22,16 +22,16 @@ from splitrun.splitter.errors import LabelError
 from splitrun.splitter.labels import Label
 
 from ...errors import ChannelMismatch, MessageRejected, UnknownChannel, WrongSender
+from ...rpc.auth import one_line
+from ...rpc.service import DELIVERED_METADATA_KEY, SERVICE_NAME, TOKEN_METADATA_KEY
+from ...rpc.wire import splitrun_pb2
 from ..buffers import MessageBuffer, MessageLayout
 from ..contract import ChannelContract, check_message, find_contract, refusal_prefix
 from ..dtypes import IS_LITTLE_ENDIAN, dtype_name
 from ..framing import is_step_free, parse_chunk, parse_envelope, specs_from_envelope, split_step
 from ..keys import MessageKey
 from ..mailbox import Mailbox
-from ..wire import splitrun_pb2
-from .auth import one_line
 from .endpoint import CurrentEndpoint, Endpoint, GrpcSettings
-from .service import DELIVERED_METADATA_KEY, SERVICE_NAME, TOKEN_METADATA_KEY
 
 # The parts `GrpcTransport` is built from.
 __all__ = ["TensorServicer", "server_options"]

@@ -30,11 +30,11 @@ import grpc
 from splitrun.splitter.labels import Label
 
 from ...errors import TransportError
+from ...rpc.service import DELIVER_STREAM_METHOD, DELIVERED_METADATA_KEY, PING_METHOD
 from ..framing import frame_message
 from ..keys import MessageKey
 from .endpoint import Endpoint, GrpcSettings
 from .outgoing import Outgoing, SendQueue
-from .service import DELIVER_STREAM_METHOD, DELIVERED_METADATA_KEY, PING_METHOD
 
 # The parts `GrpcTransport` is built from.
 __all__ = ["JOIN_GRACE_S", "PeerSender", "channel_options", "open_channel"]

@@ -22,19 +22,19 @@ import torch
 from splitrun.splitter.labels import Label
 
 from ...errors import TransportError
+from ...rpc.auth import TokenInterceptor
+from ...rpc.service import PING_METHOD
+from ...rpc.tls import TlsFiles
+from ...rpc.wire import splitrun_pb2
 from ..buffers import BufferPool
 from ..contract import ChannelContract, ReceiveContracts
 from ..framing import CHUNK_OVERHEAD, EnvelopeWriter
 from ..keys import MessageKey
 from ..mailbox import Mailbox
-from ..wire import splitrun_pb2
-from .auth import TokenInterceptor
 from .endpoint import CurrentEndpoint, Endpoint, GrpcSettings
 from .outgoing import outgoing
 from .receive import TensorServicer, server_options
 from .send import JOIN_GRACE_S, PeerSender, open_channel
-from .service import PING_METHOD
-from .tls import TlsFiles
 
 __all__ = ["GrpcTransport", "GrpcSettings"]
 
