@@ -1,4 +1,20 @@
-"""Everything that happens while processes run."""
+"""Everything that happens while processes run, in rooms by layer; a room
+imports only the rooms below it (setup.cfg's layers contract):
+
+    job/          the job a script runs: Job, Trainer, run_threaded
+    checkpoints/  plain files, sharded directories, periodic saves, a job's saves
+    engine/       one process's share of the step: ProcessRuntime, Executor,
+                  collectives, the embedding cache
+    cluster/      membership: the scheduler, its client and heartbeat, the
+                  environment a launcher gives a process
+    transport/    messages between processes: the Transport protocol, mailbox,
+                  loopback, gRPC, shared memory
+    rpc/          the gRPC glue below both: wire code, the job's token, TLS
+    errors        the one error tree
+
+`datasets/` (Criteo's format, read and synthesized) sits beside `job/`.
+docs/architecture.md follows a gradient through them.
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Worker 0 receives the state of every process that owns some: for a save
 to one plain file and, with `gather_state`, at finish. Each owner sends its
-state on a channel of its own (`checkpoint.save_channel`,
-`checkpoint.final_state_channel`); serving processes receive worker 0's
-commands on `checkpoint.CONTROL_CHANNEL`. None of these channels is in the
-step's plan: `control_channels` gives their contracts."""
+state on a channel of its own (`save_channel`, `final_state_channel`);
+serving processes receive worker 0's commands on `CONTROL_CHANNEL`. None of
+these channels is in the step's plan: `control_channels` gives their
+contracts."""
 
 from __future__ import annotations
 
@@ -19,10 +19,33 @@ from splitrun.splitter.program import Program
 
 from ..engine.process import ProcessRuntime
 from ..transport.contract import ChannelContract
-from ..transport.protocol import MessageKey, Transport
-from . import plain as checkpoint
+from ..transport.protocol import OUT_OF_PLAN, MessageKey, Transport
 
-__all__ = ["StateGather", "control_channels"]
+__all__ = ["StateGather", "control_channels", "CONTROL_CHANNEL", "SAVE", "SAVE_SHARDED",
+           "sharded_save_key", "save_channel", "final_state_channel"]
+
+# Worker 0 -> a serving process, between steps: one int64 command.
+CONTROL_CHANNEL = f"{OUT_OF_PLAN}ctl"
+SAVE = 1
+SAVE_SHARDED = 2  # write your own part of a sharded checkpoint (`sharded/`)
+
+
+def sharded_save_key(incarnation: int, number: int) -> str:
+    """The scheduler key-value prefix of the job's `number`-th sharded save:
+    `/dir` holds the directory (worker 0 puts it), `/<label>` each process's
+    report of what it wrote."""
+    return f"splitrun/save/{incarnation}/{number}"
+
+
+def save_channel(owner: Label) -> str:
+    """The channel on which `owner` sends its state to worker 0 for a save."""
+    return f"{OUT_OF_PLAN}save:{owner}"
+
+
+def final_state_channel(owner: Label) -> str:
+    """The channel on which `owner` sends its final state to worker 0 at finish."""
+    return f"{OUT_OF_PLAN}state:{owner}"
+
 
 
 @dataclass(frozen=True)
@@ -75,9 +98,9 @@ def control_channels(plan: SplitPlan, program: Program, me: Label
                 continue
             contract = ChannelContract.of_values(
                 proc.label, program, [program.input_for_key(key).node for key in proc.state])
-            for channel in (checkpoint.save_channel, checkpoint.final_state_channel):
+            for channel in (save_channel, final_state_channel):
                 channels[channel(proc.label)] = contract
     elif me.role is Role.SERVER:
-        channels[checkpoint.CONTROL_CHANNEL] = ChannelContract(
+        channels[CONTROL_CHANNEL] = ChannelContract(
             Label.worker(0), ((torch.int64, ()),))
     return channels

@@ -25,42 +25,15 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from splitrun.splitter.labels import Label
 from splitrun.splitter.program import InputKind, Program
 
 from ..errors import CheckpointError
-from ..transport.protocol import OUT_OF_PLAN
 
-__all__ = ["CONTROL_CHANNEL", "SAVE", "SAVE_SHARDED", "sharded_save_key", "save_channel",
-           "final_state_channel",
-           "to_checkpoint", "from_checkpoint", "write_checkpoint", "read_checkpoint",
+__all__ = ["to_checkpoint", "from_checkpoint", "write_checkpoint", "read_checkpoint",
            "load_checkpoint", "checksum_path", "verify_checksum", "file_sha256", "writing"]
 
 CHECKSUM_SUFFIX = ".sha256"
 _CHUNK = 1 << 20
-
-# Worker 0 -> a serving process, between steps: one int64 command.
-CONTROL_CHANNEL = f"{OUT_OF_PLAN}ctl"
-SAVE = 1
-SAVE_SHARDED = 2  # write your own part of a sharded checkpoint (`sharded/`)
-
-
-def sharded_save_key(incarnation: int, number: int) -> str:
-    """The scheduler key-value prefix of the job's `number`-th sharded save:
-    `/dir` holds the directory (worker 0 puts it), `/<label>` each process's
-    report of what it wrote."""
-    return f"splitrun/save/{incarnation}/{number}"
-
-
-def save_channel(owner: Label) -> str:
-    """The channel on which `owner` sends its state to worker 0 for a save."""
-    return f"{OUT_OF_PLAN}save:{owner}"
-
-
-def final_state_channel(owner: Label) -> str:
-    """The channel on which `owner` sends its final state to worker 0 at finish."""
-    return f"{OUT_OF_PLAN}state:{owner}"
-
 
 def to_checkpoint(program: Program, state: Mapping[str, torch.Tensor], step: int,
                   info: Mapping[str, object] | None = None) -> dict:

@@ -20,10 +20,15 @@ from ..cluster.membership import SchedulerClient
 from ..engine.embedding.store import ShardSnapshot
 from ..errors import SplitrunError
 from ..transport.protocol import MessageKey
-from . import periodic as periodic_checkpoints
-from . import plain as checkpoint
-from . import sharded as sharded_checkpoint
-from .gather import StateGather
+from . import periodic, plain, sharded
+from .gather import (
+    CONTROL_CHANNEL,
+    SAVE,
+    SAVE_SHARDED,
+    StateGather,
+    save_channel,
+    sharded_save_key,
+)
 
 __all__ = ["Checkpointer", "resume_state"]
 
@@ -60,7 +65,7 @@ class Checkpointer:
     def save(self, path: str | os.PathLike, step: int) -> None:
         """A worker's save after `step` steps: `path` ending in .pt or .pth, one
         plain file gathered on worker 0; any other path, a sharded directory."""
-        if sharded_checkpoint.is_directory_path(path):
+        if sharded.is_directory_path(path):
             self._save_sharded(os.fspath(path), step)
         else:
             self._save_plain(path, step)
@@ -73,34 +78,34 @@ class Checkpointer:
         every, directory = self.every, self.directory
         if not every or not directory or step % every:
             return
-        self.save(periodic_checkpoints.periodic_path(directory, step), step)
+        self.save(periodic.periodic_path(directory, step), step)
         if self._is_driver:
-            periodic_checkpoints.prune_periodic(directory)
+            periodic.prune_periodic(directory)
 
     def answer(self, sender: Label, tensors: Sequence[torch.Tensor], step: int) -> None:
         """A serving process, between steps: worker 0 asks for a checkpoint."""
         command = int(tensors[0]) if tensors else None
-        if command == checkpoint.SAVE_SHARDED:
+        if command == SAVE_SHARDED:
             key = self._next_sharded_key()
             directory = self.client.kv_get(f"{key}/dir", self._gather.timeout_s).decode()
             self.client.kv_put(f"{key}/{self.label}", self._write_own(directory))
             return
-        if command != checkpoint.SAVE:
+        if command != SAVE:
             raise SplitrunError(f"unknown control command {command} from {sender.describe()}")
-        self._gather.send(checkpoint.save_channel(self.label), step)
+        self._gather.send(save_channel(self.label), step)
 
     # -- one plain file --
 
     def _save_plain(self, path: str | os.PathLike, step: int) -> None:
         if not self._is_driver:
-            self._gather.send(checkpoint.save_channel(self.label), step)
+            self._gather.send(save_channel(self.label), step)
             return
-        self._command_servers(checkpoint.SAVE, step)
-        state = self._gather.collect(checkpoint.save_channel, step)
+        self._command_servers(SAVE, step)
+        state = self._gather.collect(save_channel, step)
         state.update(self.process.dump_tables(step))  # dirty rows go back, then the tables
-        checkpoint.write_checkpoint(
-            checkpoint.to_checkpoint(self.source, self._gather.full(state), step,
-                                     self._info()), path)
+        plain.write_checkpoint(
+            plain.to_checkpoint(self.source, self._gather.full(state), step, self._info()),
+            path)
         logger.info("[%s] checkpoint of step %d written to %s", self.label.describe(), step,
                     path)
 
@@ -116,22 +121,22 @@ class Checkpointer:
             if self._written_keys(self.label):
                 client.kv_put(f"{key}/{self.label}", self._write_own(directory))
             return
-        sharded_checkpoint.start_checkpoint(directory)
+        sharded.start_checkpoint(directory)
         client.kv_put(f"{key}/dir", directory.encode())
-        self._command_servers(checkpoint.SAVE_SHARDED, step)
+        self._command_servers(SAVE_SHARDED, step)
         reports = {f"{server}-rows": report
                    for server, report in self.process.save_rows(directory, step).items()}
-        objects, counts = sharded_checkpoint.driver_objects(self.source, step, self._info())
+        objects, counts = sharded.driver_objects(self.source, step, self._info())
         reports[str(self.label)] = self._write_own(directory, counts, objects)
         for label in self._other_owners():
             reports[str(label)] = client.kv_get(f"{key}/{label}", self._gather.timeout_s)
-        sharded_checkpoint.finish_checkpoint(directory, reports)
+        sharded.finish_checkpoint(directory, reports)
         logger.info("[%s] sharded checkpoint of step %d written to %s (%d processes wrote)",
                     self.label.describe(), step, directory, len(reports))
 
     def _next_sharded_key(self) -> str:
         """Every process counts its sharded saves, so all agree on the key."""
-        key = checkpoint.sharded_save_key(self._gather.incarnation, self._num_sharded_saves)
+        key = sharded_save_key(self._gather.incarnation, self._num_sharded_saves)
         self._num_sharded_saves += 1
         return key
 
@@ -147,17 +152,16 @@ class Checkpointer:
 
     def _write_own(self, directory: str, extra=(), objects=None) -> bytes:
         written = self._written_keys(self.label)
-        pieces = sharded_checkpoint.owned_pieces(
+        pieces = sharded.owned_pieces(
             self.source, self.split.artifacts,
             {k: v for k, v in self.process.state.items() if k in written})
-        return sharded_checkpoint.write_pieces(directory, str(self.label),
-                                               [*extra, *pieces], objects)
+        return sharded.write_pieces(directory, str(self.label), [*extra, *pieces], objects)
 
     def _write_rows(self, directory: str, step: int, shards: list[ShardSnapshot]) -> bytes:
         """A server's rows of the cached tables (its embedding store calls this
         when worker 0 asks)."""
-        return sharded_checkpoint.write_pieces(directory, f"{self.label}-rows",
-                                               sharded_checkpoint.row_pieces(self.source, shards))
+        return sharded.write_pieces(directory, f"{self.label}-rows",
+                                    sharded.row_pieces(self.source, shards))
 
     # -- worker 0 --
 
@@ -173,7 +177,7 @@ class Checkpointer:
         for label in self._other_owners():
             if label.role is Role.SERVER:
                 gather.transport.send(label, MessageKey(gather.incarnation, step,
-                                                        checkpoint.CONTROL_CHANNEL), message)
+                                                        CONTROL_CHANNEL), message)
 
     def _info(self) -> dict[str, str]:
         plan = self.split.plan
@@ -188,8 +192,8 @@ def resume_state(program: Program, split: SplitProgram, label: Label,
     if path is None:
         return program.initial_state, 0
     if os.path.isdir(path):
-        state, first_step = sharded_checkpoint.load_for(program, split, label, path)
+        state, first_step = sharded.load_for(program, split, label, path)
     else:
-        state, first_step = checkpoint.load_checkpoint(program, path)
+        state, first_step = plain.load_checkpoint(program, path)
     logger.info("[%s] resuming from %s at step %d", label.describe(), path, first_step)
     return state, first_step

@@ -15,8 +15,7 @@ from splitrun.splitter.labels import Label
 from splitrun.splitter.plan import ModeKind, SplitPlan
 from splitrun.splitter.program import Program
 
-from ..checkpoints import plain as checkpoint
-from ..checkpoints.gather import StateGather
+from ..checkpoints.gather import CONTROL_CHANNEL, StateGather, final_state_channel
 from ..checkpoints.saving import Checkpointer
 from ..engine.process import ProcessRuntime
 from ..errors import JobFinished, PeerFailed, SplitrunError, TransportError
@@ -170,7 +169,7 @@ class Trainer:
                     self.job.report_failure(exc)
                     raise
             return
-        control = (checkpoint.CONTROL_CHANNEL, self._on_control)
+        control = (CONTROL_CHANNEL, self._on_control)
         while True:
             try:
                 self.process.serve_step(self.steps_done,
@@ -233,11 +232,11 @@ class Trainer:
 
     def _gather_state(self) -> None:
         if self.job.is_driver:
-            state = self._gather.collect(checkpoint.final_state_channel, self.steps_done)
+            state = self._gather.collect(final_state_channel, self.steps_done)
             state.update(self.process.dump_tables(self.steps_done))
             self.final_state = self._gather.full(state)
         else:
-            self._gather.send(checkpoint.final_state_channel(self.job.label), self.steps_done)
+            self._gather.send(final_state_channel(self.job.label), self.steps_done)
             self.process.drain_prefetch()
 
 

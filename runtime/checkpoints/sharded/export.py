@@ -7,7 +7,7 @@ import os
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from .. import plain as checkpoint
+from .. import plain
 from .layout import ROWS, Path, ids_path
 from .read import ShardedCheckpoint
 
@@ -40,5 +40,5 @@ def export_checkpoint(directory: str | os.PathLike, out: str | os.PathLike) -> d
         for path in paths:
             _set(result, path, opened.read_in_id_order(table, path, ids))
     result.get("splitrun", {}).pop("format", None)
-    checkpoint.write_checkpoint(result, out)
+    plain.write_checkpoint(result, out)
     return result
