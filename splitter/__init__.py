@@ -27,6 +27,7 @@ _EXPORTS = {
     "region": ".labels",
     "Mode": ".modes",
     "GeneralMode": ".modes",
+    "PipelineSchedule": ".plan",
     "ModeArtifacts": ".modes",
     "ParameterServerMode": ".ps_mode",
     "ServerAssignment": ".ps_mode",

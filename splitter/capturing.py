@@ -124,7 +124,10 @@ def capture(model: nn.Module, loss_fn: LossFn,
                                  for name, (i, v) in builder.sparse_grads.items()},
                    param_groups=groups.describe(trainable),
                    cached_tables={key: cache_settings_of(module)
-                                  for key, module in cached.items()})
+                                  for key, module in cached.items()},
+                   recapture=lambda rows: capture(model, loss_fn, optimizer,
+                                                  [b[:rows] for b in batch],
+                                                  return_grads=return_grads))
 
 
 # -- inputs -----------------------------------------------------------------

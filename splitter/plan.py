@@ -10,6 +10,7 @@ it, in a `SplitProgram` (see `graph_splitter.split_program`).
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
@@ -29,6 +30,10 @@ __all__ = [
     "CollectiveEntry",
     "ParallelSummary",
     "CachedTableEntry",
+    "PipelineSchedule",
+    "PipelineSummary",
+    "action_of",
+    "actions_in",
     "SplitPlan",
 ]
 
@@ -182,6 +187,74 @@ class ParallelSummary:
         return "\n".join(lines)
 
 
+class PipelineSchedule(Enum):
+    """The order in which a stage runs its micro-batches' forwards (F) and
+    backwards (B): GPipe runs every forward, then every backward; 1F1B
+    (PipeDream-flush) starts S-1-s forwards ahead on stage s, then alternates
+    one forward and one backward, so at most S-s micro-batches are in flight."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+
+
+# A micro-batched node's name ends in its action: `addmm__F3` is micro-batch
+# 3's forward, `mm_2__B0` micro-batch 0's backward.
+_ACTION_RE = re.compile(r"__([FB])(\d+)$")
+
+
+def action_of(node_name: str) -> str | None:
+    """The action (`"F3"`, `"B0"`) a micro-batched node belongs to, or None
+    for a node run once per step (shared forward pieces, the optimizer)."""
+    match = _ACTION_RE.search(node_name)
+    return None if match is None else match.group(1) + match.group(2)
+
+
+def actions_in(schedule: tuple[Instruction, ...]) -> tuple[str, ...]:
+    """The actions a process's schedule runs, in order: each maximal run of
+    nodes of one action counts once (`("F0", "F1", "B0", ...)`)."""
+    actions: list[str] = []
+    for instr in schedule:
+        if instr.kind is OpKind.RUN:
+            action = action_of(instr.target)
+            if action is not None and (not actions or actions[-1] != action):
+                actions.append(action)
+    return tuple(actions)
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineSummary:
+    """What a micro-batched plan adds: its schedule, the number of
+    micro-batches, the stages in pipeline order, and per stage the order of
+    its actions (`"F0"`, `"B0"`, ...) as its process's schedule runs them.
+    `lint` re-derives the actions from the schedules and checks the
+    micro-batches in flight against what the schedule promises."""
+
+    schedule: PipelineSchedule
+    num_microbatches: int
+    stages: tuple[Label, ...]
+    actions: tuple[tuple[str, ...], ...]  # one tuple per stage, in stage order
+
+    def max_in_flight(self, stage: int) -> int:
+        """The most micro-batches stage `stage` may hold activations for."""
+        if self.schedule is PipelineSchedule.GPIPE:
+            return self.num_microbatches
+        return min(self.num_microbatches, len(self.stages) - stage)
+
+    def theoretical_bubble(self) -> float:
+        """The idle fraction (S-1)/(M+S-1) of GPipe and 1F1B with equal stages."""
+        num_stages = len(self.stages)
+        return (num_stages - 1) / (self.num_microbatches + num_stages - 1)
+
+    def explain(self) -> str:
+        lines = [f"pipeline {self.schedule.value}, {self.num_microbatches} micro-batches "
+                 f"over {len(self.stages)} stages (bubble in theory "
+                 f"{self.theoretical_bubble():.2f}):"]
+        lines += [f"  {stage}: {' '.join(actions)}"
+                  for stage, actions in zip(self.stages, self.actions)]
+        return "\n".join(lines)
+
+
 @dataclass(frozen=True, eq=True)
 class SplitPlan:
     mode: ModeKind
@@ -193,6 +266,8 @@ class SplitPlan:
     parallel: ParallelSummary | None = None
     # Embedding-cache mode: the cached tables, whose rows travel outside the channels.
     cached_tables: tuple[CachedTableEntry, ...] = ()
+    # General mode with micro-batches: the pipeline schedule (None otherwise).
+    pipeline: PipelineSummary | None = None
     _index: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -274,6 +349,8 @@ class SplitPlan:
             recvs = len(self.recv_channels(proc.label))
             lines.append(f"  {proc.label.describe()}: {proc.num_ops} ops, "
                          f"{sends} sends, {recvs} receives, {len(proc.state)} state")
+        if self.pipeline is not None:
+            lines.append(self.pipeline.explain())
         if self.cached_tables:
             tables = len(self.cached_tables)
             lines.append(f"  embedding rows of {tables} cached table{'s' if tables > 1 else ''}, "

@@ -7,7 +7,7 @@ from collections import Counter
 from torch import fx
 
 from .errors import PlanError
-from .plan import ChannelKind, OpKind, SplitPlan
+from .plan import ChannelKind, OpKind, SplitPlan, actions_in
 
 __all__ = ["check_plan"]
 
@@ -15,6 +15,8 @@ __all__ = ["check_plan"]
 def check_plan(plan: SplitPlan, program=None) -> None:
     _check_channels(plan)
     _check_no_deadlock(plan)
+    if plan.pipeline is not None:
+        _check_pipeline(plan)
     if program is not None:
         _check_dataflow(plan, program)
 
@@ -75,6 +77,36 @@ def _check_no_deadlock(plan: SplitPlan) -> None:
                for p in plan.processes if position[p.label] < len(p.schedule)]
     if blocked:
         raise PlanError("the schedules deadlock: " + "; ".join(blocked))
+
+
+def _check_pipeline(plan: SplitPlan) -> None:
+    """The schedules run each stage's actions in the order the pipeline
+    summary says, every micro-batch's forward before its backward, and hold no
+    more micro-batches in flight than the schedule promises."""
+    pipeline = plan.pipeline
+    for index, (stage, expected) in enumerate(zip(pipeline.stages, pipeline.actions)):
+        who = stage.describe()
+        actual = actions_in(plan.process(stage).schedule)
+        if actual != expected:
+            raise PlanError(
+                f"[{who}] the schedule runs {' '.join(actual)} but the pipeline "
+                f"({pipeline.schedule.value}) says {' '.join(expected)}")
+        if len(set(actual)) != len(actual):
+            raise PlanError(f"[{who}] runs an action in pieces: {' '.join(actual)}")
+        in_flight, forwarded, bound = 0, set(), pipeline.max_in_flight(index)
+        for action in actual:
+            micro = int(action[1:])
+            if action[0] == "F":
+                forwarded.add(micro)
+                in_flight += 1
+                if in_flight > bound:
+                    raise PlanError(
+                        f"[{who}] holds {in_flight} micro-batches in flight at {action}; "
+                        f"{pipeline.schedule.value} promises at most {bound} on stage {index}")
+            else:
+                if micro not in forwarded and any(a == f"F{micro}" for a in actual):
+                    raise PlanError(f"[{who}] runs B{micro} before F{micro}")
+                in_flight -= micro in forwarded
 
 
 def _check_dataflow(plan: SplitPlan, program) -> None:

@@ -7,7 +7,9 @@ Data-sync channels are dashed, control edges dotted. A parallel plan draws a
 cluster per group around its members, and labels each edge with the placement
 changes its values serve (`addmm_1: P→R all-reduce 256 B`). An embedding-cache
 plan draws each worker's row cache and its row traffic with every server
-(bold, both ways), which travels outside the channels.
+(bold, both ways), which travels outside the channels. A micro-batched plan
+names each block's actions (`F0 F1`) and adds a table of the schedule, one row
+per stage and one column per time slot, whose empty cells are the bubble.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from .labels import Role
-from .plan import ChannelKind, OpKind, SplitPlan
+from .plan import ChannelKind, Instruction, OpKind, PipelineSummary, SplitPlan, actions_in
 
 __all__ = ["plan_to_dot", "count_of"]
 
 _COLOURS = ["#dbeafe", "#dcfce7", "#fef9c3", "#fce7f3", "#ede9fe", "#ffedd5",
             "#cffafe", "#e5e7eb"]
 _MAX_NAMES = 4
+# The pipeline table's cells: forwards blue, backwards red, idle slots white.
+_SLOT_COLOURS = {"F": "#bfdbfe", "B": "#fecaca", "": "white"}
 
 
 def _quote(text: str) -> str:
@@ -89,6 +93,8 @@ def plan_to_dot(plan: SplitPlan,
                 name = f"{proc.label}_b{number}"
                 text = (describe_ops(ops) if describe_ops is not None
                         else f"{count_of(len(ops), 'op')}\\n{_names(tuple(ops))}")
+                if plan.pipeline is not None:
+                    text = f"{' '.join(actions_in(_runs(ops))) or 'once per step'}\\n{text}"
                 lines.append(f"    {name} [label={_quote(text)}, fillcolor=white];")
                 lines.append(f"    {previous} -> {name} [style=invis];")
             recv_block.update((channel, name) for channel in recvs)
@@ -117,6 +123,9 @@ def plan_to_dot(plan: SplitPlan,
                 label = f"{channel.name}\\n{served}\\n{_size(channel.nbytes)}/step"
         lines.append(f"  {src} -> {dst} [label={_quote(label)}, style={style}];")
     lines += _row_traffic(plan)
+    if plan.pipeline is not None:
+        grid = _pipeline_grid(plan.pipeline)
+        lines.append(f'  pipeline [shape=plaintext, style="", label=<{grid}>];')
     lines.append("}")
     return "\n".join(lines) + "\n"
 
@@ -174,3 +183,49 @@ def _blocks(schedule) -> list[tuple[list[str], list[str], list[str]]]:
         else:
             sends.append(instr.target)
     return blocks
+
+
+def _runs(ops: list[str]) -> tuple[Instruction, ...]:
+    return tuple(Instruction(OpKind.RUN, op) for op in ops)
+
+
+def _pipeline_grid(pipeline: PipelineSummary) -> str:
+    """The schedule as a table, one row per stage and one column per time
+    slot, each action taking one slot; empty cells are the bubble. Slots come
+    from running the stages' action orders with F(m) after the previous
+    stage's F(m) and B(m) after the next stage's B(m)."""
+    num_stages = len(pipeline.stages)
+    done: dict[tuple[int, str], int] = {}
+    cursor = [0] * num_stages
+    free_at = [0] * num_stages
+    total = sum(len(a) for a in pipeline.actions)
+    while len(done) < total:
+        moved = False
+        for stage, actions in enumerate(pipeline.actions):
+            while cursor[stage] < len(actions):
+                action = actions[cursor[stage]]
+                before = stage - 1 if action[0] == "F" else stage + 1
+                if 0 <= before < num_stages and action in pipeline.actions[before]:
+                    if (before, action) not in done:
+                        break
+                    start = max(free_at[stage], done[(before, action)])
+                else:
+                    start = free_at[stage]
+                done[(stage, action)] = free_at[stage] = start + 1
+                cursor[stage] += 1
+                moved = True
+        if not moved:
+            break  # lint reports schedules that cannot finish
+    width = max(free_at, default=0)
+    rows = [f'<tr><td colspan="{width + 1}"><b>{pipeline.schedule.value}, '
+            f"{pipeline.num_microbatches} micro-batches: bubble in theory "
+            f"{pipeline.theoretical_bubble():.0%}</b></td></tr>"]
+    for stage, label in enumerate(pipeline.stages):
+        cells = [""] * width
+        for (where, action), end in done.items():
+            if where == stage:
+                cells[end - 1] = action
+        row = "".join(f'<td bgcolor="{_SLOT_COLOURS[c[:1]]}">{c or "&nbsp;"}</td>'
+                      for c in cells)
+        rows.append(f"<tr><td>{label}</td>{row}</tr>")
+    return '<table border="0" cellborder="1" cellspacing="0">' + "".join(rows) + "</table>"

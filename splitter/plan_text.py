@@ -21,6 +21,14 @@ plan adds its groups, state shardings and collectives:
     group w0 w1
     shard l1.weight S(0) w0
     collective all-reduce addmm_1 P->R 256
+
+A micro-batched plan adds its schedule and each stage's order of micro-batch
+forwards (F) and backwards (B); its nodes' names end in their action
+(`addmm__F0`):
+
+    pipeline 1f1b microbatches=4
+    stage w0: F0 F1 B0 F2 B1 F3 B2 B3
+    stage w1: F0 B0 F1 B1 F2 B2 F3 B3
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ from .plan import (
     ModeKind,
     OpKind,
     ParallelSummary,
+    PipelineSchedule,
+    PipelineSummary,
     ProcessPlan,
     SplitPlan,
 )
@@ -59,6 +69,12 @@ def plan_to_text(plan: SplitPlan) -> str:
                   for key, placement, group in plan.parallel.shardings]
         lines += [f"collective {c}" for c in plan.parallel.collectives]
     lines += [f"cached_table {t}" for t in plan.cached_tables]
+    if plan.pipeline is not None:
+        pipeline = plan.pipeline
+        lines.append(f"pipeline {pipeline.schedule.value} "
+                     f"microbatches={pipeline.num_microbatches}")
+        lines += [f"stage {stage}: {' '.join(actions)}"
+                  for stage, actions in zip(pipeline.stages, pipeline.actions)]
     for c in plan.channels:
         values = " ".join(_value_token(s, r) for s, r in zip(c.values, c.recv_names))
         lines.append(f"channel {c.name} {c.kind.value} {c.nbytes}: {values}".rstrip())
@@ -97,6 +113,8 @@ def plan_from_text(text: str) -> SplitPlan:
     shardings: list[tuple[str, str, Label]] = []
     collectives: list[CollectiveEntry] = []
     tables: list[CachedTableEntry] = []
+    pipeline: tuple[PipelineSchedule, int] | None = None
+    stages: list[tuple[Label, tuple[str, ...]]] = []
     current: dict | None = None
     for number, raw in enumerate(lines[1:], start=2):
         line = raw.strip()
@@ -143,6 +161,15 @@ def plan_from_text(text: str) -> SplitPlan:
                 collectives.append(CollectiveEntry(kind, value, src, dst, int(nbytes)))
             elif word == "cached_table":
                 tables.append(CachedTableEntry.parse(rest))
+            elif word == "pipeline":
+                schedule, count = rest.split()
+                name, _, value = count.partition("=")
+                if name != "microbatches":
+                    raise ValueError("expected 'pipeline SCHEDULE microbatches=M'")
+                pipeline = (PipelineSchedule(schedule), int(value))
+            elif word == "stage":
+                stage, _, actions = rest.partition(":")
+                stages.append((Label.parse(stage), tuple(actions.split())))
             elif word == "sync":
                 key, owner, arrow, reader, channel = rest.split()
                 if arrow != "->":
@@ -164,5 +191,11 @@ def plan_from_text(text: str) -> SplitPlan:
     parallel = None
     if groups or shardings or collectives:
         parallel = ParallelSummary(tuple(groups), tuple(shardings), tuple(collectives))
+    summary = None
+    if pipeline is not None:
+        summary = PipelineSummary(pipeline[0], pipeline[1], tuple(s for s, _ in stages),
+                                  tuple(a for _, a in stages))
+    elif stages:
+        raise PlanParseError("'stage' lines need a 'pipeline' line before them")
     return SplitPlan(mode, cluster, tuple(processes), tuple(channels), tuple(syncs), parallel,
-                     tuple(tables))
+                     tuple(tables), summary)

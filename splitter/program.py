@@ -121,6 +121,10 @@ class Program:
     param_groups: tuple[ParamGroup, ...] = ()
     # table parameter -> its cache settings (see `place_embedding_cache`)
     cached_tables: dict[str, CacheSettings] = field(default_factory=dict)
+    # The same step captured again with each batch input cut to its first
+    # `rows` rows (what micro-batching copies); None where the program was
+    # not made by `capture`.
+    recapture: Callable[[int], Program] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         returned = [getattr(n, "name", None) for n in self.graph.output_node().args[0]]

@@ -20,7 +20,7 @@ from torch import fx
 
 from splitrun.splitter.labels import Label
 from splitrun.splitter.plan import OpKind, SplitPlan
-from splitrun.splitter.program import Program
+from splitrun.splitter.program import OutputKind, Program
 
 from ..errors import MessageRejected, RecvTimeout, SplitrunError, StepFailed
 from ..transport.dtypes import nbytes_of
@@ -49,6 +49,10 @@ class ExecutorStats:
     received: dict[str, ChannelStats] = field(default_factory=lambda: defaultdict(ChannelStats))
     recv_wait_s: float = 0.0
     step_s: float = 0.0
+    # The most bytes the forward's values (computed here or received) held
+    # at once in a step: the activations kept for the backward. Each storage
+    # counts once; the state and the feeds do not count.
+    peak_activation_bytes: int = 0
 
     @property
     def messages_sent(self) -> int:
@@ -67,6 +71,7 @@ class ExecutorStats:
             "steps": self.steps,
             "step_s": round(self.step_s, 6),
             "recv_wait_s": round(self.recv_wait_s, 6),
+            "peak_activation_bytes": self.peak_activation_bytes,
             "sent": {k: vars(v) for k, v in sorted(self.sent.items())},
             "received": {k: vars(v) for k, v in sorted(self.received.items())},
         }
@@ -103,6 +108,61 @@ def _binder(args, kwargs):
         return obj
 
     return lambda env: (resolve(args, env), resolve(kwargs, env))
+
+
+def _forward_values(program: Program) -> frozenset[str]:
+    """The names of the nodes the loss depends on: the forward's values."""
+    loss = [o.node for o in program.outputs if o.kind is OutputKind.LOSS]
+    stack = [node for node in program.graph.nodes if node.name in loss]
+    seen: set[str] = set()
+    while stack:
+        node = stack.pop()
+        if node.name not in seen and node.op != "placeholder":
+            seen.add(node.name)
+            stack.extend(node.all_input_nodes)
+    return frozenset(seen)
+
+
+class _LiveBytes:
+    """The bytes of memory the forward's values a step computed or received
+    hold, and their peak: each storage counted once however many views share
+    it, never the storage of the state or the feeds the step started with."""
+
+    __slots__ = ("_counted", "_given", "_held", "_storages", "live", "peak")
+
+    def __init__(self, given, counted: frozenset[str]) -> None:
+        self._counted = counted
+        self._given = {v.untyped_storage().data_ptr() for v in given
+                       if isinstance(v, torch.Tensor)}
+        self._held: dict[str, int] = {}               # value name -> storage
+        self._storages: dict[int, list[int]] = {}    # storage -> [references, bytes]
+        self.live = self.peak = 0
+
+    def hold(self, name: str, value) -> None:
+        if name not in self._counted or not isinstance(value, torch.Tensor):
+            return
+        storage = value.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer in self._given:
+            return
+        self._held[name] = pointer
+        entry = self._storages.get(pointer)
+        if entry is None:
+            self._storages[pointer] = [1, storage.nbytes()]
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        else:
+            entry[0] += 1
+
+    def drop(self, name: str) -> None:
+        pointer = self._held.pop(name, None)
+        if pointer is None:
+            return
+        entry = self._storages[pointer]
+        entry[0] -= 1
+        if not entry[0]:
+            self.live -= entry[1]
+            del self._storages[pointer]
 
 
 @dataclass(frozen=True)
@@ -158,6 +218,7 @@ class Executor:
                 self._state_updates[key] = spec.node
         self._constants = {n.name: getattr(program.graph_module, n.target)
                            for n in self._nodes.values() if n.op == "get_attr"}
+        self._forward = _forward_values(program)
 
         ops = []
         for instr in proc.schedule:
@@ -235,6 +296,7 @@ class Executor:
             env[node] = feeds[key].to(self.device, non_blocking=True)
 
         index = 0
+        live = _LiveBytes(env.values(), self._forward)
         while index < len(self._ops):
             kind, name, target, payload = self._ops[index]
             tiled = self._tiled.get(index) if self.tile_pointwise else None
@@ -244,12 +306,13 @@ class Executor:
                 for done in range(index, last + 1):
                     for dead in self._free_after[done]:
                         env.pop(dead, None)
+                        live.drop(dead)
                 index = last + 1
                 continue
             if kind is OpKind.RUN:
                 args, kwargs = payload(env)
                 try:
-                    env[name] = target(*args, **kwargs)
+                    value = env[name] = target(*args, **kwargs)
                 except Exception as exc:
                     module = self.program.module_of(self._nodes[name])
                     where = f" (module {module!r})" if module else ""
@@ -257,6 +320,7 @@ class Executor:
                         f"{self._tag} step {step}: node {name}{where} "
                         f"({getattr(target, '__name__', target)}) raised "
                         f"{type(exc).__name__}: {exc}") from exc
+                live.hold(name, value)
             elif kind is OpKind.SEND:
                 tensors = [env[v] for v in payload]
                 self.transport.send(target, MessageKey(self.incarnation, step, name), tensors)
@@ -274,9 +338,13 @@ class Executor:
                     control = None
                 self._receive(step, name, target, payload, env, timeout, between_steps,
                               idle=idle)
+                for received in payload:
+                    live.hold(received, env[received])
             for dead in self._free_after[index]:
                 env.pop(dead, None)
+                live.drop(dead)
             index += 1
+        self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, live.peak)
 
         outputs = {key: self._owned(env[node]) for key, node in self._output_nodes.items()}
         for key, node in self._state_updates.items():

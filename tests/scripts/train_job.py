@@ -1,7 +1,7 @@
 """A training job for the end-to-end tests, run by the real launcher.
 
     PYTHONPATH=examples splitrun launch --workers 3 tests/scripts/train_job.py \
-        --steps 12 --out result.pt
+        --steps 12 --out result.pt [--microbatches 4 --schedule 1f1b]
 
 Worker 0 saves the losses and the final state gathered from every process to
 --out (a file this test suite reads back; nothing from the network is loaded).
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from models import TiedBigramLM, lm_loss, markov_batches
 from torch import nn
 
-from splitrun.splitter import capture, optim, place
+from splitrun.splitter import GeneralMode, capture, optim, place, region
 
 OPTIMIZERS = {
     "sgd": lambda: optim.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3),
@@ -44,6 +44,14 @@ class Pipeline(nn.Module):
         return x
 
 
+def _loss_on_last_worker(num_workers: int):
+    def loss_fn(model, x, y):
+        logits = model(x)
+        with region(rank=num_workers - 1):
+            return F.cross_entropy(logits, y)
+    return loss_fn
+
+
 def build(model_name: str, optimizer: str, num_workers: int, steps: int, hidden: int = 32):
     """The program and its batches; every process builds the same ones."""
     torch.manual_seed(0)
@@ -53,6 +61,8 @@ def build(model_name: str, optimizer: str, num_workers: int, steps: int, hidden:
     else:
         model = Pipeline(num_workers, hidden)
         loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+        if model_name == "stages":  # the loss on the last worker: a pipeline's stages
+            loss_fn = _loss_on_last_worker(num_workers)
         generator = torch.Generator().manual_seed(1)
         batches = [(torch.randn(16, 12, generator=generator),
                     torch.randint(0, 5, (16,), generator=generator)) for _ in range(steps)]
@@ -62,18 +72,21 @@ def build(model_name: str, optimizer: str, num_workers: int, steps: int, hidden:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="mlp", choices=["mlp", "lm"])
+    parser.add_argument("--model", default="mlp", choices=["mlp", "stages", "lm"])
     parser.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZERS))
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--out", type=pathlib.Path)
+    parser.add_argument("--microbatches", type=int, default=1)
+    parser.add_argument("--schedule", default="1f1b")
     args = parser.parse_args()
 
     from splitrun.runtime.job import Job
     job = Job.from_env()
     program, batches = build(args.model, args.optimizer, job.cluster.num_workers, args.steps,
                              args.hidden)
-    trainer = job.start(program, num_steps=args.steps)
+    mode = GeneralMode(microbatches=args.microbatches, schedule=args.schedule)
+    trainer = job.start(program, mode, num_steps=args.steps)
     logging.getLogger("train_job").warning("training started")
     losses = []
     if job.is_worker:

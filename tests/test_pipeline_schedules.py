@@ -1,0 +1,254 @@
+"""Micro-batched general mode: the step cut into M micro-batches that flow
+through the stages on a schedule (GPipe, 1F1B), gradients summed, the
+optimizer once per step.
+
+Tolerance: the micro-batched step sums each gradient over micro-batches (and
+scales a mean loss's by 1/M) where the unsplit step sums over the whole batch
+at once, so the float rounding differs: losses, gradients and parameters are
+compared with `torch.testing.assert_close` at rtol = atol = 1e-5 after every
+one of 6 steps (float32; the differences seen are ~1e-7).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cluster import SCRIPTS, assert_clean_output
+from test_split_equivalence import PipelineMLP, mlp_loss
+from torch import nn
+from train_job import build
+
+from splitrun.runtime import run_threaded
+from splitrun.splitter import (
+    Cluster,
+    GeneralMode,
+    PlanError,
+    SplitPlan,
+    capture,
+    optim,
+    place,
+    region,
+    split_program,
+)
+from splitrun.splitter.plan import PipelineSchedule
+
+NUM_STEPS = 6
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+
+
+class Stages(nn.Module):
+    """`num_workers` stages of linear+GELU blocks, the loss on the last stage."""
+
+    def __init__(self, num_workers: int, width: int = 24) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([
+            place(nn.Sequential(nn.Linear(12 if rank == 0 else width, width), nn.GELU()),
+                  rank=rank) for rank in range(num_workers)])
+        self.head = place(nn.Linear(width, 5), rank=num_workers - 1)
+        self.num_workers = num_workers
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def stages_loss(model, x, y):
+    logits = model(x)
+    with region(rank=model.num_workers - 1):
+        return F.cross_entropy(logits, y)
+
+
+def batches(rows=16, steps=NUM_STEPS):
+    generator = torch.Generator().manual_seed(2)
+    return [(torch.randn(rows, 12, generator=generator),
+             torch.randint(0, 5, (rows,), generator=generator)) for _ in range(steps)]
+
+
+def feeds_of(data):
+    return lambda step: {"batch.0": data[step][0], "batch.1": data[step][1]}
+
+
+def stages_program(num_workers, optimizer=None, rows=16):
+    torch.manual_seed(1)
+    data = batches(rows)
+    program = capture(Stages(num_workers), stages_loss, optimizer or optim.Adam(lr=0.01),
+                      data[0], return_grads=True)
+    return program, data
+
+
+def assert_equals_unsplit(program, split, data):
+    expected_history, expected_state = program.train_unsplit(NUM_STEPS, feeds_of(data))
+    run = run_threaded(split, NUM_STEPS, feeds_of(data), recv_timeout_s=30)
+    for step in range(NUM_STEPS):
+        assert run.history[step].keys() == expected_history[step].keys()
+        for key, value in expected_history[step].items():
+            torch.testing.assert_close(run.history[step][key], value, **TOLERANCE,
+                                       msg=f"step {step}: {key} differs")
+    assert run.state.keys() == expected_state.keys()
+    for key, value in expected_state.items():
+        torch.testing.assert_close(run.state[key], value, **TOLERANCE, msg=f"state {key}")
+    first = next(iter(program.grads))
+    assert not torch.equal(run.state[first], program.initial_state[first]), "nothing trained"
+    return run
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("num_workers, microbatches", [(2, 4), (3, 2), (3, 8)])
+def test_microbatched_step_equals_the_unsplit_step(schedule, num_workers, microbatches):
+    program, data = stages_program(num_workers, optim.SGD(lr=0.05, momentum=0.9))
+    split = split_program(program, Cluster(num_workers=num_workers),
+                          GeneralMode(microbatches=microbatches, schedule=schedule))
+    split.lint()
+    assert split.plan.pipeline.num_microbatches == microbatches
+    assert split.plan.pipeline.stages == tuple(split.plan.labels)
+    assert_equals_unsplit(program, split, data)
+
+
+def test_a_sum_loss_is_summed_over_micro_batches():
+    torch.manual_seed(1)
+    data = batches()
+    loss = lambda model, x, y: F.cross_entropy(model(x), y, reduction="sum")  # noqa: E731
+    program = capture(Stages(2), loss, optim.Adam(lr=0.01), data[0], return_grads=True)
+    split = split_program(program, Cluster(num_workers=2),
+                          GeneralMode(microbatches=4, schedule="gpipe"))
+    assert_equals_unsplit(program, split, data)
+
+
+def test_a_loss_back_on_the_first_stage_runs_under_gpipe_and_is_refused_by_1f1b():
+    # PipelineMLP computes its loss on worker 0, after worker 2's head: worker
+    # 0 is two pieces of the forward, and 1F1B's order for it cannot finish.
+    torch.manual_seed(1)
+    model = PipelineMLP(3)
+    data = batches()
+    program = capture(model, mlp_loss, optim.Adagrad(lr=0.05), data[0], return_grads=True)
+    with pytest.raises(PlanError, match=r"schedule '1f1b' cannot run this split: worker 0 "
+                                        r"waits at _log_softmax \(micro-batch 1\) for addmm_2 "
+                                        r"on worker 2.*put the loss on the last stage"):
+        split_program(program, Cluster(num_workers=3), GeneralMode(microbatches=4))
+    split = split_program(program, Cluster(num_workers=3),
+                          GeneralMode(microbatches=4, schedule="gpipe"))
+    split.lint()
+    assert_equals_unsplit(program, split, data)
+
+
+def test_the_schedule_is_in_the_plan_text_and_picture():
+    program, _ = stages_program(2)
+    plan = split_program(program, Cluster(num_workers=2),
+                         GeneralMode(microbatches=4, schedule="1f1b")).plan
+    text = plan.to_text()
+    assert "pipeline 1f1b microbatches=4" in text
+    assert "stage w0: F0 F1 B0 F2 B1 F3 B2 B3" in text
+    assert "stage w1: F0 B0 F1 B1 F2 B2 F3 B3" in text
+    assert SplitPlan.from_text(text) == plan
+    # Every micro-batch's activations leave in a message of their own, as
+    # soon as its forward is done.
+    sent = [c.values for c in plan.channels if c.src.rank == 0 and c.dst.rank == 1]
+    assert [sorted({v.rsplit("__", 1)[1] for v in values if "__F" in v}) for values in sent] \
+        == [["F0"], ["F1"], ["F2"], ["F3"]]
+    dot = plan.to_dot()
+    assert "bubble in theory 20%" in dot
+    # One slot per action: each stage idles 2 slots of 10 (w0 waiting for
+    # B0, w1 for F0 and after B3), the 20 % the theory gives.
+    assert dot.count("&nbsp;") == 4
+    # Blocks name their actions: w0 runs B0 then F2 before it next sends.
+    assert 'label="B0 F2\\n' in dot
+
+
+def test_lint_catches_a_schedule_that_breaks_its_promise():
+    program, _ = stages_program(2)
+    plan = split_program(program, Cluster(num_workers=2),
+                         GeneralMode(microbatches=4, schedule="gpipe")).plan
+    plan.lint()
+    as_1f1b = plan.to_text().replace("pipeline gpipe", "pipeline 1f1b")
+    with pytest.raises(PlanError, match=r"worker 0\] holds 3 micro-batches in flight at F2; "
+                                        r"1f1b promises at most 2"):
+        SplitPlan.from_text(as_1f1b).lint()
+    reordered = plan.to_text().replace("stage w1: F0 F1 F2 F3 B0 B1 B2 B3",
+                                       "stage w1: F0 B0 F1 B1 F2 B2 F3 B3")
+    with pytest.raises(PlanError, match=r"worker 1\] the schedule runs F0 F1 F2 F3 B0 B1 B2 "
+                                        r"B3 but the pipeline \(gpipe\) says F0 B0"):
+        SplitPlan.from_text(reordered).lint()
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe():
+    """Stage s of S holds at most S-s micro-batches' activations under 1F1B,
+    all M under GPipe (measured by the executor, bytes of forward values)."""
+    program, data = stages_program(2, rows=32)
+    microbatches = 8
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        split = split_program(program, Cluster(num_workers=2),
+                              GeneralMode(microbatches=microbatches, schedule=schedule))
+        run = run_threaded(split, 2, feeds_of(data))
+        peaks[schedule] = [run.stats[label].peak_activation_bytes for label in split.plan.labels]
+    for stage, (gpipe, one_f_one_b) in enumerate(zip(peaks["gpipe"], peaks["1f1b"])):
+        per_microbatch = gpipe / microbatches
+        # In flight: 2 - stage micro-batches, plus one's values on their way out.
+        assert one_f_one_b <= (2 - stage + 1) * per_microbatch, (stage, peaks)
+        assert one_f_one_b < gpipe / 2, (stage, peaks)
+
+
+def test_a_batch_that_does_not_divide_is_refused():
+    program, _ = stages_program(2)
+    with pytest.raises(PlanError, match=r"a batch of 16 rows does not divide into 3 "
+                                        r"micro-batches; choose microbatches among \[2, 4, 8"):
+        split_program(program, Cluster(num_workers=2), GeneralMode(microbatches=3))
+
+
+def test_batch_norm_is_refused_naming_the_op():
+    class Normed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(12, 8),
+                                      nn.BatchNorm1d(8, track_running_stats=False),
+                                      nn.Linear(8, 5))
+
+        def forward(self, x):
+            return self.body(x)
+
+    data = batches()
+    program = capture(Normed(), mlp_loss, optim.SGD(lr=0.1), data[0])
+    with pytest.raises(PlanError, match=r"batch_norm.*module 'body.1'.*mixes samples"):
+        split_program(program, Cluster(num_workers=1), GeneralMode(microbatches=2))
+
+
+def test_a_loss_that_is_not_a_mean_or_sum_is_refused_naming_the_op():
+    data = batches()
+    loss = lambda model, x, y: F.cross_entropy(model(x), y).sqrt()  # noqa: E731
+    program = capture(Stages(1), loss, optim.SGD(lr=0.1), data[0])
+    with pytest.raises(PlanError, match=r"the loss comes from node sqrt.*mean or a sum"):
+        split_program(program, Cluster(num_workers=1), GeneralMode(microbatches=2))
+
+
+def test_bad_mode_settings_are_refused():
+    with pytest.raises(PlanError, match="interleaved 1F1B .* not built yet; use 'gpipe' or"):
+        GeneralMode(microbatches=4, schedule="interleaved")
+    with pytest.raises(PlanError, match="unknown schedule; choose one of 'gpipe', '1f1b'"):
+        GeneralMode(microbatches=4, schedule="zero-bubble")
+    with pytest.raises(PlanError, match="at least 1"):
+        GeneralMode(microbatches=0)
+    assert GeneralMode(microbatches=2, schedule=PipelineSchedule.GPIPE).schedule \
+        is PipelineSchedule.GPIPE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_workers, schedule", [(2, "1f1b"), (3, "gpipe")])
+def test_launched_microbatched_job_equals_the_unsplit_step(local_cluster, tmp_path,
+                                                          num_workers, schedule):
+    out = tmp_path / "result.pt"
+    steps = 8
+    proc = local_cluster.run(SCRIPTS / "train_job.py", "--model", "stages", "--optimizer", "adam",
+                             "--steps", steps,
+                             "--microbatches", 4, "--schedule", schedule, "--out", out,
+                             workers=num_workers)
+    assert f"all {num_workers} processes finished" in proc.output()
+    assert_clean_output(proc)
+    program, data = build("stages", "adam", num_workers, steps)
+    history, state = program.train_unsplit(steps, feeds_of(data))
+    result = torch.load(out)
+    torch.testing.assert_close(result["losses"], torch.stack([h["loss"] for h in history]),
+                               **TOLERANCE)
+    assert result["state"].keys() == state.keys()
+    for key, value in state.items():
+        torch.testing.assert_close(result["state"][key], value, **TOLERANCE, msg=key)
+    assert not torch.equal(state["stages.0.0.weight"], program.initial_state["stages.0.0.weight"])
