@@ -1,0 +1,347 @@
+"""Micro-batched pipelines: splitrun's GPipe and 1F1B next to
+torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B, splitrun's
+split without micro-batches, and the unsplit step in one process.
+
+The model: 8 blocks of Linear(1024, 1024) + GELU, an MSE loss, batch 256,
+SGD. Split over 2 processes, blocks 0-3 on the first and 4-7 plus the loss on
+the second (the same split for torch's stages), each process one intra-op
+thread (the machine has 2 cores). splitrun runs as a real job under
+`splitrun launch --workers 2` (payloads over shared memory); torch's
+pipelining as 2 spawned processes on gloo (127.0.0.1). The unsplit step is
+plain eager PyTorch in one process with 2 intra-op threads (all the cores).
+
+Per configuration, the median of `--repeats` runs of: steps/s (one over the
+median step time of the steps after `--warmup`, on the first process),
+per process the idle fraction (bubble), and the peak activation memory.
+
+- bubble: `1 - main thread CPU time / wall time` over the measured steps, for
+  every configuration alike (the compute runs on the main thread; a process
+  idles when it waits for a peer). For splitrun also `recv_wait`, the
+  executor's time blocked in receives over its step time.
+- activations: splitrun's executor counts the bytes of the forward's values
+  alive at once (`peak_activation_bytes`, each storage once); torch's side
+  counts the bytes autograd keeps for the backward (saved-tensor hooks, each
+  storage once, parameters excluded). Not the same counter: compare each
+  schedule with its own kind, and GPipe with 1F1B within one system.
+
+The theory for GPipe and 1F1B: bubble (S-1)/(M+S-1) with S stages and M
+micro-batches, when every stage does the same work.
+
+    flock /tmp/splitrun-cpu.lock python bench/pipeline.py [--microbatches 8] \\
+        [--steps 8] [--warmup 2] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WIDTH, DEPTH, BATCH, STAGES = 1024, 8, 256, 2
+LR = 0.01
+# Bounds one launched or spawned run (start, a dozen steps, teardown) on a
+# loaded 2-core machine.
+RUN_TIMEOUT_S = 300
+
+
+def _set_width(width: int) -> None:
+    global WIDTH
+    WIDTH = width
+
+
+def blocks(first: int, last: int) -> nn.Sequential:
+    torch.manual_seed(0)  # every process and every system starts from the same weights
+    layers = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(DEPTH)]
+    return nn.Sequential(*layers[first:last])
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return (torch.randn(BATCH, WIDTH, generator=generator),
+            torch.randn(BATCH, WIDTH, generator=generator))
+
+
+class _Timer:
+    """Wall and main-thread CPU time over the measured steps."""
+
+    def __init__(self) -> None:
+        self.step_s: list[float] = []
+
+    def start(self) -> None:
+        self._wall, self._cpu = time.perf_counter(), time.thread_time()
+
+    def stop(self) -> dict:
+        wall = time.perf_counter() - self._wall
+        cpu = time.thread_time() - self._cpu
+        return {"wall_s": wall, "cpu_s": cpu, "bubble": max(0.0, 1 - cpu / wall)}
+
+
+# -- splitrun, launched -----------------------------------------------------------
+
+class SplitModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from splitrun.splitter import place
+        self.first = place(blocks(0, DEPTH // 2), rank=0)
+        self.second = place(blocks(DEPTH // 2, DEPTH), rank=1)
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def split_loss(model, x, y):
+    from splitrun.splitter import region
+    out = model(x)
+    with region(rank=1):  # the loss on the last stage
+        return F.mse_loss(out, y)
+
+
+def run_job(args) -> int:
+    """`--job` under `splitrun launch`: each process writes its numbers."""
+    from splitrun.runtime import Job
+    from splitrun.splitter import GeneralMode, capture, optim
+
+    job = Job.from_env()
+    x, y = batch()
+    program = capture(SplitModel(), split_loss, optim.SGD(lr=LR), (x, y))
+    mode = GeneralMode(microbatches=args.microbatches, schedule=args.schedule)
+    trainer = job.start(program, mode)
+    timer, times = _Timer(), []
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            stats = trainer.stats
+            waited, busy = stats.recv_wait_s, stats.step_s
+            timer.start()
+        started = time.perf_counter()
+        trainer.step((x, y))
+        times.append(time.perf_counter() - started)
+    result = timer.stop()
+    stats = trainer.stats
+    result.update(step_s=times[args.warmup:],
+                  recv_wait=(stats.recv_wait_s - waited) / (stats.step_s - busy),
+                  peak_activation_bytes=stats.peak_activation_bytes)
+    trainer.finish()
+    pathlib.Path(args.out, f"rank{job.label.rank}.json").write_text(json.dumps(result))
+    return 0
+
+
+def splitrun_run(microbatches: int, schedule: str, args) -> list[dict]:
+    with tempfile.TemporaryDirectory() as workdir:
+        launcher = pathlib.Path(sys.executable).with_name("splitrun")
+        proc = subprocess.run(
+            [str(launcher), "launch", "--workers", str(STAGES), __file__, "--job",
+             "--microbatches", str(microbatches), "--schedule", schedule,
+             "--steps", str(args.steps), "--warmup", str(args.warmup), "--width",
+             str(args.width), "--out", workdir],
+            capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise RuntimeError(f"splitrun job failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        return [json.loads(pathlib.Path(workdir, f"rank{r}.json").read_text())
+                for r in range(STAGES)]
+
+
+# -- torch.distributed.pipelining ------------------------------------------------------
+
+class _SavedBytes:
+    """The most bytes autograd keeps for the backward at once: saved-tensor
+    hooks count each storage once, parameters excluded."""
+
+    def __init__(self, params) -> None:
+        self._skip = {p.untyped_storage().data_ptr() for p in params}
+        self._refs: dict[int, list[int]] = {}
+        self.live = self.peak = 0
+
+    def hooks(self):
+        counter = self
+
+        class Held:
+            def __init__(self, tensor):
+                self.tensor = tensor
+                storage = tensor.untyped_storage()
+                self.pointer = storage.data_ptr()
+                if self.pointer in counter._skip:
+                    self.pointer = None
+                    return
+                entry = counter._refs.setdefault(self.pointer, [0, storage.nbytes()])
+                if entry[0] == 0:
+                    counter.live += entry[1]
+                    counter.peak = max(counter.peak, counter.live)
+                entry[0] += 1
+
+            def __del__(self):
+                if self.pointer is not None:
+                    entry = counter._refs[self.pointer]
+                    entry[0] -= 1
+                    if not entry[0]:
+                        counter.live -= entry[1]
+                        del counter._refs[self.pointer]
+
+        return torch.autograd.graph.saved_tensors_hooks(Held, lambda held: held.tensor)
+
+
+def _torch_worker(rank: int, port: int, microbatches: int, schedule: str, args, out: str):
+    import torch.distributed as dist
+
+    _set_width(args.width)
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=STAGES)
+    half = DEPTH // 2
+    module = blocks(0, half) if rank == 0 else blocks(half, DEPTH)
+    stage = PipelineStage(module, rank, STAGES, torch.device("cpu"))
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    pipe = kind(stage, n_microbatches=microbatches, loss_fn=F.mse_loss)
+    optimizer = torch.optim.SGD(module.parameters(), lr=LR)
+    saved = _SavedBytes(module.parameters())
+    x, y = batch()
+    timer, times = _Timer(), []
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            timer.start()
+        started = time.perf_counter()
+        with saved.hooks():
+            if rank == 0:
+                pipe.step(x)
+            else:
+                pipe.step(target=y, losses=[])
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - started)
+    result = timer.stop()
+    result.update(step_s=times[args.warmup:], saved_activation_bytes=saved.peak)
+    pathlib.Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def torch_run(microbatches: int, schedule: str, args) -> list[dict]:
+    import torch.multiprocessing as mp
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as workdir:
+        context = mp.start_processes(_torch_worker, args=(port, microbatches, schedule, args,
+                                                          workdir),
+                                     nprocs=STAGES, join=False, start_method="spawn")
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise RuntimeError("torch pipelining run did not finish in time")
+        return [json.loads(pathlib.Path(workdir, f"rank{r}.json").read_text())
+                for r in range(STAGES)]
+
+
+# -- the unsplit step ------------------------------------------------------------------
+
+def unsplit_run(args) -> list[dict]:
+    torch.set_num_threads(2)
+    model = blocks(0, DEPTH)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    saved = _SavedBytes(model.parameters())
+    x, y = batch()
+    timer, times = _Timer(), []
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            timer.start()
+        started = time.perf_counter()
+        with saved.hooks():
+            F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - started)
+    result = timer.stop()
+    # Two threads on the main thread's account: CPU time may exceed wall time.
+    result["bubble"] = None
+    result.update(step_s=times[args.warmup:], saved_activation_bytes=saved.peak)
+    return [result]
+
+
+# -- the table -------------------------------------------------------------------------
+
+def summarise(runs: list[list[dict]]) -> dict:
+    """Medians over repeats: steps/s (first process), per process bubble and memory."""
+    steps_per_s = [1 / statistics.median(run[0]["step_s"]) for run in runs]
+    row = {"steps_per_s": round(statistics.median(steps_per_s), 3),
+           "steps_per_s_runs": [round(s, 3) for s in steps_per_s]}
+    for key in ("bubble", "recv_wait", "peak_activation_bytes", "saved_activation_bytes"):
+        if key in runs[0][0] and runs[0][0][key] is not None:
+            row[key] = [round(statistics.median(run[p][key] for run in runs), 3)
+                        for p in range(len(runs[0]))]
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--width", type=int, default=WIDTH,
+                        help="a smaller width checks the script quickly (not for numbers)")
+    parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    _set_width(args.width)
+    if args.job:
+        return run_job(args)
+
+    m = args.microbatches
+    configs = {
+        "splitrun_no_microbatches": lambda: splitrun_run(1, "1f1b", args),
+        "splitrun_gpipe": lambda: splitrun_run(m, "gpipe", args),
+        "splitrun_1f1b": lambda: splitrun_run(m, "1f1b", args),
+        "torch_gpipe": lambda: torch_run(m, "gpipe", args),
+        "torch_1f1b": lambda: torch_run(m, "1f1b", args),
+        "unsplit_one_process": lambda: unsplit_run(args),
+    }
+    runs: dict[str, list] = {name: [] for name in configs}
+    for _ in range(args.repeats):  # alternate, so a slow spell hits every configuration
+        for name, run in configs.items():
+            runs[name].append(run())
+    table = {name: summarise(r) for name, r in runs.items()}
+    speed = {name: row["steps_per_s"] for name, row in table.items()}
+    theory = (STAGES - 1) / (m + STAGES - 1)
+    report = {
+        "model": f"{DEPTH} x (Linear({WIDTH}, {WIDTH}) + GELU), MSE, SGD, batch {BATCH}",
+        "processes": STAGES, "microbatches": m, "steps": args.steps, "warmup": args.warmup,
+        "repeats": args.repeats, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+        "results": table,
+        "theory_bubble": round(theory, 3),
+        "ratios": {
+            "splitrun_1f1b_vs_torch_1f1b": round(speed["splitrun_1f1b"] / speed["torch_1f1b"], 3),
+            "splitrun_gpipe_vs_torch_gpipe":
+                round(speed["splitrun_gpipe"] / speed["torch_gpipe"], 3),
+            "splitrun_1f1b_vs_no_microbatches":
+                round(speed["splitrun_1f1b"] / speed["splitrun_no_microbatches"], 3),
+            "splitrun_1f1b_vs_unsplit":
+                round(speed["splitrun_1f1b"] / speed["unsplit_one_process"], 3),
+        },
+    }
+    bubbles = table["splitrun_1f1b"]["bubble"]
+    report["goals"] = {
+        "1f1b_at_least_torch_1f1b": report["ratios"]["splitrun_1f1b_vs_torch_1f1b"] >= 1.0,
+        "1f1b_at_least_1.6x_no_microbatches":
+            report["ratios"]["splitrun_1f1b_vs_no_microbatches"] >= 1.6,
+        "1f1b_bubble_within_10pct_of_theory": all(abs(b - theory) <= 0.10 for b in bubbles),
+    }
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
