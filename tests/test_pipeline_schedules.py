@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cluster import SCRIPTS, assert_clean_output
+from models import TiedBigramLM, lm_loss, markov_batches
 from test_split_equivalence import PipelineMLP, mlp_loss
 from torch import nn
 from train_job import build
@@ -128,6 +129,20 @@ def test_a_loss_back_on_the_first_stage_runs_under_gpipe_and_is_refused_by_1f1b(
     split = split_program(program, Cluster(num_workers=3),
                           GeneralMode(microbatches=4, schedule="gpipe"))
     split.lint()
+    assert_equals_unsplit(program, split, data)
+
+
+def test_a_tied_weight_read_by_data_sync_is_micro_batched_too():
+    # The embedding (worker 0) is read by the output head (worker 2) by
+    # data-sync; its gradient has parts from both, summed over micro-batches.
+    torch.manual_seed(1)
+    model = TiedBigramLM(num_workers=3)
+    data = markov_batches(NUM_STEPS, batch=8)
+    program = capture(model, lm_loss, optim.Adam(lr=0.01), data[0], return_grads=True)
+    split = split_program(program, Cluster(num_workers=3),
+                          GeneralMode(microbatches=4, schedule="gpipe"))
+    split.lint()
+    assert split.plan.data_syncs
     assert_equals_unsplit(program, split, data)
 
 
