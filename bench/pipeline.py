@@ -16,8 +16,10 @@ per process the idle fraction (bubble), and the peak activation memory.
 
 - bubble: `1 - main thread CPU time / wall time` over the measured steps, for
   every configuration alike (the compute runs on the main thread; a process
-  idles when it waits for a peer). For splitrun also `recv_wait`, the
-  executor's time blocked in receives over its step time.
+  idles when it waits for a peer, and when the machine's other work preempts
+  it). For splitrun also `recv_wait`, the executor's time blocked in receives
+  over its step time, which counts only the waits for a peer.
+  `busy_ms_per_step` is the main thread's CPU time per step.
 - activations: splitrun's executor counts the bytes of the forward's values
   alive at once (`peak_activation_bytes`, each storage once); torch's side
   counts the bytes autograd keeps for the backward (saved-tensor hooks, each
@@ -276,7 +278,11 @@ def summarise(runs: list[list[dict]]) -> dict:
     """Medians over repeats: steps/s (first process), per process bubble and memory."""
     steps_per_s = [1 / statistics.median(run[0]["step_s"]) for run in runs]
     row = {"steps_per_s": round(statistics.median(steps_per_s), 3),
-           "steps_per_s_runs": [round(s, 3) for s in steps_per_s]}
+           "steps_per_s_runs": [round(s, 3) for s in steps_per_s],
+           # Main-thread CPU per step: the work, apart from waiting and preemption.
+           "busy_ms_per_step": [round(statistics.median(
+               1000 * run[p]["cpu_s"] / len(run[p]["step_s"]) for run in runs), 1)
+               for p in range(len(runs[0]))]}
     for key in ("bubble", "recv_wait", "peak_activation_bytes", "saved_activation_bytes"):
         if key in runs[0][0] and runs[0][0][key] is not None:
             row[key] = [round(statistics.median(run[p][key] for run in runs), 3)
