@@ -27,6 +27,7 @@ import copy
 import operator
 from collections import defaultdict
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 from torch import fx
@@ -51,8 +52,11 @@ _SUM_OPS = frozenset({_aten.sum.default, _aten.sum.dim_IntList})
 _REDUCTIONS = {1: "mean", 2: "sum"}
 
 
-class LossReduction:
-    MEAN = "mean"
+
+class LossReduction(Enum):
+    """How the loss combines its samples, so how micro-batches combine."""
+
+    MEAN = "mean"  # the loss is the mean of the micro-batch means; gradients / M
     SUM = "sum"
 
 
@@ -64,7 +68,7 @@ class MicrobatchedStep:
     program: Program
     stages: tuple[Label, ...]
     actions: tuple[tuple[str, ...], ...]
-    loss_reduction: str
+    loss_reduction: LossReduction
 
 
 def stage_actions(schedule: PipelineSchedule, num_stages: int, stage: int,
@@ -83,9 +87,10 @@ def stage_actions(schedule: PipelineSchedule, num_stages: int, stage: int,
     raise PlanError(f"schedule {schedule.value!r} is not built; use 'gpipe' or '1f1b'")
 
 
-def microbatch_step(program: Program, cluster: Cluster, mode, num_microbatches: int,
+def microbatch_step(program: Program, cluster: Cluster, mode: object, num_microbatches: int,
                     schedule: PipelineSchedule) -> MicrobatchedStep:
-    """`program` cut into `num_microbatches` micro-batches laid out for `schedule`."""
+    """`program` cut into `num_microbatches` micro-batches laid out for
+    `schedule`; `mode` resolves the labels (the general mode asking)."""
     rows = _batch_rows(program, num_microbatches)
     if program.recapture is None:
         raise PlanError(
@@ -197,7 +202,7 @@ class _Facts:
         self._check_samples_independent(nodes)
         self._check_only_loss_and_grads_leave(nodes)
 
-    def _loss_reduction(self) -> str:
+    def _loss_reduction(self) -> LossReduction:
         loss = self.loss
         op = loss.args[0] if loss.target is operator.getitem else loss
         where = describe_node(self.micro, op)
@@ -215,11 +220,11 @@ class _Facts:
             index = names.index("reduction")
             value = op.args[index] if index < len(op.args) else op.kwargs.get(
                 "reduction", schema.arguments[index].default_value)
-            reduction = _REDUCTIONS[value]
+            reduction = LossReduction(_REDUCTIONS[value])
         source = op.all_input_nodes[0] if op.all_input_nodes else None
         if source is None or source not in self.per_sample:
             raise PlanError(
-                f"the loss's {reduction} ({where}) reduces a value that is not per sample "
+                f"the loss's {reduction.value} ({where}) reduces a value that is not per sample "
                 f"({source.name if source is not None else 'none'}); micro-batching needs "
                 f"the loss's last op to be the one that reduces over the samples")
         self._loss_op = op
@@ -404,7 +409,7 @@ class _Layout:
             assert new.name == node.name, (new.name, node.name)
             new.meta = copy.copy(full_placeholders[node.name].meta)
             env[(node, None)] = new
-        scale = 1.0 / count if facts.loss_reduction == LossReduction.MEAN else None
+        scale = 1.0 / count if facts.loss_reduction is LossReduction.MEAN else None
         combined_name = {node: key for key, node in self._combined()}
         final: dict[fx.Node, fx.Node] = {}  # loss / grad node -> its combined value
         current_label = None

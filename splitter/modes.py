@@ -17,7 +17,7 @@ import torch
 
 from .errors import PlanError
 from .labels import Cluster, Label
-from .microbatch import microbatch_step
+from .microbatch import LossReduction, microbatch_step
 from .plan import ChannelKind, ModeKind, PipelineSchedule, PipelineSummary, SplitPlan, action_of
 from .program import OutputKind, OutputSpec, Program
 
@@ -162,7 +162,7 @@ class PipelineArtifacts(ModeArtifacts):
     num_microbatches: int = 1
     stages: tuple[Label, ...] = ()
     actions: tuple[tuple[str, ...], ...] = ()
-    loss_reduction: str = "mean"
+    loss_reduction: LossReduction = LossReduction.MEAN
 
 
 class GeneralMode(Mode):
