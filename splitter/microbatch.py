@@ -46,6 +46,13 @@ _aten = torch.ops.aten
 # loss's gradient seed (`ones_like(loss)`) carries no sample's data.
 _SHAPE_ONLY = frozenset({_aten.ones_like.default, _aten.zeros_like.default,
                          _aten.empty_like.default, _aten.full_like.default})
+# Ops that only lay a value out anew (linear in it): a gradient made by a
+# matrix product and such ops is accumulated in the product's layout, inside
+# the product (`addmm(sum, a, b)`: no pass of its own over the sum), and laid
+# out once at the end.
+_LAYOUT_OPS = frozenset({_aten.t.default, _aten.transpose.int, _aten.permute.default,
+                         _aten.view.default, _aten._unsafe_view.default,
+                         _aten.reshape.default})
 _MEAN_OPS = frozenset({_aten.mean.default, _aten.mean.dim})
 _SUM_OPS = frozenset({_aten.sum.default, _aten.sum.dim_IntList})
 # torch's `reduction` argument: 1 = "mean", 2 = "sum" (0, "none", is not scalar).
@@ -292,6 +299,35 @@ class _Layout:
                  num_microbatches: int, schedule: PipelineSchedule) -> None:
         self.full, self.micro, self.facts, self.labels = full, micro, facts, labels
         self.num_microbatches, self.schedule = num_microbatches, schedule
+        # gradient -> (its matrix product, the layout ops from it to the gradient)
+        self.fused = {g: found for g in facts.grads.values()
+                      if (found := self._product_of(g)) is not None}
+        self.skipped = {n for _, chain in self.fused.values() for n in chain}
+
+    def _product_of(self, grad: fx.Node):
+        """The `mm` a gradient is laid out from, when nothing else reads it
+        or the layout ops between them, and no other micro-batch value reads
+        the gradient."""
+        facts, chain, node = self.facts, [], grad
+        if any(user in facts.replicated for user in grad.users):
+            return None
+        while node.target in _LAYOUT_OPS and len(node.all_input_nodes) == 1:
+            chain.insert(0, node)
+            node = node.all_input_nodes[0]
+        if node.target is not _aten.mm.default or node not in facts.replicated:
+            return None
+        if any(len(n.users) != 1 for n in [node, *chain[:-1]]):
+            return None
+        if len({self.labels[n] for n in [node, *chain]}) != 1:
+            return None
+        return node, chain
+
+    def _is_skipped(self, node: fx.Node, m: int) -> bool:
+        """Not copied per micro-batch: a fused gradient's layout ops (run once
+        on the sum), and its product after the first micro-batch (the sum's
+        `addmm` computes it)."""
+        return node in self.skipped or (m > 0 and any(
+            node is product for product, _ in self.fused.values()))
 
     def build(self) -> MicrobatchedStep:
         facts, labels = self.facts, self.labels
@@ -332,7 +368,8 @@ class _Layout:
         for index, stage in enumerate(stages):
             queue, names = [], []
             for phase, m in stage_actions(self.schedule, len(stages), index, count):
-                action = [(_REP, n, m, stage) for n in phase_nodes[(stage, phase)]]
+                action = [(_REP, n, m, stage) for n in phase_nodes[(stage, phase)]
+                          if not self._is_skipped(n, m)]
                 for node in phase_nodes[(stage, phase)]:
                     if node in combined_at:
                         action.append((_ACC, node, m, stage))
@@ -374,7 +411,12 @@ class _Layout:
     def _deps(self, item) -> list[tuple]:
         kind, node, m, _ = item
         if kind == _ACC:
-            return [(_REP, node, m)] + ([(_ACC, node, m - 1)] if m else [])
+            product = self.fused.get(node, (node,))[0]
+            if product is not node and m:
+                return [(_ACC, node, m - 1)] + [(_REP, value, m) for value in
+                                                 product.all_input_nodes
+                                                 if value in self.facts.replicated]
+            return [(_REP, product, m)] + ([(_ACC, node, m - 1)] if m else [])
         if kind == _SCALE:
             return [(_ACC, node, m)]
         return [(_REP, value, m) for value in node.all_input_nodes
@@ -442,16 +484,32 @@ class _Layout:
                 key = combined_name[node]
                 base = "loss" if key == "loss" else "grad_" + key.replace(".", "_")
                 tag = "F" if key == "loss" else "B"
-                if kind == _ACC:
+                product, chain = self.fused.get(node, (None, ()))
+                if kind == _ACC and product is not None:
+                    if m == 0:
+                        new = env[(_REP, product, 0)]
+                    else:
+                        factors = fx.node.map_arg(product.args, lookup(m))
+                        new = self._call(graph, _aten.addmm.default,
+                                         (env[(_ACC, node, m - 1)], *factors),
+                                         f"{base}_sum__{tag}{m}", product, label)
+                    env[(_ACC, node, m)] = new
+                elif kind == _ACC:
                     value = env[(_REP, node, m)]
                     new = value if m == 0 else self._call(
                         graph, _aten.add.Tensor, (env[(_ACC, node, m - 1)], value),
                         f"{base}_sum__{tag}{m}", node, label)
                     env[(_ACC, node, m)] = final[node] = new
-                elif scale is not None:
-                    final[node] = self._call(graph, _aten.mul.Tensor,
-                                             (env[(_ACC, node, m)], scale),
-                                             f"{base}_mean", node, label)
+                else:
+                    total = env[(_ACC, node, m)]
+                    for step in chain:  # lay the sum out as the gradient is
+                        total = self._call(graph, step.target,
+                                           fx.node.map_arg(step.args, lambda _, t=total: t),
+                                           f"{step.name}_sum", step, label)
+                    if scale is not None:
+                        total = self._call(graph, _aten.mul.Tensor, (total, scale),
+                                           f"{base}_mean", node, label)
+                    final[node] = total
                 continue
             args = fx.node.map_arg(node.args, lookup(m if kind == _REP else None))
             kwargs = fx.node.map_arg(node.kwargs, lookup(m if kind == _REP else None))

@@ -105,6 +105,19 @@ def test_microbatched_step_equals_the_unsplit_step(schedule, num_workers, microb
     assert_equals_unsplit(program, split, data)
 
 
+def test_weight_gradients_accumulate_inside_the_matrix_product():
+    # Each micro-batch after the first adds its weight gradient to the sum in
+    # the product itself (addmm), instead of a product and a pass to add it.
+    program, _ = stages_program(2)
+    split = split_program(program, Cluster(num_workers=2), GeneralMode(microbatches=4))
+    nodes = {n.name: n for n in split.program.graph.nodes}
+    for param in ("blocks.0.0.weight", "blocks.1.0.weight", "head.weight"):
+        sums = [nodes[f"grad_{param.replace('.', '_')}_sum__B{m}"] for m in (1, 2, 3)]
+        assert all(n.target is torch.ops.aten.addmm.default for n in sums), param
+    biases = [n for name, n in nodes.items() if name.startswith("grad_head_bias_sum__B")]
+    assert [n.target for n in biases] == [torch.ops.aten.add.Tensor] * 3
+
+
 def test_a_sum_loss_is_summed_over_micro_batches():
     torch.manual_seed(1)
     data = batches()
