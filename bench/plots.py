@@ -126,7 +126,7 @@ def ps_throughput(result: dict, fig) -> None:
     _bars(ax, [PS_NAMES[n] for n in names], [runs[n]["steps_per_s"] for n in names],
           [_colour(n) for n in names], "steps/s (median)")
     ax.set_title(f"Parameter server: 2 workers + 1 server, {result['parameters'] / 1e6:.1f} M "
-                 f"parameters, global batch {result['global_batch']}; splitrun over shared "
+                 f"parameters, global batch {result['global_batch']}\nsplitrun over shared "
                  f"memory {result['splitrun_shm_over_rpc']:.2f}× the tutorial", fontsize=9)
 
 
@@ -187,7 +187,7 @@ def embedding_cache_throughput(result: dict, fig) -> None:
     _bars(ax, labels, [jobs[n]["samples_per_s"] for n in names],
           [SPLITRUN if n in CACHE_NAMES else BASELINE for n in names], "samples/s (median)",
           "{:,.0f}")
-    ax.set_title("DLRM with 8 tables, one host: splitrun (1 worker + 2 servers) and what "
+    ax.set_title("DLRM with 8 tables, one host: splitrun (1 worker + 2 servers)\nand what "
                  "users would run instead", fontsize=9)
 
 
@@ -227,12 +227,12 @@ def gpu(result: dict, fig) -> None:
         cuda = result["main_job"]["cuda"]
         jobs.append(("main job", cuda["splitrun_vs_one_process"]))
     if "ps_bench_model_cuda" in result:
-        jobs.append(("6.7 M-parameter PS model",
+        jobs.append(("PS model, 6.7 M",
                      result["ps_bench_model_cuda"]["splitrun_vs_one_process"]))
     _bars(right, [name for name, _ in jobs], [ratio for _, ratio in jobs],
           [SPLITRUN] * len(jobs), "× one process on the GPU", "{:.2f}×")
     right.axvline(1.0, color=BASELINE, lw=0.8)
-    right.set_title("2 workers + 1 server, one GPU", fontsize=9)
+    right.set_title("2 workers + 1 server\non the one GPU", fontsize=9)
     fig.suptitle(f"{result['device']}, torch {result['torch']}")
 
 
