@@ -175,14 +175,17 @@ def embedding_cache_hit_rates(result: dict, fig) -> None:
 
 
 CACHE_NAMES = {"lru_20_percent": "splitrun, LRU 20 %", "none": "splitrun, uncached",
-               "whole_table": "splitrun, whole tables cached"}
+               "whole_table_cached": "splitrun, whole tables cached"}
+ANCHOR_NAMES = {"torch_one_process": "plain torch, one process",
+                "torchrec_fused_one_process": "TorchRec fused collection, one process",
+                "torchrec_dmp_2_processes": "TorchRec DMP, 2 processes"}
 
 
 def embedding_cache_throughput(result: dict, fig) -> None:
     one_host = result["throughput"]["one_host"]
     jobs = {**one_host["results"], **one_host["anchors"]}
     names = [*[n for n in CACHE_NAMES if n in one_host["results"]], *one_host["anchors"]]
-    labels = [CACHE_NAMES.get(n, n) for n in names]
+    labels = [CACHE_NAMES.get(n) or ANCHOR_NAMES.get(n, n) for n in names]
     ax = fig.add_subplot()
     _bars(ax, labels, [jobs[n]["samples_per_s"] for n in names],
           [SPLITRUN if n in CACHE_NAMES else BASELINE for n in names], "samples/s (median)",
