@@ -29,9 +29,6 @@ LAUNCHED = re.compile(r"^# (\w+\.py); run it with: (splitrun launch .*\1)$")
 README_MAX_LINES = 250
 # Every mode's example in the README runs.
 README_MIN_RUNNABLE = 4
-# Linked before the file lands: issue 24's runtime part writes docs/architecture.md.
-# Remove once it is on main.
-NOT_YET_WRITTEN = {REPO / "docs" / "architecture.md"}
 
 
 @dataclass(frozen=True)
@@ -105,8 +102,6 @@ def test_every_link_resolves():
                 continue  # a web address
             path, _, fragment = target.partition("#")
             linked = (page.parent / path).resolve() if path else page
-            if linked in NOT_YET_WRITTEN:
-                continue
             if not linked.exists():
                 broken.append(f"{page.relative_to(REPO)}: {target}: no such file")
             elif fragment and linked.suffix == ".md" and fragment not in anchors(linked):
