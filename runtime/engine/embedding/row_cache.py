@@ -68,6 +68,7 @@ class TableCounters:
     evictions: int = 0
     bytes_pulled: int = 0
     bytes_pushed: int = 0
+    planned_ahead: int = 0  # steps whose plan was made while the step before computed
     last_step: dict = field(default_factory=dict)
 
     @property
@@ -83,7 +84,8 @@ class TableCounters:
         return {"lookups": self.lookups, "unique_ids": self.unique_ids, "hits": self.hits,
                 "misses": self.misses, "evictions": self.evictions,
                 "bytes_pulled": self.bytes_pulled, "bytes_pushed": self.bytes_pushed,
-                "hit_rate": round(self.hit_rate, 6), "last_step": dict(self.last_step)}
+                "planned_ahead": self.planned_ahead, "hit_rate": round(self.hit_rate, 6),
+                "last_step": dict(self.last_step)}
 
 
 @dataclass
@@ -184,7 +186,7 @@ class RowCache:
                 f"{self.table.num_rows - 1}) but the batch looks up id {bad}")
 
     def plan(self, ids: torch.Tensor | StepIds, step: int, *, write_back: bool,
-             max_staleness: int) -> BatchPlan:
+             max_staleness: int, keep: torch.Tensor | None = None) -> BatchPlan | None:
         """Make room for the batch's ids and say which rows to pull.
 
         `ids`: the batch's ids (any shape), or their `StepIds` when the caller
@@ -194,6 +196,11 @@ class RowCache:
         chosen for eviction. Misses go to free slots first, then to the
         policy's victims; with several workers, cached rows older than
         `max_staleness` steps are pulled again.
+
+        `keep`: slots a step still running reads and updates (the client plans
+        the next batch while the current one computes). The plan is the one
+        made without `keep`; if it would evict one of them, none is made (the
+        cache is left as it was) and None is returned.
         """
         step_ids = ids if isinstance(ids, StepIds) else None
         flat = ids.ids if step_ids is not None else ids.reshape(-1).to("cpu", torch.int64)
@@ -220,7 +227,10 @@ class RowCache:
         if not write_back and self.policy is not EvictionPolicy.NONE:
             old = (step - self.fresh_for.index_select(0, hit_slots)) > max_staleness
             stale_ids = self.id_of_slot.index_select(0, hit_slots.masked_select(old))
-        new_slots, evicted = self._make_room(miss_ids.numel(), pinned=hit_slots)
+        new_slots, evicted, filled = self._room(miss_ids.numel(), pinned=hit_slots)
+        if keep is not None and evicted.numel() and self._any_marked(keep, evicted):
+            return None
+        self.filled = filled
         evicted_ids = self.id_of_slot.index_select(0, evicted)
         dirty = self.dirty.index_select(0, evicted)
         dirty_slots = evicted.masked_select(dirty)
@@ -261,20 +271,27 @@ class RowCache:
         self._slot_marks.index_fill_(0, slots, False)
         return count
 
-    def _make_room(self, needed: int, pinned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _any_marked(self, marked: torch.Tensor, slots: torch.Tensor) -> bool:
+        """True if some of `slots` is among `marked`."""
+        self._slot_marks.index_fill_(0, marked, True)
+        hit = bool(self._slot_marks.index_select(0, slots).any())
+        self._slot_marks.index_fill_(0, marked, False)
+        return hit
+
+    def _room(self, needed: int, pinned: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """`needed` slots: free ones first (in slot order), then the policy's
-        victims among the cached rows not `pinned` (returned too)."""
+        victims among the cached rows not `pinned` (returned too), and the
+        filled count once they are taken (the caller commits it)."""
         free = self.capacity - self.filled
         if needed <= free:
             slots = torch.arange(self.filled, self.filled + needed)
-            self.filled += needed
-            return slots, slots[:0]
+            return slots, slots[:0], self.filled + needed
         key = self._eviction_key()
         key[self.filled:] = _FREE_FIRST
         key.index_fill_(0, pinned, int(key.max()) + 1)  # after every other slot
         chosen = _smallest(key, needed)
-        self.filled = self.capacity
-        return chosen, chosen[free:]
+        return chosen, chosen[free:], self.capacity
 
     def _eviction_key(self) -> torch.Tensor:
         """Every slot's key, a new tensor: the smallest are evicted first."""
