@@ -21,6 +21,7 @@ import torch
 from splitrun.splitter.cached_tables import CachedTable, EvictionPolicy
 
 from ...errors import CacheError
+from .row_copy import copy_rows_, gather_rows
 from .step_ids import StepIds
 
 __all__ = ["RowCache", "BatchPlan", "TableCounters"]
@@ -308,9 +309,9 @@ class RowCache:
     def install(self, slots: torch.Tensor, rows: torch.Tensor,
                 state: dict[str, torch.Tensor], fresh_for: int) -> None:
         on_device = slots.to(self.device)
-        self.rows.index_copy_(0, on_device, rows.to(self.device, self.rows.dtype))
+        copy_rows_(self.rows, on_device, rows.to(self.device, self.rows.dtype))
         for name, value in state.items():
-            self.state[name].index_copy_(0, on_device, value.to(self.device, self.rows.dtype))
+            copy_rows_(self.state[name], on_device, value.to(self.device, self.rows.dtype))
         self.fresh_for.index_fill_(0, slots.cpu(), fresh_for)
 
     def gather(self, plan: BatchPlan, shape: torch.Size) -> torch.Tensor:
@@ -334,8 +335,8 @@ class RowCache:
     def rows_at(self, slots: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Copies of the rows in `slots` and of their optimizer state."""
         on_device = slots.to(self.device)
-        return (self.rows.index_select(0, on_device),
-                {name: t.index_select(0, on_device) for name, t in self.state.items()})
+        return (gather_rows(self.rows, on_device),
+                {name: gather_rows(t, on_device) for name, t in self.state.items()})
 
     def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mask of cached ids, their rows) for ids that may or may not be cached."""
