@@ -181,19 +181,19 @@ def test_a_plan_that_would_evict_a_kept_slot_is_refused_and_changes_nothing(poli
         for step, ids in enumerate([[0, 1], [2, 3]]):
             cache.plan(torch.tensor(ids), step, write_back=True, max_staleness=0)
     kept, other = caches
-    kept_slot = kept.slot_of_id[torch.tensor([0])]  # the least recent row: the victim
     before = {name: getattr(kept, name).clone() for name in ("slot_of_id", "id_of_slot",
                                                              "last_used", "dirty")}
+    # Rows of step 0 on are kept: the victim (id 0, the least recent) too.
     assert kept.plan(torch.tensor([4]), 2, write_back=True, max_staleness=0,
-                     keep=kept_slot) is None
+                     keep_since=0) is None
     for name, value in before.items():
         assert torch.equal(getattr(kept, name), value), f"{name} changed"
     assert kept.filled == 4
-    plan = kept.plan(torch.tensor([4]), 2, write_back=True, max_staleness=0,
-                     keep=kept.slot_of_id[torch.tensor([2, 3])])
+    plan = kept.plan(torch.tensor([4]), 2, write_back=True, max_staleness=0, keep_since=1)
     expected = other.plan(torch.tensor([4]), 2, write_back=True, max_staleness=0)
     assert torch.equal(plan.pull_slots, expected.pull_slots)
     assert torch.equal(kept.id_of_slot, other.id_of_slot)
+    assert torch.equal(kept.last_used, other.last_used)
 
 
 @pytest.mark.parametrize("policy", [EvictionPolicy.LRU, EvictionPolicy.LFU])

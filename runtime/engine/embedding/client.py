@@ -361,7 +361,7 @@ class EmbeddingClient:
         The tables it will plan.
 
         Exact because a row this step reads or updates is kept: a plan that
-        would evict one is refused (`RowCache.plan`'s `keep`) and the next
+        would evict one is refused (`RowCache.plan`'s `keep_since`) and the next
         step plans that table itself. So every evicted row is final (no
         update of this step touches it) when it is written back, and every
         pulled row is one the worker does not cache, whose latest value the
@@ -379,25 +379,29 @@ class EmbeddingClient:
                     or cache.policy is EvictionPolicy.NONE or feed is None
                     or feed not in self._next_feeds):
                 continue
-            wanted.append((table, self._next_feeds[feed], self._plans[table].lookup_slots))
+            wanted.append(table)
         if not wanted:
             return set()
-        ahead = _Ahead(self._step + 1, tuple(table for table, _, _ in wanted))
-        ahead.thread = threading.Thread(target=self._run_ahead, args=(ahead, wanted),
+        ahead = _Ahead(self._step + 1, tuple(wanted))
+        lookups = [(table, self._next_feeds[self.caches[table].table.ids_feed])
+                   for table in wanted]
+        ahead.thread = threading.Thread(target=self._run_ahead, args=(ahead, lookups),
                                         name=f"splitrun-cache-ahead-{self.label}", daemon=True)
         self._ahead[ahead.tables] = ahead
         ahead.thread.start()
         return set(ahead.tables)
 
-    def _run_ahead(self, ahead: _Ahead, wanted) -> None:
+    def _run_ahead(self, ahead: _Ahead, wanted: list[tuple[str, torch.Tensor]]) -> None:
         """The thread of `_plan_ahead`: touches only these tables' caches
-        (the step running meanwhile reads and updates rows in `keep` only)."""
+        (the step running meanwhile reads and updates only the rows it looked
+        up, which the plans keep)."""
         try:
             plans = []
-            for table, ids, keep in wanted:
+            for table, ids in wanted:
                 cache = self.caches[table]
                 plan = cache.plan(ids, ahead.step, write_back=True,
-                                  max_staleness=cache.table.settings.max_staleness, keep=keep)
+                                  max_staleness=cache.table.settings.max_staleness,
+                                  keep_since=ahead.step - 1)
                 if plan is not None:
                     plans.append((table, plan))
             if len(plans) < len(wanted):  # the next step moves every table's rows at once

@@ -187,7 +187,7 @@ class RowCache:
                 f"{self.table.num_rows - 1}) but the batch looks up id {bad}")
 
     def plan(self, ids: torch.Tensor | StepIds, step: int, *, write_back: bool,
-             max_staleness: int, keep: torch.Tensor | None = None) -> BatchPlan | None:
+             max_staleness: int, keep_since: int | None = None) -> BatchPlan | None:
         """Make room for the batch's ids and say which rows to pull.
 
         `ids`: the batch's ids (any shape), or their `StepIds` when the caller
@@ -198,10 +198,11 @@ class RowCache:
         policy's victims; with several workers, cached rows older than
         `max_staleness` steps are pulled again.
 
-        `keep`: slots a step still running reads and updates (the client plans
-        the next batch while the current one computes). The plan is the one
-        made without `keep`; if it would evict one of them, none is made (the
-        cache is left as it was) and None is returned.
+        `keep_since`: rows looked up at this step or later are kept: a step
+        still running reads and updates them (the client plans the next batch
+        while the current one computes; the running step's plan was the last
+        one). The plan is the one made without it; if it would evict one of
+        them, none is made (the cache is left as it was) and None is returned.
         """
         step_ids = ids if isinstance(ids, StepIds) else None
         flat = ids.ids if step_ids is not None else ids.reshape(-1).to("cpu", torch.int64)
@@ -209,6 +210,10 @@ class RowCache:
         slots = self.slot_of_id.index_select(0, flat)
         cached = slots >= 0
         hit_slots = slots.masked_select(cached)
+        # The batch's slots, marked (a memset clears them): the hits now, the
+        # new slots once chosen; their last use is set through the marks.
+        marks = self._slot_marks
+        marks.index_fill_(0, hit_slots, True)
         if self.policy is EvictionPolicy.NONE:
             # Every row is pulled: the ids are made unique once, and the
             # gradient sums per unique id with the same unique.
@@ -218,8 +223,9 @@ class RowCache:
             num_unique = unique.numel()
         else:
             miss_ids = self._distinct_ids(flat.masked_select(~cached))
-            num_unique = miss_ids.numel() + self._count_distinct_slots(hit_slots)
+            num_unique = miss_ids.numel() + int(marks.sum())
         if num_unique > self.capacity:
+            marks.zero_()
             raise CacheError(
                 f"table {self.table.key!r}: this batch looks up {num_unique} distinct "
                 f"ids but the cache holds {self.capacity} rows; cache_rows must be at least "
@@ -229,7 +235,9 @@ class RowCache:
             old = (step - self.fresh_for.index_select(0, hit_slots)) > max_staleness
             stale_ids = self.id_of_slot.index_select(0, hit_slots.masked_select(old))
         new_slots, evicted, filled = self._room(miss_ids.numel(), pinned=hit_slots)
-        if keep is not None and evicted.numel() and self._any_marked(keep, evicted):
+        if keep_since is not None and evicted.numel() and bool(
+                (self.last_used.index_select(0, evicted) >= keep_since).any()):
+            marks.zero_()
             return None
         self.filled = filled
         evicted_ids = self.id_of_slot.index_select(0, evicted)
@@ -242,7 +250,9 @@ class RowCache:
         self.dirty.index_fill_(0, new_slots, False)
         if miss_ids.numel():
             slots = self.slot_of_id.index_select(0, flat)
-        self.last_used.index_fill_(0, slots, step)
+            marks.index_fill_(0, new_slots, True)
+        self.last_used.masked_fill_(marks, step)
+        marks.zero_()
         if self.frequency is not None:
             self.frequency.index_add_(0, flat, torch.ones_like(flat))
         pull_ids = miss_ids
@@ -263,21 +273,6 @@ class RowCache:
         """The distinct ids of `ids` (flat, int64) not cached now, sorted."""
         self.check_ids(ids)
         return self._distinct_ids(ids.masked_select(self.slot_of_id.index_select(0, ids) < 0))
-
-    def _count_distinct_slots(self, slots: torch.Tensor) -> int:
-        if slots.numel() == 0:
-            return 0
-        self._slot_marks.index_fill_(0, slots, True)
-        count = int(self._slot_marks.sum())
-        self._slot_marks.index_fill_(0, slots, False)
-        return count
-
-    def _any_marked(self, marked: torch.Tensor, slots: torch.Tensor) -> bool:
-        """True if some of `slots` is among `marked`."""
-        self._slot_marks.index_fill_(0, marked, True)
-        hit = bool(self._slot_marks.index_select(0, slots).any())
-        self._slot_marks.index_fill_(0, marked, False)
-        return hit
 
     def _room(self, needed: int, pinned: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, int]:
