@@ -26,7 +26,13 @@ Consistency model:
 - One worker: write-back. The update runs on the cached rows, whose optimizer
   state is cached with them; a dirty row goes back to its server when evicted
   and when the job saves or finishes. The servers' tables are then exactly what
-  training with the whole table in one process gives.
+  training with the whole table in one process gives. The next step's plan is
+  made while a step computes (`_plan_ahead`, a thread: evict, write back,
+  pull, install), keeping every row the running step looked up: a row it
+  evicts is final (the running step does not update it), a row it pulls is
+  one the worker does not cache (its server holds its latest value: its
+  write-back went before, on the same ordered channel). A plan that would
+  evict a kept row is refused and that step plans in the step.
 - Several workers: gradients go to the servers every step (each server
   averages them over the workers and updates, as parameter-server mode does),
   and a cached row older than `max_staleness` steps is pulled again before it
