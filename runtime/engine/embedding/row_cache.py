@@ -210,8 +210,7 @@ class RowCache:
         slots = self.slot_of_id.index_select(0, flat)
         cached = slots >= 0
         hit_slots = slots.masked_select(cached)
-        # The batch's slots, marked (a memset clears them): the hits now, the
-        # new slots once chosen; their last use is set through the marks.
+        # The hits' slots, marked to count them (a memset clears the marks).
         marks = self._slot_marks
         marks.index_fill_(0, hit_slots, True)
         if self.policy is EvictionPolicy.NONE:
@@ -224,8 +223,8 @@ class RowCache:
         else:
             miss_ids = self._distinct_ids(flat.masked_select(~cached))
             num_unique = miss_ids.numel() + int(marks.sum())
+        marks.zero_()
         if num_unique > self.capacity:
-            marks.zero_()
             raise CacheError(
                 f"table {self.table.key!r}: this batch looks up {num_unique} distinct "
                 f"ids but the cache holds {self.capacity} rows; cache_rows must be at least "
@@ -237,7 +236,6 @@ class RowCache:
         new_slots, evicted, filled = self._room(miss_ids.numel(), pinned=hit_slots)
         if keep_since is not None and evicted.numel() and bool(
                 (self.last_used.index_select(0, evicted) >= keep_since).any()):
-            marks.zero_()
             return None
         self.filled = filled
         evicted_ids = self.id_of_slot.index_select(0, evicted)
@@ -250,9 +248,7 @@ class RowCache:
         self.dirty.index_fill_(0, new_slots, False)
         if miss_ids.numel():
             slots = self.slot_of_id.index_select(0, flat)
-            marks.index_fill_(0, new_slots, True)
-        self.last_used.masked_fill_(marks, step)
-        marks.zero_()
+        self.last_used.index_fill_(0, slots, step)  # a masked_fill_ over the marks: 6x slower
         if self.frequency is not None:
             self.frequency.index_add_(0, flat, torch.ones_like(flat))
         pull_ids = miss_ids
