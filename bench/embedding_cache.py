@@ -24,7 +24,10 @@ recommendation job. Prints JSON.
     process, TorchRec's DistributedModelParallel on 2 processes (gloo).
     Interleaved, median of --repeats runs; samples/s over the steps after a
     warm-up (the cache is full by then) and over the whole run; every ratio
-    of a splitrun job to an anchor. Goals (one host): the LRU 20 % cache at
+    of a splitrun job to an anchor; for the splitrun jobs also the ms a step
+    blocked for rows and the share of table steps whose plan (evict, write
+    back, pull, install) was made while the step before computed. Goals (one
+    host): the LRU 20 % cache at
     least 1.0x DMP's samples/s, the whole-table-cached job at least 1.0x the
     fused collection's, the LRU 20 % cache at least 0.9x the whole-table
     ceiling. The three splitrun jobs then run across two simulated hosts
