@@ -1,6 +1,8 @@
 """Start-up and end-to-end time of the main job (examples/ps_train.py, 2 workers
-+ 1 server): `splitrun launch` (local backend) against `splitrun launch
---backend ray` on a one-node Ray cluster and, with --two-hosts RATE_MBIT, on a
++ 1 server): `splitrun launch` (local backend, its processes forked from a
+template that imported torch once) against the same with `--start-method exec`
+(``local_exec``: every process a fresh interpreter, as before the template),
+`splitrun launch --backend ray` on a one-node Ray cluster and, with --two-hosts RATE_MBIT, on a
 Ray cluster across the two-host harness (bench/hosts.py, needs root: the head
 and the server in host a, a second node and both workers in host b, placed by
 custom resources; the launcher runs in a, as on the head node). Each cluster
@@ -15,9 +17,10 @@ and, for Ray, as the launcher reports them (from its own start, after its
 imports): ``placed_s``, connected to Ray and the placement group placed;
 ``actors_s``, every actor started (its script running).
 The backends take turns, so a machine that slows down mid-run biases none.
-Medians over the runs; each Ray row over the local backend's and minus it.
+Medians over the runs; each other row over the local backend's and minus it.
 
-    python bench/startup.py [--runs 3] [--epochs 1] [--two-hosts 1000]
+    python bench/startup.py [--runs 3] [--epochs 1] [--backends local,local_exec,ray]
+                            [--two-hosts 1000]
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ JOB_TIMEOUT_S = 600.0
 _READY = re.compile(r"^\[worker 0\] .*\bplan [0-9a-f]+:")
 _ACTORS = re.compile(r"every actor started ([0-9.]+) s after start")
 _PLACED = re.compile(r"\(placement group \S+, ([0-9.]+) s after start\)")
-BACKENDS = ("local", "ray", "ray_two_hosts")
+BACKENDS = ("local", "local_exec", "ray", "ray_two_hosts")
 # Across the two hosts: the server on a (sr_server), the workers on b (sr_worker).
 _TWO_HOST_RESOURCES = {"a_resources": {"sr_server": 1}, "b_resources": {"sr_worker": 2}}
 
@@ -49,9 +52,12 @@ _TWO_HOST_RESOURCES = {"a_resources": {"sr_server": 1}, "b_resources": {"sr_work
 def _one_run(backend: str, address: str | None, epochs: int, host=None) -> dict:
     """One run of the job; `host`: run the launcher inside that host of the
     harness (bench/hosts.py)."""
-    argv = [sys.executable, "-m", "splitrun.launcher", "launch", "--workers", "2",
+    # -v: the plan and the Ray timings are lifecycle lines.
+    argv = [sys.executable, "-m", "splitrun.launcher", "-v", "launch", "--workers", "2",
             "--servers", "1"]
-    if backend == "ray":
+    if backend == "local_exec":
+        argv += ["--start-method", "exec"]
+    elif backend == "ray":
         argv += ["--backend", "ray", "--address", address,
                  "--worker-resources", '{"CPU": 0.5}', "--server-resources", '{"CPU": 0.5}']
     elif backend == "ray_two_hosts":
@@ -99,7 +105,7 @@ def _cluster(stack: contextlib.ExitStack, backend: str, rate_mbit: float | None)
     """Start the cluster `backend` runs on (None for the local backend):
     (address, host to run the launcher in, seconds it took to start)."""
     started = time.monotonic()
-    if backend == "local":
+    if backend in ("local", "local_exec"):
         return None, None, None
     if backend == "ray":
         head = RayHead(num_cpus=2, resources={})
@@ -117,12 +123,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=1, help="of ps_train.py (22 steps each)")
+    parser.add_argument("--backends", default="local,local_exec,ray",
+                        help="comma-separated, of " + ", ".join(BACKENDS[:3]) +
+                             " (default %(default)s); local always runs")
     parser.add_argument("--two-hosts", type=float, default=None, metavar="RATE_MBIT",
                         help="also Ray across the two-host harness with a link of this rate "
                              "(needs root)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    backends = BACKENDS if args.two_hosts else BACKENDS[:2]
+    chosen = {"local", *args.backends.split(",")}
+    unknown = chosen - set(BACKENDS[:3])
+    if unknown:
+        parser.error(f"--backends: unknown {sorted(unknown)}; choose from {BACKENDS[:3]}")
+    backends = [b for b in BACKENDS[:3] if b in chosen]
+    if args.two_hosts:
+        backends.append("ray_two_hosts")
     runs: dict[str, list[dict]] = {backend: [] for backend in backends}
     cluster_start_s = {}
     with contextlib.ExitStack() as stack:

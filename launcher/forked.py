@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from .template import BOOTSTRAP_MODULE, MAX_MESSAGE_BYTES
 
-__all__ = ["ForkedProcess", "Template", "forkable_env"]
+__all__ = ["ForkedProcess", "Template", "exec_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +45,20 @@ _POLL_S = 0.1
 _PER_PROCESS_PREFIX = "SPLITRUN_"
 
 
-def forkable_env(env: dict[str, str], template_env: dict[str, str]) -> bool:
-    """`env` differs from `template_env` in splitrun's own variables only."""
+def exec_reason(argv: Sequence[str], env: dict[str, str],
+                template_env: dict[str, str]) -> str | None:
+    """Why the process `argv` with `env` must start with exec rather than be
+    forked from a template started with `template_env`; None: it may be forked."""
+    if list(argv[:3]) != [sys.executable, "-m", BOOTSTRAP_MODULE]:
+        return f"its command is not the bootstrap's ({' '.join(argv[:3])})"
+
     def general(variables: dict[str, str]) -> dict[str, str]:
         return {k: v for k, v in variables.items() if not k.startswith(_PER_PROCESS_PREFIX)}
-    return general(env) == general(template_env)
+    differ = sorted(set(general(env).items()) ^ set(general(template_env).items()))
+    if differ:
+        names = sorted({name for name, _ in differ})
+        return f"its environment differs from the template's in {', '.join(names)}"
+    return None
 
 
 class ForkedProcess:
@@ -131,12 +140,9 @@ class Template:
               cancelled: Callable[[], bool] = lambda: False) -> ForkedProcess | None:
         """The process `argv` with `env`, forked from the template; None: start
         it with exec (why is logged). `cancelled()` ends a wait on the template."""
-        if argv[:3] != [sys.executable, "-m", BOOTSTRAP_MODULE]:
-            logger.info("%s starts with exec: not the bootstrap's command", argv[:3])
-            return None
-        if not forkable_env(env, self._env):
-            logger.info("a process starts with exec: its environment differs from the "
-                        "template's beyond splitrun's variables")
+        reason = exec_reason(argv, env, self._env)
+        if reason is not None:
+            logger.info("a process starts with exec: %s", reason)
             return None
         if not self._wait_ready(cancelled):
             return None
