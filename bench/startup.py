@@ -13,6 +13,10 @@ Per run, seconds from starting the launcher to:
 - ``ready_s``: worker 0 logs its plan (every process joined, the plan agreed:
   the next thing is the first step);
 - ``end_to_end_s``: the launcher exited;
+- ``cpu_s``: CPU seconds (user and system) of the launcher and the processes
+  it reaped (a local job's: the template, the job's processes), which load
+  from other programs on a shared machine changes far less than the seconds
+  above (a Ray job's actors are the raylet's, not counted);
 and, for Ray, as the launcher reports them (from its own start, after its
 imports): ``placed_s``, connected to Ray and the placement group placed;
 ``actors_s``, every actor started (its script running).
@@ -32,6 +36,7 @@ import os
 import pathlib
 import platform
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -70,6 +75,7 @@ def _one_run(backend: str, address: str | None, epochs: int, host=None) -> dict:
     env = dict(os.environ)
     env.update(RAY_ENV)
     started = time.monotonic()
+    cpu_before = _children_cpu_s()
     process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, start_new_session=True, text=True)
     result: dict = {"backend": backend}
@@ -91,9 +97,16 @@ def _one_run(backend: str, address: str | None, epochs: int, host=None) -> dict:
             process.kill()
             process.wait(timeout=30)
     result["end_to_end_s"] = time.monotonic() - started
+    result["cpu_s"] = _children_cpu_s() - cpu_before
     if code != 0:
         raise RuntimeError(f"{backend} run exited with {code}:\n{''.join(lines[-40:])}")
     return result
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's reaped children and theirs."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _median(runs: list[dict], key: str) -> float | None:
@@ -151,11 +164,11 @@ def main() -> int:
             for backend in backends:
                 address, host = clusters[backend]
                 runs[backend].append(_one_run(backend, address, args.epochs, host))
-    keys = ("ready_s", "placed_s", "actors_s", "end_to_end_s")
+    keys = ("ready_s", "placed_s", "actors_s", "end_to_end_s", "cpu_s")
     summary = {backend: {key: _median(results, key) for key in keys}
                for backend, results in runs.items()}
     local = summary["local"]
-    compared = ("ready_s", "end_to_end_s")
+    compared = ("ready_s", "end_to_end_s", "cpu_s")
     print(json.dumps({
         "benchmark": "startup", "job": "examples/ps_train.py, 2 workers + 1 server",
         "epochs": args.epochs, "runs": args.runs, "two_hosts_rate_mbit": args.two_hosts,
