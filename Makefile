@@ -47,9 +47,9 @@ test: lint
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
-# Regenerate the gRPC code in runtime/transport/wire/ from proto/splitrun.proto.
+# Regenerate the gRPC code in runtime/rpc/wire/ from proto/splitrun.proto.
 proto: $(STAMP)
-	$(PY) -m splitrun.runtime.transport.wire.generate
+	$(PY) -m splitrun.runtime.rpc.wire.generate
 
 # Every benchmark; each prints JSON (about an hour on 2 cores).
 bench: $(STAMP)

@@ -64,7 +64,7 @@ sys.path.insert(0, str(HERE.parents[1] / "examples"))
 
 import recsys_cache  # noqa: E402
 
-from splitrun.runtime.embedding.row_cache import RowCache  # noqa: E402
+from splitrun.runtime.engine.embedding.row_cache import RowCache  # noqa: E402
 from splitrun.splitter.cache_mode import (  # noqa: E402
     CachedTable,
     CacheSettings,

@@ -15,7 +15,7 @@ to the RPC baseline (goal: >= 2x). splitrun runs twice: `splitrun_ps` over gRPC
 (SPLITRUN_TRANSPORT=grpc) and `splitrun_shm_ps` as `splitrun launch` runs it by
 default, over shared memory between its processes (goal: >= 1.5x the tutorial),
 and `splitrun_shm_ps_op_by_op` the same with the server's elementwise update
-run op by op instead of tile by tile (`runtime/pointwise_tiles.py`).
+run op by op instead of tile by tile (`runtime/engine/tiles.py`).
 
 With --two-hosts RATE_MBIT ... (root), the distributed runs also go across
 two simulated hosts (bench/hosts.py: network namespaces joined by a veth

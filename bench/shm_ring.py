@@ -1,4 +1,4 @@
-"""Throughput and round trip of the shared-memory ring (runtime/transport/shm_ring.py)
+"""Throughput and round trip of the shared-memory ring (runtime/transport/shm/ring.py)
 between two processes, against a raw TCP socket pair on loopback measured in
 the same run.
 
@@ -83,7 +83,7 @@ class _Tcp:
 
 class _ShmRing:
     def __init__(self, role: str, conn, sizes: list[int]) -> None:
-        from splitrun.runtime.transport.shm_ring import (
+        from splitrun.runtime.transport.shm.ring import (
             RingReader,
             RingSettings,
             RingWriter,

@@ -33,7 +33,7 @@ _PR_SET_PDEATHSIG = 1
 # Starts the one line a process writes for a splitrun error; the launcher shows
 # it in its failure line instead of relaying it from every process.
 ERROR_MARK = "splitrun error: "
-# The same variable `splitrun.runtime.env.ENV.LOG_LEVEL` names; not imported
+# The same variable `splitrun.runtime.cluster.env.ENV.LOG_LEVEL` names; not imported
 # from there, because importing splitrun.runtime imports torch.
 _LOG_LEVEL_VARIABLE = "SPLITRUN_LOG_LEVEL"
 
@@ -54,7 +54,7 @@ def die_with_parent(parent_pid: int) -> None:
 
 # The driver's progress lines: shown at every level (they are the progress
 # bar of a job whose output is a pipe), plainly.
-_PROGRESS_LOGGER = "splitrun.runtime.progress"
+_PROGRESS_LOGGER = "splitrun.runtime.job.progress"
 
 
 def configure_logging(level: str | None) -> None:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         runpy.run_path(script, run_name="__main__")
     except BaseException as exc:
-        job = sys.modules.get("splitrun.runtime.job")  # imported by the script if it ran a job
+        job = sys.modules.get("splitrun.runtime.job.job")  # imported by the script if it ran a job
         if job is not None and isinstance(exc, job.PlanWritten):
             raise SystemExit(0) from None
         if job is not None and isinstance(exc, Exception):

@@ -14,13 +14,13 @@ import sys
 import tempfile
 import time
 
+from splitrun.runtime.cluster.env import ENV
+from splitrun.runtime.cluster.identity import foreign_identity
 from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
-from splitrun.runtime.env import ENV
+from splitrun.runtime.cluster.step_file import read_step
 from splitrun.runtime.errors import ClusterError
-from splitrun.runtime.identity import foreign_identity
-from splitrun.runtime.step_file import read_step
-from splitrun.runtime.transport.grpc.tls import TlsFiles, check_bind
-from splitrun.runtime.transport.ring_files import (
+from splitrun.runtime.rpc.tls import TlsFiles, check_bind
+from splitrun.runtime.transport.shm.job_files import (
     job_file_path,
     new_job_prefix,
     remove_job_segments,
@@ -366,8 +366,8 @@ def _parser() -> argparse.ArgumentParser:
 def _export(args) -> int:
     # Imported here, as in the restart loop: torch.distributed.checkpoint costs
     # every launch half a second it does not need.
-    from splitrun.runtime import checkpoint
-    from splitrun.runtime.sharded_checkpoint import export_checkpoint
+    from splitrun.runtime.checkpoints import plain as checkpoint
+    from splitrun.runtime.checkpoints.sharded import export_checkpoint
     try:
         result = export_checkpoint(args.checkpoint_dir, args.out)
     except SplitrunError as exc:
@@ -502,7 +502,7 @@ def _launch(args) -> int:
             if outcome.exit_code == 0 or interrupted or attempt >= args.max_restarts:
                 break
             attempt += 1
-            from splitrun.runtime import periodic_checkpoints
+            from splitrun.runtime.checkpoints import periodic as periodic_checkpoints
             found = periodic_checkpoints.latest_checkpoint(directory) if directory else None
             restart_from = found[0] if found else None
             where = (f"from {found[0]} (step {found[1]})" if found
@@ -667,7 +667,7 @@ def _join(args) -> int:
 def _identity_env(args, env: dict[str, str]) -> str | None:
     """`splitrun join` without --scheduler, under srun or torchrun: put the
     cluster size in `env` (the task number then decides the role, see
-    runtime/identity.py) and check the variables; the problem, or None."""
+    runtime/cluster/identity.py) and check the variables; the problem, or None."""
     env.pop(ENV.SCHEDULER, None)
     if args.workers is not None and args.workers < 1:
         return f"need --workers >= 1, got {args.workers}"

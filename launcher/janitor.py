@@ -15,8 +15,9 @@ At end of file (the launcher closed the pipe, or died, any way) it waits until
 every pid it was given is gone (bounded by `WAIT_FOR_PIDS_S`), so that no
 process of the job creates a file after it looked, then removes every file
 under each directory whose name starts with a prefix it was given, and exits.
-Only the standard library is imported: it starts in milliseconds and costs no
-torch import beside the job's processes. It ignores SIGINT and SIGHUP (a Ctrl-C
+Only the standard library and the job files' module (which needs no torch)
+are imported: it starts in milliseconds and costs no torch import beside the
+job's processes. It ignores SIGINT and SIGHUP (a Ctrl-C
 at the terminal reaches the whole process group; the launcher handles it and
 closes the pipe).
 """
@@ -25,20 +26,17 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
 
-__all__ = ["Janitor", "PREFIX_PATTERN", "main", "remove_prefix"]
+from splitrun.runtime.transport.shm.job_files import JOB_PREFIX_PATTERN
+
+__all__ = ["Janitor", "main", "remove_prefix"]
 
 logger = logging.getLogger(__name__)
 
-# The prefixes `splitrun.runtime.transport.shm_ring.new_job_prefix()` makes (the
-# same pattern as there; tests/test_shm_ring.py checks that they agree): the
-# janitor removes files by no other prefix.
-PREFIX_PATTERN = re.compile(r"^splitrun-[0-9a-f]{12,64}-$")
 # Bounds the wait for the job's processes to be gone after the launcher is
 # (they die with it, within milliseconds; the bound covers a loaded machine).
 WAIT_FOR_PIDS_S = 30.0
@@ -62,7 +60,7 @@ class Janitor:
 
     def watch(self, directory: str, prefix: str, pid: int) -> None:
         """Remove `directory`/`prefix`* once the launcher is gone and so is `pid`."""
-        if not PREFIX_PATTERN.match(prefix):
+        if not JOB_PREFIX_PATTERN.match(prefix):
             raise ValueError(f"shared-memory prefix {prefix!r} is not a job prefix "
                              f"('splitrun-<hex>-'); the janitor removes files by no other")
         if self._process is not None and self._process.stdin.closed:
@@ -114,7 +112,7 @@ class Janitor:
 
 def remove_prefix(directory: str, prefix: str) -> list[str]:
     """Remove every file under `directory` whose name starts with `prefix`."""
-    if not PREFIX_PATTERN.match(prefix):
+    if not JOB_PREFIX_PATTERN.match(prefix):
         return []
     removed = []
     try:

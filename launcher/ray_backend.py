@@ -31,10 +31,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
+from splitrun.runtime.cluster.env import ENV
 from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
-from splitrun.runtime.env import ENV
-from splitrun.runtime.transport.grpc.tls import TlsFiles
-from splitrun.runtime.transport.ring_files import new_job_prefix, remove_job_segments
+from splitrun.runtime.rpc.tls import TlsFiles
+from splitrun.runtime.transport.shm.job_files import new_job_prefix, remove_job_segments
 from splitrun.splitter.labels import Label, Role
 
 from .bootstrap import ERROR_MARK

@@ -128,9 +128,9 @@ class ProcessHost:
                 pass
         if (remove_shm and self._shm_prefix is not None
                 and _has_files(_SHM_DIR, self._shm_prefix)):
-            # What a killed process left on this node (shm_ring checks the
+            # What a killed process left on this node (job_files checks the
             # prefix). Imports torch, seconds on a busy machine: only then.
-            from splitrun.runtime.transport.ring_files import remove_job_segments
+            from splitrun.runtime.transport.shm.job_files import remove_job_segments
             remove_job_segments(self._shm_prefix, _SHM_DIR)
         return None if process is None else process.returncode
 

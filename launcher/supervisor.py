@@ -38,8 +38,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from splitrun.runtime.env import ENV
-from splitrun.runtime.transport.ring_files import SHM_DIR
+from splitrun.runtime.cluster.env import ENV
+from splitrun.runtime.transport.shm.job_files import SHM_DIR
 from splitrun.splitter.labels import Label
 
 from .bootstrap import ERROR_MARK
@@ -90,7 +90,6 @@ class Child:
 class Outcome:
     exit_code: int
     summary: str
-    failed: Label | None = None
     children: list[Child] = field(default_factory=list)
 
 
@@ -265,7 +264,7 @@ class Supervisor:
                 self._stop_all()
                 return Outcome(128 + int(self._signal),
                                f"interrupted by {self._signal.name}; stopped every process",
-                               None, self.children)
+                               self.children)
             now = time.monotonic()
             running = 0
             for child in self.children:
@@ -300,7 +299,7 @@ class Supervisor:
             if not running and blame_at is None:
                 elapsed = now - started
                 return Outcome(0, f"all {len(self.children)} processes finished in "
-                                  f"{elapsed:.1f} s", None, self.children)
+                                  f"{elapsed:.1f} s", self.children)
             time.sleep(_POLL_S)
 
     @staticmethod
@@ -340,7 +339,7 @@ class Supervisor:
             error = culprit.child.error if culprit.child is not None else None
             because = f": {error}" if error else ""
             summary = f"{culprit.what}{at}{because}{ending}"
-        return Outcome(culprit.exit_code, summary, culprit.label, self.children)
+        return Outcome(culprit.exit_code, summary, self.children)
 
     def _stop_all(self) -> None:
         """SIGTERM every unreaped child's process group (SIGKILL at once for a

@@ -32,7 +32,6 @@ _EXPORTS = {
     "ServerAssignment": ".ps_mode",
     "Channel": ".plan",
     "ChannelKind": ".plan",
-    "ControlEdge": ".plan",
     "DataSync": ".plan",
     "Instruction": ".plan",
     "ModeKind": ".plan",

@@ -53,9 +53,10 @@ from .cached_tables import (
 from .dense_placement import DensePlacement
 from .embedding_bags import bag_gradient
 from .errors import PlanError
+from .fx_facts import op_packet
 from .labels import Cluster, Label, Role
 from .plan import ModeKind, SplitPlan
-from .program import InputKind, OutputKind, Program
+from .program import InputKind, InputSpec, OutputKind, Program
 from .ps_mode import ParameterServerMode, ServerAssignment
 from .sparse_optim import ROW_WISE_UPDATES, sparse_adagrad, sparse_adam, sparse_sgd
 
@@ -191,7 +192,7 @@ class EmbeddingCacheMode(ParameterServerMode):
         for getitem in list(update.users):
             graph.erase_node(getitem)  # the table's new value is not plan state
         graph.erase_node(update)
-        state_names = tuple(n.rsplit(".", 1)[1] for n in _state_keys(program, key))
+        state_names = tuple(s.state_name for s in _state_specs(program, key))
         return CachedTable(key, value.shape[0], value.shape[1], value.dtype, settings,
                            optimizer, optimizer_settings, state_names, ids_feed, padding_idx)
 
@@ -212,9 +213,9 @@ def _bag_gradient_to_cache(graph: fx.Graph, values: fx.Node, key: str) -> bool:
     return True
 
 
-def _state_keys(program: Program, key: str) -> list[str]:
-    return [s.key for s in program.inputs
-            if s.kind is InputKind.OPT_STATE and s.key.rsplit(".", 1)[0] == key]
+def _state_specs(program: Program, key: str) -> list[InputSpec]:
+    """The optimizer state of the parameter `key`."""
+    return [s for s in program.inputs if s.param == key]
 
 
 # Ops that keep every element of their input: ids read through them are the
@@ -227,7 +228,7 @@ _SAME_ELEMENTS = frozenset({_aten.view, _aten._unsafe_view, _aten.reshape, _aten
 def _batch_feed(program: Program, node: fx.Node) -> str | None:
     """The batch input whose every element `node` holds, if any."""
     while node.op == "call_function" and len(node.all_input_nodes) == 1 and \
-            getattr(node.target, "overloadpacket", node.target) in _SAME_ELEMENTS:
+            op_packet(node) in _SAME_ELEMENTS:
         node = node.all_input_nodes[0]
     if node.op == "placeholder":
         spec = program.input_spec(node.name)

@@ -40,7 +40,6 @@ from .embedding_bags import (
     drop_unused_bag_backwards,
 )
 from .errors import CaptureError
-from .sparse_optim import ROW_WISE_UPDATES, sparse_update_for
 from .labels import LABEL_ANNOTATION, MODULE_ANNOTATION, placement_of
 from .program import (
     InputKind,
@@ -52,6 +51,7 @@ from .program import (
     node_annotation,
     set_node_annotation,
 )
+from .sparse_optim import ROW_WISE_UPDATES, sparse_update_for
 
 __all__ = ["capture", "LossFn"]
 
@@ -372,8 +372,8 @@ def _trace_joint(model, loss_fn, trainable, params, frozen, batch) -> fx.GraphMo
             regions.close()
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise CaptureError(
-                f"loss_fn must return a scalar tensor, got "
-                f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else list(loss.shape)}")
+                f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                f"{list(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
         return (loss,)
 
     # Tracing reads no value. A cached table's stand-in is left unwritten (its
@@ -409,9 +409,9 @@ def _capture_error(exc: Exception, where: str) -> CaptureError:
     text = str(exc).strip()
     if "input mutations" in text:
         return CaptureError(
-            f"the step mutates one of its inputs in place (an in-place update of a "
-            f"parameter or buffer inside the forward); splitrun captures pure steps: "
-            f"return new values instead of writing into module state")
+            "the step mutates one of its inputs in place (an in-place update of a "
+            "parameter or buffer inside the forward); splitrun captures pure steps: "
+            "return new values instead of writing into module state")
     first_line = text.splitlines()[0] if text else type(exc).__name__
     return CaptureError(f"capture failed in {where}: {type(exc).__name__}: {first_line}")
 
@@ -445,11 +445,11 @@ class _StepBuilder:
         self._update_cache: dict[tuple, fx.GraphModule] = {}
 
     def _placeholder(self, name: str, kind: InputKind, key: str,
-                     owner: str | None = None) -> fx.Node:
+                     owner: str | None = None, param: str | None = None) -> fx.Node:
         node = self.graph.placeholder(name)
         if owner is not None:
             set_node_annotation(node, owner)
-        self.inputs.append(InputSpec(node.name, kind, key))
+        self.inputs.append(InputSpec(node.name, kind, key, param))
         self.input_nodes[key] = node
         return node
 
@@ -469,7 +469,7 @@ class _StepBuilder:
             for name in self.trainable:
                 for state_name in groups.for_param(name).state_names:
                     self._placeholder(f"o_{_safe(name)}_{state_name}", InputKind.OPT_STATE,
-                                      f"{name}.{state_name}", self.owners.get(name))
+                                      f"{name}.{state_name}", self.owners.get(name), name)
             for index in range(len(groups.functional)):
                 key = groups.lr_key(index)
                 self._placeholder(_safe(key), InputKind.HPARAM, key)
@@ -630,9 +630,8 @@ class _StepBuilder:
             elif spec.kind is InputKind.BUFFER:
                 values.append(frozen[spec.key].detach())
             elif spec.kind is InputKind.OPT_STATE:
-                param_name, state_name = spec.key.rsplit(".", 1)
-                values.append(groups.for_param(param_name).init_state(
-                    params[param_name].detach())[state_name])
+                values.append(groups.for_param(spec.param).init_state(
+                    params[spec.param].detach())[spec.state_name])
             elif spec.kind is InputKind.HPARAM:
                 values.append(hparams[spec.key])
             else:

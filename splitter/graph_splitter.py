@@ -21,12 +21,12 @@ import gc
 import logging
 import operator
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import torch
 from torch import fx
 
 from .errors import PlanError
+from .fx_facts import value_nbytes
 from .labels import Cluster, Label, Role
 from .modes import STEP_START, ChannelDraft, Edge, GeneralMode, Mode, ModeArtifacts
 from .plan import (
@@ -56,11 +56,11 @@ _EVENT_ORDER = operator.itemgetter(0, 1, 2)  # (position, kind, channel name)
 class SplitProgram:
     """A split ready to run: the plan (plain data), the program its node names
     refer to (the mode's rewrite of the captured one), and the mode's typed
-    artifacts (None in general mode)."""
+    artifacts (a bare `ModeArtifacts` in general mode)."""
 
     plan: SplitPlan
     program: Program
-    artifacts: ModeArtifacts | None = None
+    artifacts: ModeArtifacts = field(default_factory=ModeArtifacts)
 
     def lint(self) -> None:
         """The plan's invariants, dataflow included (see `SplitPlan.lint`)."""
@@ -203,7 +203,7 @@ class _Scan:
                 spec = program.input_spec(value.name)
                 key = spec.key if spec.kind.is_state else None
             found[(value, dst)] = Edge(value.name, src, dst, src_pos, src_segment, dst_pos,
-                                       _nbytes(value), key)
+                                       value_nbytes(value), key)
 
         pos = 0
         for pos, node in enumerate(graph.nodes):
@@ -233,13 +233,6 @@ class _Scan:
                 add(value, src, home, src_pos, src_segment, end)
         self.edges = list(found.values())
         self.runs = runs
-
-
-def _nbytes(node: fx.Node) -> int:
-    value = node.meta.get("val")
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    return 0
 
 
 @contextlib.contextmanager

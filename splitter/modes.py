@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -17,7 +18,7 @@ from .labels import Cluster, Label
 from .plan import ChannelKind, ModeKind, SplitPlan
 from .program import OutputKind, OutputSpec, Program
 
-__all__ = ["Edge", "ChannelDraft", "ModeArtifacts", "Mode", "GeneralMode",
+__all__ = ["Edge", "ChannelDraft", "ModeArtifacts", "StatePiece", "Mode", "GeneralMode",
            "fuse_by_source_segment"]
 
 STEP_START = -1  # position of values that exist before the step runs (state, feeds)
@@ -50,10 +51,55 @@ class ChannelDraft:
     recv_pos: int = STEP_START
 
 
+@dataclass(frozen=True, slots=True)
+class StatePiece:
+    """Where a state slot a mode keeps in pieces lies in the captured
+    program's state: `key` of shape `size`; this piece covers `sizes` from
+    `offsets` (both None for a whole replica, which its first holder writes
+    into checkpoints)."""
+
+    key: str
+    size: tuple[int, ...]
+    offsets: tuple[int, ...] | None
+    sizes: tuple[int, ...] | None
+    is_first_holder: bool
+
+    @property
+    def is_replica(self) -> bool:
+        return self.offsets is None
+
+
 @dataclass(frozen=True)
 class ModeArtifacts:
-    """Base of the typed facts a mode's prebuild hands the runtime beside the
-    rewritten program (which server owns what, which tables are cached)."""
+    """The typed facts a mode's prebuild hands the runtime beside the
+    rewritten program (which server owns what, which tables are cached).
+
+    The runtime asks a split's artifacts only through what this base class
+    declares, never by their type: the state as checkpoints hold it
+    (`split_state`, `full_state`, `state_piece`), the cached tables
+    (`tables`, `initial`, `fused_groups`) and the process groups its
+    collectives run on (`process_groups`). The defaults describe a mode that
+    does none of that (general mode's artifacts are this class itself)."""
+
+    # Embedding-cache mode: the tables taken out of the graph (servers hold
+    # their rows, workers cache them; `tuple[CachedTable, ...]`), their
+    # starting values with their row-wise optimizer state, and the tables
+    # whose caches share a buffer. Plain class attributes, not fields: the
+    # mode's artifacts declare them as fields of their own.
+    tables = ()
+    initial = MappingProxyType({})
+    fused_groups = ()
+
+    @property
+    def process_groups(self) -> tuple[tuple[Label, ...], ...]:
+        """The groups whose collectives run on torch.distributed process
+        groups (one each); none when collectives ride the plan's channels."""
+        return ()
+
+    def state_piece(self, key: str) -> StatePiece | None:
+        """Where the rewritten program's state `key` lies in the captured
+        program's state; None when it is a captured key itself (whole)."""
+        return None
 
     def split_state(self, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A state keyed like the captured program (a checkpoint's, the initial
@@ -84,10 +130,10 @@ class Mode:
         return False
 
     def prebuild(self, program: Program, cluster: Cluster
-                 ) -> tuple[Program, ModeArtifacts | None]:
+                 ) -> tuple[Program, ModeArtifacts]:
         """The program to split (rewritten if the mode adds or relabels nodes)
         and the mode's artifacts for the runtime."""
-        return program, None
+        return program, ModeArtifacts()
 
     def output_home(self, spec: OutputSpec, producer: Label, cluster: Cluster) -> Label:
         """Where an output is delivered: the loss goes to the default process
@@ -100,7 +146,7 @@ class Mode:
         return fuse_by_source_segment(edges)
 
     def postbuild(self, plan: SplitPlan, program: Program,
-                  artifacts: ModeArtifacts | None) -> SplitPlan:
+                  artifacts: ModeArtifacts) -> SplitPlan:
         return plan
 
 

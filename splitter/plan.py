@@ -26,7 +26,6 @@ __all__ = [
     "Instruction",
     "ProcessPlan",
     "DataSync",
-    "ControlEdge",
     "CollectiveEntry",
     "ParallelSummary",
     "CachedTableEntry",
@@ -110,13 +109,6 @@ class DataSync:
     key: str
     owner: Label
     reader: Label
-    channel: str
-
-
-@dataclass(frozen=True, slots=True)
-class ControlEdge:
-    src: Label
-    dst: Label
     channel: str
 
 
@@ -226,11 +218,6 @@ class SplitPlan:
     @property
     def labels(self) -> list[Label]:
         return [p.label for p in self.processes]
-
-    @property
-    def control_edges(self) -> list[ControlEdge]:
-        return [ControlEdge(c.src, c.dst, c.name) for c in self.channels
-                if c.kind is ChannelKind.CONTROL]
 
     def send_channels(self, label: Label) -> list[Channel]:
         return [c for c in self.channels if c.src == label]

@@ -53,6 +53,14 @@ class InputSpec:
     node: str        # placeholder name in the graph
     kind: InputKind
     key: str         # user-facing name: "l1.weight", "l1.weight.exp_avg", "lr", "batch.0"
+    # Optimizer state: the key of the parameter it belongs to ("l1.weight");
+    # None for every other input. Keys are never parsed to find it.
+    param: str | None = None
+
+    @property
+    def state_name(self) -> str | None:
+        """Optimizer state: its name in the parameter's state ("exp_avg")."""
+        return None if self.param is None else self.key[len(self.param) + 1:]
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,10 +35,17 @@ from torch import fx
 from .dense_placement import DensePlacement, average_dense_gradients
 from .embedding_bags import is_bag_gradient
 from .errors import PlanError
+from .fx_facts import value_nbytes
 from .labels import ANY_SERVER, MODULE_ANNOTATION, Cluster, Label, Role
 from .modes import ChannelDraft, Edge, Mode, ModeArtifacts, fuse_by_source_segment
 from .plan import Channel, ChannelKind, DataSync, Instruction, ModeKind, OpKind, SplitPlan
-from .program import InputKind, OutputKind, OutputSpec, Program, node_annotation, set_node_annotation
+from .program import (
+    InputKind,
+    OutputSpec,
+    Program,
+    node_annotation,
+    set_node_annotation,
+)
 from .sparse_optim import coalesce
 
 __all__ = ["ParameterServerMode", "ServerAssignment", "gradient_slot", "assign_servers"]
@@ -154,8 +161,7 @@ class ParameterServerMode(Mode):
             if self.dense is DensePlacement.WORKER and spec.key not in program.sparse_grads:
                 continue  # replicated on the workers
             node = nodes[spec.node]
-            value = node.meta.get("val")
-            sizes[spec.key] = value.numel() * value.element_size() if value is not None else 0
+            sizes[spec.key] = value_nbytes(node)
             text = node_annotation(node)
             if text and text.startswith("s") and text != ANY_SERVER:
                 rank = Label.parse(text).rank
@@ -184,7 +190,8 @@ class ParameterServerMode(Mode):
                     set_node_annotation(node, worker)
             elif node.op == "call_function":
                 module = node_annotation(node, MODULE_ANNOTATION) or ""
-                param = module[len(_OPTIMIZER_PREFIX):] if module.startswith(_OPTIMIZER_PREFIX) else None
+                param = (module[len(_OPTIMIZER_PREFIX):]
+                         if module.startswith(_OPTIMIZER_PREFIX) else None)
                 if param in owner:
                     set_node_annotation(node, str(Label.server(owner[param])))
                 elif (node_annotation(node) or "").startswith("s"):
@@ -314,7 +321,7 @@ class ParameterServerMode(Mode):
         if num_workers == 1:
             return plan  # the template is the only worker: nothing to replicate
         template = Label.worker(0)
-        sizes = {n.name: _nbytes(n) for n in program.graph.nodes}
+        sizes = {n.name: value_nbytes(n) for n in program.graph.nodes}
         slot_of = artifacts.slots
         slot_names = {name for names in slot_of.values() for name in names}
         hparams = {s.node for s in program.inputs if s.kind is InputKind.HPARAM}
@@ -405,7 +412,7 @@ def _update_as_buckets_fill(graph: fx.Graph, bucket_bytes: int) -> None:
             continue
         place(node)
         if node.op == "call_function" and any(on_server(u) for u in node.users):
-            pending += _nbytes(node)  # a gradient (or a value derived on the worker)
+            pending += value_nbytes(node)  # a gradient (or a value derived on the worker)
             if pending >= bucket_bytes:
                 place_ready_updates()
                 pending = 0
@@ -439,19 +446,12 @@ def _concat(graph: fx.Graph, parts: list[fx.Node], where: tuple[str, str]) -> fx
 def _param_of_input(spec) -> str | None:
     if spec.kind is InputKind.PARAM:
         return spec.key
-    if spec.kind is InputKind.OPT_STATE:
-        return spec.key.rsplit(".", 1)[0]
-    return None
+    return spec.param  # an optimizer state's parameter; None for the rest
 
 
 def _position(graph: fx.Graph):
     order = {node: index for index, node in enumerate(graph.nodes)}
     return order.__getitem__
-
-
-def _nbytes(node: fx.Node) -> int:
-    value = node.meta.get("val")
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
 def _worker_copy(channel: Channel, template: Label, worker: Label, slot_of, hparams,

@@ -15,6 +15,7 @@ import torch
 from torch import fx
 
 from .errors import PlanError
+from .fx_facts import op_packet
 from .labels import ANY_SERVER, LABEL_ANNOTATION, Cluster, Label, Role
 from .program import InputKind, OutputKind, Program
 
@@ -36,8 +37,7 @@ FOLLOWER_OPS = frozenset({
 
 def is_follower(node: fx.Node) -> bool:
     """`node` only views, reshapes or indexes its one input (FOLLOWER_OPS)."""
-    target = getattr(node.target, "overloadpacket", node.target)
-    return target in FOLLOWER_OPS and len(node.all_input_nodes) == 1
+    return op_packet(node) in FOLLOWER_OPS and len(node.all_input_nodes) == 1
 
 
 def describe_node(program: Program, node: fx.Node) -> str:

@@ -4,7 +4,7 @@ import ctypes
 
 import pytest
 
-from splitrun.runtime.allocator import AllocatorSettings, keep_freed_memory
+from splitrun.runtime.engine.allocator import AllocatorSettings, keep_freed_memory
 
 
 def test_the_users_own_malloc_tuning_wins():

@@ -13,7 +13,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ROOMS = ("runtime", "splitter")
-GENERATED = REPO / "runtime" / "transport" / "wire"
+GENERATED = REPO / "runtime" / "rpc" / "wire"
 PRIVATE = re.compile(r"_[a-z]\w*")
 PRIVATE_IMPORT = re.compile(r"_[A-Za-z]\w*")
 

@@ -12,11 +12,11 @@ from stalled_calls import StalledCalls
 from splitrun.runtime.cluster.membership import SchedulerClient
 from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
 from splitrun.runtime.errors import ClusterError
+from splitrun.runtime.rpc.service import TOKEN_METADATA_KEY
+from splitrun.runtime.rpc.wire import splitrun_pb2 as pb
+from splitrun.runtime.rpc.wire import splitrun_pb2_grpc as pb_grpc
 from splitrun.runtime.transport import ChannelContract, MessageKey
 from splitrun.runtime.transport.grpc import GrpcSettings, GrpcTransport
-from splitrun.runtime.transport.grpc.service import TOKEN_METADATA_KEY
-from splitrun.runtime.transport.wire import splitrun_pb2 as pb
-from splitrun.runtime.transport.wire import splitrun_pb2_grpc as pb_grpc
 from splitrun.splitter.labels import Label, Role
 
 TOKEN = "secret-token"

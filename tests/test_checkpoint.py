@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitrun.runtime.checkpoint import (
+from splitrun.runtime.checkpoints.plain import (
     from_checkpoint,
     load_checkpoint,
     read_checkpoint,
@@ -106,6 +106,14 @@ def test_a_written_checkpoint_is_verified_and_loads(tmp_path):
     assert step == 3 and (tmp_path / "ckpt.pt.sha256").exists()
     for key, value in program.initial_state.items():
         assert torch.equal(state[key], value)
+
+
+def test_a_write_that_fails_is_one_checkpoint_error_naming_the_path(tmp_path):
+    program, _ = saved(tmp_path)
+    missing = tmp_path / "no-such-dir" / "ckpt.pt"
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {missing}: cannot write it: "
+                                              rf"No such file or directory"):
+        write_checkpoint(to_checkpoint(program, program.initial_state, 1), missing)
 
 
 def test_flipped_bytes_in_the_middle_are_refused(tmp_path):

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from splitrun.runtime.data import ShardedSource, shard_batch, shard_batches
 from splitrun.runtime.datasets import (
     NUM_CATEGORICAL,
     NUM_FIELDS,
@@ -22,6 +21,7 @@ from splitrun.runtime.datasets import (
     parse_lines,
     write_synthetic_criteo,
 )
+from splitrun.runtime.job.data import ShardedSource, shard_batch, shard_batches
 
 # Bounds a subprocess that hashes a few values (it imports torch).
 SUBPROCESS_TIMEOUT_S = 120

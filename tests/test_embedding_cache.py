@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from cache_models import ROWS, TinyRecommender, click_batches, feeds, make
 
 from splitrun.runtime import LoopbackHub, run_threaded
-from splitrun.runtime.embedding.client import EmbeddingClient
-from splitrun.runtime.embedding.protocol import PREFIX
-from splitrun.runtime.embedding.row_cache import RowCache
-from splitrun.runtime.embedding.store import EmbeddingStore
+from splitrun.runtime.engine.embedding.client import EmbeddingClient
+from splitrun.runtime.engine.embedding.protocol import PREFIX
+from splitrun.runtime.engine.embedding.row_cache import RowCache
+from splitrun.runtime.engine.embedding.store import EmbeddingStore
 from splitrun.runtime.errors import SplitrunError
 from splitrun.splitter import (
     CaptureError,

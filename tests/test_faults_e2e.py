@@ -165,7 +165,7 @@ def test_children_die_with_a_killed_launcher(local_cluster, method, watched):
 def bad_checkpoint(tmp_path, problem: str):
     from ps_models import make
 
-    from splitrun.runtime.checkpoint import to_checkpoint, write_checkpoint
+    from splitrun.runtime.checkpoints.plain import to_checkpoint, write_checkpoint
 
     program, _, _ = make("dense", "adam", 2, 5)
     checkpoint = to_checkpoint(program, program.initial_state, 3)

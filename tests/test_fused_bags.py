@@ -17,9 +17,9 @@ import torch
 from cache_models import NUM_SUM_BAG_TABLES, ROWS, feeds, make, make_bags, make_sum_bags
 
 from splitrun.runtime import run_threaded
-from splitrun.runtime.embedding.fused_bags import FusedBags
-from splitrun.runtime.embedding.protocol import Op, read_request
-from splitrun.runtime.embedding.store import EmbeddingStore
+from splitrun.runtime.engine.embedding.fused_bags import FusedBags
+from splitrun.runtime.engine.embedding.protocol import Op, read_request
+from splitrun.runtime.engine.embedding.store import EmbeddingStore
 from splitrun.splitter import Cluster, ParameterServerMode, split_program
 from splitrun.splitter.cache_mode import EmbeddingCacheMode
 from splitrun.splitter.cached_tables import (
@@ -144,7 +144,7 @@ def test_servers_update_a_group_of_tables_in_one_call_per_step(monkeypatch):
     """Two workers (gradients go to the servers): the tables a server holds
     that train alike share one buffer and take one row-wise update call a
     step, not one per table; the numbers stay parameter-server mode's."""
-    import splitrun.runtime.embedding.store as store_module
+    import splitrun.runtime.engine.embedding.store as store_module
 
     calls = collections.Counter()
     original = dict(store_module.IN_PLACE)

@@ -77,16 +77,16 @@ def test_process_without_inbound_data_gets_a_control_edge():
     split_prog = split_program(program, Cluster(num_workers=2))
     plan = split_prog.plan
     plan.lint(program)
-    control = plan.control_edges
+    control = [c for c in plan.channels if c.kind is ChannelKind.CONTROL]
     assert [(str(e.src), str(e.dst)) for e in control] == [("w0", "w1")]
-    assert plan.channel(control[0].channel).kind is ChannelKind.CONTROL
-    assert plan.channel(control[0].channel).values == ()
+    assert plan.channel(control[0].name).kind is ChannelKind.CONTROL
+    assert plan.channel(control[0].name).values == ()
     # The trigger is the first thing worker 1 waits for each step.
-    assert str(plan.process(Label.worker(1)).schedule[0]) == f"recv {control[0].channel}"
+    assert str(plan.process(Label.worker(1)).schedule[0]) == f"recv {control[0].name}"
 
     batches = [{"batch.0": torch.full((3,), float(s))} for s in range(NUM_STEPS)]
     expected, state = program.train_unsplit(NUM_STEPS, batches.__getitem__)
     run = run_threaded(split_prog, NUM_STEPS, batches.__getitem__, recv_timeout_s=10)
     assert [h["loss"] for h in run.history] == [h["loss"] for h in expected]
     assert torch.equal(run.state["w"], state["w"])
-    assert run.stats[Label.worker(1)].received[control[0].channel].messages == NUM_STEPS
+    assert run.stats[Label.worker(1)].received[control[0].name].messages == NUM_STEPS

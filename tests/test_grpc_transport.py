@@ -33,11 +33,11 @@ from transport_pairs import (
 )
 
 from splitrun.runtime import Executor, Mailbox, RecvTimeout, TransportError
+from splitrun.runtime.rpc.wire import splitrun_pb2
 from splitrun.runtime.transport import ChannelContract, receive_contracts
 from splitrun.runtime.transport.dtypes import TensorSpec
 from splitrun.runtime.transport.grpc import GrpcSettings, GrpcTransport
 from splitrun.runtime.transport.grpc.outgoing import SendQueue
-from splitrun.runtime.transport.wire import splitrun_pb2
 from splitrun.splitter import Cluster, capture, optim, split
 from splitrun.splitter.synthetic import random_batches, random_program
 

@@ -1,4 +1,4 @@
-"""Identity from Slurm's and torchrun's variables (runtime/identity.py), the GPU
+"""Identity from Slurm's and torchrun's variables (runtime/cluster/identity.py), the GPU
 of a process's local rank, and jobs whose processes are started the way srun
 and torchrun start them: every process with its task's variables and no
 scheduler address; task 0 hosts the scheduler. Real processes, loopback only."""
@@ -12,14 +12,14 @@ import pytest
 import torch
 from cluster import JOB_TIMEOUT_S, REPO, SCRIPTS, LocalCluster, Proc, child_env
 
-from splitrun.runtime.env import ENV, ProcessEnvironment
-from splitrun.runtime.errors import ClusterError
-from splitrun.runtime.identity import (
+from splitrun.runtime.cluster.env import ENV, ProcessEnvironment
+from splitrun.runtime.cluster.identity import (
     SLURM_BASE_PORT,
     IdentitySource,
     first_host,
     foreign_identity,
 )
+from splitrun.runtime.errors import ClusterError
 from splitrun.runtime.job import pick_device
 from splitrun.splitter.labels import Cluster, Label
 

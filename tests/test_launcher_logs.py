@@ -9,8 +9,8 @@ import pytest
 from cluster import REPO
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from splitrun.runtime.executor import ExecutorStats
-from splitrun.runtime.metrics import StepMetrics, channel_tag
+from splitrun.runtime.engine.executor import ExecutorStats
+from splitrun.runtime.job.metrics import StepMetrics, channel_tag
 from splitrun.splitter.labels import Label
 
 PS_TRAIN = REPO / "examples" / "ps_train.py"

@@ -24,7 +24,7 @@ def test_the_launcher_imports_neither_dynamo_nor_the_job_runtime():
                      "print(' '.join(sorted(m for m in sys.modules if m.startswith("
                      "('torch._dynamo', 'torch.distributed.checkpoint', "
                      "'splitrun.splitter.capturing', 'splitrun.runtime.job', "
-                     "'splitrun.runtime.executor')))))")
+                     "'splitrun.runtime.engine')))))")
     assert loaded == ""
 
 
@@ -33,7 +33,7 @@ def test_the_launcher_and_its_scheduler_import_no_torch():
     # (0.8 s or more to import) is the children's. Labels, the scheduler and the
     # shm files' helpers are light; `place()` and `region()` import torch when called.
     loaded = _python("import sys, splitrun.launcher.cli, splitrun.launcher.supervisor, "
-                     "splitrun.runtime.cluster, splitrun.runtime.transport.grpc.tls; "
+                     "splitrun.runtime.cluster, splitrun.runtime.rpc.tls; "
                      "print(' '.join(sorted(m for m in sys.modules "
                      "if m.split('.')[0] in ('torch', 'numpy'))))")
     assert loaded == ""

@@ -15,7 +15,7 @@ from parallel_models import capture_mlp
 
 from splitrun.runtime.cluster import Scheduler, SchedulerClient, SchedulerSettings
 from splitrun.runtime.cluster.rendezvous import KV_PREFIX, InProcessRendezvous, SchedulerRendezvous
-from splitrun.runtime.collectives import ProcessGroupCollectives
+from splitrun.runtime.engine.collectives import ProcessGroupCollectives
 from splitrun.runtime.errors import CollectiveFailed
 from splitrun.splitter import Cluster, PlanError, split_program
 from splitrun.splitter.labels import Label, Role

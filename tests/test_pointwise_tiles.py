@@ -10,8 +10,9 @@ import torch
 from ps_models import feeds, make
 from torch import fx
 
-from splitrun.runtime import pointwise_tiles, run_threaded
-from splitrun.runtime.pointwise_tiles import TiledRun, find_tiled_runs
+from splitrun.runtime import run_threaded
+from splitrun.runtime.engine import tiles as pointwise_tiles
+from splitrun.runtime.engine.tiles import TiledRun, find_tiled_runs
 from splitrun.splitter import Cluster, ParameterServerMode, optim, split_program
 
 _aten = torch.ops.aten

@@ -11,7 +11,7 @@ from ps_models import feeds, make
 from torch import nn
 
 from splitrun.runtime import run_threaded
-from splitrun.runtime.data import shard_batch
+from splitrun.runtime.job.data import shard_batch
 from splitrun.splitter import (
     Cluster,
     Label,

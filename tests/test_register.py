@@ -12,9 +12,9 @@ import pytest
 
 from splitrun.runtime.cluster.membership import SchedulerClient
 from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
-from splitrun.runtime.transport.grpc.service import TOKEN_METADATA_KEY
-from splitrun.runtime.transport.wire import splitrun_pb2 as pb
-from splitrun.runtime.transport.wire import splitrun_pb2_grpc as pb_grpc
+from splitrun.runtime.rpc.service import TOKEN_METADATA_KEY
+from splitrun.runtime.rpc.wire import splitrun_pb2 as pb
+from splitrun.runtime.rpc.wire import splitrun_pb2_grpc as pb_grpc
 from splitrun.splitter.labels import Label, Role
 
 TOKEN = "secret-token"

@@ -13,9 +13,9 @@ import torch
 from cluster import JOB_TIMEOUT_S, SCRIPTS
 from train_job import build
 
-from splitrun.runtime.transport.grpc.service import TOKEN_METADATA_KEY
-from splitrun.runtime.transport.wire import splitrun_pb2 as pb
-from splitrun.runtime.transport.wire import splitrun_pb2_grpc as pb_grpc
+from splitrun.runtime.rpc.service import TOKEN_METADATA_KEY
+from splitrun.runtime.rpc.wire import splitrun_pb2 as pb
+from splitrun.runtime.rpc.wire import splitrun_pb2_grpc as pb_grpc
 
 FAULT_JOB = SCRIPTS / "fault_job.py"
 STEPS, PAUSE_AT = 12, 6

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from splitrun.runtime import sharded_checkpoint as sc
-from splitrun.runtime.checkpoint import load_checkpoint
+from splitrun.runtime.checkpoints import sharded as sc
+from splitrun.runtime.checkpoints.periodic import latest_checkpoint, periodic_path, prune_periodic
+from splitrun.runtime.checkpoints.plain import load_checkpoint
 from splitrun.runtime.errors import CheckpointError
-from splitrun.runtime.periodic_checkpoints import latest_checkpoint, periodic_path, prune_periodic
 from splitrun.splitter import capture, optim
 
 TABLE = "0.weight"  # stands for a row-sharded table here: 8 rows of 6
@@ -81,6 +81,19 @@ def test_pieces_of_several_writers_load_back_whole(tmp_path):
     assert step == 3
     for key, value in state.items():
         assert torch.equal(loaded[key], value), key
+
+
+def test_writes_that_fail_are_one_checkpoint_error_naming_the_directory(tmp_path):
+    program, state = trained()
+    taken = tmp_path / "a-file"
+    taken.write_text("not a directory")
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {taken}/ckpt: cannot write it: "
+                                              rf"Not a directory"):
+        sc.start_checkpoint(taken / "ckpt")
+    piece = sc.Piece.whole(sc.state_paths(program)["2.bias"], state["2.bias"])
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {taken} \(w0's part\): cannot "
+                                              rf"write it: "):
+        sc.write_pieces(taken, "w0", [piece])
 
 
 def test_a_process_reads_only_its_own_keys(tmp_path):

@@ -18,7 +18,7 @@ from ps_models import make as make_ps
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from splitrun.launcher import cli
-from splitrun.runtime.sharded_checkpoint import CHECKSUMS, METADATA, ShardedCheckpoint
+from splitrun.runtime.checkpoints.sharded import CHECKSUMS, METADATA, ShardedCheckpoint
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from cluster import JOB_TIMEOUT_S, SCRIPTS, assert_clean_output, pid_alive, wait_exited
 
-from splitrun.runtime.transport.shm_ring import SHM_DIR
+from splitrun.runtime.transport.shm.ring import SHM_DIR
 
 pytestmark = pytest.mark.slow
 

@@ -29,7 +29,6 @@ def test_a_receive_timeout_is_not_blamed_over_the_stall_the_scheduler_names():
     stall = ("w1", "worker 1 (pid 7 on vm) is stalled at step 5: alive, but its step has not "
                    "advanced for 8.1 s while worker 0 has waited on it for 8.0 s")
     outcome = supervisor.run(external_failure=lambda: stall)
-    assert outcome.failed == Label.worker(1)
     assert outcome.summary.startswith("job failed: worker 1 (pid 7 on vm) is stalled at step 5")
 
 
@@ -39,7 +38,7 @@ def test_nothing_is_said_of_processes_that_had_already_ended():
     child(supervisor, Label.worker(1), "done", 0)
     child(supervisor, Label.worker(0), f"{ERROR_MARK}ValueError: boom", 1, sleep_s=0.5)
     outcome = supervisor.run()
-    assert outcome.failed == Label.worker(0)
+    assert outcome.summary.startswith("worker 0 (pid "), outcome.summary
     assert outcome.summary.endswith("exited with code 1: ValueError: boom"), outcome.summary
 
 
@@ -62,6 +61,5 @@ def test_the_schedulers_report_of_a_process_with_its_own_error_uses_its_words():
     child(supervisor, Label.worker(0), "training", 0, sleep_s=60)
     report = ("w1", "worker 1 failed at step 3: ValueError: boom")
     outcome = supervisor.run(external_failure=lambda: report, step_of=lambda label: 3)
-    assert outcome.failed == Label.worker(1)
     assert outcome.summary.startswith("worker 1 (pid "), outcome.summary
     assert "at step 3: ValueError: boom; stopped the other 1 process" in outcome.summary

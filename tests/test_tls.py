@@ -13,7 +13,7 @@ from cluster import JOB_TIMEOUT_S, SCRIPTS
 from splitrun.runtime.cluster.membership import SchedulerClient
 from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
 from splitrun.runtime.errors import ClusterError
-from splitrun.runtime.transport.grpc.tls import TlsFiles, check_bind
+from splitrun.runtime.rpc.tls import TlsFiles, check_bind
 from splitrun.splitter.labels import Label, Role
 
 pytestmark = pytest.mark.skipif(not tls_files.have_openssl(), reason="needs openssl")

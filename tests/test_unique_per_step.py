@@ -13,9 +13,9 @@ import torch
 from cache_models import NUM_TABLES, feeds, make, make_bags, make_sum_bags
 
 from splitrun.runtime import run_threaded
-from splitrun.runtime.embedding import StepIds
-from splitrun.runtime.embedding.protocol import Op, read_request
-from splitrun.runtime.embedding.store import EmbeddingStore
+from splitrun.runtime.engine.embedding import StepIds
+from splitrun.runtime.engine.embedding.protocol import Op, read_request
+from splitrun.runtime.engine.embedding.store import EmbeddingStore
 from splitrun.splitter import Cluster, ParameterServerMode, split_program
 from splitrun.splitter.cache_mode import EmbeddingCacheMode
 from splitrun.splitter.labels import Role

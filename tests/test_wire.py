@@ -1,8 +1,8 @@
-"""The generated gRPC code in runtime/transport/wire/ matches proto/splitrun.proto."""
+"""The generated gRPC code in runtime/rpc/wire/ matches proto/splitrun.proto."""
 
 import pathlib
 
-from splitrun.runtime.transport.wire import generate
+from splitrun.runtime.rpc.wire import generate
 
 
 def test_generated_code_is_fresh(tmp_path):

@@ -2,7 +2,7 @@
 
 Under `srun` or `torchrun` no splitrun launcher runs a scheduler, so the
 process of task 0 (worker 0) starts one before it registers, at the address
-every task derived from the same variables (`runtime/identity.py`), and keeps
+every task derived from the same variables (`identity`), and keeps
 it until every process is done. If the job fails, it stays up (bounded) until
 every peer has heard why, so they report the cause instead of a lost scheduler.
 That wait happens before the process starts to exit: once the interpreter shuts
@@ -16,7 +16,7 @@ import time
 
 from splitrun.splitter.labels import Cluster
 
-from ..transport.grpc.tls import TlsFiles
+from ..rpc.tls import TlsFiles
 from .scheduler import Scheduler, SchedulerSettings
 
 __all__ = ["HostedScheduler"]

@@ -16,10 +16,10 @@ import grpc
 from splitrun.splitter.labels import Cluster, Label, Role
 
 from ..errors import ClusterError, PeerFailed
-from ..transport.grpc.service import TOKEN_METADATA_KEY
-from ..transport.grpc.tls import TlsFiles
-from ..transport.wire import splitrun_pb2 as pb
-from ..transport.wire import splitrun_pb2_grpc as pb_grpc
+from ..rpc.service import TOKEN_METADATA_KEY
+from ..rpc.tls import TlsFiles
+from ..rpc.wire import splitrun_pb2 as pb
+from ..rpc.wire import splitrun_pb2_grpc as pb_grpc
 from .scheduler import SETTING_UP, SHM_PREFIX_KEY
 
 __all__ = ["Registration", "SchedulerClient", "Heartbeat"]

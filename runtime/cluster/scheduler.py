@@ -23,12 +23,12 @@ import grpc
 from splitrun.splitter.labels import Label, Role
 
 from ..errors import ClusterError
-from ..transport.grpc.auth import TokenInterceptor, one_line
-from ..transport.grpc.service import TOKEN_METADATA_KEY
-from ..transport.grpc.tls import TlsFiles
-from ..transport.ring_files import new_job_prefix, remove_job_segments
-from ..transport.wire import splitrun_pb2 as pb
-from ..transport.wire import splitrun_pb2_grpc as pb_grpc
+from ..rpc.auth import TokenInterceptor, one_line
+from ..rpc.service import TOKEN_METADATA_KEY
+from ..rpc.tls import TlsFiles
+from ..rpc.wire import splitrun_pb2 as pb
+from ..rpc.wire import splitrun_pb2_grpc as pb_grpc
+from ..transport.shm.job_files import new_job_prefix, remove_job_segments
 
 __all__ = ["SchedulerSettings", "Scheduler", "SHM_PREFIX_KEY", "TOKEN_METADATA_KEY"]
 
@@ -336,7 +336,8 @@ class Scheduler(pb_grpc.SchedulerServicer):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._stopped.is_set():
                     registered = set(self._state.members)
-                    missing = [str(l) for l in self._expected_labels() if l not in registered]
+                    missing = [str(label) for label in self._expected_labels()
+                               if label not in registered]
                     context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                   f"still waiting for {', '.join(missing)} to register after "
                                   f"{request.timeout_s:g} s; did they start, and with this "
@@ -447,7 +448,8 @@ class Scheduler(pb_grpc.SchedulerServicer):
                     context.abort(grpc.StatusCode.ABORTED, self._state.reason)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._stopped.is_set():
-                    missing = [str(l) for l in self._expected_labels() if l not in arrived]
+                    missing = [str(label) for label in self._expected_labels()
+                               if label not in arrived]
                     context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                   f"barrier {request.name!r}: {', '.join(missing)} did not "
                                   f"arrive within {request.timeout_s:g} s")

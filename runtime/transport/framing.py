@@ -23,10 +23,10 @@ from collections.abc import Iterator, Sequence
 from google.protobuf.message import DecodeError
 
 from ..errors import MessageRejected
+from ..rpc.wire import splitrun_pb2
 from .buffers import EncodedTensors
 from .dtypes import IS_LITTLE_ENDIAN, TensorSpec, dtype_from_name, dtype_name
 from .keys import MessageKey
-from .wire import splitrun_pb2
 
 __all__ = [
     "CHUNK_OVERHEAD",

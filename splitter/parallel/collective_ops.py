@@ -4,7 +4,7 @@ Under the default backend a collective is spelled out as sends and receives
 between the members (`rewrite.py`). Under `CollectiveBackend.TORCH_DISTRIBUTED`
 each member instead gets one node that reads only its own piece and calls one
 of the functions below; the runtime binds them to a process group formed for
-the member's group (`splitrun.runtime.collectives`), so the members call
+the member's group (`splitrun.runtime.engine.collectives`), so the members call
 all-reduce, all-gather, reduce-scatter or all-to-all on it together.
 
 These functions are markers: called on real tensors they raise (nothing here

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import PlanError
 from ..labels import Label
-from ..modes import ModeArtifacts
+from ..modes import ModeArtifacts, StatePiece
 from .collective_ops import CollectiveBackend
 from .cost import CollectiveKind
 from .placement import Placement
@@ -80,13 +80,6 @@ class ParallelLayout(ModeArtifacts):
         """Collectives run on torch.distributed process groups (one per group)."""
         return self.backend is CollectiveBackend.TORCH_DISTRIBUTED
 
-    def group_index_of(self, label: Label) -> int | None:
-        """The index of the group `label` is a member of, or None."""
-        for index, group in enumerate(self.groups):
-            if label in group:
-                return index
-        return None
-
     @property
     def group_size(self) -> int:
         return len(self.groups[0])
@@ -103,6 +96,26 @@ class ParallelLayout(ModeArtifacts):
     @property
     def bytes_per_step(self) -> int:
         return sum(c.nbytes for c in self.collectives)
+
+    @property
+    def process_groups(self) -> tuple[tuple[Label, ...], ...]:
+        return self.groups if self.uses_process_groups else ()
+
+    def state_piece(self, key: str) -> StatePiece | None:
+        """A member's piece (`l1.weight@w1`): where it lies in the full tensor."""
+        member = split_member_key(key)
+        if member is None:
+            return None
+        base, label = member
+        placement, holders = self.state[base], self.members_of(base)
+        size = tuple(self.state_shapes[base])
+        index = holders.index(label)
+        if not placement.is_shard:
+            return StatePiece(base, size, None, None, index == 0)
+        cut = torch.empty(size, device="meta").chunk(len(holders), placement.dim)
+        offsets = [0] * len(size)
+        offsets[placement.dim] = sum(c.shape[placement.dim] for c in cut[:index])
+        return StatePiece(base, size, tuple(offsets), tuple(cut[index].shape), index == 0)
 
     def split_state(self, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return relocate_state_dict(self, full)
@@ -152,10 +165,14 @@ def collect_state_dict(layout: ParallelLayout, shards: Mapping[str, torch.Tensor
                        ) -> dict[str, torch.Tensor]:
     """The full `state_dict` from the members' pieces (keys `key@wN`):
     shards are concatenated in rank order, replicas taken from the first
-    member. Keys that are not member keys pass through unchanged."""
+    member. Keys that are not member keys pass through unchanged, so a state
+    already whole (`run_threaded`'s, a job's gathered one) comes back as it is."""
     full: dict[str, torch.Tensor] = {k: v for k, v in shards.items()
                                       if split_member_key(k) is None}
     for key, placement in layout.state.items():
+        if key in full and not any(member_key(key, member) in shards
+                                   for member in layout.members_of(key)):
+            continue  # already whole
         pieces = []
         for member in layout.members_of(key):
             name = member_key(key, member)

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Mapping, Sequence
 
 from ..errors import PlanError
+from ..fx_facts import op_packet
 from ..labels import LABEL_ANNOTATION, Cluster, Label, Role
 from ..modes import Mode
 from ..plan import CollectiveEntry, ModeKind, ParallelSummary, SplitPlan
@@ -129,7 +130,7 @@ class ParallelMode(Mode):
             elif node.op == "placeholder":
                 deferred.append(node)
             elif len(node.all_input_nodes) == 1 and \
-                    getattr(node.target, "overloadpacket", node.target) in FOLLOWER_OPS and \
+                    op_packet(node) in FOLLOWER_OPS and \
                     node.all_input_nodes[0].name in found:
                 found[node.name] = found[node.all_input_nodes[0].name]
             else:
@@ -203,10 +204,8 @@ class ParallelMode(Mode):
         return expanded, layout
 
     def postbuild(self, plan: SplitPlan, program: Program,
-                  artifacts: ParallelLayout | None) -> SplitPlan:
+                  artifacts: ParallelLayout) -> SplitPlan:
         """The plan gains its groups, shardings and collectives (plain data)."""
-        if artifacts is None:
-            return plan
         summary = ParallelSummary(
             artifacts.groups,
             tuple((key, str(placement), artifacts.members_of(key)[0])

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from ..program import InputKind, OutputKind, Program, node_annotation
+from ..fx_facts import op_packet, value_itemsize
+from ..program import InputKind, InputSpec, OutputKind, Program, node_annotation
 from .cost import INFEASIBLE, CollectiveKind, bytes_of, redistribute_bytes, redistribute_kind
 from .loss_exchange import fuse_loss_exchange, log_softmax_of
 from .placement import Placement, R, S, ShardingError, to_placement
@@ -124,13 +125,9 @@ def _state_candidates(node: fx.Node, n: int) -> list[OpStrategy]:
     return found
 
 
-def _param_of(key: str, program: Program) -> str | None:
-    base = key.rsplit(".", 1)[0]
-    try:
-        spec = program.input_for_key(base)
-    except KeyError:
-        return None
-    return spec.node if spec.kind is InputKind.PARAM else None
+def _param_of(spec: InputSpec, program: Program) -> str | None:
+    """The node of the parameter an optimizer state belongs to."""
+    return None if spec.param is None else program.input_for_key(spec.param).node
 
 
 def build_problem(program: Program, group_size: int, pins: dict[str, Placement] | None = None,
@@ -154,7 +151,7 @@ def build_problem(program: Program, group_size: int, pins: dict[str, Placement] 
     tied: dict[fx.Node, fx.Node] = {}
     for spec in program.inputs:
         if spec.kind is InputKind.OPT_STATE:
-            param = _param_of(spec.key, program)
+            param = _param_of(spec, program)
             if param is not None:
                 tied[nodes[spec.node]] = nodes[param]
     for node in graph.nodes:
@@ -211,7 +208,7 @@ def build_problem(program: Program, group_size: int, pins: dict[str, Placement] 
         found = values.get(node)
         if found is None:
             src, index = vars_.var_of[node]
-            shape, size = value_shapes(node)[0], _itemsize(node)
+            shape, size = value_shapes(node)[0], value_itemsize(node)
             # A class-sharded loss rides on its log-softmax's exchange
             # (loss_exchange.py): its P -> R sends bytes but is no collective.
             own_round = 0.0 if _is_exchanged_loss(node) else collective_cost
@@ -233,7 +230,7 @@ def build_problem(program: Program, group_size: int, pins: dict[str, Placement] 
                 needs = tuple((_CROSS, p) for p in needs)
             value_of(arg).uses.append(Use(var, needs))
         producers = {vars_.var_of[a][0] for a in seen}
-        if len(producers) == 1 and _packet(node) in _FOLLOWER_OPS:
+        if len(producers) == 1 and op_packet(node) in _FOLLOWER_OPS:
             followers[next(iter(producers))].append(var)
 
     returned = graph.output_node().args[0]
@@ -261,7 +258,7 @@ def exchange_bytes(node: fx.Node, strategy: OpStrategy, n: int) -> int:
     if not isinstance(strategy.local, Exchange):
         return 0
     shapes = [value_shapes(a)[0] for a in tensor_args(node)]
-    return strategy.local.bytes(node, shapes, _itemsize(node), n)
+    return strategy.local.bytes(node, shapes, value_itemsize(node), n)
 
 
 _CROSS = "to another group"
@@ -300,15 +297,6 @@ def _redistribute_cost(made: Placement, needed, *, shape, itemsize: int, n: int,
     return cost
 
 
-def _packet(node: fx.Node):
-    return getattr(node.target, "overloadpacket", node.target)
-
-
-def _itemsize(node: fx.Node) -> int:
-    value = node.meta.get("val")
-    if isinstance(value, (tuple, list)):
-        value = value[0]
-    return value.element_size() if isinstance(value, torch.Tensor) else 4
 
 
 def _pin_parameters_through_constraints(program: Program, pins: dict[str, Placement],
@@ -323,7 +311,7 @@ def _pin_parameters_through_constraints(program: Program, pins: dict[str, Placem
             continue
         for user in node.users:
             text = node_annotation(user, PLACEMENT_ANNOTATION)
-            if text is not None and _packet(user) in (_aten.view, _aten.alias):
+            if text is not None and op_packet(user) in (_aten.view, _aten.alias):
                 shape = value_shapes(node)[0]
                 pins[spec.node] = to_placement(text, group_size=n, ndim=len(shape),
                                                what=f"parameter {spec.key!r}")

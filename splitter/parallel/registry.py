@@ -15,13 +15,13 @@ functional optimizers. An op with no entry runs replicated, with a warning.
 from __future__ import annotations
 
 import logging
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
+from ..fx_facts import op_packet
 from .local_ops import (
     VOCAB_LOG_SOFTMAX,
     VOCAB_LOG_SOFTMAX_BACKWARD,
@@ -90,12 +90,8 @@ def _register(*targets) -> Callable[[_Rule], _Rule]:
     return wrap
 
 
-def _packet(node: fx.Node):
-    return getattr(node.target, "overloadpacket", node.target)
-
-
 def has_strategy(node: fx.Node) -> bool:
-    return node.target in _RULES or _packet(node) in _RULES
+    return node.target in _RULES or op_packet(node) in _RULES
 
 
 def strategies_for(node: fx.Node, group_size: int) -> list[OpStrategy]:
@@ -106,7 +102,7 @@ def strategies_for(node: fx.Node, group_size: int) -> list[OpStrategy]:
     args = tensor_args(node)
     in_shapes = [value_shapes(a)[0] for a in args]
     out_shapes = value_shapes(node)
-    rule = _RULES.get(node.target) or _RULES.get(_packet(node))
+    rule = _RULES.get(node.target) or _RULES.get(op_packet(node))
     replicated = OpStrategy(tuple(R for _ in out_shapes), tuple(R for _ in args))
     if rule is None:
         return [replicated]
@@ -195,7 +191,7 @@ def _nonlinear(node, in_shapes, out_shapes):
 @_register(*_LINEAR_ALL)
 def _linear_all(node, in_shapes, out_shapes):
     # x + c is not linear in x: a constant would be added once per member.
-    if _packet(node) in (_aten.add, _aten.sub) and \
+    if op_packet(node) in (_aten.add, _aten.sub) and \
             not all(isinstance(a, fx.Node) for a in node.args[:2]):
         return _elementwise(in_shapes, out_shapes[0], None)
     return _elementwise(in_shapes, out_shapes[0], _all_partial)
@@ -349,7 +345,7 @@ def _index_other_dim(node, in_shapes, out_shapes):
         dim = node.args[1] if len(node.args) > 1 else 0
     ndim = len(in_shapes[0])
     dim %= max(ndim, 1)
-    removes = _packet(node) is _aten.select
+    removes = op_packet(node) is _aten.select
     found = []
     for d in range(ndim):
         if d == dim:
@@ -377,7 +373,7 @@ def _keepdim(node) -> bool:
 @_register(_aten.sum, _aten.mean)
 def _reduce(node, in_shapes, out_shapes):
     ndim = len(in_shapes[0])
-    is_sum = _packet(node) is _aten.sum
+    is_sum = op_packet(node) is _aten.sum
     dims = _reduced_dims(node, ndim) if node.target not in (_aten.sum.default, _aten.mean.default) \
         else list(range(ndim))
     keep = _keepdim(node) if node.target not in (_aten.sum.default, _aten.mean.default) else False
@@ -399,7 +395,7 @@ def _softmax(node, in_shapes, out_shapes):
     ndim = len(in_shapes[0])
     dim = node.args[1] % ndim
     found = [OpStrategy((S(d),), (S(d),)) for d in range(ndim) if d != dim]
-    if _packet(node) is _aten._log_softmax:
+    if op_packet(node) is _aten._log_softmax:
         found.append(OpStrategy((S(dim),), (S(dim),), local=VOCAB_LOG_SOFTMAX))
     return found
 
@@ -409,7 +405,7 @@ def _softmax_backward(node, in_shapes, out_shapes):
     ndim = len(in_shapes[0])
     dim = node.args[2] % ndim
     found = [OpStrategy((S(d),), (S(d), S(d))) for d in range(ndim) if d != dim]
-    if _packet(node) is _aten._log_softmax_backward_data:
+    if op_packet(node) is _aten._log_softmax_backward_data:
         found.append(OpStrategy((S(dim),), (S(dim), S(dim)), local=VOCAB_LOG_SOFTMAX_BACKWARD))
         if len(in_shapes[0]) == 2 and AfterNllLoss.nll_backward_of(node) is not None:
             found.append(OpStrategy((S(dim),), (S(dim), S(dim)),
@@ -464,7 +460,7 @@ def _embedding_backward(node, in_shapes, out_shapes):
 # -- layer norm ------------------------------------------------------------------------
 
 def _batch_dims(node, x_shape: Shape) -> range:
-    normalized = node.args[1] if _packet(node) is _aten.native_layer_norm else node.args[2]
+    normalized = node.args[1] if op_packet(node) is _aten.native_layer_norm else node.args[2]
     return range(len(x_shape) - len(normalized))
 
 
@@ -486,6 +482,3 @@ def _layer_norm_backward(node, in_shapes, out_shapes):
         found.append(OpStrategy(outs, ins))
     return found
 
-
-# getitem is not an op: it takes its tuple's output placement (see propagate.py).
-FOLLOWS_TUPLE = operator.getitem

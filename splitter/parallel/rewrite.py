@@ -43,6 +43,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from ..fx_facts import value_itemsize
 from ..labels import LABEL_ANNOTATION, MODULE_ANNOTATION, Label
 from ..program import (
     InputKind,
@@ -91,15 +92,6 @@ def local_shape(shape: tuple[int, ...], placement: Placement, n: int) -> tuple[i
     local = list(shape)
     local[placement.dim] //= n
     return tuple(local)
-
-
-def _param_of_state(key: str, program: Program) -> str:
-    base = key.rsplit(".", 1)[0]
-    try:
-        spec = program.input_for_key(base)
-    except KeyError:
-        return key
-    return base if spec.kind is InputKind.PARAM else key
 
 
 class _Expander:
@@ -201,7 +193,9 @@ class _Expander:
             new = self.graph.placeholder(f"{node.name}_{member}")
             set_node_annotation(new, str(member))
             self.origin[new.name] = node
-            self.inputs.append(InputSpec(new.name, spec.kind, member_key(spec.key, member)))
+            param = None if spec.param is None else member_key(spec.param, member)
+            self.inputs.append(InputSpec(new.name, spec.kind, member_key(spec.key, member),
+                                         param))
             self.env[(node, j)] = new
 
     def _copy(self, node: fx.Node) -> None:
@@ -321,7 +315,7 @@ class _Expander:
         if key in self.transfers:
             return
         self.transfers.add(key)
-        shape, itemsize = value_shapes(value)[0], _itemsize(value)
+        shape, itemsize = value_shapes(value)[0], value_itemsize(value)
         size = itemsize * math.prod(shape)
         nbytes = size if need.is_shard else self.n * size
         is_forward = reader is not None and reader.name in self.forward
@@ -343,7 +337,7 @@ class _Expander:
         pieces = [self.env[(value, j)] for j in range(n)]
         module = self.program.module_of(value)
         shape = value_shapes(value)[0]
-        itemsize = _itemsize(value)
+        itemsize = value_itemsize(value)
         if kind not in (CollectiveKind.SLICE, CollectiveKind.ZERO_OTHERS):
             nbytes = int(redistribute_bytes(have, need, shape, itemsize, n))
             is_forward = reader is not None and reader.name in self.forward
@@ -429,13 +423,6 @@ def _localise_sizes(args, full: tuple[int, ...], local: tuple[int, ...]):
             return type(arg)(local)
         return arg
     return tuple(swap(a) for a in args)
-
-
-def _itemsize(node: fx.Node) -> int:
-    value = node.meta.get("val")
-    if isinstance(value, (tuple, list)):
-        value = value[0]
-    return value.element_size() if isinstance(value, torch.Tensor) else 4
 
 
 def _propagate_values(gm: fx.GraphModule, program: Program, inputs: list[InputSpec],

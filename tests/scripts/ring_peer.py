@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from splitrun.runtime.transport.shm_ring import RingReader, RingSettings, RingWriter
+from splitrun.runtime.transport.shm.ring import RingReader, RingSettings, RingWriter
 
 # Bounds each send: the test reads promptly.
 SEND_TIMEOUT_S = 120.0

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from splitrun.splitter.lazy_exports import lazy_exports
 
-# Imported when first used: the launcher's scheduler needs only `service`
-# and `tls`, not the transport (and torch) behind these names.
-_EXPORTS = {"GrpcSettings": ".endpoint", "GrpcTransport": ".transport"}
+# Imported when first used: the transport (and torch) behind these names
+# is needed only by the processes of a job.
+_EXPORTS = {"GrpcSettings": ".settings", "GrpcTransport": ".transport"}
 
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

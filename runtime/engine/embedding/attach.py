@@ -1,0 +1,74 @@
+"""Attach embedding caching to one process of an embedding-cache split: a
+worker gets an `EmbeddingClient` (and the executor bindings for the graph's
+cache ops), a server an `EmbeddingStore` serving its slices of the tables."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from splitrun.splitter.graph_splitter import SplitProgram
+from splitrun.splitter.labels import Label, Role
+from splitrun.splitter.modes import ModeArtifacts
+from splitrun.splitter.plan import SplitPlan
+
+from ...transport.contract import ChannelContract
+from ...transport.protocol import Transport
+from .client import EmbeddingClient
+from .protocol import PREFIX, reply_channel, request_channel
+from .store import EmbeddingStore
+
+__all__ = ["CacheParts", "attach_cache", "cached_tables_of"]
+
+
+@dataclass
+class CacheParts:
+    client: EmbeddingClient | None = None
+    store: EmbeddingStore | None = None
+    bindings: dict = field(default_factory=dict)
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.stop()
+
+
+def cached_tables_of(split: SplitProgram) -> ModeArtifacts | None:
+    """The split's artifacts when it caches tables (`tables`, `initial`,
+    `fused_groups`), or None when it caches none."""
+    return split.artifacts if split.artifacts.tables else None
+
+
+def attach_cache(split: SplitProgram, label: Label, transport: Transport, incarnation: int, *,
+                 state: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
+                 first_step: int = 0, timeout_s: float = 120.0) -> CacheParts:
+    """`state`: where a checkpoint's tables are (whole); without them the
+    tables start from their values at capture."""
+    cache = cached_tables_of(split)
+    if cache is None:
+        return CacheParts()
+    tables = list(cache.tables)
+    state = {key: state.get(key, value) for key, value in cache.initial.items()}
+    cluster = split.plan.cluster
+    transport.register(_receive_contracts(split.plan, label))
+    if label.role is Role.WORKER:
+        client = EmbeddingClient(tables, label, cluster, transport, incarnation,
+                                 device=device, timeout_s=timeout_s, first_step=first_step,
+                                 fused_groups=cache.fused_groups)
+        return CacheParts(client=client, bindings=client.bindings())
+    store = EmbeddingStore(tables, label, cluster, transport, incarnation, state,
+                           first_step=first_step)
+    transport.route(PREFIX, store.on_message)
+    store.start()
+    return CacheParts(store=store)
+
+
+def _receive_contracts(plan: SplitPlan, label: Label) -> dict[str, ChannelContract]:
+    """Workers receive the servers' replies, servers the workers' requests; their
+    sizes change every message, so only the sender is checked."""
+    if label.role is Role.WORKER:
+        return {reply_channel(server): ChannelContract(server, None)
+                for server in plan.labels if server.role is Role.SERVER}
+    return {request_channel(worker): ChannelContract(worker, None)
+            for worker in plan.labels if worker.role is Role.WORKER}

@@ -1,0 +1,513 @@
+"""A worker's embedding caches and their conversation with the servers.
+
+It binds the graph's marker ops: `cached_bags` plans every table of the step
+against its cache at once (evicting, writing dirty rows back, pulling
+misses), with one message per server for all of the tables (one write-back,
+one pull, one prefetch of the next step's misses), then sums each bag
+straight from the cached rows' slots (no row per lookup): the fused group's
+tables in one FBGEMM call (`fused_bags.py`); `cached_bags_update` runs that
+group's backward with SGD fused into it. `cached_lookup` and `cached_bag`
+do the same for one table; `cached_bag_gradient` sums a bag's gradient per
+unique id; `cached_update` applies a table's row-wise optimizer (with
+several workers: its gradients go to the servers, every table's in one
+message per server once the step's last table is in).
+
+The cache plans a step without sorting its ids (`RowCache.plan`: each
+lookup's slot from the id -> slot map; only the misses are made distinct); a
+fused group's kernel sums its gradients itself. A table whose
+gradient is summed here makes its ids unique once per step (`StepIds`, one
+stable sort, when the gradient first asks): the gradient is summed per
+unique id before it is applied to the cached rows or sent to the servers (so
+a server receives each id once per worker): a bag's from its bag gradient in
+that unique's order (`embedding_bags.bag_gradient_rows`), an embedding's,
+one row per lookup, with one `index_add_` over that step's inverse.
+
+Consistency model:
+- One worker: write-back. The update runs on the cached rows, whose optimizer
+  state is cached with them; a dirty row goes back to its server when evicted
+  and when the job saves or finishes. The servers' tables are then exactly what
+  training with the whole table in one process gives.
+- Several workers: gradients go to the servers every step (each server
+  averages them over the workers and updates, as parameter-server mode does),
+  and a cached row older than `max_staleness` steps is pulled again before it
+  is used; 0 means every row is fresh each step: parameter-server mode exactly.
+- Policy NONE (no caching, any number of workers): every batch pulls all its
+  rows and every gradient goes to the servers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Mapping
+
+import torch
+
+from splitrun.splitter.cached_tables import (
+    CachedTable,
+    EvictionPolicy,
+    cached_bag,
+    cached_bag_gradient,
+    cached_bags,
+    cached_bags_update,
+    cached_lookup,
+    cached_update,
+)
+from splitrun.splitter.embedding_bags import bag_forward, bag_gradient_rows
+from splitrun.splitter.labels import Cluster, Label
+from splitrun.splitter.sparse_optim import IN_PLACE
+
+from ...errors import CacheError
+from ...transport.dtypes import nbytes_of
+from ...transport.protocol import MessageKey, Transport
+from .fused_bags import FusedBags
+from .protocol import Op, reply_channel, request, request_channel
+from .row_cache import BatchPlan, RowCache
+from .sharding import RowSharding
+from .step_ids import StepIds
+
+__all__ = ["EmbeddingClient"]
+
+logger = logging.getLogger(__name__)
+
+
+class EmbeddingClient:
+    def __init__(self, tables: list[CachedTable], label: Label, cluster: Cluster,
+                 transport: Transport, incarnation: int, *, device: torch.device | str = "cpu",
+                 timeout_s: float = 120.0, first_step: int = 0,
+                 fused_groups: tuple[tuple[str, ...], ...] = ()) -> None:
+        self.tables = tables
+        self.label = label
+        self.cluster = cluster
+        self.transport = transport
+        self.incarnation = incarnation
+        self.timeout_s = timeout_s
+        self.caches = {t.key: RowCache(t, device) for t in tables}
+        self.write_back = {t.key: t.settings.write_back(cluster.num_workers) for t in tables}
+        self.index = {t.key: i for i, t in enumerate(tables)}
+        self.sharding = {t.key: RowSharding(t.num_rows, cluster.num_servers) for t in tables}
+        self.servers = [Label.server(k) for k in range(cluster.num_servers)]
+        self.fused = {group: FusedBags([self.caches[key] for key in group])
+                      for group in fused_groups}
+        # A table one worker caches whole is resident: slot = id, every row
+        # pulled once (at its first lookup), no plan, no misses afterwards.
+        self.resident = {t.key: self.write_back[t.key] and self.caches[t.key].capacity
+                         >= t.num_rows for t in tables}
+        self._loaded: set[str] = set()
+        self._resident_slots: dict[str, torch.Tensor] = {}  # this step's lookups
+        self._step = first_step
+        self._next_feeds: Mapping[str, torch.Tensor] | None = None
+        self._plans: dict[str, BatchPlan] = {}
+        # Prefetch requests not yet answered: (server, seq, [(table, ids)], the
+        # step they were asked at: their rows are fresh for it).
+        self._prefetch_requests: list[tuple[Label, int, list[tuple[str, torch.Tensor]], int]] = []
+        # Prefetched rows per table: [(ids, reply tensors, step they are fresh for)].
+        self._prefetched: dict[str, list[tuple[torch.Tensor, list[torch.Tensor], int]]] = {}
+        # Write-through: this step's gradients per server, sent once every
+        # such table's are in.
+        self._gradients: dict[Label, list[tuple[str, list[torch.Tensor]]]] = {}
+        self._num_write_through = sum(not w for w in self.write_back.values())
+        # Seconds blocked for rows: for replies to prefetches (what the
+        # prefetch did not hide) and to pulls made in the step itself.
+        self.waits = {"prefetched": 0.0, "pulled": 0.0}
+        self._seq = itertools.count()
+
+    def begin_step(self, step: int, next_feeds: Mapping[str, torch.Tensor] | None) -> None:
+        """The step about to run, and the next step's feeds if known: the
+        lookups of this step then prefetch the rows the next one misses."""
+        self._step = step
+        self._next_feeds = next_feeds
+
+    def bindings(self) -> dict:
+        return {cached_lookup: self.lookup, cached_bag: self.bag, cached_bags: self.bags,
+                cached_bags_update: self.bags_update, cached_bag_gradient: self.bag_gradient,
+                cached_update: self.update}
+
+    @property
+    def counters(self) -> dict[str, dict]:
+        return {key: cache.counters.as_dict() for key, cache in self.caches.items()}
+
+    def hit_rate(self) -> float:
+        hits = sum(c.counters.last_step.get("hits", 0) for c in self.caches.values())
+        unique = sum(c.counters.last_step.get("unique_ids", 0) for c in self.caches.values())
+        return hits / unique if unique else 0.0
+
+    # -- messages --
+
+    def _request(self, server: Label, op: Op, step: int,
+                 parts: list[tuple[str, list[torch.Tensor]]], extra=()) -> int:
+        """One request to `server` about the tables of `parts` (each table's
+        tensors); its sequence number, which keys the reply."""
+        seq = next(self._seq)
+        message = request(op, step, [self.index[table] for table, _ in parts],
+                          [tensors for _, tensors in parts], extra)
+        self.transport.send(server, MessageKey(self.incarnation, seq,
+                                               request_channel(self.label)), message)
+        return seq
+
+    def _reply(self, server: Label, seq: int, waited: str | None = None) -> list[torch.Tensor]:
+        """The reply to request `seq`; the time blocked for it is added to
+        `self.waits[waited]`."""
+        started = time.perf_counter()
+        reply = self.transport.recv(server, MessageKey(self.incarnation, seq,
+                                                       reply_channel(server)), self.timeout_s)
+        if waited is not None:
+            self.waits[waited] += time.perf_counter() - started
+        return reply
+
+    def _reply_parts(self, server: Label, seq: int, tables: list[str], waited: str
+                     ) -> list[list[torch.Tensor]]:
+        """A pull's reply, split by table: rows, and the row state of
+        write-back tables."""
+        reply = self._reply(server, seq, waited)
+        parts, start = [], 0
+        for table in tables:
+            size = 1 + (len(self.caches[table].table.state_names) if self.write_back[table]
+                        else 0)
+            parts.append(reply[start:start + size])
+            start += size
+        if start != len(reply):
+            raise CacheError(f"[{self.label.describe()}] {server.describe()} answered a pull of "
+                             f"{len(tables)} tables with {len(reply)} tensors, expected {start}")
+        return parts
+
+    def _by_server(self, table: str, ids: torch.Tensor, *, every_server: bool = False):
+        """(server, positions in `ids` of the ids it holds) for each server
+        holding some of `ids` (`every_server`: each one), in rank order.
+        Positions, not masks: `index_select` gathers faster than a mask."""
+        owner = self.sharding[table].server_of(ids)
+        for server in self.servers:
+            positions = (owner == server.rank).nonzero().reshape(-1)
+            if every_server or positions.numel():
+                yield server, positions
+
+    # -- bound to the graph's marker ops --
+
+    def lookup(self, ids: torch.Tensor, *, table: str) -> torch.Tensor:
+        slots = self._lookup_slots([(table, ids)])[0]
+        cache = self.caches[table]
+        return cache.rows.index_select(0, slots.to(cache.device)).reshape(
+            *ids.shape, cache.table.dim)
+
+    def bag(self, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, *,
+            table: str, mean: bool, padding_idx: int | None) -> torch.Tensor:
+        return self.bags([ids], [offsets], [weights], tables=(table,), means=(mean,),
+                         padding_idxs=(padding_idx,))[0]
+
+    def bags(self, ids: list[torch.Tensor], offsets: list[torch.Tensor],
+             weights: list[torch.Tensor | None], *, tables: tuple[str, ...],
+             means: tuple[bool, ...], padding_idxs: tuple[int | None, ...]
+             ) -> tuple[torch.Tensor, ...]:
+        """Bags of cached rows for several tables: one plan and one exchange
+        with each server for all of them; each lookup reads its row's slot in
+        place (no row per lookup is gathered), as `sparse_bag` reads the whole
+        table; a fused group's tables in one kernel call."""
+        slots = self._lookup_slots(list(zip(tables, ids)))
+        out: list[torch.Tensor | None] = [None] * len(tables)
+        position = {table: index for index, table in enumerate(tables)}
+        for group, fused in self.fused.items():
+            if group[0] in position:  # the split put a group in one cached_bags
+                where = [position[key] for key in group]
+                for index, rows in zip(where, fused.forward([slots[i] for i in where],
+                                                            [offsets[i] for i in where])):
+                    out[index] = rows
+        for index, table in enumerate(tables):
+            if out[index] is None:
+                out[index] = bag_forward(self.caches[table].rows, slots[index], ids[index],
+                                         offsets[index], weights[index], means[index],
+                                         padding_idxs[index])
+        return tuple(out)
+
+    def bags_update(self, grads: list[torch.Tensor], lr: torch.Tensor, step: torch.Tensor, *,
+                    tables: tuple[str, ...]) -> None:
+        """A fused group's bag gradients applied to its cached rows by one
+        backward-and-SGD call; the rows it looked up are dirty."""
+        fused = self.fused[tables]
+        fused.backward_update(grads, lr, maximize=bool(
+            self.caches[tables[0]].table.optimizer_settings.get("maximize", False)))
+        for table in tables:
+            plan = self._plans.pop(table, None)
+            slots = plan.lookup_slots if plan is not None else self._resident_slots.pop(table)
+            self.caches[table].dirty.index_fill_(0, slots, True)
+
+    def bag_gradient(self, grad: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
+                     weights: torch.Tensor | None, *, table: str, mean: bool,
+                     padding_idx: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A bag's gradient summed per unique id, grouped by the lookup's unique."""
+        plan = self._plans.get(table)
+        step_ids = plan.ids if plan is not None and plan.ids.holds(ids) else StepIds.of(ids)
+        return step_ids.unique, bag_gradient_rows(grad, ids, offsets, weights, mean,
+                                                  padding_idx, step_ids.order, step_ids.starts)
+
+    def _lookup_slots(self, lookups: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """The cache slot of each lookup's row, every row in place: resident
+        tables' slots are their ids; the others are planned (`_plan_tables`)."""
+        planned = [(t, ids) for t, ids in lookups if not self.resident[t]]
+        plans = dict(zip((t for t, _ in planned), self._plan_tables(planned))) if planned else {}
+        slots = []
+        for table, ids in lookups:
+            if table in plans:
+                slots.append(plans[table].lookup_slots)
+                continue
+            self._load_resident(table)
+            flat = ids.reshape(-1).to("cpu", torch.int64)
+            self.caches[table].check_ids(flat)
+            count = flat.numel()  # every lookup hits (counted per lookup)
+            self.caches[table].counters.record(lookups=count, unique_ids=count, hits=count,
+                                               misses=0, evictions=0, bytes_pulled=0,
+                                               bytes_pushed=0)
+            self._resident_slots[table] = flat
+            slots.append(flat)
+        return slots
+
+    def _load_resident(self, table: str) -> None:
+        """Pull every row of a resident table into slot = id (once)."""
+        if table in self._loaded:
+            return
+        cache = self.caches[table]
+        ids = torch.arange(cache.table.num_rows)
+        requests = [(server, positions, self._request(server, Op.PULL, self._step, [
+            (table, [ids.index_select(0, positions)])]))
+            for server, positions in self._by_server(table, ids)]
+        pulled = 0
+        for server, positions, seq in requests:
+            (reply,) = self._reply_parts(server, seq, [table], "pulled")
+            cache.install(positions, reply[0], dict(zip(cache.table.state_names, reply[1:])),
+                          fresh_for=self._step)
+            pulled += nbytes_of(reply)
+        cache.make_resident()
+        cache.counters.bytes_pulled += pulled
+        self._loaded.add(table)
+
+    def _plan_tables(self, lookups: list[tuple[str, torch.Tensor]]) -> list[BatchPlan]:
+        """Plan each table's ids against its cache; evicted dirty rows go back
+        and misses are pulled in one message per server for all the tables,
+        and the next step's misses are asked for."""
+        keys = [table for table, _ in lookups]
+        if len(set(keys)) < len(keys):  # a table looked up twice: one after the other
+            return [plan for lookup in lookups for plan in self._plan_tables([lookup])]
+        plans = []
+        for table, ids in lookups:
+            cache = self.caches[table]
+            plans.append(cache.plan(ids, self._step, write_back=self.write_back[table],
+                                    max_staleness=cache.table.settings.max_staleness))
+        pushed = self._write_back([(t, p.evicted_ids, p.evicted_slots)
+                                   for t, p in zip(keys, plans)])
+        pulled = self._pull(list(zip(keys, plans)))
+        for (table, ids), plan in zip(lookups, plans):
+            # A hit is a row served without a pull (a stale cached row is a miss).
+            misses = plan.pull_ids.numel()
+            self.caches[table].counters.record(
+                lookups=ids.numel(), unique_ids=plan.num_unique,
+                hits=plan.num_unique - misses, misses=misses, evictions=plan.evictions,
+                bytes_pulled=pulled.get(table, 0), bytes_pushed=pushed.get(table, 0))
+            self._plans[table] = plan
+        self._prefetch(keys)
+        return plans
+
+    def update(self, indices: torch.Tensor, values: torch.Tensor, lr: torch.Tensor,
+               step: torch.Tensor, *, table: str, coalesced: bool = False) -> None:
+        """The table's gradient, one row per lookup (`indices`: the ids looked
+        up), summed per unique id with the lookup's `StepIds` (`coalesced`: a
+        bag's, summed already, `indices` unique), then applied to the cached
+        rows (write-back) or sent to the servers."""
+        cache = self.caches[table]
+        plan = self._plans.pop(table, None)
+        if coalesced:
+            ids, summed = indices.reshape(-1).to("cpu", torch.int64), values
+            slots = plan.slots if plan is not None and (
+                indices is plan.unique_ids or torch.equal(ids, plan.unique_ids)) else None
+        else:
+            if plan is not None and plan.ids.holds(indices):
+                step_ids, slots = plan.ids, plan.slots
+            else:  # not this step's lookup (a table looked up twice): unique again
+                step_ids, slots = StepIds.of(indices), None
+            ids, summed = step_ids.unique, step_ids.reduce(values)
+        padding_idx = cache.table.padding_idx
+        if padding_idx is not None:  # the padding row gets no update
+            keep = ids != padding_idx
+            ids, summed = ids[keep], summed[keep.to(summed.device)]
+            slots = None if slots is None else slots[keep]
+        if self.write_back[table]:
+            slots = (cache.slots_of(ids) if slots is None else slots).to(cache.device)
+            # In place: rows leave the cache only as copies (gathers, pushes).
+            IN_PLACE[cache.table.optimizer](cache.rows, slots, summed, lr, step,
+                                            *(cache.state[n] for n in cache.table.state_names),
+                                            is_coalesced=True, **cache.table.optimizer_settings)
+            cache.dirty.index_fill_(0, slots.cpu(), True)
+            return
+        values = summed.cpu()
+        pushed = 0
+        # Every server hears from every worker each step.
+        for server, positions in self._by_server(table, ids, every_server=True):
+            tensors = [ids.index_select(0, positions), values.index_select(0, positions),
+                       lr.cpu(), step.cpu()]
+            self._gradients.setdefault(server, []).append((table, tensors))
+            pushed += nbytes_of(tensors[:2])
+        cache.counters.bytes_pushed += pushed
+        cache.counters.last_step["bytes_pushed"] = pushed
+        if sum(len(parts) for parts in self._gradients.values()) == (
+                self._num_write_through * len(self.servers)):
+            gradients, self._gradients = self._gradients, {}
+            for server, parts in gradients.items():
+                self._request(server, Op.GRADS, self._step, parts)
+
+    # -- pulls, pushes, prefetch --
+
+    def _receive_prefetched(self, tables: list[str]) -> int:
+        """Take the replies of prefetch requests that hold rows of `tables`
+        (their other tables' rows are kept for those tables' lookups); the
+        bytes received."""
+        wanted, pending, received = set(tables), [], 0
+        for server, seq, parts, asked_at in self._prefetch_requests:
+            if not wanted & {table for table, _ in parts}:
+                pending.append((server, seq, parts, asked_at))
+                continue
+            replies = self._reply_parts(server, seq, [table for table, _ in parts], "prefetched")
+            for (table, ids), reply in zip(parts, replies):
+                self._prefetched.setdefault(table, []).append((ids, reply, asked_at))
+                received += nbytes_of(reply)
+        self._prefetch_requests = pending
+        return received
+
+    def _pull(self, plans: list[tuple[str, BatchPlan]]) -> dict[str, int]:
+        """Install the rows the plans need: from prefetch replies where they
+        hold them, from the servers otherwise (one request per server for
+        every table); bytes pulled per table."""
+        pulled = dict.fromkeys((table for table, _ in plans), 0)
+        self._receive_prefetched(list(pulled))
+        needed = {}
+        for table, plan in plans:
+            cache = self.caches[table]
+            ids, slots = plan.pull_ids, plan.pull_slots
+            for prefetched_ids, reply, fresh_for in self._prefetched.pop(table, []):
+                pulled[table] += nbytes_of(reply)
+                if ids.numel() == 0:
+                    continue
+                # Both sorted and unique: where each prefetched id is in `ids`, if there.
+                position = torch.searchsorted(ids, prefetched_ids).clamp_(max=ids.numel() - 1)
+                found = ids.index_select(0, position) == prefetched_ids
+                if not bool(found.all()):  # some were cached meanwhile
+                    got = found.nonzero().reshape(-1)
+                    position = position.index_select(0, got)
+                    reply = [t.index_select(0, got) for t in reply]
+                cache.install(slots.index_select(0, position), reply[0],
+                              dict(zip(cache.table.state_names, reply[1:])), fresh_for=fresh_for)
+                keep = torch.ones_like(ids, dtype=torch.bool).index_fill_(0, position, False)
+                ids, slots = ids.masked_select(keep), slots.masked_select(keep)
+            needed[table] = (ids, slots)
+        by_server: dict[Label, list[tuple[str, torch.Tensor]]] = {}
+        for table, (ids, _) in needed.items():
+            for server, positions in self._by_server(table, ids):
+                by_server.setdefault(server, []).append((table, positions))
+        requests = [(server, parts, self._request(
+            server, Op.PULL, self._step,
+            [(table, [needed[table][0].index_select(0, positions)]) for table, positions in parts]))
+            for server, parts in by_server.items()]
+        for server, parts, seq in requests:
+            replies = self._reply_parts(server, seq, [table for table, _ in parts], "pulled")
+            for (table, positions), reply in zip(parts, replies):
+                cache = self.caches[table]
+                pulled[table] += nbytes_of(reply)
+                cache.install(needed[table][1].index_select(0, positions), reply[0],
+                              dict(zip(cache.table.state_names, reply[1:])),
+                              fresh_for=self._step)
+        return pulled
+
+    def _prefetch(self, tables: list[str]) -> None:
+        """Ask now for the next batch's missing rows of `tables`, in one
+        request per server, so the replies travel while this step computes.
+        Only where a row read a step early is allowed: one worker (its cache
+        holds the only writes), or staleness >= 1."""
+        if self._next_feeds is None:
+            return
+        wanted = []
+        for table in tables:
+            cache = self.caches[table]
+            feed = cache.table.ids_feed
+            settings = cache.table.settings
+            if feed is None or feed not in self._next_feeds or (
+                    not self.write_back[table] and (settings.max_staleness < 1
+                                                    or settings.policy is EvictionPolicy.NONE)):
+                continue
+            next_ids = self._next_feeds[feed].reshape(-1).to("cpu", torch.int64)
+            wanted.append((table, cache.uncached_ids(next_ids)))
+        by_server: dict[Label, list[tuple[str, torch.Tensor]]] = {}
+        for table, ids in wanted:
+            for server, positions in self._by_server(table, ids):
+                by_server.setdefault(server, []).append((table, ids.index_select(0, positions)))
+        for server, parts in by_server.items():
+            seq = self._request(server, Op.PULL, self._step,
+                                [(table, [ids]) for table, ids in parts])
+            self._prefetch_requests.append((server, seq, parts, self._step))
+
+    def _write_back(self, evicted: list[tuple[str, torch.Tensor, torch.Tensor]]
+                    ) -> dict[str, int]:
+        """Push the rows of each table's `ids` (in cache `slots`, not yet
+        overwritten) to their servers, one message per server for every
+        table; bytes pushed per table."""
+        by_server: dict[Label, list[tuple[str, list[torch.Tensor]]]] = {}
+        pushed = {}
+        for table, ids, slots in evicted:
+            if not self.write_back[table] or ids.numel() == 0:
+                continue
+            cache = self.caches[table]
+            pushed[table] = 0
+            for server, positions in self._by_server(table, ids):
+                rows, state = cache.rows_at(slots.index_select(0, positions))
+                tensors = [ids.index_select(0, positions), rows.cpu(),
+                           *(state[n].cpu() for n in cache.table.state_names)]
+                by_server.setdefault(server, []).append((table, tensors))
+                pushed[table] += nbytes_of(tensors)
+        for server, parts in by_server.items():
+            self._request(server, Op.PUSH, self._step, parts)
+        return pushed
+
+    # -- end of training, checkpoints --
+
+    def flush(self) -> None:
+        """Write every dirty row back (write-back mode); requests stay in order,
+        so a later dump sees them."""
+        dirty = [(table, *cache.dirty_slots()) for table, cache in self.caches.items()]
+        for table, pushed in self._write_back(dirty).items():
+            self.caches[table].counters.bytes_pushed += pushed
+
+    def drain_prefetch(self) -> None:
+        """Take the replies of prefetches no step will use (the last batch's)."""
+        for server, seq, _, _ in self._prefetch_requests:
+            self._reply(server, seq)
+        self._prefetch_requests = []
+        self._prefetched.clear()
+
+    def save_rows(self, directory: str, steps_done: int) -> dict[str, bytes]:
+        """Worker 0, for a sharded checkpoint: every server writes its rows of
+        every table into `directory` (after the dirty rows went back and every
+        step's updates are in); their reports, by server."""
+        self.drain_prefetch()
+        self.flush()
+        path = torch.frombuffer(bytearray(directory.encode()), dtype=torch.uint8)
+        requests = [(server, self._request(server, Op.SAVE, steps_done, [], [path]))
+                    for server in self.servers]
+        return {str(server): bytes(self._reply(server, seq)[0].numpy())
+                for server, seq in requests}
+
+    def dump(self, steps_done: int) -> dict[str, torch.Tensor]:
+        """Worker 0: every table and its row state, whole, from the servers."""
+        self.drain_prefetch()
+        self.flush()
+        result = {}
+        for table in self.tables:
+            rows = torch.empty(table.num_rows, table.dim, dtype=table.dtype)
+            state = {n: torch.empty_like(rows) for n in table.state_names}
+            requests = [(server, self._request(server, Op.DUMP, steps_done, [(table.key, [])]))
+                        for server in self.servers]
+            for server, seq in requests:
+                reply = self._reply(server, seq)
+                ids = self.sharding[table.key].ids_of(server.rank)
+                rows[ids] = reply[0]
+                for name, value in zip(table.state_names, reply[1:]):
+                    state[name][ids] = value
+            result[table.key] = rows
+            result.update({f"{table.key}.{n}": v for n, v in state.items()})
+        return result

@@ -1,0 +1,85 @@
+"""Messages between workers' row caches and the servers' table shards.
+
+Out of the step's plan, on the ordinary tensor transport: worker r sends
+requests on `@emb:w<r>`, server k answers on `@emb:s<k>`. A message key's step
+field carries the request's sequence number (so every message has its own
+key); the training step is in the header. A request names the tables it is
+about, so one message per server carries every table's part of a step:
+
+    [header int64[3] = (op, step, number of tables), table indices int64[n],
+     then each table's tensors, in the order of the indices]
+
+    PULL   per table: ids                       -> per table: rows, *state
+                                                   (state: write-back tables)
+    PUSH   per table: ids, rows, *state         (write-back: evicted or flushed dirty rows)
+    GRADS  per table: ids, grads, lr, step      (several workers: this worker's gradients)
+    DUMP   one table, nothing else              -> rows, *state of the whole shard
+    SAVE   no table; the directory (uint8, utf-8) -> [report (uint8)]: the server
+                                                   writes its rows of every table there
+
+`step` in a PULL's header is the step the rows must be fresh for: with several
+workers the server answers once the updates of every earlier step are applied.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import torch
+
+from splitrun.splitter.labels import Label
+
+from ...errors import MessageRejected
+from ...transport.protocol import OUT_OF_PLAN
+
+__all__ = ["Op", "request_channel", "reply_channel", "request", "read_request"]
+
+
+class Op(IntEnum):
+    PULL = 1
+    PUSH = 2
+    GRADS = 3
+    DUMP = 4
+    SAVE = 5
+
+
+PREFIX = f"{OUT_OF_PLAN}emb:"
+
+
+def request_channel(worker: Label) -> str:
+    return f"{PREFIX}{worker}"
+
+
+def reply_channel(server: Label) -> str:
+    return f"{PREFIX}{server}"
+
+
+def request(op: Op, step: int, tables: list[int], parts: list[list[torch.Tensor]] | None = None,
+            extra: list[torch.Tensor] = ()) -> list[torch.Tensor]:
+    """The tensors of one request: header, table indices, each table's part
+    (`parts`, in the order of `tables`), then `extra`."""
+    tensors = [torch.tensor([int(op), step, len(tables)], dtype=torch.int64),
+               torch.tensor(tables, dtype=torch.int64)]
+    for part in parts or ():
+        tensors += part
+    return tensors + list(extra)
+
+
+def read_request(tensors: list[torch.Tensor]) -> tuple[Op, int, list[int], list[torch.Tensor]]:
+    """(op, step, table indices, the tensors after them)."""
+    if len(tensors) < 2:
+        raise MessageRejected(f"an embedding request holds a header and table indices, got "
+                              f"{len(tensors)} tensors")
+    header, tables = tensors[0], tensors[1]
+    if header.dtype != torch.int64 or header.shape != (3,):
+        raise MessageRejected(f"an embedding request header is int64[3], got "
+                              f"{str(header.dtype).removeprefix('torch.')}{list(header.shape)}")
+    op, step, count = (int(v) for v in header)
+    if tables.dtype != torch.int64 or tables.shape != (count,):
+        raise MessageRejected(f"an embedding request's table indices are int64[{count}], got "
+                              f"{str(tables.dtype).removeprefix('torch.')}{list(tables.shape)}")
+    try:
+        return Op(op), step, [int(t) for t in tables], tensors[2:]
+    except ValueError:
+        raise MessageRejected(f"unknown embedding request op {op}; known: "
+                              f"{', '.join(o.name for o in Op)}") from None

@@ -1,0 +1,307 @@
+"""A server's slices of the cached tables, and the thread that serves the
+workers' requests (see protocol.py: one request carries every table's part).
+
+Requests are handled one at a time in arrival order, so a worker's write-back
+of a row is applied before its later pull of the same row. With several
+workers, gradients of a step are applied once every worker's arrived (in
+worker order, averaged, as parameter-server mode does), and a pull or dump that
+needs a step's updates waits, parked, until they are applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from splitrun.splitter.cached_tables import CachedTable
+from splitrun.splitter.labels import Cluster, Label
+from splitrun.splitter.sparse_optim import IN_PLACE
+
+from ...errors import MessageRejected, SplitrunError
+from ...transport.protocol import MessageKey, Transport
+from .protocol import Op, read_request, reply_channel
+from .sharding import RowSharding
+
+__all__ = ["EmbeddingStore", "ShardSnapshot"]
+
+logger = logging.getLogger(__name__)
+
+# How often the serving thread looks at its stop flag while idle.
+_IDLE_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class ShardSnapshot:
+    """A server's rows of one table, for a sharded checkpoint: rows
+    [first_row, first_row + len(ids)) of the table in hash order."""
+
+    table: str                          # the table's state key
+    num_rows: int                       # rows of the whole table
+    first_row: int
+    ids: torch.Tensor                   # the ids of these rows
+    tensors: dict[str, torch.Tensor]    # state key -> these rows (the table, its row state)
+
+
+# A sharded save: (directory, step, this server's shards) -> the writer's report.
+SaveHandler = Callable[[str, int, list[ShardSnapshot]], bytes]
+
+
+@dataclass
+class _Group:
+    """Tables whose rows one row-wise update call can train together (same
+    width, dtype, optimizer and settings): their shards are consecutive row
+    ranges of one buffer (and one per row state)."""
+
+    rows: torch.Tensor
+    state: dict[str, torch.Tensor]
+
+
+@dataclass
+class _Shard:
+    table: CachedTable
+    sharding: RowSharding
+    rows: torch.Tensor                      # a view of its group's rows
+    state: dict[str, torch.Tensor]
+    applied_step: int                       # updates of steps <= this are in
+    write_back: bool                        # the worker updates rows it caches
+    group: _Group
+    base: int                               # its first row in the group's buffer
+    pending: dict[int, dict[int, tuple]] = field(default_factory=dict)  # step -> worker -> grads
+
+
+def _group_key(table: CachedTable) -> tuple:
+    return (table.dim, table.dtype, table.state_names, table.optimizer,
+            tuple(sorted(table.optimizer_settings.items())))
+
+
+def _part_size(op: Op, shard: _Shard) -> int:
+    """Tensors per table in a request (see protocol.py)."""
+    if op is Op.PUSH:
+        return 2 + len(shard.table.state_names)
+    return 4 if op is Op.GRADS else 1
+
+
+class EmbeddingStore:
+    def __init__(self, tables: list[CachedTable], label: Label, cluster: Cluster,
+                 transport: Transport, incarnation: int,
+                 initial: Mapping[str, torch.Tensor], first_step: int = 0) -> None:
+        self.label = label
+        self.cluster = cluster
+        self.transport = transport
+        self.incarnation = incarnation
+        self._tag = f"[{label.describe()}]"
+        self.shards = []
+        members: dict[tuple, list[CachedTable]] = {}
+        for table in tables:
+            members.setdefault(_group_key(table), []).append(table)
+        shard_of = {}
+        for group_tables in members.values():
+            shardings = [RowSharding(t.num_rows, cluster.num_servers) for t in group_tables]
+            sizes = [sharding.shard_size(label.rank) for sharding in shardings]
+            first = group_tables[0]
+            group = _Group(torch.empty(sum(sizes), first.dim, dtype=first.dtype),
+                           {n: torch.empty(sum(sizes), first.dim, dtype=first.dtype)
+                            for n in first.state_names})
+            base = 0
+            for table, sharding, size in zip(group_tables, shardings, sizes):
+                ids = sharding.ids_of(label.rank)
+                rows = group.rows[base:base + size]
+                torch.index_select(initial[table.key], 0, ids, out=rows)
+                state = {}
+                for name in table.state_names:
+                    state[name] = group.state[name][base:base + size]
+                    torch.index_select(initial[f"{table.key}.{name}"], 0, ids, out=state[name])
+                shard_of[table.key] = _Shard(table, sharding, rows, state, first_step - 1,
+                                             table.settings.write_back(cluster.num_workers),
+                                             group, base)
+                base += size
+        self.shards = [shard_of[table.key] for table in tables]
+        # Row-wise update calls run (one per group and step with several workers).
+        self.update_calls = 0
+        self._inbox: queue.Queue = queue.Queue()
+        self._parked: list[tuple[MessageKey, Label, list[torch.Tensor]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True,
+                                        name=f"splitrun-embedding-{label}")
+        self.error: BaseException | None = None
+        self.requests_served = 0
+        self._request_hook: Callable[[int], None] | None = None
+        self._save_handler: SaveHandler | None = None
+
+    def set_request_hook(self, hook: Callable[[int], None] | None) -> None:
+        """Call `hook(step)` in the serving thread before each request of that
+        training step is handled (a profiler of the server's work hooks in
+        here: the serving thread is where it runs)."""
+        self._request_hook = hook
+
+    def set_save_handler(self, handler: SaveHandler) -> None:
+        """What writes this server's rows when worker 0 asks for a sharded save."""
+        self._save_handler = handler
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout=timeout_s)
+
+    def on_message(self, key: MessageKey, src: Label, tensors: list[torch.Tensor]) -> None:
+        """Called by the transport's receiving thread: queue it, never block."""
+        self._inbox.put((key, src, tensors))
+
+    # -- serving --
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                key, src, tensors = self._inbox.get(timeout=_IDLE_POLL_S)
+            except queue.Empty:
+                continue
+            try:
+                if self._request_hook is not None:
+                    self._request_hook(read_request(tensors)[1])
+                self._handle(key, src, tensors)
+                self.requests_served += 1
+            except BaseException as exc:  # noqa: BLE001 - the job must learn about it
+                self.error = exc
+                logger.error("%s embedding request %s from %s failed: %s", self._tag, key,
+                             src.describe(), exc)
+                self.transport.abort(SplitrunError(
+                    f"{self._tag} embedding store failed on a request from "
+                    f"{src.describe()}: {exc}"))
+                return
+
+    def _handle(self, key: MessageKey, src: Label, tensors: list[torch.Tensor]) -> None:
+        op, step, indices, rest = read_request(tensors)
+        for index in indices:
+            if not 0 <= index < len(self.shards):
+                raise MessageRejected(f"{self._tag} embedding request from {src.describe()} "
+                                      f"names table {index}; this job caches "
+                                      f"{len(self.shards)} tables")
+        shards = [self.shards[i] for i in indices]
+        if op is Op.PUSH:
+            for shard, (ids, rows, *state) in zip(shards, self._parts(rest, shards, op)):
+                local = shard.sharding.local_index(ids, self.label.rank)
+                shard.rows.index_copy_(0, local, rows)
+                for name, value in zip(shard.table.state_names, state):
+                    shard.state[name].index_copy_(0, local, value)
+        elif op is Op.GRADS:
+            complete = []
+            for shard, part in zip(shards, self._parts(rest, shards, op)):
+                shard.pending.setdefault(step, {})[src.rank] = tuple(part)
+                if len(shard.pending[step]) == self.cluster.num_workers:
+                    complete.append((shard, shard.pending.pop(step)))
+            if complete:
+                self._apply(complete, step)
+                self._retry_parked()
+        elif op is Op.SAVE:
+            if all(self._ready(s, op, step) for s in self.shards):
+                self._save(key, src, step, rest[0])
+            else:
+                self._parked.append((key, src, tensors))
+        elif op in (Op.PULL, Op.DUMP):
+            if all(self._ready(shard, op, step) for shard in shards):
+                self._answer(key, src, op, shards, rest)
+            else:
+                self._parked.append((key, src, tensors))
+        else:
+            raise MessageRejected(f"unknown embedding request {op}")
+
+    def _parts(self, tensors: list[torch.Tensor], shards: list[_Shard], op: Op
+               ) -> list[list[torch.Tensor]]:
+        """Each table's tensors of a PUSH, GRADS or PULL request."""
+        sizes = [_part_size(op, shard) for shard in shards]
+        if sum(sizes) != len(tensors):
+            raise MessageRejected(f"{self._tag} embedding {op.name} for {len(shards)} tables "
+                                  f"holds {len(tensors)} tensors after its header; expected "
+                                  f"{sum(sizes)}")
+        parts, start = [], 0
+        for size in sizes:
+            parts.append(tensors[start:start + size])
+            start += size
+        return parts
+
+    def _ready(self, shard: _Shard, op: Op, step: int) -> bool:
+        """With several workers, a pull fresh for `step` (or a dump after
+        `step` steps) needs every earlier step's updates."""
+        return shard.write_back or shard.applied_step >= step - 1
+
+    def _retry_parked(self) -> None:
+        parked, self._parked = self._parked, []
+        for key, src, tensors in parked:
+            self._handle(key, src, tensors)
+
+    def _answer(self, key, src, op, shards: list[_Shard], tensors) -> None:
+        reply = []
+        if op is Op.PULL:
+            for shard, (ids,) in zip(shards, self._parts(tensors, shards, op)):
+                local = shard.sharding.local_index(ids, self.label.rank)
+                reply.append(shard.rows.index_select(0, local))  # faster than rows[local]
+                if shard.write_back:  # the row's optimizer state travels with it
+                    reply += [shard.state[n].index_select(0, local)
+                              for n in shard.table.state_names]
+        else:
+            for shard in shards:
+                reply += [shard.rows.clone(),
+                          *(shard.state[n].clone() for n in shard.table.state_names)]
+        self.transport.send(src, MessageKey(self.incarnation, key.step, reply_channel(self.label)),
+                            reply)
+
+    def _save(self, key: MessageKey, src: Label, step: int, directory: torch.Tensor) -> None:
+        if self._save_handler is None:
+            raise MessageRejected(f"{self._tag} got a sharded save request from "
+                                  f"{src.describe()} but has no checkpoint writer")
+        snapshots = []
+        for shard in self.shards:
+            rank = self.label.rank
+            tensors = {shard.table.key: shard.rows}
+            tensors.update({f"{shard.table.key}.{n}": shard.state[n]
+                            for n in shard.table.state_names})
+            snapshots.append(ShardSnapshot(shard.table.key, shard.table.num_rows,
+                                           shard.sharding.bounds[rank],
+                                           shard.sharding.ids_of(rank), tensors))
+        report = self._save_handler(bytes(directory.numpy()).decode(), step, snapshots)
+        self.transport.send(src, MessageKey(self.incarnation, key.step, reply_channel(self.label)),
+                            [torch.frombuffer(bytearray(report), dtype=torch.uint8)])
+
+    def _apply(self, complete: list[tuple[_Shard, dict[int, tuple]]], step: int) -> None:
+        """The step's update of these tables from every worker's gradient:
+        concatenated in worker order, averaged, then the row-wise optimizer
+        (as parameter-server mode), one call per group of tables trained
+        alike (their rows one buffer: each table's local rows offset by its
+        base). Each worker sends each id once (its gradient summed per unique
+        id): with one worker the rows need no coalescing here."""
+        num_workers = self.cluster.num_workers
+        by_group: dict[int, list[tuple[_Shard, dict[int, tuple]]]] = {}
+        for shard, grads in complete:
+            by_group.setdefault(id(shard.group), []).append((shard, grads))
+        for members in by_group.values():
+            rates = {(float(g[0][2]), float(g[0][3])) for _, g in members}
+            calls = [members] if len(rates) == 1 else [[m] for m in members]
+            for call in calls:
+                self._update(call, num_workers)
+        for shard, _ in complete:
+            shard.applied_step = step
+
+    def _update(self, members: list[tuple[_Shard, dict[int, tuple]]], num_workers: int) -> None:
+        """One row-wise update call over the shards of `members` (one group,
+        the same learning rate and step count)."""
+        local, values = [], []
+        for shard, grads in members:
+            ordered = [grads[rank] for rank in range(num_workers)]
+            ids = torch.cat([g[0] for g in ordered])
+            local.append(shard.sharding.local_index(ids, self.label.rank) + shard.base)
+            values.append(torch.cat([g[1] for g in ordered]))
+        first, grads = members[0]
+        lr, step_count = grads[0][2], grads[0][3]
+        table, group = first.table, first.group
+        # In place: replies and dumps send copies of the rows.
+        IN_PLACE[table.optimizer](group.rows, torch.cat(local), torch.cat(values) / num_workers,
+                                  lr, step_count, *(group.state[n] for n in table.state_names),
+                                  is_coalesced=num_workers == 1, **table.optimizer_settings)
+        self.update_calls += 1

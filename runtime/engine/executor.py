@@ -1,0 +1,341 @@
+"""The executor: runs one process's share of a split plan, step after step.
+
+Local ops run on the process's device; a SEND hands tensors to the transport
+(never blocking on the receiver); a RECV waits on the mailbox with a deadline
+(the transport checked the message against its channel's receive contract
+when it arrived). Values are freed
+after their last use, as `torch.fx.Interpreter` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from splitrun.splitter.labels import Label
+from splitrun.splitter.plan import OpKind, SplitPlan
+from splitrun.splitter.program import Program
+
+from ..errors import MessageRejected, RecvTimeout, SplitrunError, StepFailed
+from ..transport.dtypes import nbytes_of
+from ..transport.protocol import MessageKey, Transport
+from .tiles import find_tiled_runs
+
+__all__ = ["Executor", "ExecutorStats", "ChannelStats", "Waiting"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ChannelStats:
+    messages: int = 0
+    bytes: int = 0
+    wait_s: float = 0.0  # receives only: time blocked waiting for this channel
+
+
+@dataclass
+class ExecutorStats:
+    """Counters since the executor started; `recv_wait_s` is time spent blocked
+    in receives, `busy_s` the rest of the step time."""
+
+    steps: int = 0
+    sent: dict[str, ChannelStats] = field(default_factory=lambda: defaultdict(ChannelStats))
+    received: dict[str, ChannelStats] = field(default_factory=lambda: defaultdict(ChannelStats))
+    recv_wait_s: float = 0.0
+    step_s: float = 0.0
+
+    @property
+    def messages_sent(self) -> int:
+        return sum(c.messages for c in self.sent.values())
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(c.bytes for c in self.sent.values())
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(c.bytes for c in self.received.values())
+
+    def as_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "step_s": round(self.step_s, 6),
+            "recv_wait_s": round(self.recv_wait_s, 6),
+            "sent": {k: vars(v) for k, v in sorted(self.sent.items())},
+            "received": {k: vars(v) for k, v in sorted(self.received.items())},
+        }
+
+
+class _Ref:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _binder(args, kwargs):
+    """A function env -> (args, kwargs) with node references filled in."""
+    flat = all(not isinstance(a, (list, tuple, dict)) for a in args)
+    if flat and not any(isinstance(v, (_Ref, list, tuple, dict)) for v in kwargs.values()):
+        refs = [(i, a.name) for i, a in enumerate(args) if isinstance(a, _Ref)]
+        template = list(args)
+
+        def bind_flat(env):
+            values = template.copy()
+            for i, name in refs:
+                values[i] = env[name]
+            return values, kwargs
+        return bind_flat
+
+    def resolve(obj, env):
+        if isinstance(obj, _Ref):
+            return env[obj.name]
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(resolve(o, env) for o in obj)
+        if isinstance(obj, dict):
+            return {k: resolve(v, env) for k, v in obj.items()}
+        return obj
+
+    return lambda env: (resolve(args, env), resolve(kwargs, env))
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A receive inside a step: from whom, since when (time.monotonic())."""
+
+    peer: Label
+    since: float
+
+
+class Executor:
+    """Runs `label`'s subgraph of `plan`. Call `load_state`, then `run_step`."""
+
+    def __init__(self, plan: SplitPlan, program: Program, label: Label, transport: Transport, *,
+                 device: str | torch.device = "cpu", incarnation: int = 0,
+                 recv_timeout_s: float = 60.0,
+                 bindings: Mapping[Callable, Callable] | None = None,
+                 tile_pointwise: bool = True) -> None:
+        """`program`: the one the plan's node names refer to (`SplitProgram.program`).
+        `bindings` implement marker ops of the graph with runtime objects
+        (the embedding cache binds `cached_lookup` and `cached_update`).
+        `tile_pointwise`: run chains of elementwise ops over large CPU tensors
+        tile by tile (`tiles`; same results, less memory traffic);
+        it may be changed between steps."""
+        self.program = program
+        self.plan = plan
+        self.label = label
+        self.proc = plan.process(label)
+        self.transport = transport
+        self.device = torch.device(device)
+        self.incarnation = incarnation
+        self.recv_timeout_s = recv_timeout_s
+        self.tile_pointwise = tile_pointwise
+        self.state: dict[str, torch.Tensor] = {}
+        self.stats = ExecutorStats()
+        self._bindings = dict(bindings or {})
+        self._waiting: Waiting | None = None
+        self._tag = f"[{label.describe()}]"
+        self._nodes: dict[str, fx.Node] = {n.name: n for n in self.program.graph.nodes}
+        self._compile()
+
+    # -- setup --
+
+    def _compile(self) -> None:
+        program, proc = self.program, self.proc
+        self._state_nodes = {key: program.input_for_key(key).node for key in proc.state}
+        self._feed_nodes = {key: program.input_for_key(key).node for key in proc.feeds}
+        self._output_nodes = {o.key: o.node for o in program.outputs if o.key in set(proc.outputs)}
+        self._state_updates = {}
+        for key in proc.state:
+            spec = program.state_output(key)
+            if spec is not None:
+                self._state_updates[key] = spec.node
+        self._constants = {n.name: getattr(program.graph_module, n.target)
+                           for n in self._nodes.values() if n.op == "get_attr"}
+
+        ops = []
+        for instr in proc.schedule:
+            if instr.kind is OpKind.RUN:
+                node = self._nodes[instr.target]
+                args = fx.node.map_arg(node.args, lambda n: _Ref(n.name))
+                kwargs = dict(fx.node.map_arg(node.kwargs, lambda n: _Ref(n.name)))
+                if isinstance(kwargs.get("device"), torch.device):
+                    kwargs["device"] = self.device  # graphs are captured on CPU
+                target = self._bindings.get(node.target, node.target)
+                ops.append((OpKind.RUN, node.name, target, _binder(args, kwargs)))
+            else:
+                channel = self.plan.channel(instr.target)
+                if instr.kind is OpKind.SEND:
+                    ops.append((OpKind.SEND, channel.name, channel.dst, channel.values))
+                else:
+                    ops.append((OpKind.RECV, channel.name, channel.src, channel.recv_names))
+        self._ops = ops
+        self._free_after, last_use = self._last_uses(ops)
+        kept = set(self._output_nodes.values()) | set(self._state_updates.values())
+        scheduled = [self._nodes[name] if kind is OpKind.RUN and target is self._nodes[name].target
+                     else None for kind, name, target, _ in ops]
+        self._tiled = {}  # first index -> (last index, run)
+        if self.device.type == "cpu":
+            self._tiled = {first: (last, run) for first, last, run in find_tiled_runs(
+                scheduled, lambda name, i: name in kept or last_use.get(name, -1) > i)}
+
+    def _last_uses(self, ops) -> tuple[list[list[str]], dict[str, int]]:
+        keep = set(self._output_nodes.values()) | set(self._state_updates.values())
+        last: dict[str, int] = {}
+        for index, (kind, name, _, payload) in enumerate(ops):
+            if kind is OpKind.RUN:
+                for arg in self._nodes[name].all_input_nodes:
+                    last[arg.name] = index
+            elif kind is OpKind.SEND:
+                for value in payload:
+                    last[value] = index
+        free_after: list[list[str]] = [[] for _ in ops]
+        for name, index in last.items():
+            if name not in keep and name not in self._constants:
+                free_after[index].append(name)
+        return free_after, last
+
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Take the state this process owns from `state` (a full or partial dict)."""
+        missing = [key for key in self.proc.state if key not in state]
+        if missing:
+            raise SplitrunError(
+                f"{self._tag} state {', '.join(map(repr, missing))} is missing; this "
+                f"process owns {', '.join(self.proc.state)}")
+        self.state = {key: state[key].detach().to(self.device) for key in self.proc.state}
+
+    # -- one step --
+
+    def run_step(self, step: int, feeds: Mapping[str, torch.Tensor], *,
+                 first_recv_timeout_s: float | None = None,
+                 control: tuple[str, Callable] | None = None) -> dict[str, torch.Tensor]:
+        """Run this process's subgraph once; return the outputs delivered here.
+
+        For a process that serves steps: `first_recv_timeout_s` bounds the
+        step's first receive instead of `recv_timeout_s` (the next step may be
+        long in coming), and `control = (channel, handler)` hands messages on
+        that channel to the handler while the first receive waits, i.e. between
+        steps.
+        """
+        started = time.perf_counter()
+        env: dict[str, object] = dict(self._constants)
+        for key, node in self._state_nodes.items():
+            env[node] = self.state[key]
+        for key, node in self._feed_nodes.items():
+            if key not in feeds:
+                raise SplitrunError(
+                    f"{self._tag} step {step}: feed {key!r} is missing; this process "
+                    f"reads {', '.join(self.proc.feeds)}")
+            env[node] = feeds[key].to(self.device, non_blocking=True)
+
+        index = 0
+        while index < len(self._ops):
+            kind, name, target, payload = self._ops[index]
+            tiled = self._tiled.get(index) if self.tile_pointwise else None
+            if tiled is not None and tiled[1].can_tile(env):
+                last, run = tiled
+                self._run_tiled(step, run, env)
+                for done in range(index, last + 1):
+                    for dead in self._free_after[done]:
+                        env.pop(dead, None)
+                index = last + 1
+                continue
+            if kind is OpKind.RUN:
+                args, kwargs = payload(env)
+                try:
+                    env[name] = target(*args, **kwargs)
+                except Exception as exc:
+                    module = self.program.module_of(self._nodes[name])
+                    where = f" (module {module!r})" if module else ""
+                    raise StepFailed(
+                        f"{self._tag} step {step}: node {name}{where} "
+                        f"({getattr(target, '__name__', target)}) raised "
+                        f"{type(exc).__name__}: {exc}") from exc
+            elif kind is OpKind.SEND:
+                tensors = [env[v] for v in payload]
+                self.transport.send(target, MessageKey(self.incarnation, step, name), tensors)
+                counter = self.stats.sent[name]
+                counter.messages += 1
+                counter.bytes += nbytes_of(tensors)
+            else:
+                timeout, between_steps = self.recv_timeout_s, None
+                # A serving process's first receive waits for the next step: idle.
+                idle = first_recv_timeout_s is not None
+                if first_recv_timeout_s is not None:
+                    timeout, first_recv_timeout_s = first_recv_timeout_s, None
+                if control is not None:
+                    between_steps = (MessageKey(self.incarnation, step, control[0]), control[1])
+                    control = None
+                self._receive(step, name, target, payload, env, timeout, between_steps,
+                              idle=idle)
+            for dead in self._free_after[index]:
+                env.pop(dead, None)
+            index += 1
+
+        outputs = {key: self._owned(env[node]) for key, node in self._output_nodes.items()}
+        for key, node in self._state_updates.items():
+            self.state[key] = self._owned(env[node])
+        self.stats.steps += 1
+        self.stats.step_s += time.perf_counter() - started
+        return outputs
+
+    def _run_tiled(self, step: int, run, env) -> None:
+        try:
+            run.run(env)
+        except Exception as exc:
+            raise StepFailed(
+                f"{self._tag} step {step}: the elementwise ops {', '.join(run.names)}, run "
+                f"tile by tile, raised {type(exc).__name__}: {exc} (Executor("
+                f"tile_pointwise=False) runs them op by op)") from exc
+
+    def _owned(self, value):
+        """`value`, copied if it views memory the transport lent for a receive:
+        what outlives the step must not hold the sender's ring room."""
+        if isinstance(value, torch.Tensor) and self.transport.is_lent(value):
+            return value.clone()
+        return value
+
+    @property
+    def waiting_on(self) -> Waiting | None:
+        """The peer this process waits for inside a step (not between steps)."""
+        return self._waiting
+
+    def _receive(self, step, channel, src, recv_names, env, timeout_s, control, *,
+                 idle: bool = False) -> None:
+        key = MessageKey(self.incarnation, step, channel)
+        waited = time.perf_counter()
+        since = time.monotonic()
+        if not idle:
+            self._waiting = Waiting(src, since)
+        try:
+            if control is None:
+                tensors = self.transport.recv(src, key, timeout_s)
+            else:
+                tensors = self.transport.recv(src, key, timeout_s, control=control)
+        except RecvTimeout as exc:  # say whom this step waited on, and how long
+            raise RecvTimeout(str(exc), peer=src,
+                              waited_s=time.monotonic() - since) from None
+        finally:
+            self._waiting = None
+        waited = time.perf_counter() - waited
+        self.stats.recv_wait_s += waited
+        if len(tensors) != len(recv_names):
+            raise MessageRejected(
+                f"{self._tag} step {step}: channel {channel!r} from {src.describe()} "
+                f"carried {len(tensors)} tensors, the plan expects {len(recv_names)}")
+        for name, tensor in zip(recv_names, tensors):
+            env[name] = tensor if tensor.device == self.device else tensor.to(self.device)
+        counter = self.stats.received[channel]
+        counter.messages += 1
+        counter.bytes += nbytes_of(tensors)
+        counter.wait_s += waited
+
+    def abort(self, error: BaseException) -> None:
+        self.transport.abort(error)
+

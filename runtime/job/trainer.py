@@ -1,0 +1,302 @@
+"""The trainer: runs this process's share of the split step. Workers loop
+over their batches (`step`, `run`), save the job together (`save`) and end
+with `finish`; a server's `finish` serves steps until the workers are done."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from splitrun.splitter.graph_splitter import SplitProgram
+from splitrun.splitter.labels import Label
+from splitrun.splitter.plan import ModeKind, SplitPlan
+from splitrun.splitter.program import Program
+
+from ..checkpoints.gather import (
+    CONTROL_CHANNEL,
+    StateGather,
+    control_channels,
+    final_state_channel,
+)
+from ..checkpoints.saving import Checkpointer
+from ..cluster.rendezvous import Rendezvous
+from ..engine.process import ProcessRuntime
+from ..errors import JobFinished, PeerFailed, SplitrunError, TransportError
+from ..transport.contract import receive_contracts
+from .data import shard_batches
+from .member import JobMember
+from .metrics import StepMetrics
+from .progress import Progress
+
+__all__ = ["Trainer", "start_trainer"]
+
+logger = logging.getLogger(__name__)
+
+
+class Trainer:
+    """Runs this process's share of the split step."""
+
+    def __init__(self, job: JobMember, split: SplitProgram, process: ProcessRuntime, *,
+                 gather_state: bool, num_steps: int | None, first_step: int = 0,
+                 source: Program | None = None,
+                 on_outputs: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+                 ) -> None:
+        self.job = job
+        # Sees every step's outputs delivered to this process, a server's too.
+        self._on_outputs = on_outputs
+        self.split = split
+        self.source = source or split.program  # the captured program: checkpoints' keys
+        self.process = process
+        self.gather_state = gather_state
+        self.steps_done = first_step
+        self.final_state: dict[str, torch.Tensor] | None = None
+        self._progress = Progress(num_steps, enabled=job.is_driver)
+        self._metrics = (StepMetrics(job.settings.metrics_dir, job.label)
+                         if job.settings.metrics_dir else None)
+        self._finished = False
+        settings = job.settings
+        self._gather = StateGather(job.label, job.incarnation, job.transport, split, process,
+                                   settings.finish_timeout_s)
+        self._checkpointer = Checkpointer(self._gather, self.source, client=job.client,
+                                          every=settings.checkpoint_every,
+                                          directory=settings.checkpoint_dir)
+
+    @property
+    def plan(self) -> SplitPlan:
+        return self.split.plan
+
+    @property
+    def program(self) -> Program:
+        """The program this process runs (the mode's rewrite of the captured one)."""
+        return self.split.program
+
+    @property
+    def stats(self):
+        return self.process.stats
+
+    @property
+    def cache_counters(self) -> dict[str, dict]:
+        """Embedding-cache mode: per table, lookups, unique ids, hits, misses,
+        evictions and bytes pulled and pushed (totals and the last step's)."""
+        return self.process.cache_counters
+
+    def run(self, batches):
+        """Step through `batches`, yielding each step's outputs; each step also
+        gets the next batch, so an embedding cache prefetches its rows. A
+        step's hyperparameters are read before the next batch is taken, so a
+        learning-rate schedule stepped while `batches` makes a batch applies
+        from that batch's step on, as in a loop of `step`."""
+        iterator = iter(batches)
+        current = next(iterator, None)
+        while current is not None:
+            hparams = self.process.hparams(self.steps_done)
+            following = next(iterator, None)
+            yield self.step(current, next_batch=following, hparams=hparams)
+            current = following
+
+    def step(self, batch, next_batch=None, *, hparams=None) -> dict[str, torch.Tensor]:
+        """Run one training step on this worker; returns the outputs delivered
+        here (the loss, on worker 0). `next_batch` (optional) lets an embedding
+        cache fetch the next step's missing rows while this one computes.
+        `hparams`: the step's hyperparameters if read already (`run` does)."""
+        if not self.job.is_worker:
+            raise SplitrunError(
+                f"[{self.job.label.describe()}] servers do not run the training loop; "
+                f"call trainer.finish() on servers (it serves steps until the workers "
+                f"finish), or loop over trainer.shard(batches), which is empty on servers")
+        if self._finished:
+            raise SplitrunError("step() after finish()")
+        try:
+            outputs = self.process.run_step(
+                self.steps_done, _feeds_of(batch),
+                None if next_batch is None else _feeds_of(next_batch), hparams=hparams)
+        except TransportError as exc:
+            lost = self.job.scheduler_unreachable()
+            if lost is None:
+                self.job.report_failure(exc)
+                raise
+            # The scheduler's loss ended a peer first: that is the cause.
+            raise PeerFailed(f"job failed: {lost} (then: {exc})") from exc
+        except BaseException as exc:
+            self.job.report_failure(exc)
+            raise
+        self._record_outputs(outputs)
+        self.steps_done += 1
+        self.job.report_progress(self.steps_done)
+        self._checkpointer.save_periodically(self.steps_done)
+        loss = outputs.get("loss")
+        loss_value = None if loss is None else loss.item()
+        hit_rate = self.process.cache_hit_rate()
+        extra = "" if hit_rate is None else f"hit rate {hit_rate:.3f}"
+        self._progress.update(self.steps_done - 1, loss_value, extra)
+        self._record_metrics(loss_value)
+        return outputs
+
+    def _record_outputs(self, outputs: dict[str, torch.Tensor]) -> None:
+        if self._on_outputs is not None:
+            self._on_outputs(self.steps_done, outputs)
+
+    def _record_metrics(self, loss: float | None) -> None:
+        if self._metrics is not None:
+            self._metrics.record(self.steps_done - 1, loss=loss, stats=self.process.stats,
+                                 cache_counters=self.cache_counters)
+
+    def shard(self, batches):
+        """The batches this process trains on: in parameter-server mode worker
+        r of W gets rows [r*B/W, (r+1)*B/W) of every global batch; in general
+        mode every worker gets whole batches; servers get none."""
+        if not self.job.is_worker:
+            return iter(())
+        if self.plan.mode in (ModeKind.GENERAL, ModeKind.PARALLEL):
+            return iter(batches)
+        return shard_batches(batches, self.job.rank, self.job.cluster.num_workers)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write a checkpoint of the whole job's state after the steps done so
+        far. Every worker calls it at the same point of its loop; servers answer
+        between steps. (Servers, which have no loop, must not call it.)
+
+        `path` ending in .pt or .pth: one plain file, gathered on worker 0.
+        Any other path: a sharded `torch.distributed.checkpoint` directory in
+        which every process writes what it owns, on its own machine
+        (`checkpoints/sharded/`)."""
+        if not self.job.is_worker:
+            raise SplitrunError("save() is called by the workers; servers answer it between "
+                                "steps (guard it with `if job.is_worker:`)")
+        self._checkpointer.save(path, self.steps_done)
+
+    # -- finishing --
+
+    def _serve(self) -> None:
+        """A server's loop: run steps as their messages come, until the workers
+        finish (a receive for a step they never ran ends with JobFinished);
+        between steps it answers worker 0's checkpoint commands."""
+        settings = self.job.settings
+        if self.plan.process(self.job.label).is_idle:
+            if self.process.has_store:  # rows on the servers, everything else on workers
+                try:
+                    self.process.serve_rows(idle_timeout_s=settings.idle_timeout_s)
+                except JobFinished:
+                    return
+                except BaseException as exc:
+                    self.job.report_failure(exc)
+                    raise
+            return
+        control = (CONTROL_CHANNEL, self._on_control)
+        while True:
+            try:
+                outputs = self.process.serve_step(self.steps_done,
+                                                  first_recv_timeout_s=settings.idle_timeout_s,
+                                                  control=control)
+            except JobFinished:
+                return
+            except BaseException as exc:
+                self.job.report_failure(exc)
+                raise
+            self._record_outputs(outputs)
+            self.steps_done += 1
+            self.job.report_progress(self.steps_done)
+            self._record_metrics(None)
+
+    def _on_control(self, sender: Label, tensors: list[torch.Tensor]) -> None:
+        self._checkpointer.answer(sender, tensors, self.steps_done)
+
+    def finish(self) -> dict[str, torch.Tensor] | None:
+        """End training on this process and leave the job.
+
+        Workers report how many steps they ran; servers serve until then. With
+        `gather_state`, worker 0 then receives every process's final state and
+        returns it (a dict like `program.initial_state`); other processes return
+        None. Every process waits at a final barrier before closing, so no
+        message is sent to a process that is gone.
+        """
+        if self._finished:
+            return self.final_state
+        self._finished = True
+        job, transport, timeout = self.job, self.job.transport, self.job.settings.finish_timeout_s
+        try:
+            if job.is_worker:
+                transport.flush(timeout)
+                job.client.report_finished(job.label, self.steps_done)
+            else:
+                self._serve()
+            if self.gather_state:
+                self._gather_state()
+            transport.flush(timeout)
+            job.client.barrier("finish", job.label, timeout)
+            job.client.report_done(job.label)
+        except BaseException as exc:
+            job.report_failure(exc)
+            raise
+        finally:
+            elapsed = self._progress.close()
+            stats = self.process.stats
+            logger.info("[%s] %d steps in %.2f s; sent %d B in %d messages, received %d B; "
+                        "waited %.2f s in receives", job.label.describe(), self.steps_done,
+                        elapsed, stats.bytes_sent, stats.messages_sent, stats.bytes_received,
+                        stats.recv_wait_s)
+            for table, counters in self.cache_counters.items():
+                logger.info("[%s] cache %s: %s", job.label.describe(), table,
+                            {k: v for k, v in counters.items() if k != "last_step"})
+            if self._metrics is not None:
+                self._metrics.close()
+            self.process.close()
+            job.close()
+        return self.final_state
+
+    def _gather_state(self) -> None:
+        if self.job.is_driver:
+            state = self._gather.collect(final_state_channel, self.steps_done)
+            state.update(self.process.dump_tables(self.steps_done))
+            self.final_state = self._gather.full(state)
+        else:
+            self._gather.send(final_state_channel(self.job.label), self.steps_done)
+            self.process.drain_prefetch()
+
+
+def start_trainer(job: JobMember, split: SplitProgram, *,
+                  state: Mapping[str, torch.Tensor] | None, first_step: int = 0,
+                  rendezvous: Rendezvous | None = None, gather_state: bool = True,
+                  num_steps: int | None = None, source: Program | None = None,
+                  hparams: Callable[[int], dict[str, torch.Tensor]] | None = None,
+                  on_outputs: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+                  ) -> Trainer:
+    """Assemble `job`'s share of `split` and return its trainer: the one way a
+    process is put into a job, by `Job.start` and `run_threaded` alike. The
+    channels outside the plan (checkpoints, the final state) are registered
+    first, the plan's messages let in last, once the process is assembled."""
+    label, transport = job.label, job.transport
+    transport.register(control_channels(split.plan, split.program, label))
+    process = ProcessRuntime(split, label, transport, incarnation=job.incarnation,
+                             device=job.device, state=state, first_step=first_step,
+                             recv_timeout_s=job.settings.recv_timeout_s,
+                             rendezvous=rendezvous, hparams=hparams)
+    job.watch_waits(lambda: _waiting(process))  # the scheduler names a peer it waits on
+    # Set up: from here on a step that does not advance can stall a peer.
+    job.report_progress(first_step)
+    transport.expect(receive_contracts(split.plan, split.program, label))
+    return Trainer(job, split, process, gather_state=gather_state, num_steps=num_steps,
+                   first_step=first_step, source=source, on_outputs=on_outputs)
+
+
+def _waiting(process: ProcessRuntime) -> tuple[Label, float] | None:
+    waiting = process.executor.waiting_on
+    return None if waiting is None else (waiting.peer, time.monotonic() - waiting.since)
+
+
+def _feeds_of(batch) -> dict[str, torch.Tensor]:
+    """A batch as feeds: a dict as given, a tensor as `batch.0`, a sequence as
+    `batch.0`, `batch.1`, ... (the names capture gives the batch inputs)."""
+    if isinstance(batch, Mapping):
+        return dict(batch)
+    if isinstance(batch, torch.Tensor):
+        return {"batch.0": batch}
+    if isinstance(batch, Sequence):
+        return {f"batch.{i}": t for i, t in enumerate(batch)}
+    raise SplitrunError(
+        f"step() takes the batch as a tensor, a sequence of tensors or a dict "
+        f"of feeds, got {type(batch).__name__}")
