@@ -5,8 +5,10 @@ Both spend much of their time waiting (processes starting, heartbeats,
 deadlines) rather than computing, so each runs in pytest-xdist workers: the
 end-to-end tests with `--dist loadgroup`, which keeps together the tests that
 share a launched job or must not overlap (conftest.py's groups); the others
-with `--dist loadfile`, so a module's fixtures are made once. Their deadlines
-are sized for a loaded machine. The end-to-end output streams; the other tests'
+with `--dist loadfile`, so a module's fixtures are made once. Two end-to-end
+tests at once load the machine more than one did: their timing-sensitive
+checks (a step count at a kill, the stall timeout) have less slack.
+E2E_WORKERS = 1 runs them one after another. The end-to-end output streams; the other tests'
 output comes after it, as one block. The exit status is the first failing
 one's (0 when both pass; "no tests collected" in one of them, as when
 PYTEST_ARGS pick tests of one kind, is no failure).
