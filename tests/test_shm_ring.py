@@ -100,6 +100,7 @@ def test_message_larger_than_the_ring_streams_through_it(prefix):
         proc.kill()
 
 
+@pytest.mark.xdist_group("one_gib")  # one at a time under pytest-xdist
 @pytest.mark.slow
 def test_a_1_gib_tensor(prefix):
     numel = (1 << 30) // 4
