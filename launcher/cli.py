@@ -21,6 +21,7 @@ from splitrun.runtime.cluster.step_file import read_step
 from splitrun.runtime.errors import ClusterError
 from splitrun.runtime.rpc.tls import TlsFiles, check_bind
 from splitrun.runtime.transport.shm.job_files import (
+    STEP_FILE_SUFFIX,
     job_file_path,
     new_job_prefix,
     remove_job_segments,
@@ -556,7 +557,7 @@ def _run_once(args, token: str, tls: TlsFiles | None, supervisor: Supervisor,
         extra[ENV.RESTART_FROM] = restart_from
     # Each process keeps its steps done in a file under the job's prefix: a
     # process killed between two heartbeats is named at the step it reached.
-    step_files = {label: job_file_path(shm_prefix, str(label), ".step")
+    step_files = {label: job_file_path(shm_prefix, str(label), STEP_FILE_SUFFIX)
                   for label in _labels(args)}
 
     def step_of(label: Label) -> int | None:
