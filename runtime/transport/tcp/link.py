@@ -15,6 +15,7 @@ the gRPC control plane (see `server`).
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import ssl
 import threading
@@ -117,38 +118,55 @@ class DataLink:
             if self._num_confirmed == self._num_sent:
                 return
             try:
+                # A closing receiver says what it delivered before it goes.
+                if self._read_waiting() and self._num_confirmed >= self._num_sent:
+                    return
                 self._sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                self._sock.sendall(wire.frame(wire.SYNC))
-                while True:
-                    kind, body = _read_frame(self._sock)
-                    if kind == wire.DELIVERED:
-                        self._confirm(wire.count_of(body))
-                        if self._num_confirmed >= self._num_sent:
-                            return
-                    elif kind == wire.REFUSED:
-                        raise self._refused(body)
-                    else:
-                        raise self._fail(f"{self._tag} {self.peer.describe()} at "
-                                         f"{self.address} (tcp) answered a sync with frame "
-                                         f"kind {kind}")
+                try:
+                    self._sock.sendall(wire.frame(wire.SYNC))
+                except (OSError, ssl.SSLError):
+                    pass  # what the receiver said before it went is still readable
+                while self._num_confirmed < self._num_sent:
+                    self._take(*_read_frame(self._sock))
             except TimeoutError:
                 raise TransportError(
                     f"{self._tag} flush: {self._num_sent - self._num_confirmed} messages to "
                     f"{self.peer.describe()} at {self.address} (tcp) not confirmed in "
                     f"time") from None
-            except (OSError, ssl.SSLError) as exc:
-                raise self._broken("a flush", exc) from None
+            except (OSError, ssl.SSLError, wire.PeerClosed) as exc:
+                if self._num_confirmed < self._num_sent:
+                    raise self._broken("a flush", exc) from None
             finally:
                 if self._error is None:
                     self._sock.settimeout(self._settings.message_timeout_s)
 
+    def _read_waiting(self) -> bool:
+        """Take the frames already here without waiting; True if any came."""
+        came = False
+        while True:
+            pending = isinstance(self._sock, ssl.SSLSocket) and self._sock.pending()
+            if not pending and not select.select([self._sock], [], [], 0)[0]:
+                return came
+            self._take(*_read_frame(self._sock))
+            came = True
+
+    def _take(self, kind: int, body: bytes) -> None:
+        if kind == wire.DELIVERED:
+            self._confirm(wire.count_of(body))
+        elif kind == wire.REFUSED:
+            raise self._refused(body)
+        else:
+            raise self._fail(f"{self._tag} {self.peer.describe()} at {self.address} (tcp) "
+                             f"sent frame kind {kind}; expected a delivery count")
+
     def close(self, deadline: float) -> TransportError | None:
         """Flush, say goodbye, close; the flush's failure, if any."""
         problem = None
-        try:
-            self.flush(deadline)
-        except TransportError as exc:
-            problem = exc
+        if self._error is None:  # a known failure was reported already
+            try:
+                self.flush(deadline)
+            except TransportError as exc:
+                problem = exc
         with self._lock:
             self._is_closed = True
             if problem is None:

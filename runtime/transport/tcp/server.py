@@ -122,7 +122,11 @@ class DataServer:
             threads = list(self._threads)
         for conn in connections:
             try:
-                conn.shutdown(socket.SHUT_RDWR)
+                # Wakes the connection's thread at a frame boundary; it tells
+                # the sender how many messages it delivered, then closes.
+                # (socket's own shutdown: an SSLSocket's would drop its TLS state
+                # under the thread reading it.)
+                socket.socket.shutdown(conn, socket.SHUT_RD)
             except OSError:
                 pass
         if self._accepting is not None:
@@ -153,7 +157,9 @@ class DataServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(self.settings.hello_timeout_s)
             if self._tls is not None:
-                sock = self._tls.wrap_socket(conn, server_side=True)
+                sock = self._tls.wrap_socket(conn, server_side=True)  # detaches conn
+                with self._lock:
+                    self._connections[id(conn)] = sock
             self._check_hello(sock, peer)
             sock.sendall(wire.frame(wire.ACCEPTED))
             delivered = self._messages(sock, peer, id(conn))
@@ -227,8 +233,12 @@ class DataServer:
             self._in_message[conn_id] = False
             try:
                 wire.read_into(sock, header_view)
-            except wire.PeerClosed:
-                return delivered
+            except (wire.PeerClosed, ssl.SSLError, OSError):
+                if self._closing.is_set():
+                    # This process closes: the sender's flush learns what arrived.
+                    _try_send(sock, wire.delivered(delivered))
+                    return delivered
+                raise
             self._in_message[conn_id] = True
             sock.settimeout(timeout)
             kind, length = wire.HEADER.unpack(header)
@@ -281,6 +291,13 @@ class DataServer:
                         f"{tag} refused a second message for {key} from {src.describe()} "
                         f"({peer}): the first is already here or on its way; each is sent "
                         f"once", src)
+
+
+def _try_send(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except (OSError, ssl.SSLError):
+        pass
 
 
 def _drain(sock: socket.socket) -> None:
