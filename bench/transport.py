@@ -18,7 +18,7 @@ latency and size / latency the throughput. Baselines, same pattern:
 - ``splitrun_tcp``: the same through splitrun's TCP data plane
   (``RoutedTransport``, SPLITRUN_TRANSPORT=tcp), what a job uses between hosts,
   with gRPC as its control plane;
-- ``splitrun_shm``: the same through ``ShmTransport`` over shared memory (the
+- ``splitrun_shm``: the same through ``RoutedTransport`` over shared memory (the
   pair is on one host), as a job started by ``splitrun launch`` uses it.
 
 Every process sets ``torch.set_num_threads(1)``: on a 2-core machine torch's
@@ -260,9 +260,9 @@ class _Splitrun:
         self.transport = GrpcTransport(self.me, token=TOKEN, incarnation=1, contracts=expected,
                                        settings=settings, host=_Hosts.mine)
         if self.shm_prefix is not None:
-            from splitrun.runtime.transport.shm.transport import ShmTransport, TransportChoice
-            self.transport = ShmTransport(self.transport, prefix=self.shm_prefix,
-                                          choice=TransportChoice.SHM)
+            from splitrun.runtime.transport.router import RoutedTransport, TransportChoice
+            self.transport = RoutedTransport(self.transport, prefix=self.shm_prefix,
+                                             choice=TransportChoice.SHM)
         if self.over_tcp:
             from splitrun.runtime.transport.router import RoutedTransport, TransportChoice
             self.transport = RoutedTransport(self.transport, prefix=None,

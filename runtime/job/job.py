@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -43,7 +43,9 @@ from ..cluster.step_file import StepFile
 from ..engine.process import ProcessRuntime
 from ..transport.contract import receive_contracts
 from ..transport.grpc import GrpcSettings, GrpcTransport
-from ..transport.shm.transport import ShmSettings, ShmTransport, TransportChoice
+from ..transport.protocol import Transport
+from ..transport.router import RoutedTransport, TransportChoice
+from ..transport.shm.transport import ShmSettings
 from .joining import advertised_host, host_scheduler, pick_device
 from .member import JobMember
 from .settings import JobSettings
@@ -66,8 +68,8 @@ def report_uncaught(error: BaseException) -> None:
     them; the process exits without closing its transport)."""
     if _joined is not None:
         _joined.report_failure(error)
-        if isinstance(_joined.transport, ShmTransport):
-            _joined.transport.remove_job_files()
+        if _joined.remove_job_files is not None:
+            _joined.remove_job_files()
 
 
 class PlanWritten(BaseException):  # noqa: N818 - a signal, named for what happened
@@ -83,17 +85,21 @@ class Job(JobMember):
 
     def __init__(self, label: Label, cluster: Cluster, device: torch.device,
                  settings: JobSettings, *, client: SchedulerClient | None = None,
-                 transport: GrpcTransport | ShmTransport | None = None, incarnation: int = 0,
+                 transport: Transport | None = None, incarnation: int = 0,
                  heartbeat_interval_s: float = 0.5, plan_out: str | None = None,
                  host: str = "127.0.0.1",
                  hosted_scheduler: HostedScheduler | None = None,
                  plan_modules_out: str | None = None,
-                 step_file: StepFile | None = None) -> None:
+                 step_file: StepFile | None = None,
+                 remove_job_files: Callable[[], None] | None = None) -> None:
         super().__init__(label, cluster, device, settings, client=client, transport=transport,
                          incarnation=incarnation, heartbeat_interval_s=heartbeat_interval_s,
                          host=host, hosted_scheduler=hosted_scheduler, step_file=step_file)
         self.plan_out = plan_out
         self.plan_modules_out = plan_modules_out
+        # The job failed and this process ends without closing: what removes
+        # the job's shared-memory files on this host (`report_uncaught`).
+        self.remove_job_files = remove_job_files
 
     # -- joining --
 
@@ -126,7 +132,7 @@ class Job(JobMember):
         # every received tensor to the GPU, and pinned copies are DMA.
         on_gpu = device.type == "cuda"
         ring_bytes = ShmSettings().ring_bytes if env.shm_ring_mb is None else env.shm_ring_mb << 20
-        transport = ShmTransport(
+        transport = RoutedTransport(
             GrpcTransport(provisional, token=env.token, incarnation=0, host=env.host, port=0,
                           tls=env.tls, settings=GrpcSettings(pin_receive_buffers=on_gpu)),
             prefix=shm_prefix, choice=choice,
@@ -143,7 +149,8 @@ class Job(JobMember):
                   client=client, transport=transport, incarnation=registration.incarnation,
                   heartbeat_interval_s=registration.heartbeat_interval_s, host=host,
                   hosted_scheduler=hosted,
-                  step_file=None if env.step_file is None else StepFile(env.step_file))
+                  step_file=None if env.step_file is None else StepFile(env.step_file),
+                  remove_job_files=transport.remove_job_files)
         global _joined
         _joined = job
         return job

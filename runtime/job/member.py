@@ -16,8 +16,7 @@ from ..cluster.hosted import HostedScheduler
 from ..cluster.membership import Heartbeat, SchedulerClient
 from ..cluster.step_file import StepFile
 from ..errors import ClusterError, JobFinished, PeerFailed, RecvTimeout
-from ..transport.grpc import GrpcTransport
-from ..transport.shm.transport import ShmTransport
+from ..transport.protocol import Transport
 from .settings import JobSettings
 
 __all__ = ["JobMember"]
@@ -30,7 +29,7 @@ class JobMember:
 
     def __init__(self, label: Label, cluster: Cluster, device: torch.device,
                  settings: JobSettings, *, client: SchedulerClient | None = None,
-                 transport: GrpcTransport | ShmTransport | None = None, incarnation: int = 0,
+                 transport: Transport | None = None, incarnation: int = 0,
                  heartbeat_interval_s: float = 0.5, host: str = "127.0.0.1",
                  hosted_scheduler: HostedScheduler | None = None,
                  step_file: StepFile | None = None) -> None:
