@@ -322,6 +322,11 @@ def _side(kind: str, role: str, peer, parent, sizes: list[int], quick: bool,
         _Link(peer).send("ready")  # both sides set up before A starts timing
         _Link(peer).recv()
         results = {}
+        profile = None
+        if os.environ.get("SPLITRUN_BENCH_PROFILE"):  # --profile DIR
+            import cProfile
+            profile = cProfile.Profile()
+            profile.enable()
         for size in sizes:
             count = _warmup(size) + _repeats(size, quick)
             if role == "a":
@@ -335,6 +340,10 @@ def _side(kind: str, role: str, peer, parent, sizes: list[int], quick: bool,
             else:
                 for _ in range(count):
                     side.serve_one(size)
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(os.path.join(os.environ["SPLITRUN_BENCH_PROFILE"],
+                                            f"{kind}-{role}-{os.getpid()}.prof"))
         parent.send(("ok", results if role == "a" else None))
         # Close only when the parent says so: both sides are done by then.
         if parent.poll(SETUP_TIMEOUT_S):
@@ -471,11 +480,17 @@ def main() -> None:
     parser.add_argument("--two-hosts", nargs="*", metavar="RATE", default=None,
                         help="also between two simulated hosts (bench/hosts.py, needs root): "
                              "'unshaped' or a rate in Mbit/s per run, e.g. unshaped 10000")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="cProfile each side's timed loop into DIR/<kind>-<a|b>-<pid>.prof "
+                             "(python -m pstats to read; timings are then slower)")
     parser.add_argument("--no-loopback", action="store_true",
                         help="with --two-hosts: skip the loopback runs")
     args = parser.parse_args()
     sizes = args.sizes or ([s for s in SIZES if s <= 64 * MiB] if args.quick else SIZES)
     rounds = args.rounds or (1 if args.quick else 3)
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        os.environ["SPLITRUN_BENCH_PROFILE"] = os.path.abspath(args.profile)
     started = time.perf_counter()
     out: dict = {}
     if not args.no_loopback:
