@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from collections.abc import Callable, Mapping
 
 import torch
@@ -33,15 +32,12 @@ from splitrun.splitter.modes import Mode
 from splitrun.splitter.picture_names import picture_names
 from splitrun.splitter.program import Program
 
-from ..checkpoints.gather import control_channels
 from ..checkpoints.saving import resume_state
 from ..cluster.env import ENV, ProcessEnvironment
 from ..cluster.hosted import HostedScheduler
 from ..cluster.membership import SchedulerClient
 from ..cluster.rendezvous import SchedulerRendezvous
 from ..cluster.step_file import StepFile
-from ..engine.process import ProcessRuntime
-from ..transport.contract import receive_contracts
 from ..transport.grpc import GrpcSettings, GrpcTransport
 from ..transport.protocol import Transport
 from ..transport.router import RoutedTransport, TransportChoice
@@ -49,7 +45,7 @@ from ..transport.shm.transport import ShmSettings
 from .joining import advertised_host, host_scheduler, pick_device
 from .member import JobMember
 from .settings import JobSettings
-from .trainer import Trainer
+from .trainer import Trainer, start_trainer
 
 __all__ = ["Job", "Trainer", "JobSettings", "ENV", "PlanWritten", "report_uncaught",
            "pick_device"]
@@ -184,7 +180,6 @@ class Job(JobMember):
         peers = self.client.wait_for_peers(self.label, self.settings.register_timeout_s)
         self.transport.set_peers({label: address for label, address in peers.items()
                                   if label != self.label})
-        self.transport.register(control_channels(plan, split.program, self.label))
         if self.settings.restart_from is not None:  # a restart: the launcher's checkpoint wins
             resume = self.settings.restart_from
         state, first_step = resume_state(program, split, self.label, resume)
@@ -192,28 +187,14 @@ class Job(JobMember):
         # Parallel mode's torch.distributed groups meet through the scheduler.
         rendezvous = None if self.client is None else SchedulerRendezvous(
             self.client, self.incarnation, self.host, self.settings.register_timeout_s)
-        process = ProcessRuntime(split, self.label, self.transport,
-                                 incarnation=self.incarnation, device=self.device, state=state,
-                                 first_step=first_step,
-                                 recv_timeout_s=self.settings.recv_timeout_s,
-                                 rendezvous=rendezvous)
-        self.watch_waits(lambda: _waiting(process))  # the scheduler names a peer it waits on
-        # Set up: from here on a step that does not advance can stall a peer.
-        self.report_progress(first_step)
-        # The plan's messages are let in only now that the process is assembled.
-        self.transport.expect(receive_contracts(plan, split.program, self.label))
+        trainer = start_trainer(self, split, state=state, first_step=first_step,
+                                rendezvous=rendezvous, gather_state=gather_state,
+                                num_steps=num_steps, source=program)
         logger.info("[%s] plan %s: %s", self.label.describe(), plan.fingerprint, summary)
-        return Trainer(self, split, process, gather_state=gather_state, num_steps=num_steps,
-                       first_step=first_step, source=program)
+        return trainer
 
 
 def _write_module_map(program: Program, path: str) -> None:
     """The names of the plan's picture (`picture_names`), as JSON."""
     with open(path, "w") as out:
         json.dump(picture_names(program), out, sort_keys=True)
-
-
-def _waiting(process: ProcessRuntime) -> tuple[Label, float] | None:
-    waiting = process.executor.waiting_on
-    return None if waiting is None else (waiting.peer, time.monotonic() - waiting.since)
-
