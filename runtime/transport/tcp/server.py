@@ -32,6 +32,7 @@ from ...rpc.auth import one_line
 from ..admission import Admission, NotAdmitted
 from ..buffers import MessageBuffer
 from ..endpoint import Endpoint
+from ..framing import parse_envelope
 from ..keys import MessageKey
 from . import wire
 from .settings import TcpSettings
@@ -316,7 +317,6 @@ def _sender_of(exc: MessageRejected, envelope: memoryview) -> Label | None:
     """Who to tell of a refusal besides the connection: the envelope's sender
     when it names one (a refusal of a message that names nobody reaches its
     sender on the connection alone)."""
-    from ..framing import parse_envelope
     try:
         return Label.parse(parse_envelope(envelope).src)
     except Exception:  # noqa: BLE001 - an envelope that does not parse names nobody
