@@ -327,24 +327,30 @@ def _side(kind: str, role: str, peer, parent, sizes: list[int], quick: bool,
             import cProfile
             profile = cProfile.Profile()
             profile.enable()
+        cpu = {}  # per size: this process's CPU seconds (all threads) per round trip
         for size in sizes:
             count = _warmup(size) + _repeats(size, quick)
             if role == "a":
                 payload = _payload(kind, size)
                 times = []
-                for _ in range(count):
+                for index in range(count):
+                    if index == _warmup(size):
+                        cpu_started = time.process_time()
                     started = time.perf_counter()
                     side.round_trip(payload)
                     times.append(time.perf_counter() - started)
                 results[size] = times[_warmup(size):]
             else:
-                for _ in range(count):
+                for index in range(count):
+                    if index == _warmup(size):
+                        cpu_started = time.process_time()
                     side.serve_one(size)
+            cpu[size] = (time.process_time() - cpu_started) / _repeats(size, quick)
         if profile is not None:
             profile.disable()
             profile.dump_stats(os.path.join(os.environ["SPLITRUN_BENCH_PROFILE"],
                                             f"{kind}-{role}-{os.getpid()}.prof"))
-        parent.send(("ok", results if role == "a" else None))
+        parent.send(("ok", (results, cpu)))
         # Close only when the parent says so: both sides are done by then.
         if parent.poll(SETUP_TIMEOUT_S):
             parent.recv()
@@ -370,8 +376,10 @@ class _Link:
 
 
 def _measure(kind: str, sizes: list[int], quick: bool,
-             chunk_bytes: int | None, place: dict | None = None) -> dict[int, list[float]]:
-    """Run one pair of processes; the round-trip times A measured, per size."""
+             chunk_bytes: int | None, place: dict | None = None
+             ) -> tuple[dict[int, list[float]], dict[int, float], dict[int, float]]:
+    """Run one pair of processes; the round-trip times A measured, and each
+    side's CPU seconds per round trip, per size."""
     ctx = mp.get_context("spawn")
     shm_prefix = None
     if kind == "splitrun_shm":
@@ -399,7 +407,7 @@ def _measure(kind: str, sizes: list[int], quick: bool,
             outcome[role] = value
         for here in parents.values():
             here.send("close")
-        return outcome["a"]
+        return outcome["a"][0], outcome["a"][1], outcome["b"][1]
     finally:
         for proc in procs:
             proc.join(30)
@@ -417,14 +425,20 @@ def _summary(times: list[float], size: int) -> dict:
 
 
 def _rounds(kinds: list[str], sizes: list[int], rounds: int, quick: bool,
-            chunk_bytes: int | None, place: dict | None) -> dict[str, dict[int, list[float]]]:
+            chunk_bytes: int | None, place: dict | None) -> tuple[dict, dict]:
+    """Round-trip times per transport and size, and per round the CPU seconds
+    per round trip of sender (A) and receiver (B)."""
     raw: dict[str, dict[int, list[float]]] = {kind: {size: [] for size in sizes}
                                                for kind in kinds}
+    cpu: dict[str, dict[int, list[tuple[float, float]]]] = {
+        kind: {size: [] for size in sizes} for kind in kinds}
     for _ in range(rounds):
         for kind in kinds:
-            for size, times in _measure(kind, sizes, quick, chunk_bytes, place).items():
-                raw[kind][size] += times
-    return raw
+            times, cpu_a, cpu_b = _measure(kind, sizes, quick, chunk_bytes, place)
+            for size in sizes:
+                raw[kind][size] += times[size]
+                cpu[kind][size].append((cpu_a[size], cpu_b[size]))
+    return raw, cpu
 
 
 def _goal(goals: dict, name: str, ratio: float | None, goal: float, at_least: bool) -> None:
@@ -433,10 +447,16 @@ def _goal(goals: dict, name: str, ratio: float | None, goal: float, at_least: bo
                        "met": ratio >= goal if at_least else ratio <= goal}
 
 
-def _report(raw: dict[str, dict[int, list[float]]], sizes: list[int]) -> dict:
+def _report(measured: tuple[dict, dict], sizes: list[int]) -> dict:
     """Medians per transport and size, ratios against the baselines, goals."""
+    raw, cpu = measured
     table = {kind: {str(size): _summary(times[size], size) for size in sizes}
              for kind, times in raw.items()}
+    for kind, per_size in cpu.items():
+        for size, pairs in per_size.items():
+            row = table[kind][str(size)]
+            row["cpu_us_sender"] = round(statistics.median(a for a, _ in pairs) * 1e6, 1)
+            row["cpu_us_receiver"] = round(statistics.median(b for _, b in pairs) * 1e6, 1)
     for kind in ("splitrun", "splitrun_tcp", "splitrun_shm"):
         for size in map(str, sizes):
             row = table.get(kind, {}).get(size)
