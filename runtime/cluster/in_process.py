@@ -1,4 +1,4 @@
-"""`InProcessMembership`: the scheduler's part for a job whose processes are
+"""`InProcessMembership`: the `Membership` of a job whose processes are
 threads of one process (`run_threaded`), so that they run the same trainer
 loop as real processes. It answers what a `Trainer` asks of the scheduler
 (`report_finished`, `barrier`, `report_done`, `report_failure`, the

@@ -13,8 +13,8 @@ import torch
 from splitrun.splitter.labels import Cluster, Label, Role
 
 from ..cluster.hosted import HostedScheduler
-from ..cluster.in_process import InProcessMembership
-from ..cluster.membership import Heartbeat, SchedulerClient
+from ..cluster.membership import Heartbeat
+from ..cluster.protocol import Membership
 from ..cluster.step_file import StepFile
 from ..errors import ClusterError, JobFinished, PeerFailed, RecvTimeout
 from ..transport.protocol import Transport
@@ -30,7 +30,7 @@ class JobMember:
 
     def __init__(self, label: Label, cluster: Cluster, device: torch.device,
                  settings: JobSettings, *,
-                 client: SchedulerClient | InProcessMembership | None = None,
+                 client: Membership | None = None,
                  transport: Transport | None = None, incarnation: int = 0,
                  heartbeat_interval_s: float | None = 0.5, host: str = "127.0.0.1",
                  hosted_scheduler: HostedScheduler | None = None,
