@@ -87,6 +87,31 @@ def transport(result: dict, fig) -> None:
     fig.suptitle("Between two processes of one host")
 
 
+HOSTS_NAMES = {"splitrun_tcp": "splitrun, TCP data plane", "splitrun": "splitrun, gRPC",
+               "gloo": "gloo", "tcp": "raw TCP", "grpc_stream": "bare grpcio stream"}
+HOSTS_COLOURS = {"splitrun_tcp": SPLITRUN, "splitrun": OTHER, "gloo": "#636363",
+                 "tcp": BASELINE, "grpc_stream": "#f7f7f7"}
+
+
+def transport_hosts(result: dict, fig) -> None:
+    """64 MiB one way over each path, on loopback and between two network
+    namespaces (unshaped and at 10 Gbit/s)."""
+    ax = fig.subplots(1, 1)
+    settings = list(result["paths"])
+    kinds = [k for k in HOSTS_NAMES if all(k in result["paths"][s] for s in settings)]
+    width = 0.8 / len(kinds)
+    big = str(64 * MiB)
+    for i, kind in enumerate(kinds):
+        values = [result["paths"][s][kind][big]["gbps"] for s in settings]
+        xs = [x + (i - (len(kinds) - 1) / 2) * width for x in range(len(settings))]
+        ax.bar(xs, values, width, label=HOSTS_NAMES[kind], color=HOSTS_COLOURS[kind],
+               edgecolor="#636363", linewidth=0.5)
+    ax.set_xticks(range(len(settings)), settings)
+    ax.set_ylabel("GB/s, 64 MiB one way (higher is better)")
+    ax.legend(fontsize=8)
+    ax.set_title("Between hosts: the TCP data plane next to gloo, raw TCP and gRPC")
+
+
 def shm_ring(result: dict, fig) -> None:
     table = result["results"]
     sizes = sorted(int(s) for s in table["tcp"])
@@ -244,7 +269,7 @@ DRAWINGS: dict[str, Callable[[dict, object], None]] = {
     "ps_throughput": ps_throughput, "parallel": parallel,
     "embedding_cache_hit_rates": embedding_cache_hit_rates,
     "embedding_cache_throughput": embedding_cache_throughput, "startup": startup,
-    "gpu": gpu,
+    "gpu": gpu, "transport_hosts": transport_hosts,
 }
 
 
