@@ -22,8 +22,8 @@ PS_JOB = SCRIPTS / "ps_job.py"
 STEPS = 24
 
 
-def _split(staleness=None, workers=2, servers=2):
-    program, _, batches = make("dense", "adam", workers, STEPS)
+def _split(staleness=None, workers=2, servers=2, kind="dense", optimizer="adam"):
+    program, _, batches = make(kind, optimizer, workers, STEPS)
     mode = ParameterServerMode() if staleness is None else ParameterServerMode(
         staleness=staleness)
     return split_program(program, Cluster(workers, servers), mode), batches
@@ -54,8 +54,9 @@ def test_a_bad_staleness_names_itself(bad):
         ParameterServerMode(staleness=bad)
 
 
-def test_threaded_bounded_run_reads_versions_within_the_bound_and_trains():
-    split, batches = _split(staleness=2)
+@pytest.mark.parametrize("kind, optimizer", [("dense", "adam"), ("sparse", "adagrad")])
+def test_threaded_bounded_run_reads_versions_within_the_bound_and_trains(kind, optimizer):
+    split, batches = _split(staleness=2, kind=kind, optimizer=optimizer)
     run = run_threaded(split, STEPS, feeds(batches), recv_timeout_s=30)
     for label, stats in run.stats.items():
         if label.role.value != "worker":
@@ -63,8 +64,8 @@ def test_threaded_bounded_run_reads_versions_within_the_bound_and_trains():
         assert sorted(stats.versions_read) == list(range(STEPS))
         for step, version in stats.versions_read.items():
             assert step - 2 <= version <= step, (label, step, version)
-    initial = split.program.initial_state["body.0.weight"]
-    assert not torch.allclose(run.state["body.0.weight"], initial)
+    key = "body.0.weight" if kind == "dense" else "emb.weight"
+    assert not torch.allclose(run.state[key], split.program.initial_state[key])
 
 
 def _versions(directory, workers):

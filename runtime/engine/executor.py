@@ -159,6 +159,15 @@ class Executor:
                          if plan.staleness else set())
         self._held: dict[str, tuple[int, list[torch.Tensor]]] = {}
         self._first_step: int | None = None
+        # Where each data-synced state key arrives: channel -> [(index, key)].
+        self._synced: dict[str, list[tuple[int, str]]] = {}
+        for sync in plan.data_syncs:
+            if sync.reader == label:
+                names = plan.channel(sync.channel).recv_names
+                node = program.input_for_key(sync.key).node
+                self._synced.setdefault(sync.channel, []).append((names.index(node), sync.key))
+        # `keep_synced`: also keep what synchronous receives bring (`synced_state`).
+        self.keep_synced = False
         self._tag = f"[{label.describe()}]"
         self._nodes: dict[str, fx.Node] = {n.name: n for n in self.program.graph.nodes}
         self._compile()
@@ -298,6 +307,8 @@ class Executor:
                 else:
                     self._receive(step, name, target, payload, env, timeout, between_steps,
                                   idle=idle)
+                    if self.keep_synced and name in self._synced:
+                        self._held[name] = (step, [env[n] for n in payload])
             for dead in self._free_after[index]:
                 env.pop(dead, None)
             index += 1
@@ -362,6 +373,18 @@ class Executor:
         counter.messages += 1
         counter.bytes += nbytes_of(tensors)
         counter.wait_s += waited
+
+    def synced_state(self) -> dict[str, torch.Tensor]:
+        """The state the last step read through data-syncs (in parameter-server
+        mode a worker's view of the servers' parameters), by state key; under
+        a staleness bound, of the version that step read. A synchronous plan
+        keeps it only with `keep_synced` set (an evaluation's hook)."""
+        state = {}
+        for channel, keys in self._synced.items():
+            if channel in self._held:
+                tensors = self._held[channel][1]
+                state.update((key, tensors[index]) for index, key in keys)
+        return state
 
     def _receive_bounded(self, step, channel, src, recv_names, env, timeout_s) -> None:
         """A staleness-bounded data-sync receive (see the module's docstring):
