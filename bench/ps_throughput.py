@@ -681,6 +681,8 @@ def main() -> None:
     parser.add_argument("--part", choices=["all", "throughput", "tta"], default="all",
                         help="throughput, time to target, or both (each part measures "
                              "its own baselines)")
+    parser.add_argument("--tasks", nargs="+", choices=["digits", "bench"],
+                        default=["digits", "bench"], help="time-to-target tasks run")
     parser.add_argument("--skip-rpc", action="store_true",
                         help="leave out the torch.distributed.rpc servers, splitrun over "
                              "gRPC and splitrun op by op (the earlier goals' runs)")
@@ -789,7 +791,7 @@ def _time_to_target_report(args) -> dict:
     splitrun at each staleness (medians over the runs; a configuration that
     missed the target in any run reports how many runs reached it)."""
     report = {}
-    for task in ("digits", "bench"):
+    for task in args.tasks:
         runs = {"single_process": lambda t=task: run_single_to_target(args, t),
                 "ddp_2_processes": lambda t=task: run_ddp(args, t)}
         for staleness in [0, *args.stale]:
