@@ -457,14 +457,17 @@ def run_splitrun_to_target(args, job) -> None:
     trainer = job.start(program, ParameterServerMode(staleness=args.staleness),
                         gather_state=False)
     executor = trainer.process.executor
-    executor.keep_synced = True  # the synchronous plan keeps what it read too
+    # An accuracy target evaluates what a step read: the synchronous plan keeps
+    # it too (a loss target needs nothing kept: no copies added to its steps).
+    evaluates = task.target_accuracy is not None
+    executor.keep_synced = evaluates
     clock = TargetClock() if job.is_driver else None
     for step, batch in enumerate(trainer.shard(task.batches)):
         outputs = trainer.step(batch)
         if clock is not None:
             version = executor.stats.versions_read.get(step, step)
-            clock.step_done(task, net, executor.synced_state(), outputs["loss"].item(),
-                            version)
+            clock.step_done(task, net, executor.synced_state() if evaluates else None,
+                            outputs["loss"].item(), version)
     trainer.finish()
     if clock is not None:
         print("TTA " + json.dumps(clock.result()), flush=True)
