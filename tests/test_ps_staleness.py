@@ -127,3 +127,23 @@ def test_launched_bounded_job_resumes_from_a_checkpoint_on_more_servers(local_cl
         for step, version in versions.items():
             assert max(step - 2, 10) <= version <= step
     assert torch.load(out / "r.pt")["steps"] == 20
+
+
+def test_with_dense_parameters_on_the_workers_only_the_rows_are_stale():
+    """dense="worker": the dense parameters are all-reduced every step (the
+    workers agree on them exactly), the bound applies to the rows the
+    servers send."""
+    from cache_models import feeds as bag_feeds
+    from cache_models import make_sum_bags
+    program, batches = make_sum_bags("sgd", 2, STEPS, cache_rows=None)
+    split = split_program(program, Cluster(2, 1), ParameterServerMode(dense="worker",
+                                                                      staleness=1))
+    split.lint()
+    run = run_threaded(split, STEPS, bag_feeds(batches), recv_timeout_s=30)
+    workers = [label for label in run.stats if label.role.value == "worker"]
+    for label in workers:
+        versions = run.stats[label].versions_read
+        assert sorted(versions) == list(range(STEPS))
+        assert all(step - 1 <= v <= step for step, v in versions.items())
+    synced = {s.key for s in split.plan.data_syncs}
+    assert synced == {f"tables.{i}.weight" for i in range(3)}
