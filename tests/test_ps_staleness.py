@@ -16,7 +16,15 @@ from cluster import SCRIPTS
 from ps_models import feeds, make
 
 from splitrun.runtime import run_threaded
-from splitrun.splitter import Cluster, ParameterServerMode, PlanError, SplitPlan, split_program
+from splitrun.runtime.transport.contract import receive_contracts
+from splitrun.splitter import (
+    Cluster,
+    Label,
+    ParameterServerMode,
+    PlanError,
+    SplitPlan,
+    split_program,
+)
 
 PS_JOB = SCRIPTS / "ps_job.py"
 STEPS = 24
@@ -46,6 +54,19 @@ def test_a_bounded_plan_says_its_bound_and_refuses_a_mismatched_process():
     # Processes started with another bound do not agree on the plan.
     assert bounded.plan.fingerprint != synchronous.plan.fingerprint
     bounded.lint()
+
+
+def test_bounded_data_syncs_are_never_lent_in_place():
+    """A transport may lend a plan message in place (a view of its ring) only
+    if the executor drops it within the step; a bounded data-sync message may
+    wait for a later step, or be dropped untaken at the end."""
+    for staleness, lendable in ((0, True), (2, False)):
+        split, _ = _split(staleness=staleness)
+        worker = Label.worker(0)
+        contracts = receive_contracts(split.plan, split.program, worker)
+        synced = {s.channel for s in split.plan.data_syncs if s.reader == worker}
+        assert synced
+        assert all(contracts[name].lendable is lendable for name in synced), staleness
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
@@ -92,6 +113,22 @@ def test_launched_slow_worker_bound_holds_and_the_fast_worker_runs_up_to_it(
     assert max(step - version for step, version in fast.items()) == staleness
     result = torch.load(out / "r.pt")
     assert result["steps"] == STEPS
+
+
+@pytest.mark.slow
+def test_launched_bounded_job_with_large_parameters_finishes(local_cluster, tmp_path):
+    """23 MB of parameters a message over shared memory, bound 3: the fast
+    worker ends with up to 3 versions it never reads; they must not hold the
+    64 MiB ring the server still writes into (lent in place they did, and
+    the server's last sends waited until the job's finish timed out)."""
+    out = tmp_path / "large"
+    out.mkdir()
+    local_cluster.run(PS_JOB, "--steps", 12, "--staleness", 3, "--width", 2400,
+                      "--optimizer", "sgd", "--slow-worker", 1, "--slow-step-s", 0.2,
+                      "--versions-out", out, "--out", out / "r.pt", workers=2, servers=1)
+    fast, _ = _versions(out, 2)
+    assert all(step - 3 <= v <= step for step, v in fast.items())
+    assert torch.load(out / "r.pt")["steps"] == 12
 
 
 @pytest.mark.slow
