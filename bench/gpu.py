@@ -6,7 +6,7 @@
   copies the device's bytes straight into the ring, registered as pinned
   memory; ``RingReader.recv_payload_into_tensor`` copies them to the
   receiver's device); ``shm_transport``, the path a job takes
-  (``ShmTransport.send`` of the CUDA tensor, ``recv``, then ``.to(device)`` as
+  (``RoutedTransport.send`` of the CUDA tensor, ``recv``, then ``.to(device)`` as
   the executor does; ``shm_transport_unpinned``: the same with the receiver's
   buffers and rings in ordinary memory, as before jobs on CUDA pinned them).
   Baselines in one process: ``memcpy_pinned`` (device ->
@@ -130,18 +130,15 @@ class _RingCuda:
 
 
 class _ShmTransport:
-    """The job's path: ShmTransport between two labels, the receiver moving
+    """The job's path: a RoutedTransport over shared memory between two labels, the receiver moving
     what arrives to its device as the executor does."""
 
     def __init__(self, role: str, prefix: str, conn, pinned: bool) -> None:
         from splitrun.runtime.transport import ChannelContract
         from splitrun.runtime.transport.grpc import GrpcSettings, GrpcTransport
         from splitrun.runtime.transport.protocol import MessageKey
-        from splitrun.runtime.transport.shm.transport import (
-            ShmSettings,
-            ShmTransport,
-            TransportChoice,
-        )
+        from splitrun.runtime.transport.router import RoutedTransport, TransportChoice
+        from splitrun.runtime.transport.shm.transport import ShmSettings
         from splitrun.splitter.labels import Label
         self.MessageKey = MessageKey
         self.me, self.peer = (Label.worker(0), Label.worker(1)) if role == "a" else \
@@ -152,8 +149,8 @@ class _ShmTransport:
         # False shows what that buys.
         grpc = GrpcTransport(self.me, token=TOKEN, incarnation=1, contracts=expected,
                              settings=GrpcSettings(pin_receive_buffers=pinned))
-        self.transport = ShmTransport(grpc, prefix=prefix, choice=TransportChoice.SHM,
-                                      settings=ShmSettings(pin_incoming=pinned))
+        self.transport = RoutedTransport(grpc, prefix=prefix, choice=TransportChoice.SHM,
+                                         settings=ShmSettings(pin_incoming=pinned))
         conn.send(self.transport.start())
         self.transport.set_peers({self.peer: _recv(conn)})
         self.ack = torch.zeros(1, dtype=torch.uint8, device="cuda")

@@ -12,7 +12,7 @@ latency and size / latency the throughput. Baselines, same pattern:
 - ``gloo``: torch.distributed send/recv, world size 2, FileStore rendezvous;
 - ``splitrun``: ``GrpcTransport.send`` of a uint8 tensor, ``recv`` on the
   other side, a one-element tensor back;
-- ``splitrun_shm``: the same through ``ShmTransport`` over shared memory (the
+- ``splitrun_shm``: the same through ``RoutedTransport`` over shared memory (the
   pair is on one host), as a job started by ``splitrun launch`` uses it.
 
 Every process sets ``torch.set_num_threads(1)``: on a 2-core machine torch's
@@ -192,9 +192,9 @@ class _Splitrun:
         self.transport = GrpcTransport(self.me, token=TOKEN, incarnation=1, contracts=expected,
                                        settings=settings)
         if self.shm_prefix is not None:
-            from splitrun.runtime.transport.shm.transport import ShmTransport, TransportChoice
-            self.transport = ShmTransport(self.transport, prefix=self.shm_prefix,
-                                          choice=TransportChoice.SHM)
+            from splitrun.runtime.transport.router import RoutedTransport, TransportChoice
+            self.transport = RoutedTransport(self.transport, prefix=self.shm_prefix,
+                                             choice=TransportChoice.SHM)
         conn.send(self.transport.start())
         self.transport.set_peers({self.peer: conn.recv()})
         self.ack = torch.zeros(1, dtype=torch.uint8)

@@ -150,7 +150,7 @@ def run_local(args) -> int:
     elapsed = time.perf_counter() - started
     losses = [h["loss"].item() for h in run.history]
     sent = sum(s.bytes_sent for s in run.stats.values()) / args.steps
-    return compare(program, batches, losses, split.artifacts.full_state(run.state), sent,
+    return compare(program, batches, losses, run.state, sent,
                    elapsed)
 
 

@@ -33,12 +33,10 @@ import time
 
 from splitrun.runtime.transport.shm.job_files import JOB_PREFIX_PATTERN
 
-__all__ = ["Janitor", "PREFIX_PATTERN", "main", "remove_prefix"]
+__all__ = ["Janitor", "main", "remove_prefix"]
 
 logger = logging.getLogger(__name__)
 
-# The prefixes `new_job_prefix()` makes: the janitor removes files by no other.
-PREFIX_PATTERN = JOB_PREFIX_PATTERN
 # Bounds the wait for the job's processes to be gone after the launcher is
 # (they die with it, within milliseconds; the bound covers a loaded machine).
 WAIT_FOR_PIDS_S = 30.0
@@ -62,7 +60,7 @@ class Janitor:
 
     def watch(self, directory: str, prefix: str, pid: int) -> None:
         """Remove `directory`/`prefix`* once the launcher is gone and so is `pid`."""
-        if not PREFIX_PATTERN.match(prefix):
+        if not JOB_PREFIX_PATTERN.match(prefix):
             raise ValueError(f"shared-memory prefix {prefix!r} is not a job prefix "
                              f"('splitrun-<hex>-'); the janitor removes files by no other")
         if self._process is not None and self._process.stdin.closed:
@@ -114,7 +112,7 @@ class Janitor:
 
 def remove_prefix(directory: str, prefix: str) -> list[str]:
     """Remove every file under `directory` whose name starts with `prefix`."""
-    if not PREFIX_PATTERN.match(prefix):
+    if not JOB_PREFIX_PATTERN.match(prefix):
         return []
     removed = []
     try:

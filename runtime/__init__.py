@@ -1,14 +1,16 @@
 """Everything that happens while processes run, in rooms by layer; a room
 imports only the rooms below it (setup.cfg's layers contract):
 
-    job/          the job a script runs: Job, Trainer, run_threaded
+    job/          the job a script runs: Job, Trainer, start_trainer, and
+                  run_threaded (the same loop, every process a thread)
     checkpoints/  plain files, sharded directories, periodic saves, a job's saves
     engine/       one process's share of the step: ProcessRuntime, Executor,
                   collectives, the embedding cache
     cluster/      membership: the scheduler, its client and heartbeat, the
-                  environment a launcher gives a process
-    transport/    messages between processes: the Transport protocol, mailbox,
-                  loopback, gRPC, shared memory
+                  environment a launcher gives a process, threads' membership
+    transport/    messages between processes: the Transport protocol, the
+                  endpoint (mailbox, pool, contracts) and its one admission
+                  check, loopback, gRPC, shared memory, the per-peer router
     rpc/          the gRPC glue below both: wire code, the job's token, TLS
     errors        the one error tree
 

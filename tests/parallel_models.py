@@ -10,7 +10,8 @@ from torch import nn
 
 from splitrun.runtime import run_threaded
 from splitrun.splitter import Cluster, capture, optim, split_program
-from splitrun.splitter.parallel import ParallelLinear, ParallelMode, collect_state_dict
+from splitrun.splitter.parallel import ParallelLinear, ParallelMode
+from splitrun.splitter.parallel.layout import split_member_key
 
 BATCH, IN, HIDDEN, OUT = 8, 8, 16, 4
 
@@ -66,4 +67,13 @@ def train_both(program, num_workers: int, num_steps: int, batches, **mode_kwargs
     run = run_threaded(split, num_steps, batches, recv_timeout_s=30)
     history, expected = program.train_unsplit(num_steps, batches)
     return Trained(split.plan, split.artifacts, run,
-                   collect_state_dict(split.artifacts, run.state), expected, history)
+                   whole_state(split.artifacts, run.state), expected, history)
+
+
+def whole_state(layout, state: dict) -> dict:
+    """`run_threaded`'s final state, which must be whole: every key the
+    layout places, none of the members' pieces."""
+    pieces = [key for key in state if split_member_key(key) is not None]
+    assert not pieces, f"run_threaded returned members' pieces: {pieces}"
+    assert set(layout.state) <= set(state)
+    return state

@@ -7,7 +7,7 @@ Tolerance 1e-5 (absolute): shards sum in another order than the whole.
 
 import pytest
 import torch
-from parallel_models import make_optimizer
+from parallel_models import make_optimizer, whole_state
 from torch import nn
 
 from splitrun.runtime import run_threaded
@@ -20,7 +20,6 @@ from splitrun.splitter.parallel import (
     ParallelMode,
     R,
     S,
-    collect_state_dict,
 )
 
 NUM_STEPS = 10
@@ -68,7 +67,7 @@ def train(program, num_workers, batches, policy="global", backend="channels"):
     split.lint()
     run = run_threaded(split, NUM_STEPS, batches, recv_timeout_s=30)
     history, expected = program.train_unsplit(NUM_STEPS, batches)
-    full = collect_state_dict(split.artifacts, run.state)
+    full = whole_state(split.artifacts, run.state)
     for key, value in expected.items():
         torch.testing.assert_close(full[key], value, rtol=0, atol=TOLERANCE)
     for got, want in zip(run.history, history):
@@ -187,7 +186,7 @@ def test_pipeline_and_tensor_parallel_groups(backend):
     run = run_threaded(split, NUM_STEPS, batches, recv_timeout_s=30)
     _, expected = program.train_unsplit(NUM_STEPS, batches)
     layout = split.artifacts
-    full = collect_state_dict(layout, run.state)
+    full = whole_state(layout, run.state)
     for key, value in expected.items():
         torch.testing.assert_close(full[key], value, rtol=0, atol=TOLERANCE)
     # each stage's state lives in its own group, sharded as pinned
@@ -247,7 +246,7 @@ def test_the_transformer_block_example_takes_five_collectives(num_workers):
         assert len(split.plan.channels) == 2 * 5
     run = run_threaded(split, 3, tp_train.feeds(batches), recv_timeout_s=30)
     history, expected = program.train_unsplit(3, tp_train.feeds(batches))
-    full = collect_state_dict(split.artifacts, run.state)
+    full = whole_state(split.artifacts, run.state)
     for key, value in expected.items():  # the example's own tolerance (Adam's small moments)
         torch.testing.assert_close(full[key], value, rtol=0, atol=tp_train.TOLERANCE)
     for got, want in zip(run.history, history):

@@ -75,7 +75,7 @@ def test_replicated_state_is_bit_identical_across_ranks(backend):
     replicated = [key for key, placement in layout.state.items() if placement == R]
     assert "l2.bias" in replicated
     for key in replicated:
-        pieces = [trained.run.state[member_key(key, m)] for m in layout.members]
+        pieces = [trained.run.held[m][member_key(key, m)] for m in layout.members]
         for piece in pieces[1:]:
             assert torch.equal(piece, pieces[0]), key
 

@@ -3,6 +3,8 @@ the order a launched job's loop does: once per step, in order, the step's
 learning rate read right after its batch (a schedule stepped in the batch
 callback applies from that step on, not one step early)."""
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,7 @@ from torch import nn
 from splitrun.runtime import run_threaded
 from splitrun.splitter import (
     Cluster,
+    Label,
     ParameterServerMode,
     SplitrunError,
     capture,
@@ -75,3 +78,39 @@ def test_the_plan_alone_is_refused_naming_split_program():
                                             r"cluster, mode\) returns .*split\(\.\.\.\) gives "
                                             r"the plan alone$"):
         run_threaded(plan, NUM_STEPS, batches)
+
+
+def test_threads_run_the_job_loop_servers_serve_until_the_workers_finish():
+    """Each thread runs a launched process's loop: the server serves steps
+    until the workers report their last (it is not told a step count), and
+    every process's history and stats cover exactly the steps run."""
+    program, batches, _ = scheduled_program()
+    splitted = split_program(program, Cluster(num_workers=2, num_servers=1),
+                             ParameterServerMode())
+    run = run_threaded(splitted, 3, batches)
+    assert len(run.history) == 3 and all("loss" in outputs for outputs in run.history)
+    assert {label: stats.steps for label, stats in run.stats.items()} == {
+        label: 3 for label in splitted.plan.labels}
+    assert set(run.held) == set(splitted.plan.labels)
+    assert set(run.held[Label.server(0)]) <= set(run.state), "the server's state is gathered"
+
+
+def test_a_failing_worker_thread_stops_every_other_thread_and_is_raised():
+    """A worker whose batch cannot be made fails outside a step: the others
+    (the server waiting for its gradient, the other worker for the weights)
+    are stopped at once, not after their receive timeouts, and the caller
+    gets the worker's own error."""
+    program, _, _ = scheduled_program()
+    splitted = split_program(program, Cluster(num_workers=2, num_servers=1),
+                             ParameterServerMode())
+    data = {"batch.0": torch.randn(4, 6), "batch.1": torch.randint(0, 3, (4,))}
+
+    def worker_batches(rank, step):
+        if rank == 1 and step == 2:
+            raise ValueError("worker 1 cannot read its third batch")
+        return data
+
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="worker 1 cannot read its third batch"):
+        run_threaded(splitted, NUM_STEPS, worker_batches=worker_batches, recv_timeout_s=60)
+    assert time.monotonic() - started < 30, "the other threads waited for their timeouts"

@@ -1,6 +1,6 @@
 """The transport contract, run against both transports: gRPC, and shared memory
-between peers on one host (`ShmTransport`, which must choose shared memory
-here). Messages arrive intact and in order, larger than the ring too (and a
+between peers on one host (a `RoutedTransport`, which must choose shared
+memory here). Messages arrive intact and in order, larger than the ring too (and a
 1 GiB one from another process), bad messages are refused with the receiver's
 reason and never reach the mailbox, and a peer that dies is named in the error.
 Nothing of a job is left under /dev/shm afterwards.
@@ -36,13 +36,9 @@ from transport_pairs import (
 from splitrun.runtime import MessageKey, TransportError
 from splitrun.runtime.transport import ChannelContract
 from splitrun.runtime.transport.grpc import GrpcSettings, GrpcTransport
+from splitrun.runtime.transport.router import RoutedTransport, TransportChoice, TransportKind
 from splitrun.runtime.transport.shm.ring import SHM_DIR, new_job_prefix, remove_job_segments
-from splitrun.runtime.transport.shm.transport import (
-    ShmSettings,
-    ShmTransport,
-    TransportChoice,
-    TransportKind,
-)
+from splitrun.runtime.transport.shm.transport import ShmSettings
 from splitrun.splitter import Label
 
 # Small rings, so that ordinary test messages already stream through them in pieces.
@@ -71,7 +67,7 @@ def make(kind: str, label: Label, prefix: str, contracts=None,
                          settings=settings)
     if kind == "grpc":
         return grpc
-    return ShmTransport(grpc, prefix=prefix, choice=TransportChoice.SHM, settings=ring)
+    return RoutedTransport(grpc, prefix=prefix, choice=TransportChoice.SHM, settings=ring)
 
 
 W1_CONTRACTS = {
@@ -98,7 +94,7 @@ def pair(request, prefix):
 
 def test_each_pair_uses_the_transport_it_was_given(pair):
     a, b = pair
-    if isinstance(a, ShmTransport):
+    if isinstance(a, RoutedTransport):
         assert a.kind_of(W1) is TransportKind.SHM and b.kind_of(W0) is TransportKind.SHM
 
 
@@ -238,7 +234,7 @@ BAD_MESSAGES = {
 def test_a_refused_message_fails_the_sender_with_the_receivers_reason(pair, case):
     a, b = pair
     bad_key, tensors, reason, status = BAD_MESSAGES[case]
-    if not isinstance(a, ShmTransport):  # gRPC says which send failed, and its status
+    if not isinstance(a, RoutedTransport):  # gRPC says which send failed, and its status
         reason = (rf"sending channel '{bad_key.channel}' step {bad_key.step} .* to worker 1 "
                   rf".*{status}: {reason}")
     a.send(W1, bad_key, tensors)
@@ -364,12 +360,12 @@ def test_grpc_is_chosen_for_a_peer_that_cannot_share_memory(prefix):
     gRPC under `auto`, and `grpc` forces gRPC on the same host."""
     remote = GrpcTransport(W1, token=TOKEN, incarnation=INCARNATION, settings=SETTINGS,
                            contracts=W1_CONTRACTS)
-    auto = ShmTransport(GrpcTransport(W0, token=TOKEN, incarnation=INCARNATION,
-                                      settings=SETTINGS), prefix=prefix)
+    auto = RoutedTransport(GrpcTransport(W0, token=TOKEN, incarnation=INCARNATION,
+                                         settings=SETTINGS), prefix=prefix)
     forced = make("shm", W1, prefix)
-    grpc_only = ShmTransport(GrpcTransport(W0, token=TOKEN, incarnation=INCARNATION,
-                                           settings=SETTINGS),
-                             prefix=prefix, choice=TransportChoice.GRPC)
+    grpc_only = RoutedTransport(GrpcTransport(W0, token=TOKEN, incarnation=INCARNATION,
+                                              settings=SETTINGS),
+                                prefix=prefix, choice=TransportChoice.GRPC)
     try:
         auto.start()
         auto.set_peers({W1: remote.start()})

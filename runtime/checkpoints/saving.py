@@ -16,7 +16,7 @@ from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label, Role
 from splitrun.splitter.program import Program
 
-from ..cluster.membership import SchedulerClient
+from ..cluster.protocol import Membership
 from ..engine.embedding.store import ShardSnapshot
 from ..errors import SplitrunError
 from ..transport.protocol import MessageKey
@@ -39,12 +39,12 @@ class Checkpointer:
     """Saves the job `gather.label` runs in: worker 0 leads every save; the
     other workers save at the same point of their loops; serving processes
     `answer` worker 0's commands between steps. `source`: the captured program
-    (the checkpoint's keys); `client`: the scheduler, whose key-value store
+    (the checkpoint's keys); `client`: the membership, whose key-value store
     carries the reports of a sharded save; `every` and `directory`: the
     periodic saves of `splitrun launch --checkpoint-every`."""
 
     def __init__(self, gather: StateGather, source: Program, *,
-                 client: SchedulerClient | None = None, every: int | None = None,
+                 client: Membership | None = None, every: int | None = None,
                  directory: str | None = None) -> None:
         self.label = gather.label
         self.split = gather.split

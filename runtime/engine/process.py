@@ -40,14 +40,19 @@ class ProcessRuntime:
     or a checkpoint's); each process takes what it owns. `first_step`: the step
     a resumed job continues at. `rendezvous`: where a parallel split's
     torch.distributed process groups are formed (needed only by such splits).
+    `hparams(step)`: where the step's hyperparameters come from, if not from
+    the program's optimizer when asked (threads of one process share one
+    reading per step).
     """
 
     def __init__(self, split: SplitProgram, label: Label, transport: Transport, *,
                  incarnation: int = 0, device: str | torch.device = "cpu",
                  state: Mapping[str, torch.Tensor] | None = None, first_step: int = 0,
-                 recv_timeout_s: float = 120.0, rendezvous: Rendezvous | None = None) -> None:
+                 recv_timeout_s: float = 120.0, rendezvous: Rendezvous | None = None,
+                 hparams: Callable[[int], dict[str, torch.Tensor]] | None = None) -> None:
         self.split = split
         self.label = label
+        self._hparams = split.program.hparams if hparams is None else hparams
         # Steps allocate large outputs afresh: keep freed memory for reuse.
         keep_freed_memory()
         state = split.program.initial_state if state is None else state
@@ -73,7 +78,7 @@ class ProcessRuntime:
     def hparams(self, step: int) -> dict[str, torch.Tensor]:
         """The step's hyperparameters (learning rates, step count), read now
         from the program's optimizer (a `torch.optim` one's current rates)."""
-        return self.split.program.hparams(step)
+        return self._hparams(step)
 
     def feeds(self, step: int, batch: Feeds | None,
               hparams: Feeds | None = None) -> dict[str, torch.Tensor]:

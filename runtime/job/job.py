@@ -22,8 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -33,21 +32,20 @@ from splitrun.splitter.modes import Mode
 from splitrun.splitter.picture_names import picture_names
 from splitrun.splitter.program import Program
 
-from ..checkpoints.gather import control_channels
 from ..checkpoints.saving import resume_state
 from ..cluster.env import ENV, ProcessEnvironment
 from ..cluster.hosted import HostedScheduler
 from ..cluster.membership import SchedulerClient
 from ..cluster.rendezvous import SchedulerRendezvous
 from ..cluster.step_file import StepFile
-from ..engine.process import ProcessRuntime
-from ..transport.contract import receive_contracts
 from ..transport.grpc import GrpcSettings, GrpcTransport
-from ..transport.shm.transport import ShmSettings, ShmTransport, TransportChoice
+from ..transport.protocol import Transport
+from ..transport.router import RoutedTransport, TransportChoice
+from ..transport.shm.transport import ShmSettings
 from .joining import advertised_host, host_scheduler, pick_device
 from .member import JobMember
 from .settings import JobSettings
-from .trainer import Trainer
+from .trainer import Trainer, start_trainer
 
 __all__ = ["Job", "Trainer", "JobSettings", "ENV", "PlanWritten", "report_uncaught",
            "pick_device"]
@@ -66,8 +64,8 @@ def report_uncaught(error: BaseException) -> None:
     them; the process exits without closing its transport)."""
     if _joined is not None:
         _joined.report_failure(error)
-        if isinstance(_joined.transport, ShmTransport):
-            _joined.transport.remove_job_files()
+        if _joined.remove_job_files is not None:
+            _joined.remove_job_files()
 
 
 class PlanWritten(BaseException):  # noqa: N818 - a signal, named for what happened
@@ -83,17 +81,21 @@ class Job(JobMember):
 
     def __init__(self, label: Label, cluster: Cluster, device: torch.device,
                  settings: JobSettings, *, client: SchedulerClient | None = None,
-                 transport: GrpcTransport | ShmTransport | None = None, incarnation: int = 0,
+                 transport: Transport | None = None, incarnation: int = 0,
                  heartbeat_interval_s: float = 0.5, plan_out: str | None = None,
                  host: str = "127.0.0.1",
                  hosted_scheduler: HostedScheduler | None = None,
                  plan_modules_out: str | None = None,
-                 step_file: StepFile | None = None) -> None:
+                 step_file: StepFile | None = None,
+                 remove_job_files: Callable[[], None] | None = None) -> None:
         super().__init__(label, cluster, device, settings, client=client, transport=transport,
                          incarnation=incarnation, heartbeat_interval_s=heartbeat_interval_s,
                          host=host, hosted_scheduler=hosted_scheduler, step_file=step_file)
         self.plan_out = plan_out
         self.plan_modules_out = plan_modules_out
+        # The job failed and this process ends without closing: what removes
+        # the job's shared-memory files on this host (`report_uncaught`).
+        self.remove_job_files = remove_job_files
 
     # -- joining --
 
@@ -126,7 +128,7 @@ class Job(JobMember):
         # every received tensor to the GPU, and pinned copies are DMA.
         on_gpu = device.type == "cuda"
         ring_bytes = ShmSettings().ring_bytes if env.shm_ring_mb is None else env.shm_ring_mb << 20
-        transport = ShmTransport(
+        transport = RoutedTransport(
             GrpcTransport(provisional, token=env.token, incarnation=0, host=env.host, port=0,
                           tls=env.tls, settings=GrpcSettings(pin_receive_buffers=on_gpu)),
             prefix=shm_prefix, choice=choice,
@@ -143,7 +145,8 @@ class Job(JobMember):
                   client=client, transport=transport, incarnation=registration.incarnation,
                   heartbeat_interval_s=registration.heartbeat_interval_s, host=host,
                   hosted_scheduler=hosted,
-                  step_file=None if env.step_file is None else StepFile(env.step_file))
+                  step_file=None if env.step_file is None else StepFile(env.step_file),
+                  remove_job_files=transport.remove_job_files)
         global _joined
         _joined = job
         return job
@@ -177,7 +180,6 @@ class Job(JobMember):
         peers = self.client.wait_for_peers(self.label, self.settings.register_timeout_s)
         self.transport.set_peers({label: address for label, address in peers.items()
                                   if label != self.label})
-        self.transport.register(control_channels(plan, split.program, self.label))
         if self.settings.restart_from is not None:  # a restart: the launcher's checkpoint wins
             resume = self.settings.restart_from
         state, first_step = resume_state(program, split, self.label, resume)
@@ -185,28 +187,14 @@ class Job(JobMember):
         # Parallel mode's torch.distributed groups meet through the scheduler.
         rendezvous = None if self.client is None else SchedulerRendezvous(
             self.client, self.incarnation, self.host, self.settings.register_timeout_s)
-        process = ProcessRuntime(split, self.label, self.transport,
-                                 incarnation=self.incarnation, device=self.device, state=state,
-                                 first_step=first_step,
-                                 recv_timeout_s=self.settings.recv_timeout_s,
-                                 rendezvous=rendezvous)
-        self.watch_waits(lambda: _waiting(process))  # the scheduler names a peer it waits on
-        # Set up: from here on a step that does not advance can stall a peer.
-        self.report_progress(first_step)
-        # The plan's messages are let in only now that the process is assembled.
-        self.transport.expect(receive_contracts(plan, split.program, self.label))
+        trainer = start_trainer(self, split, state=state, first_step=first_step,
+                                rendezvous=rendezvous, gather_state=gather_state,
+                                num_steps=num_steps, source=program)
         logger.info("[%s] plan %s: %s", self.label.describe(), plan.fingerprint, summary)
-        return Trainer(self, split, process, gather_state=gather_state, num_steps=num_steps,
-                       first_step=first_step, source=program)
+        return trainer
 
 
 def _write_module_map(program: Program, path: str) -> None:
     """The names of the plan's picture (`picture_names`), as JSON."""
     with open(path, "w") as out:
         json.dump(picture_names(program), out, sort_keys=True)
-
-
-def _waiting(process: ProcessRuntime) -> tuple[Label, float] | None:
-    waiting = process.executor.waiting_on
-    return None if waiting is None else (waiting.peer, time.monotonic() - waiting.since)
-

@@ -13,11 +13,11 @@ import torch
 from splitrun.splitter.labels import Cluster, Label, Role
 
 from ..cluster.hosted import HostedScheduler
-from ..cluster.membership import Heartbeat, SchedulerClient
+from ..cluster.membership import Heartbeat
+from ..cluster.protocol import Membership
 from ..cluster.step_file import StepFile
 from ..errors import ClusterError, JobFinished, PeerFailed, RecvTimeout
-from ..transport.grpc import GrpcTransport
-from ..transport.shm.transport import ShmTransport
+from ..transport.protocol import Transport
 from .settings import JobSettings
 
 __all__ = ["JobMember"]
@@ -29,9 +29,10 @@ class JobMember:
     """This process's membership in a running job."""
 
     def __init__(self, label: Label, cluster: Cluster, device: torch.device,
-                 settings: JobSettings, *, client: SchedulerClient | None = None,
-                 transport: GrpcTransport | ShmTransport | None = None, incarnation: int = 0,
-                 heartbeat_interval_s: float = 0.5, host: str = "127.0.0.1",
+                 settings: JobSettings, *,
+                 client: Membership | None = None,
+                 transport: Transport | None = None, incarnation: int = 0,
+                 heartbeat_interval_s: float | None = 0.5, host: str = "127.0.0.1",
                  hosted_scheduler: HostedScheduler | None = None,
                  step_file: StepFile | None = None) -> None:
         self.label = label
@@ -48,7 +49,9 @@ class JobMember:
         self._hosted_scheduler = hosted_scheduler
         # Where the launcher reads this process's step if it is killed.
         self._step_file = step_file
-        if client is not None:
+        # No interval: the members are threads of one process (`run_threaded`),
+        # whose membership tells them of a failure or the end at once.
+        if client is not None and heartbeat_interval_s is not None:
             self._heartbeat = Heartbeat(
                 client, label, heartbeat_interval_s, settings.heartbeat_timeout_s,
                 on_failed=self._job_failed, on_finished=self._workers_finished)

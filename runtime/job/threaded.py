@@ -1,8 +1,12 @@
 """Run every process of a plan as a thread of this process, over loopback.
 
 The way to test a split without sockets: results must equal the unsplit step.
-The first failure aborts every other thread's pending receive with an error
-naming the failed process.
+Each thread runs the loop of a launched job's script, through the same
+`start_trainer` and `Trainer` (`trainer.run(trainer.shard(batches))`, then
+`trainer.finish()`), over an `InProcessMembership` instead of the scheduler:
+servers serve until the workers finish, worker 0 gathers the final state
+(whole, in every mode) and the first failure stops every other thread with
+an error naming the failed process.
 
 Batches and hyperparameters come in the order a launched job's loop of
 `trainer.step(batch)` takes them: `batches(step)` is called once per step, in
@@ -15,22 +19,23 @@ that step on, for every thread alike.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label, Role
-from splitrun.splitter.plan import ModeKind, SplitPlan
+from splitrun.splitter.plan import SplitPlan
 
+from ..cluster.in_process import InProcessMembership
 from ..cluster.rendezvous import InProcessRendezvous
 from ..engine.executor import ExecutorStats
-from ..engine.process import ProcessRuntime
 from ..errors import PeerFailed, SplitrunError
-from ..transport.contract import receive_contracts
 from ..transport.loopback import LoopbackHub
-from .data import shard_batch
+from .member import JobMember
+from .settings import JobSettings
+from .trainer import Trainer, start_trainer
 
 __all__ = ["run_threaded", "ThreadedRun"]
 
@@ -42,9 +47,12 @@ _JOIN_GRACE_S = 30.0
 @dataclass
 class ThreadedRun:
     history: list[dict[str, torch.Tensor]]  # per step: outputs of all processes
-    state: dict[str, torch.Tensor]          # final state gathered from the owners
+    state: dict[str, torch.Tensor]          # final state, whole (gathered by worker 0)
     stats: dict[Label, ExecutorStats]
     cache_counters: dict[Label, dict] = field(default_factory=dict)  # per worker, per table
+    # Per process: the state it holds at the end, as it holds it (parallel
+    # mode: its members' pieces, keyed `key@wN`).
+    held: dict[Label, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 def run_threaded(split: SplitProgram, num_steps: int,
@@ -56,11 +64,11 @@ def run_threaded(split: SplitProgram, num_steps: int,
     """Train `num_steps` steps of `split` (from `split_program`); `batches(step)`
     gives the global batch's feeds, the program's optimizer the hyperparameters.
 
-    In parameter-server and embedding-cache modes each worker gets its shard of
-    the global batch, as `Trainer.shard` gives it in a real job. `batches` is
-    called once per step, in order, each step's hyperparameters read right
-    after it (module docstring). A batch that cannot be cut by rows (jagged
-    ids: `TorchRecInput.shard` cuts them) comes instead from
+    Each worker takes its share of the global batch as `Trainer.shard` gives it
+    in a real job (its rows in parameter-server and embedding-cache modes).
+    `batches` is called once per step, in order, each step's hyperparameters
+    read right after it (module docstring). A batch that cannot be cut by rows
+    (jagged ids: `TorchRecInput.shard` cuts them) comes instead from
     `worker_batches(rank, step)`: worker `rank`'s feeds.
     """
     if isinstance(split, SplitPlan):
@@ -74,77 +82,122 @@ def run_threaded(split: SplitProgram, num_steps: int,
         raise SplitrunError("run_threaded takes batches(step) or worker_batches(rank, step)")
     plan = split.plan
     hub = LoopbackHub(plan.labels)
+    transports = {label: hub.transport(label) for label in plan.labels}
+    membership = InProcessMembership(transports)
     rendezvous = InProcessRendezvous(recv_timeout_s)  # parallel mode's process groups
-    processes = {label: ProcessRuntime(split, label, hub.transport(label), device=device,
-                                       state=state, recv_timeout_s=recv_timeout_s,
-                                       rendezvous=rendezvous)
-                 for label in plan.labels}
-    for label in plan.labels:  # every message is checked against its contract
-        hub.transport(label).expect(receive_contracts(plan, split.program, label))
-    dumped: dict[str, torch.Tensor] = {}
+    # Every thread but an idle server's runs each step (and reads its feeds).
+    stepping = [label for label in plan.labels
+                if label.role is Role.WORKER or not plan.process(label).is_idle]
+    steps = _StepFeeds(batches or (lambda step: {}), split.program.hparams, len(stepping),
+                       num_steps)
+    # A server's first receive of a step waits as long as any receive: a
+    # thread's peers are never busy elsewhere between steps.
+    settings = JobSettings(recv_timeout_s=recv_timeout_s, idle_timeout_s=recv_timeout_s)
     history: list[dict[str, torch.Tensor]] = [{} for _ in range(num_steps)]
-    failures: list[tuple[Label, BaseException]] = []
     lock = threading.Lock()
-    sharded = plan.mode in (ModeKind.PARAMETER_SERVER, ModeKind.EMBEDDING_CACHE)
-    steps = _StepFeeds(batches or (lambda step: {}), split.program.hparams, len(plan.labels))
 
-    def batch_for(label: Label, step: int) -> Mapping[str, torch.Tensor] | None:
-        if label.role is not Role.WORKER or step >= num_steps:
-            return None
-        batch = steps.batch(step)  # asked for in step order, hyperparameters with it
-        if worker_batches is not None:
-            return worker_batches(label.rank, step)
-        return shard_batch(batch, label.rank, plan.cluster.num_workers) if sharded else batch
+    def record(step: int, outputs: dict[str, torch.Tensor]) -> None:
+        with lock:
+            history[step].update(outputs)
+        steps.done(step)
 
-    def work(label: Label, process: ProcessRuntime) -> None:
+    trainers: dict[Label, Trainer] = {}
+    for label in plan.labels:
+        member = JobMember(label, plan.cluster, torch.device(device), settings,
+                           client=membership, transport=transports[label],
+                           heartbeat_interval_s=None)
+        trainers[label] = start_trainer(member, split, state=state, rendezvous=rendezvous,
+                                        num_steps=num_steps, hparams=steps.hparams,
+                                        on_outputs=record)
+    final_state: dict[str, torch.Tensor] = {}
+    failures: list[tuple[Label, BaseException]] = []
+
+    def work(label: Label, trainer: Trainer) -> None:
+        if worker_batches is None:
+            source = _GlobalBatches(steps, num_steps)
+        else:
+            source = _OwnBatches(steps, num_steps, label.rank, worker_batches)
+        in_loop = True
         try:
-            for step in range(num_steps):
-                outputs = process.run_step(step, batch_for(label, step),
-                                           next_batch=batch_for(label, step + 1),
-                                           hparams=steps.hparams(step))
-                steps.done(step)
-                with lock:
-                    history[step].update(outputs)
-            if label == Label.worker(0):
-                dumped.update(process.dump_tables(num_steps))  # the whole tables
+            for _ in trainer.run(trainer.shard(source)):
+                pass
+            in_loop = False
+            gathered = trainer.finish()  # closes the process, failing or not
         except BaseException as exc:  # noqa: BLE001 - reported to the caller below
             with lock:
                 failures.append((label, exc))
-            if not isinstance(exc, PeerFailed):
-                hub.abort(PeerFailed(f"stopped because {label.describe()} failed: {exc}"))
+            # The trainer told the membership (which stopped every other
+            # thread) unless it failed outside a step.
+            membership.report_failure(label, f"{type(exc).__name__}: {exc}")
+            if in_loop:
+                trainer.process.close()
+            return
+        if gathered is not None:
+            final_state.update(gathered)
 
-    threads = [threading.Thread(target=work, args=(label, process), name=f"splitrun-{label}",
+    threads = [threading.Thread(target=work, args=(label, trainer), name=f"splitrun-{label}",
                                 daemon=True)
-               for label, process in processes.items()]
+               for label, trainer in trainers.items()]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=num_steps * recv_timeout_s + _JOIN_GRACE_S)
-    for process in processes.values():
-        process.close()
     stuck = [t.name for t in threads if t.is_alive()]
     if stuck:
         raise SplitrunError(f"threads {', '.join(stuck)} did not finish; a step hangs")
     if failures:
         original = [f for f in failures if not isinstance(f[1], PeerFailed)] or failures
         raise original[0][1]
-    final_state: dict[str, torch.Tensor] = dict(dumped)
-    for process in processes.values():
-        final_state.update(process.state)
-    counters = {label: process.cache_counters for label, process in processes.items()
-                if process.has_cache}
+    counters = {label: trainer.cache_counters for label, trainer in trainers.items()
+                if trainer.process.has_cache}
     return ThreadedRun(history, final_state,
-                       {label: process.stats for label, process in processes.items()}, counters)
+                       {label: trainer.stats for label, trainer in trainers.items()}, counters,
+                       {label: trainer.process.state for label, trainer in trainers.items()})
+
+
+class _GlobalBatches:
+    """The global batches, one per step, as a launched worker's script loops
+    over them (`Trainer.shard` cuts this worker's rows)."""
+
+    def __init__(self, steps: _StepFeeds, num_steps: int) -> None:
+        self._steps = steps
+        self._num_steps = num_steps
+
+    def __iter__(self) -> Iterator[Mapping[str, torch.Tensor]]:
+        for step in range(self._num_steps):
+            yield self._steps.batch(step)  # in step order, hyperparameters with it
+
+
+class _OwnBatches(_GlobalBatches):
+    """Worker `rank`'s own batches, `worker_batches(rank, step)`: a
+    `ShardedSource`, which `Trainer.shard` takes as it is."""
+
+    def __init__(self, steps: _StepFeeds, num_steps: int, rank: int,
+                 worker_batches: Callable[[int, int], Mapping[str, torch.Tensor]]) -> None:
+        super().__init__(steps, num_steps)
+        self._rank = rank
+        self._worker_batches = worker_batches
+
+    def __iter__(self) -> Iterator[Mapping[str, torch.Tensor]]:
+        for step, _ in enumerate(super().__iter__()):
+            yield self._worker_batches(self._rank, step)
+
+    def worker_shard(self, rank: int, num_workers: int) -> Iterator[Mapping[str, torch.Tensor]]:
+        return iter(self)
 
 
 class _StepFeeds:
     """Each step's global batch and hyperparameters, made once for all
     `num_threads` threads: `batches(step)` in step order, each step's
     hyperparameters read right after its batch (the order of a launched job's
-    loop). A step's are dropped once every thread is done with it."""
+    loop). A step's are dropped once every thread is done with it. A server
+    reads the hyperparameters of the step after the last before it learns
+    that the workers finished: they are read then, with no batch."""
 
     def __init__(self, batches: Callable[[int], Mapping[str, torch.Tensor]],
-                 hparams: Callable[[int], dict[str, torch.Tensor]], num_threads: int) -> None:
+                 hparams: Callable[[int], dict[str, torch.Tensor]], num_threads: int,
+                 num_steps: int) -> None:
+        self._num_steps = num_steps
         self._batches = batches
         self._read_hparams = hparams
         self._num_threads = num_threads
@@ -165,6 +218,8 @@ class _StepFeeds:
         return self._get(step)[0]
 
     def hparams(self, step: int) -> dict[str, torch.Tensor]:
+        if step >= self._num_steps:
+            return self._read_hparams(step)
         return self._get(step)[1]
 
     def done(self, step: int) -> None:

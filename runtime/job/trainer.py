@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -15,16 +16,23 @@ from splitrun.splitter.labels import Label
 from splitrun.splitter.plan import ModeKind, SplitPlan
 from splitrun.splitter.program import Program
 
-from ..checkpoints.gather import CONTROL_CHANNEL, StateGather, final_state_channel
+from ..checkpoints.gather import (
+    CONTROL_CHANNEL,
+    StateGather,
+    control_channels,
+    final_state_channel,
+)
 from ..checkpoints.saving import Checkpointer
+from ..cluster.rendezvous import Rendezvous
 from ..engine.process import ProcessRuntime
 from ..errors import JobFinished, PeerFailed, SplitrunError, TransportError
+from ..transport.contract import receive_contracts
 from .data import shard_batches
 from .member import JobMember
 from .metrics import StepMetrics
 from .progress import Progress
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "start_trainer"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +42,12 @@ class Trainer:
 
     def __init__(self, job: JobMember, split: SplitProgram, process: ProcessRuntime, *,
                  gather_state: bool, num_steps: int | None, first_step: int = 0,
-                 source: Program | None = None) -> None:
+                 source: Program | None = None,
+                 on_outputs: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+                 ) -> None:
         self.job = job
+        # Sees every step's outputs delivered to this process, a server's too.
+        self._on_outputs = on_outputs
         self.split = split
         self.source = source or split.program  # the captured program: checkpoints' keys
         self.process = process
@@ -112,6 +124,7 @@ class Trainer:
         except BaseException as exc:
             self.job.report_failure(exc)
             raise
+        self._record_outputs(outputs)
         self.steps_done += 1
         self.job.report_progress(self.steps_done)
         self._checkpointer.save_periodically(self.steps_done)
@@ -122,6 +135,10 @@ class Trainer:
         self._progress.update(self.steps_done - 1, loss_value, extra)
         self._record_metrics(loss_value)
         return outputs
+
+    def _record_outputs(self, outputs: dict[str, torch.Tensor]) -> None:
+        if self._on_outputs is not None:
+            self._on_outputs(self.steps_done, outputs)
 
     def _record_metrics(self, loss: float | None) -> None:
         if self._metrics is not None:
@@ -172,14 +189,15 @@ class Trainer:
         control = (CONTROL_CHANNEL, self._on_control)
         while True:
             try:
-                self.process.serve_step(self.steps_done,
-                                        first_recv_timeout_s=settings.idle_timeout_s,
-                                        control=control)
+                outputs = self.process.serve_step(self.steps_done,
+                                                  first_recv_timeout_s=settings.idle_timeout_s,
+                                                  control=control)
             except JobFinished:
                 return
             except BaseException as exc:
                 self.job.report_failure(exc)
                 raise
+            self._record_outputs(outputs)
             self.steps_done += 1
             self.job.report_progress(self.steps_done)
             self._record_metrics(None)
@@ -238,6 +256,36 @@ class Trainer:
         else:
             self._gather.send(final_state_channel(self.job.label), self.steps_done)
             self.process.drain_prefetch()
+
+
+def start_trainer(job: JobMember, split: SplitProgram, *,
+                  state: Mapping[str, torch.Tensor] | None, first_step: int = 0,
+                  rendezvous: Rendezvous | None = None, gather_state: bool = True,
+                  num_steps: int | None = None, source: Program | None = None,
+                  hparams: Callable[[int], dict[str, torch.Tensor]] | None = None,
+                  on_outputs: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+                  ) -> Trainer:
+    """Assemble `job`'s share of `split` and return its trainer: the one way a
+    process is put into a job, by `Job.start` and `run_threaded` alike. The
+    channels outside the plan (checkpoints, the final state) are registered
+    first, the plan's messages let in last, once the process is assembled."""
+    label, transport = job.label, job.transport
+    transport.register(control_channels(split.plan, split.program, label))
+    process = ProcessRuntime(split, label, transport, incarnation=job.incarnation,
+                             device=job.device, state=state, first_step=first_step,
+                             recv_timeout_s=job.settings.recv_timeout_s,
+                             rendezvous=rendezvous, hparams=hparams)
+    job.watch_waits(lambda: _waiting(process))  # the scheduler names a peer it waits on
+    # Set up: from here on a step that does not advance can stall a peer.
+    job.report_progress(first_step)
+    transport.expect(receive_contracts(split.plan, split.program, label))
+    return Trainer(job, split, process, gather_state=gather_state, num_steps=num_steps,
+                   first_step=first_step, source=source, on_outputs=on_outputs)
+
+
+def _waiting(process: ProcessRuntime) -> tuple[Label, float] | None:
+    waiting = process.executor.waiting_on
+    return None if waiting is None else (waiting.peer, time.monotonic() - waiting.since)
 
 
 def _feeds_of(batch) -> dict[str, torch.Tensor]:

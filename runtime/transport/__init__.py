@@ -1,7 +1,11 @@
-"""How processes hand tensors to each other: the `Transport` protocol, message
-keys, receive contracts and their check, the mailbox, the in-process loopback
-transport, the tensor codec (`dtypes`, `buffers`, `framing`), the gRPC
-transport (`grpc/`) and shared memory between processes of one host (`shm/`).
+"""How processes hand tensors to each other: the `Transport` protocol (with
+its lifecycle), message keys, receive contracts and their check, the
+process's receiving side (`endpoint`: mailbox, buffer pool, contracts,
+failure) and the one admission check every incoming message passes
+(`admission`), the in-process loopback transport, the tensor codec (`dtypes`,
+`buffers`, `framing`), the gRPC transport (`grpc/`), shared memory between
+processes of one host (`shm/`), and the per-peer router over those two
+(`router`), which never import each other.
 The gRPC glue it shares with the scheduler (wire code, token, TLS) is the room
 below, `runtime.rpc`."""
 
@@ -20,6 +24,10 @@ _EXPORTS = {
     "LoopbackHub": ".loopback",
     "LoopbackTransport": ".loopback",
     "Mailbox": ".mailbox",
+    "Endpoint": ".endpoint",
+    "RoutedTransport": ".router",
+    "TransportChoice": ".router",
+    "TransportKind": ".router",
     "OUT_OF_PLAN": ".protocol",
     "MessageKey": ".protocol",
     "Transport": ".protocol",

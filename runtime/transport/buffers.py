@@ -20,7 +20,6 @@ from .dtypes import TensorSpec, dtype_name, is_wire_dtype
 
 __all__ = [
     "EncodedTensors",
-    "byte_view",
     "encode",
     "raw_view",
     "MessageLayout",
@@ -81,15 +80,6 @@ def raw_view(tensor: torch.Tensor) -> memoryview:
     if nbytes == 0:
         return _EMPTY_VIEW
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
-
-
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """A flat byte view of a CPU tensor's data, zero-copy when it is contiguous;
-    the view keeps the tensor alive. Works for every wire dtype, 0-dim and
-    empty tensors."""
-    _check_sendable(tensor)
-    flat = tensor.detach().resolve_conj().resolve_neg().contiguous().view(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
 
 
 def encode(tensors: Sequence[torch.Tensor]) -> EncodedTensors:

@@ -15,6 +15,7 @@ import torch
 
 from splitrun.splitter.labels import Label
 
+from ..errors import TransportError
 from .contract import ChannelContract, ReceiveContracts, check_message, find_contract
 from .keys import MessageKey
 from .mailbox import Mailbox
@@ -39,9 +40,29 @@ class LoopbackHub:
 
 
 class LoopbackTransport:
+    """`label`'s side of the hub: the `Transport` protocol inside one process."""
+
     def __init__(self, hub: LoopbackHub, label: Label) -> None:
         self.hub = hub
         self.label = label
+
+    # -- lifecycle: the hub knows every peer from the start --
+
+    def start(self) -> str:
+        return f"loopback:{self.label}"
+
+    def set_identity(self, label: Label, incarnation: int) -> None:
+        mailbox = self.hub.mailboxes[self.label]
+        if label != self.label or incarnation != mailbox.incarnation:
+            raise TransportError(
+                f"[{self.label.describe()}] a loopback transport keeps its label and the hub's "
+                f"incarnation {mailbox.incarnation}; got {label} and {incarnation}")
+
+    def set_peers(self, peers: Mapping[Label, str]) -> None:
+        unknown = sorted(str(peer) for peer in peers if peer not in self.hub.mailboxes)
+        if unknown:
+            raise TransportError(f"[{self.label.describe()}] {', '.join(unknown)} are not on "
+                                 f"this loopback hub")
 
     def send(self, dst: Label, key: MessageKey, tensors: Sequence[torch.Tensor]) -> None:
         table = self.hub.contracts[dst].table

@@ -24,14 +24,22 @@ class Mailbox:
     aborted (the abort's error, e.g. `PeerFailed` naming the dead process).
     """
 
-    def __init__(self, owner: Label, incarnation: int = 0) -> None:
+    def __init__(self, owner: Label, incarnation: int = 0, *,
+                 routes: Sequence[tuple[str, Callable]] = ()) -> None:
         self.owner = owner
         self.incarnation = incarnation
         self._messages: dict[MessageKey, tuple[Label, list[torch.Tensor]]] = {}
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._finished_at: int | None = None
-        self._routes: list[tuple[str, Callable]] = []
+        self._routes: list[tuple[str, Callable]] = list(routes)
+
+    @property
+    def routes(self) -> tuple[tuple[str, Callable], ...]:
+        """The (prefix, handler) pairs `route` added, for a mailbox that
+        replaces this one (a process's new identity)."""
+        with self._cond:
+            return tuple(self._routes)
 
     def route(self, prefix: str, handler: Callable[[MessageKey, Label, list[torch.Tensor]], None]
               ) -> None:

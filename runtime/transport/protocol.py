@@ -1,4 +1,12 @@
-"""The `Transport` protocol: how an executor hands tensors to its peers.
+"""The `Transport` protocol: how a process hands tensors to its peers, and
+its lifecycle, which every transport of a job goes through:
+
+    address = transport.start()                  # receiving; tell the scheduler
+    transport.set_identity(label, incarnation)   # what the scheduler assigned
+    transport.set_peers({peer: address, ...})    # where the others are
+    transport.register(...); transport.expect(...)   # contracts; messages let in
+    ... send / recv / flush ...
+    transport.close()
 
 Sends never wait for the receiver to reach its receive (the receiver buffers),
 and every receive has a deadline. That, with schedules in one global order, is
@@ -22,6 +30,19 @@ __all__ = ["MessageKey", "Transport", "OUT_OF_PLAN"]
 
 class Transport(Protocol):
     label: Label
+
+    # -- lifecycle --
+
+    def start(self) -> str:
+        """Start receiving; the address peers reach this process at."""
+
+    def set_identity(self, label: Label, incarnation: int) -> None:
+        """The label and incarnation the scheduler assigned; before `set_peers`."""
+
+    def set_peers(self, peers: Mapping[Label, str]) -> None:
+        """Where each peer listens (`start`'s address); merged with earlier calls."""
+
+    # -- messages --
 
     def send(self, dst: Label, key: MessageKey, tensors: Sequence[torch.Tensor]) -> None:
         """Queue `tensors` for `dst`; returns without waiting for the receiver."""

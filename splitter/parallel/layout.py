@@ -165,10 +165,14 @@ def collect_state_dict(layout: ParallelLayout, shards: Mapping[str, torch.Tensor
                        ) -> dict[str, torch.Tensor]:
     """The full `state_dict` from the members' pieces (keys `key@wN`):
     shards are concatenated in rank order, replicas taken from the first
-    member. Keys that are not member keys pass through unchanged."""
+    member. Keys that are not member keys pass through unchanged, so a state
+    already whole (`run_threaded`'s, a job's gathered one) comes back as it is."""
     full: dict[str, torch.Tensor] = {k: v for k, v in shards.items()
                                       if split_member_key(k) is None}
     for key, placement in layout.state.items():
+        if key in full and not any(member_key(key, member) in shards
+                                   for member in layout.members_of(key)):
+            continue  # already whole
         pieces = []
         for member in layout.members_of(key):
             name = member_key(key, member)

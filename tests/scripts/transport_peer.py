@@ -2,7 +2,7 @@
 
     transport_peer.py KIND PREFIX TOKEN INCARNATION ADDRESS_OF_WORKER_0 MODE
 
-KIND is grpc or shm (an ShmTransport that must use shared memory). It starts
+KIND is grpc or shm (a RoutedTransport that must use shared memory). It starts
 its transport, prints "address HOST:PORT", takes worker 0 at ADDRESS as its
 peer and prints "ready". MODE `hold`: it stays alive for the test to kill it
 (bounded). MODE `big`: it sends worker 0 a 1 GiB int64 tensor on channel
@@ -17,7 +17,7 @@ import torch
 from splitrun.runtime import MessageKey
 from splitrun.runtime.transport import ChannelContract
 from splitrun.runtime.transport.grpc import GrpcSettings, GrpcTransport
-from splitrun.runtime.transport.shm.transport import ShmTransport, TransportChoice
+from splitrun.runtime.transport.router import RoutedTransport, TransportChoice
 from splitrun.splitter import Label
 
 # Bounds how long a held process waits to be killed by the test.
@@ -33,7 +33,7 @@ def main():
     transport = GrpcTransport(Label.worker(1), token=token, incarnation=incarnation,
                               settings=GrpcSettings(connect_timeout_s=30.0))
     if kind == "shm":
-        transport = ShmTransport(transport, prefix=prefix, choice=TransportChoice.SHM)
+        transport = RoutedTransport(transport, prefix=prefix, choice=TransportChoice.SHM)
     print("address", transport.start(), flush=True)
     transport.set_peers({Label.worker(0): address})
     transport.expect({"w0->w1#0": ChannelContract(Label.worker(0), ((torch.float32, (2, 3)),))})

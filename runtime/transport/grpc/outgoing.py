@@ -21,7 +21,7 @@ from ...errors import TransportError
 from ..buffers import EncodedTensors, encode
 from ..framing import CHUNK_OVERHEAD, EnvelopeWriter, frame_message
 from ..keys import MessageKey
-from .endpoint import Endpoint
+from .settings import GrpcSettings
 
 __all__ = ["Outgoing", "SendQueue", "outgoing"]
 
@@ -156,22 +156,21 @@ class SendQueue:
         return self._bytes
 
 
-def outgoing(endpoint: Endpoint, envelopes: EnvelopeWriter, dst: Label, key: MessageKey,
-             tensors: Sequence[torch.Tensor]) -> Outgoing:
-    """`tensors` as a queued message for `dst`: staged to host memory, encoded,
-    and framed at once when small."""
-    settings = endpoint.settings
+def outgoing(settings: GrpcSettings, tag: str, envelopes: EnvelopeWriter, dst: Label,
+             key: MessageKey, tensors: Sequence[torch.Tensor]) -> Outgoing:
+    """`tensors` as a queued message for `dst` (from the process `tag` names):
+    staged to host memory, encoded, and framed at once when small."""
     staged, events = _stage(tensors)
     encoded = encode(staged)
     header = envelopes.serialize(key, encoded)
     room = settings.max_request_bytes - settings.chunk_bytes - CHUNK_OVERHEAD
     if len(header) > room:
         raise TransportError(
-            f"{endpoint.tag} send {key}: the envelope of {len(encoded.tensors)} tensors "
+            f"{tag} send {key}: the envelope of {len(encoded.tensors)} tensors "
             f"takes {len(header)} bytes, more than the {room} that max_request_bytes "
             f"leaves beside a chunk; fuse fewer values per channel or raise it")
     nbytes = encoded.total_bytes + len(header)
-    logger.debug("%s queued %s for %s (%d bytes)", endpoint.tag, key, dst, encoded.total_bytes)
+    logger.debug("%s queued %s for %s (%d bytes)", tag, key, dst, encoded.total_bytes)
     if not events and encoded.total_bytes <= _FRAME_AT_SEND_BYTES:
         (chunk,) = frame_message(header, encoded.views, encoded.total_bytes,
                                  settings.chunk_bytes)

@@ -1,37 +1,35 @@
 """The receiving side of `GrpcTransport`: the `TensorService` server, which
-checks incoming messages against their receive contracts and puts them in
-the mailbox.
-
-Every call must carry the job's token; every message is checked (its
-incarnation, its envelope's byte counts, and its channel's contract: sender,
-dtypes, shapes) before a byte is buffered, and a refused message gets a gRPC status
-naming what was expected and what came, is logged, and never reaches the
+admits incoming messages into the process's `Endpoint` and puts them in its
 mailbox.
+
+Every call must carry the job's token; every message is admitted (its
+incarnation, its envelope's byte counts, and its channel's contract: sender,
+dtypes, shapes; `admission`, the check shared memory runs too) before a byte
+is buffered, and a refused message gets a gRPC status naming what was
+expected and what came, is logged, and never reaches the mailbox.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
 
-from splitrun.splitter.errors import LabelError
 from splitrun.splitter.labels import Label
 
-from ...errors import ChannelMismatch, MessageRejected, UnknownChannel, WrongSender
+from ...errors import MessageRejected, UnknownChannel, WrongSender
 from ...rpc.auth import one_line
 from ...rpc.service import DELIVERED_METADATA_KEY, SERVICE_NAME, TOKEN_METADATA_KEY
 from ...rpc.wire import splitrun_pb2
+from ..admission import Admission, NotAdmitted
 from ..buffers import MessageBuffer, MessageLayout
-from ..contract import ChannelContract, check_message, find_contract, refusal_prefix
-from ..dtypes import IS_LITTLE_ENDIAN, dtype_name
-from ..framing import is_step_free, parse_chunk, parse_envelope, specs_from_envelope, split_step
+from ..endpoint import Endpoint
+from ..framing import parse_chunk
 from ..keys import MessageKey
 from ..mailbox import Mailbox
-from .endpoint import CurrentEndpoint, Endpoint, GrpcSettings
+from .settings import GrpcSettings
 
 # The parts `GrpcTransport` is built from.
 __all__ = ["TensorServicer", "server_options"]
@@ -41,27 +39,6 @@ logger = logging.getLogger(__name__)
 # Messages above this are checked against the mailbox for duplicates before
 # their data is received, not only after.
 _EARLY_DUPLICATE_CHECK_BYTES = 1 << 20
-# Bounds the checked envelopes a receiver remembers (about one per channel).
-_MAX_KNOWN_ENVELOPES = 4096
-
-
-@dataclass(frozen=True, slots=True)
-class _ChannelRule:
-    """A `ChannelContract` compiled for the receive path: a message whose
-    envelope matches `wire_metas` (and comes from `src_text`) meets the
-    contract, and its buffer layout is computed once."""
-
-    contract: ChannelContract
-    src_text: str
-    wire_metas: list[tuple[str, tuple[int, ...]]] | None  # None: some shape is dynamic
-    layout: MessageLayout | None
-
-
-def _compile_rule(contract: ChannelContract) -> _ChannelRule:
-    if not contract.is_static:
-        return _ChannelRule(contract, str(contract.src), None, None)
-    wire_metas = [(dtype_name(spec.dtype), spec.shape) for spec in contract.tensors]
-    return _ChannelRule(contract, str(contract.src), wire_metas, MessageLayout(contract.tensors))
 
 
 class _Refusal(Exception):
@@ -73,9 +50,17 @@ class _Refusal(Exception):
         self.details = details
 
 
-# The status each kind of broken contract is refused with.
-_MISMATCH_CODES = {UnknownChannel: grpc.StatusCode.NOT_FOUND,
-                   WrongSender: grpc.StatusCode.PERMISSION_DENIED}
+def _refusal_of(exc: MessageRejected) -> _Refusal:
+    """The status each kind of refusal is answered with; its text says where."""
+    if isinstance(exc, NotAdmitted):
+        code = grpc.StatusCode.FAILED_PRECONDITION
+    elif isinstance(exc, UnknownChannel):
+        code = grpc.StatusCode.NOT_FOUND
+    elif isinstance(exc, WrongSender):
+        code = grpc.StatusCode.PERMISSION_DENIED
+    else:
+        code = grpc.StatusCode.INVALID_ARGUMENT
+    return _Refusal(code, str(exc))
 
 
 @dataclass(eq=False, slots=True)
@@ -87,89 +72,29 @@ class _Incoming:
 
 
 class _Receiver:
-    """Checks incoming messages against their receive contracts and puts them
-    in the mailbox.
+    """Admits incoming messages (`Admission`, the check every transport
+    shares), reserves their buffers and puts them in the mailbox; refuses a
+    second message for a key already on its way."""
 
-    The fast path is the contract compiled (`_ChannelRule`): an envelope equal
-    to it meets the contract; any other envelope gets the full check
-    (`check_message`). An envelope that passed is remembered without its step
-    (see `EnvelopeWriter`): the next step's envelope of the same channel is
-    then recognised by its bytes, without parsing or checking it again.
-    """
-
-    def __init__(self, current: CurrentEndpoint) -> None:
-        self._current = current
+    def __init__(self, endpoint: Endpoint) -> None:
+        self._endpoint = endpoint
+        self._admission = Admission(endpoint)
         # Keys whose data is on the wire; dict operations are atomic, so two
         # streams carrying the same key cannot both pass.
         self._inflight: dict[MessageKey, object] = {}
-        # Compiled rules and remembered envelopes, valid for one endpoint and
-        # one contract table; forgotten when either is replaced.
-        self._valid_for: tuple[Endpoint, Mapping[str, ChannelContract]] | None = None
-        self._rules: dict[str, _ChannelRule] = {}
-        self._known: dict[bytes, tuple[_ChannelRule, MessageLayout, int, str]] = {}
-
-    def _table(self, endpoint: Endpoint) -> Mapping[str, ChannelContract] | None:
-        """The contract table, waiting for `expect` if a message came first."""
-        # Returns at once once `expect` has run; a message that came first waits.
-        table = endpoint.contracts.wait(endpoint.settings.expect_timeout_s)
-        valid_for = self._valid_for
-        if valid_for is None or valid_for[0] is not endpoint or valid_for[1] is not table:
-            self._valid_for = (endpoint, table)
-            self._rules = {}
-            self._known = {}
-        return table
-
-    def _rule(self, table: Mapping[str, ChannelContract], channel: str) -> _ChannelRule | None:
-        rule = self._rules.get(channel)
-        if rule is None:
-            contract = table.get(channel)
-            if contract is None:
-                return None
-            rule = self._rules[channel] = _compile_rule(contract)
-        return rule
 
     def begin(self, raw: memoryview, peer: str) -> _Incoming:
         """Check a serialized envelope and reserve a buffer for its message."""
-        endpoint = self._current.endpoint
-        table = self._table(endpoint)
-        split = split_step(raw)
-        if split is not None:
-            # A bytes key: hashing a memoryview hashes the whole chunk under it.
-            known = self._known.get(split[1].tobytes())
-            if known is not None:
-                rule, layout, incarnation, channel = known
-                return self._reserve(endpoint, MessageKey(incarnation, split[0], channel),
-                                     rule, layout, peer)
         try:
-            envelope = parse_envelope(raw)
+            admitted = self._admission.admit(raw, peer)
         except MessageRejected as exc:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"{endpoint.tag} refused a message from {peer}: {exc}") from None
-        rule = self._rule(table, envelope.channel) if table is not None else None
-        if (rule is not None and rule.wire_metas is not None
-                and envelope.incarnation == endpoint.incarnation
-                and envelope.src == rule.src_text
-                and envelope.total_bytes == rule.layout.total_bytes
-                and envelope.little_endian == IS_LITTLE_ENDIAN
-                and [(m.dtype, tuple(m.shape)) for m in envelope.tensors] == rule.wire_metas):
-            layout = rule.layout  # exactly what the contract says
-        else:
-            layout = self._check(endpoint, table, envelope, peer)
-            rule = self._rule(table, envelope.channel)
-        if split is not None and split[0] == envelope.step and is_step_free(split[1]):
-            if len(self._known) >= _MAX_KNOWN_ENVELOPES:
-                self._known = {}
-            self._known[split[1].tobytes()] = (rule, layout, envelope.incarnation,
-                                               envelope.channel)
-        return self._reserve(endpoint,
-                             MessageKey(envelope.incarnation, envelope.step, envelope.channel),
-                             rule, layout, peer)
+            raise _refusal_of(exc) from None
+        return self._reserve(admitted.receiver.tag, admitted.receiver.mailbox, admitted.key,
+                             admitted.src, admitted.layout, peer)
 
-    def _reserve(self, endpoint: Endpoint, key: MessageKey, rule: _ChannelRule,
+    def _reserve(self, tag: str, mailbox: Mailbox, key: MessageKey, src: Label,
                  layout: MessageLayout, peer: str) -> _Incoming:
         """Claim `key` for this message and allocate its buffer."""
-        src = rule.contract.src
-        mailbox = endpoint.mailbox
         marker = object()
         if (self._inflight.setdefault(key, marker) is not marker
                 or (layout.total_bytes > _EARLY_DUPLICATE_CHECK_BYTES and mailbox.holds(key))):
@@ -177,55 +102,16 @@ class _Receiver:
                 del self._inflight[key]
             raise _Refusal(
                 grpc.StatusCode.ALREADY_EXISTS,
-                f"{endpoint.tag} refused a second message for {key} from {src.describe()} "
+                f"{tag} refused a second message for {key} from {src.describe()} "
                 f"({peer}): the first is already here or on its way; each is sent once")
         try:
-            buffer = MessageBuffer(layout, endpoint.pool)
+            buffer = MessageBuffer(layout, self._endpoint.pool)
         except (MemoryError, RuntimeError) as exc:
             self._release(key)
             raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"{endpoint.tag} refused {key} from {src.describe()} ({peer}): "
+                           f"{tag} refused {key} from {src.describe()} ({peer}): "
                            f"cannot allocate {layout.buffer_bytes} bytes: {exc}") from None
         return _Incoming(key, src, buffer, mailbox)
-
-    def _check(self, endpoint: Endpoint, table: Mapping[str, ChannelContract] | None,
-               envelope: splitrun_pb2.Envelope, peer: str) -> MessageLayout:
-        """The full check of an envelope the fast path did not pass: refuse it
-        with the precise reason, or return the layout of a channel whose
-        shapes the contract leaves open."""
-        key = MessageKey(envelope.incarnation, envelope.step, envelope.channel)
-        where = refusal_prefix(endpoint.label, key, envelope.src, peer)
-
-        def refuse(code: grpc.StatusCode, why: str) -> _Refusal:
-            return _Refusal(code, f"{where}: {why}")
-
-        if envelope.incarnation != endpoint.incarnation:
-            raise refuse(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"incarnation {envelope.incarnation}, but the job's incarnation is "
-                f"{endpoint.incarnation}; the sender belongs to "
-                f"{'a previous' if envelope.incarnation < endpoint.incarnation else 'a newer'} "
-                f"run of the job")
-        if table is None:
-            raise refuse(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                endpoint.contracts.why_no_table(endpoint.settings.expect_timeout_s))
-        try:
-            contract = find_contract(table, key, envelope.src, receiver=endpoint.label,
-                                     via=peer)
-            try:
-                src = Label.parse(envelope.src)
-            except LabelError as exc:
-                raise refuse(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-            specs = specs_from_envelope(envelope,
-                                        max_bytes=endpoint.settings.max_message_bytes)
-            check_message(contract, key, src, specs, receiver=endpoint.label, via=peer)
-        except ChannelMismatch as exc:  # says where itself
-            raise _Refusal(_MISMATCH_CODES.get(type(exc), grpc.StatusCode.INVALID_ARGUMENT),
-                           str(exc)) from None
-        except MessageRejected as exc:  # the envelope's own checks
-            raise refuse(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        return MessageLayout(specs)
 
     def finish(self, incoming: _Incoming, peer: str) -> None:
         """Hand a complete message to the mailbox."""
@@ -238,7 +124,7 @@ class _Receiver:
             raise _Refusal(grpc.StatusCode.ALREADY_EXISTS, f"{exc} ({peer})") from None
         finally:
             self._inflight.pop(key, None)
-        logger.debug("%s received %s from %s", self._current.endpoint.tag, key, incoming.src)
+        logger.debug("%s received %s from %s", self._endpoint.tag, key, incoming.src)
 
     def _release(self, key: MessageKey) -> None:
         self._inflight.pop(key, None)
@@ -253,13 +139,13 @@ class TensorServicer:
     """The TensorService handlers: raw bytes in, parsed and checked here, so bad
     bytes get INVALID_ARGUMENT with a reason instead of gRPC's generic error."""
 
-    def __init__(self, current: CurrentEndpoint) -> None:
-        self._current = current
-        self._receiver = _Receiver(current)
+    def __init__(self, endpoint: Endpoint) -> None:
+        self._endpoint = endpoint
+        self._receiver = _Receiver(endpoint)
 
     @property
     def _tag(self) -> str:
-        return self._current.endpoint.tag
+        return self._endpoint.tag
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
@@ -279,7 +165,7 @@ class TensorServicer:
         if not tokens:
             why = f"no {TOKEN_METADATA_KEY!r} in the call metadata"
         elif not hmac.compare_digest(str(tokens[0]).encode(),
-                                     self._current.endpoint.token.encode()):
+                                     self._endpoint.token.encode()):
             why = "the job token is wrong"
         else:
             return
@@ -364,7 +250,7 @@ class TensorServicer:
 
     def ping(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         self._check_token(context)
-        return splitrun_pb2.PingReply(label=str(self._current.endpoint.label)).SerializeToString()
+        return splitrun_pb2.PingReply(label=str(self._endpoint.label)).SerializeToString()
 
 
 def server_options(settings: GrpcSettings) -> list[tuple[str, int]]:

@@ -30,14 +30,21 @@ import grpc
 from splitrun.splitter.labels import Label
 
 from ...errors import TransportError
-from ...rpc.service import DELIVER_STREAM_METHOD, DELIVERED_METADATA_KEY, PING_METHOD
+from ...rpc.service import (
+    DELIVER_STREAM_METHOD,
+    DELIVERED_METADATA_KEY,
+    PING_METHOD,
+    TOKEN_METADATA_KEY,
+)
+from ...rpc.tls import TlsFiles
+from ..endpoint import Endpoint
 from ..framing import frame_message
 from ..keys import MessageKey
-from .endpoint import Endpoint, GrpcSettings
 from .outgoing import Outgoing, SendQueue
+from .settings import GrpcSettings
 
 # The parts `GrpcTransport` is built from.
-__all__ = ["JOIN_GRACE_S", "PeerSender", "channel_options", "open_channel"]
+__all__ = ["JOIN_GRACE_S", "PeerSender", "call_metadata", "channel_options", "open_channel"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +75,15 @@ class _StreamState:
 class PeerSender:
     """One peer's queue, and the thread that carries it over one stream at a time."""
 
-    def __init__(self, endpoint: Endpoint, peer: Label, address: str) -> None:
+    def __init__(self, endpoint: Endpoint, settings: GrpcSettings, tls: TlsFiles | None,
+                 peer: Label, address: str) -> None:
         self.peer = peer
         self.address = address
-        self._settings = endpoint.settings
+        self._settings = settings
         self._tag = endpoint.tag
-        self._metadata = endpoint.metadata
-        self._on_fatal = endpoint.on_fatal
-        self._channel = open_channel(address, endpoint)
+        self._metadata = call_metadata(endpoint.token)
+        self._on_fatal = endpoint.fail  # a sender's failure fails the whole transport
+        self._channel = open_channel(address, settings, tls)
         self._stream = self._channel.stream_unary(
             DELIVER_STREAM_METHOD, request_serializer=None, response_deserializer=None)
         self._ping = self._channel.unary_unary(
@@ -343,12 +351,17 @@ def _delivered_count(trailing) -> int | None:
     return None
 
 
-def open_channel(address: str, endpoint: Endpoint) -> grpc.Channel:
-    """A channel to a peer's server: over TLS when the endpoint has it."""
-    options = channel_options(endpoint.settings)
-    if endpoint.tls is None:
+def call_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """The call metadata every call to a peer carries: the job's token."""
+    return ((TOKEN_METADATA_KEY, token),)
+
+
+def open_channel(address: str, settings: GrpcSettings, tls: TlsFiles | None) -> grpc.Channel:
+    """A channel to a peer's server: over TLS when the process has it."""
+    options = channel_options(settings)
+    if tls is None:
         return grpc.insecure_channel(address, options=options)
-    return grpc.secure_channel(address, endpoint.tls.channel_credentials(), options=options)
+    return grpc.secure_channel(address, tls.channel_credentials(), options=options)
 
 
 def channel_options(settings: GrpcSettings) -> list[tuple[str, int]]:

@@ -1,15 +1,16 @@
 """`GrpcTransport`: the `Transport` protocol over real gRPC between processes.
 
-This module is its public face. The transport builds one frozen `Endpoint`
-(`endpoint`) and hands it to its parts, which know nothing of the transport:
-the receiving side (the `TensorService` server and its checks, `receive`),
-the sending side (per-peer queues, streams, retries, `send`); the names both
-ends of a call share are in `service`.
+This module is its public face. The transport delivers into one `Endpoint`
+(the process's receiving side: mailbox, pool, contracts, failure), which it
+hands to its parts; they know nothing of the transport: the receiving side
+(the `TensorService` server, which admits messages like every transport,
+`receive`), the sending side (per-peer queues, streams, retries, `send`).
+The names both ends of a call share, the token's check and TLS are the room
+below (`runtime.rpc`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -27,14 +28,14 @@ from ...rpc.service import PING_METHOD
 from ...rpc.tls import TlsFiles
 from ...rpc.wire import splitrun_pb2
 from ..buffers import BufferPool
-from ..contract import ChannelContract, ReceiveContracts
+from ..contract import ChannelContract
+from ..endpoint import Endpoint
 from ..framing import CHUNK_OVERHEAD, EnvelopeWriter
 from ..keys import MessageKey
-from ..mailbox import Mailbox
-from .endpoint import CurrentEndpoint, Endpoint, GrpcSettings
 from .outgoing import outgoing
 from .receive import TensorServicer, server_options
-from .send import JOIN_GRACE_S, PeerSender, open_channel
+from .send import JOIN_GRACE_S, PeerSender, call_metadata, open_channel
+from .settings import GrpcSettings
 
 __all__ = ["GrpcTransport", "GrpcSettings"]
 
@@ -70,20 +71,20 @@ class GrpcTransport:
                 f"envelope below max_request_bytes {self.settings.max_request_bytes}")
         self.host = host
         self.port = port
+        self.tls = tls
         self.address: str | None = None
         pool = BufferPool(self.settings.pool_bytes, pin_memory=self.settings.pin_receive_buffers)
-        self._current = CurrentEndpoint(Endpoint(
-            label=label, incarnation=incarnation, token=token, settings=self.settings,
-            mailbox=Mailbox(label, incarnation), pool=pool,
-            contracts=ReceiveContracts(), on_fatal=self.fail, tls=tls))
+        # The process's receiving side: another transport of the process
+        # (shared memory) delivers into the same one.
+        self.endpoint = Endpoint(label, incarnation, token=token, pool=pool,
+                                 expect_timeout_s=self.settings.expect_timeout_s,
+                                 max_message_bytes=self.settings.max_message_bytes)
         self._envelopes = EnvelopeWriter(str(label))
         if contracts is not None:
             self.expect(contracts)
         self._peers: dict[Label, str] = {}
         self._senders: dict[Label, PeerSender] = {}
         self._lock = threading.Lock()
-        self._error: TransportError | None = None
-        self._error_raised = False
         self._server: grpc.Server | None = None
         self._server_pool: futures.ThreadPoolExecutor | None = None
         self._is_closed = False
@@ -96,11 +97,11 @@ class GrpcTransport:
 
     @property
     def label(self) -> Label:
-        return self._current.endpoint.label
+        return self.endpoint.label
 
     @property
     def incarnation(self) -> int:
-        return self._current.endpoint.incarnation
+        return self.endpoint.incarnation
 
     # -- setup --
 
@@ -114,19 +115,18 @@ class GrpcTransport:
             thread_name_prefix=f"splitrun-recv-{self.label}")
         # The token is checked before any handler runs: a caller without it
         # never holds a server thread or one of the concurrent-call slots.
-        endpoint = self._current.endpoint
-        auth = TokenInterceptor(endpoint.token, f"tensor server of {self._tag}",
+        auth = TokenInterceptor(self.endpoint.token, f"tensor server of {self._tag}",
                                 "every process of a job must use the job's token")
         server = grpc.server(self._server_pool, options=server_options(settings),
                              maximum_concurrent_rpcs=settings.max_server_threads,
                              interceptors=(auth,))
-        server.add_generic_rpc_handlers((TensorServicer(self._current).handler(),))
+        server.add_generic_rpc_handlers((TensorServicer(self.endpoint).handler(),))
         wanted = _format_address(self.host, self.port)
         try:
-            if endpoint.tls is None:
+            if self.tls is None:
                 port = server.add_insecure_port(wanted)
             else:
-                port = server.add_secure_port(wanted, endpoint.tls.server_credentials())
+                port = server.add_secure_port(wanted, self.tls.server_credentials())
         except RuntimeError as exc:
             port, cause = 0, exc
         else:
@@ -164,51 +164,38 @@ class GrpcTransport:
                     f"{self._tag} set_identity({label}, {incarnation}) after messages were "
                     f"sent; a process's identity is fixed once it talks to peers")
             self._envelopes = EnvelopeWriter(str(label))
-            self._current.endpoint = dataclasses.replace(
-                self._endpoint, label=label, incarnation=incarnation,
-                mailbox=Mailbox(label, incarnation))
+            self.endpoint.set_identity(label, incarnation)
 
     def expect(self, contracts: Mapping[str, ChannelContract]) -> None:
         """The contracts of this process's plan channels (see `receive_contracts`);
         messages that arrived first were waiting for them."""
-        self._endpoint.contracts.expect(contracts)
+        self.endpoint.expect(contracts)
 
     def register(self, contracts: Mapping[str, ChannelContract]) -> None:
         """Contracts of channels outside the plan, registered by their owners."""
-        self._endpoint.contracts.register(contracts)
-
-    @property
-    def endpoint(self) -> Endpoint:
-        """This process's side as of now (label, mailbox, pool, contracts): what
-        another data path into this process (shared memory) delivers through."""
-        return self._current.endpoint
+        self.endpoint.register(contracts)
 
     def pending(self) -> list[MessageKey]:
         """The keys of messages received and not taken by `recv` yet (for tests
         and diagnostics), by step and channel."""
-        return self._endpoint.mailbox.pending()
+        return self.endpoint.pending()
 
     # -- the Transport protocol --
 
     def send(self, dst: Label, key: MessageKey, tensors: Sequence[torch.Tensor]) -> None:
         """Queue `tensors` for `dst`; blocks only while dst's queue is full."""
-        self.raise_if_failed()
+        self.endpoint.raise_if_failed()
         if self._is_closed:
             raise TransportError(
                 f"{self._tag} send {key} to {dst.describe()}: the transport is closed")
-        self._sender(dst).put(outgoing(self._endpoint, self._envelopes, dst, key, tensors))
+        self._sender(dst).put(outgoing(self.settings, self._tag, self._envelopes, dst, key,
+                                       tensors))
 
     def recv(self, src: Label, key: MessageKey, timeout_s: float,
              control=None) -> list[torch.Tensor]:
         """The tensors `src` sent under `key` (CPU tensors); `RecvTimeout` past the
         deadline. While waiting, a message under `control`'s key goes to its handler."""
-        self.raise_if_failed()
-        try:
-            return self._endpoint.mailbox.take(key, src, timeout_s, control)
-        except TransportError as exc:
-            if exc is self._error:
-                self._error_raised = True
-            raise
+        return self.endpoint.take(key, src, timeout_s, control)
 
     def is_lent(self, tensor: torch.Tensor) -> bool:
         return False  # received tensors own their (pooled) buffers
@@ -216,20 +203,19 @@ class GrpcTransport:
     def abort(self, error: BaseException) -> None:
         """Wake every pending receive of this process with `error` (and every
         message waiting for `expect`: refused)."""
-        self._endpoint.mailbox.abort(error)
-        self._endpoint.contracts.stop_waiting()
+        self.endpoint.abort(error)
 
     def finish_at(self, num_steps: int) -> None:
         """Receives for steps >= `num_steps` end with `JobFinished`."""
-        self._endpoint.mailbox.finish_at(num_steps)
+        self.endpoint.finish_at(num_steps)
 
     def route(self, prefix: str, handler) -> None:
         """Hand incoming messages on channels starting with `prefix` to `handler`."""
-        self._endpoint.mailbox.route(prefix, handler)
+        self.endpoint.route(prefix, handler)
 
     def flush(self, timeout_s: float) -> None:
         """Wait until every message queued so far is confirmed delivered."""
-        self.raise_if_failed()
+        self.endpoint.raise_if_failed()
         deadline = time.monotonic() + timeout_s
         with self._lock:
             senders = list(self._senders.values())
@@ -237,18 +223,17 @@ class GrpcTransport:
             for sender in senders:
                 sender.flush(deadline)
         except TransportError as exc:
-            if exc is self._error:
-                self._error_raised = True
+            self.endpoint.note_raised(exc)
             raise
 
     def ping(self, dst: Label, timeout_s: float = 5.0) -> str:
         """The label `dst`'s server answers with; `TransportError` if it does not."""
         address = self._address_of(dst)
-        with open_channel(address, self._endpoint) as channel:
+        with open_channel(address, self.settings, self.tls) as channel:
             call = channel.unary_unary(PING_METHOD, request_serializer=None,
                                        response_deserializer=None)
             try:
-                raw = call(b"", timeout=timeout_s, metadata=self._endpoint.metadata,
+                raw = call(b"", timeout=timeout_s, metadata=call_metadata(self.endpoint.token),
                            wait_for_ready=True)
             except grpc.RpcError as err:
                 raise TransportError(
@@ -270,30 +255,25 @@ class GrpcTransport:
         problems = [error for error in (sender.join(deadline) for sender in senders) if error]
         for sender in senders:
             sender.shutdown()
-        self._endpoint.contracts.stop_waiting()
+        self.endpoint.contracts.stop_waiting()
         if self._server is not None:
             # Grace lets peers' streams to us confirm what they carried.
             grace = max(deadline - time.monotonic(), 0.0)
             self._server.stop(grace).wait(grace + JOIN_GRACE_S)
             self._server_pool.shutdown(wait=False)
-        self._endpoint.pool.clear()
+        self.endpoint.pool.clear()
         logger.info("%s transport closed", self._tag)
+        unreported = self.endpoint.unreported_failure()
         if problems:
-            self._error_raised = True
             raise TransportError("; ".join(str(p) for p in problems))
-        if self._error is not None and not self._error_raised:
-            self._error_raised = True
-            raise self._error
+        if unreported is not None:
+            raise unreported
 
     # -- internals --
 
     @property
-    def _endpoint(self) -> Endpoint:
-        return self._current.endpoint
-
-    @property
     def _tag(self) -> str:
-        return self._current.endpoint.tag
+        return self.endpoint.tag
 
     def _address_of(self, peer: Label) -> str:
         address = self._peers.get(peer)
@@ -309,27 +289,21 @@ class GrpcTransport:
             with self._lock:
                 sender = self._senders.get(peer)
                 if sender is None:
-                    sender = PeerSender(self._endpoint, peer, self._address_of(peer))
+                    sender = PeerSender(self.endpoint, self.settings, self.tls, peer,
+                                        self._address_of(peer))
                     self._senders[peer] = sender
         return sender
 
     @property
     def has_failed(self) -> bool:
         """True once a fatal error failed this transport (see `fail`)."""
-        return self._error is not None
+        return self.endpoint.has_failed
 
     def raise_if_failed(self) -> None:
         """Raise the transport's failure, if it has one."""
-        if self._error is not None:
-            self._error_raised = True
-            raise self._error
+        self.endpoint.raise_if_failed()
 
     def fail(self, error: TransportError) -> None:
-        """A sender's fatal error (or another data path's): remember the first
-        failure, wake every receive with it, raise it from sends and flushes."""
-        with self._lock:
-            if self._error is None:
-                self._error = error
-                logger.error("%s", error)
-        self._endpoint.mailbox.abort(self._error)
-        self._endpoint.contracts.stop_waiting()
+        """A fatal error: remember the first failure, wake every receive with
+        it, raise it from sends and flushes."""
+        self.endpoint.fail(error)

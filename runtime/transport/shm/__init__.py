@@ -12,8 +12,6 @@ from splitrun.splitter.lazy_exports import lazy_exports
 _EXPORTS = {
     "ShmSettings": ".transport",
     "ShmTransport": ".transport",
-    "TransportChoice": ".transport",
-    "TransportKind": ".transport",
     "RingReader": ".ring",
     "RingSettings": ".ring",
     "RingWriter": ".ring",

@@ -72,7 +72,8 @@ class RingWriter:
         self._tag = f"[{owner}] ring to {peer}"
         self.peer = peer
         self.ring_path, self.socket_path = ring_paths(prefix, name, directory)
-        self._lock = threading.Lock()
+        # Reentrant: `send` holds it while it waits for the consumer to attach.
+        self._lock = threading.RLock()
         self._head = 0
         self._num_sent = 0
         self._conn: socket.socket | None = None
@@ -145,9 +146,18 @@ class RingWriter:
             raise RingError(f"{self._tag}: the process that connected to "
                             f"{self.socket_path} did not greet as a ring consumer")
         conn.settimeout(None)
-        self._conn = conn
-        self._tails = Positions(conn)
-        self._listener.close()
+        with self._lock:  # `close` may run meanwhile: it uses the listener under the lock
+            if self._is_closed:
+                # Closed while the consumer attached: tell it, as `close` would have.
+                try:
+                    send_record(conn, CLOSED, time.monotonic() + _CLOSE_NOTICE_S)
+                except OSError:
+                    pass  # the consumer is gone or stuck; closing anyway
+                conn.close()
+                return
+            self._conn = conn
+            self._tails = Positions(conn)
+            self._listener.close()
         unlink_quietly(self.ring_path)
         unlink_quietly(self.socket_path)
         logger.debug("%s: %s attached", self._tag, self.peer)

@@ -1,33 +1,33 @@
-"""`ShmTransport`: the `Transport` protocol with shared memory between
-co-located peers and gRPC to everyone else.
+"""`ShmTransport`: messages between processes of one host through shared
+memory, one ring per direction of each peer pair (`<incarnation>-<src>-<dst>`
+under the job's prefix, see `ring`). It delivers into the process's
+`Endpoint` (mailbox, pool, contracts, failure), as the gRPC transport does;
+neither transport knows the other. `RoutedTransport` (`..router`) picks, per
+peer, which of the two carries the messages.
 
-It wraps a `GrpcTransport`, which stays the control path, the path to remote
-peers and the owner of the mailbox, buffer pool and receive contracts. Per
-peer pair on one host, payloads go through a `ring` instead, one per
-direction (`<incarnation>-<src>-<dst>` under the job's prefix).
-
-Choosing per pair. `start()` writes a marker file `<prefix>port<PORT>.peer`
-holding this machine's boot id (mode 0600). In `set_peers`, a peer whose
+Sharing memory with a peer. `start(address)` writes a marker file
+`<prefix>port<PORT>.peer` holding this machine's boot id (mode 0600), PORT
+being the port of the address peers reach this process at. A peer whose
 marker (found by the port of its address) opens and holds our boot id is on
 this host, can open our files, and sees ours the same way: both ends choose
-shared memory for the pair without a message. Anything else (no job prefix,
-another host, another user, another /dev/shm, `SPLITRUN_TRANSPORT=grpc`)
-stays on gRPC. `kind_of(peer)` says which, and the choice is logged.
+shared memory for the pair without a message (`can_share_with`). Anything
+else (another host, another user, another /dev/shm) cannot.
 
 Receiving. A thread per incoming ring attaches to it, reads each message's
-envelope, checks it with the same `find_contract` / `check_message` as the
-gRPC path, copies the payload into a pooled `MessageBuffer` (one copy) and
-puts it in the mailbox. A large message on a plan channel is not copied when
-the ring can spare it (`RingReader.can_lend`: room kept for what the sender
-still sends in the step, at most half a ring held): its tensors view the ring
+envelope, admits it (`admission`, the check the gRPC server runs too),
+copies the payload into a pooled `MessageBuffer` (one copy) and puts it in
+the mailbox. A large message on a plan channel is not copied when the ring
+can spare it (`RingReader.can_lend`: room kept for what the sender still
+sends in the step, at most half a ring held): its tensors view the ring
 itself (`RingReader.lend_payload`) until the executor drops them; `is_lent`
 tells the executor which tensors those are.
-A refused message is skipped and its refusal sent to the sender over gRPC
-(channel `@shm-refused:<receiver>`), which fails the sender's transport as a
-gRPC refusal would; it never reaches the mailbox. A ring whose writer dies
-(end-of-file without a close) fails this transport with an error naming that
-peer, unless the job's failure arrives first (within `peer_gone_grace_s`):
-then the peer exited because of it, and saying it died would hide the cause.
+A refused message is skipped and its refusal sent back to the sender by the
+`reply` path the transport is given (channel `@shm-refused:<receiver>`),
+which fails the sender's transport as a gRPC refusal would; it never reaches
+the mailbox. A ring whose writer dies (end-of-file without a close) fails the
+process's transport with an error naming that peer, unless the job's failure
+arrives first (within `peer_gone_grace_s`): then the peer exited because of
+it, and saying it died would hide the cause.
 
 Files. Rings are unlinked as soon as both ends hold them; the marker when the
 transport closes. A process SIGKILLed leaves its marker (and rings nobody
@@ -39,24 +39,23 @@ so do the launcher's janitor and a standalone scheduler at their end.
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from splitrun.splitter.errors import LabelError
 from splitrun.splitter.labels import Label
 
-from ...errors import MessageRejected, RecvTimeout, TransportError, WrongSender
-from ..buffers import EncodedTensors, MessageBuffer, MessageLayout, encode
-from ..contract import ChannelContract, check_message, find_contract, refusal_prefix
-from ..framing import EnvelopeWriter, is_step_free, parse_envelope, specs_from_envelope, split_step
-from ..grpc import GrpcTransport
+from ...errors import MessageRejected, RecvTimeout, TransportError
+from ..admission import Admission
+from ..buffers import EncodedTensors, MessageBuffer, encode
+from ..contract import ChannelContract
+from ..endpoint import Endpoint
+from ..framing import EnvelopeWriter
 from ..keys import MessageKey
 from .ring import (
     LENDABLE_BYTES,
@@ -73,38 +72,17 @@ from .ring import (
     remove_job_segments,
 )
 
-__all__ = ["ShmTransport", "ShmSettings", "TransportChoice", "TransportKind"]
+__all__ = ["ShmTransport", "ShmSettings", "REFUSED_CHANNEL", "Reply"]
 
 logger = logging.getLogger(__name__)
 
-_REFUSED_CHANNEL = "@shm-refused:"
-# Bounds the known-envelope cache of one incoming ring.
-_MAX_KNOWN_ENVELOPES = 4096
+# The channel a refusal goes back to its sender on, suffixed with the refuser.
+REFUSED_CHANNEL = "@shm-refused:"
 
-
-class TransportKind(enum.Enum):
-    """How messages to one peer travel."""
-
-    GRPC = "grpc"
-    SHM = "shm"
-
-
-class TransportChoice(enum.Enum):
-    """`SPLITRUN_TRANSPORT`: `auto` uses shared memory for each peer on this host
-    and gRPC for the others; `grpc` forces gRPC; `shm` requires shared memory
-    for every peer (an error names a peer that is not on this host)."""
-
-    AUTO = "auto"
-    GRPC = "grpc"
-    SHM = "shm"
-
-    @classmethod
-    def parse(cls, text: str, variable: str = "SPLITRUN_TRANSPORT") -> TransportChoice:
-        try:
-            return cls(text.strip().lower() or "auto")
-        except ValueError:
-            raise TransportError(f"{variable}={text!r}: use one of "
-                                 f"{', '.join(c.value for c in cls)}") from None
+# How a refusal reaches its sender: `reply(peer, key, tensors)` sends a message
+# over another path (gRPC: the sender's ring reader does not wait on it) and
+# returns once it is delivered.
+Reply = Callable[[Label, MessageKey, list[torch.Tensor]], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +130,8 @@ class _IncomingRing:
         self.peer = peer
         self.name = name
         self.reader: RingReader | None = None
-        self._known: dict[bytes, tuple[MessageLayout, int, str]] = {}
-        self._known_for: tuple | None = None
+        self._admission = Admission(owner.endpoint, sender=peer)
+        self._via = f"{peer.describe()} over shared memory"
         self._num_refused = 0
         self.thread = threading.Thread(target=self._run, daemon=True,
                                        name=f"splitrun-shm-{name}")
@@ -172,7 +150,7 @@ class _IncomingRing:
                          peer.describe())
             return
         except RingError as exc:
-            if not (owner.is_closing or owner.job_failed.is_set()):
+            if not (owner.is_closing or owner.endpoint.job_failed.is_set()):
                 owner.fail(TransportError(f"{owner.tag} shared memory from {peer.describe()}: "
                                           f"{exc}"))
             return
@@ -186,7 +164,7 @@ class _IncomingRing:
         except RingClosed:
             logger.debug("%s ring from %s closed", owner.tag, peer.describe())
         except RingPeerGone as exc:
-            if owner.is_closing or owner.job_failed.wait(settings.peer_gone_grace_s):
+            if owner.is_closing or owner.endpoint.job_failed.wait(settings.peer_gone_grace_s):
                 logger.debug("%s %s is gone after the job failed: %s", owner.tag,
                              peer.describe(), exc)
             elif not owner.is_closing:
@@ -207,7 +185,7 @@ class _IncomingRing:
         the transport closes or the job fails meanwhile."""
         owner, settings = self._owner, self._owner.settings
         deadline = time.monotonic() + settings.attach_timeout_s
-        while not (owner.is_closing or owner.job_failed.is_set()):
+        while not (owner.is_closing or owner.endpoint.job_failed.is_set()):
             remaining = deadline - time.monotonic()
             try:
                 return RingReader.attach(owner.prefix, self.name, owner=owner.label.describe(),
@@ -224,20 +202,22 @@ class _IncomingRing:
 
     def _take(self, header: bytes, nbytes: int) -> None:
         owner = self._owner
-        endpoint = owner.grpc.endpoint
         reader = self.reader
         timeout = owner.settings.message_timeout_s
         try:
-            key, layout, later_bytes = self._check(endpoint, header)
+            admitted = self._admission.admit(memoryview(header), self._via)
+            layout = admitted.layout
             if layout.total_bytes != nbytes:
                 raise MessageRejected(
-                    f"{owner.tag} refused {key} from {self.peer.describe()}: the envelope "
-                    f"says {layout.total_bytes} bytes, the ring frame {nbytes}")
-        except (MessageRejected, LabelError) as exc:
+                    f"{admitted.receiver.tag} refused {admitted.key} from "
+                    f"{self.peer.describe()}: the envelope says {layout.total_bytes} bytes, "
+                    f"the ring frame {nbytes}")
+        except MessageRejected as exc:
             reader.discard_payload(timeout)
             self._refuse(str(exc))
             return
         tensors = None
+        later_bytes = admitted.contract.later_bytes
         if (later_bytes is not None and nbytes >= LENDABLE_BYTES
                 and layout.is_viewable_on_wire and reader.can_lend(later_bytes)):
             # Viewed in the ring, no copy: the executor drops these within the
@@ -246,101 +226,53 @@ class _IncomingRing:
             if wire is not None:
                 tensors = layout.views_on_wire(wire)
         if tensors is None:
-            buffer = MessageBuffer(layout, endpoint.pool)
+            buffer = MessageBuffer(layout, owner.endpoint.pool)
             buffer.fill(lambda view: reader.recv_payload_part_into(view, timeout))
             tensors = buffer.tensors()
         try:
-            endpoint.mailbox.put(key, self.peer, tensors)
+            admitted.receiver.mailbox.put(admitted.key, admitted.src, tensors)
         except MessageRejected as exc:
             self._refuse(str(exc))
 
-    def _check(self, endpoint, header: bytes) -> tuple[MessageKey, MessageLayout, int | None]:
-        """The message's key, buffer layout and its contract's `later_bytes`
-        (None: not to be lent), or `MessageRejected` saying why not."""
-        # Returns at once once `expect` has run; a message that came first waits.
-        table = endpoint.contracts.wait(endpoint.settings.expect_timeout_s)
-        known_for = self._known_for
-        if known_for is None or known_for[0] is not endpoint or known_for[1] is not table:
-            # Envelopes checked against another table or identity prove nothing.
-            self._known = {}
-            self._known_for = (endpoint, table)
-        view = memoryview(header)
-        split = split_step(view)
-        if split is not None:
-            known = self._known.get(split[1].tobytes())
-            if known is not None:
-                layout, incarnation, channel, later_bytes = known
-                return MessageKey(incarnation, split[0], channel), layout, later_bytes
-        envelope = parse_envelope(view)
-        key = MessageKey(envelope.incarnation, envelope.step, envelope.channel)
-        via = f"shared memory from {self.peer.describe()}"
-        where = refusal_prefix(endpoint.label, key, envelope.src, via)
-        if envelope.incarnation != endpoint.incarnation:
-            raise MessageRejected(
-                f"{where}: incarnation {envelope.incarnation}, but the job's incarnation is "
-                f"{endpoint.incarnation}; the sender belongs to another run of the job")
-        if table is None:
-            why = endpoint.contracts.why_no_table(endpoint.settings.expect_timeout_s)
-            raise MessageRejected(f"{where}: {why}")
-        contract = find_contract(table, key, envelope.src, receiver=endpoint.label, via=via)
-        src = Label.parse(envelope.src)
-        if src != self.peer:
-            raise WrongSender(f"{where}: this ring carries {self.peer.describe()}'s messages "
-                              f"only, the envelope says {src.describe()}")
-        specs = specs_from_envelope(envelope, max_bytes=endpoint.settings.max_message_bytes)
-        check_message(contract, key, src, specs, receiver=endpoint.label, via=via)
-        layout = MessageLayout(specs)
-        if split is not None and split[0] == envelope.step and is_step_free(split[1]):
-            if len(self._known) >= _MAX_KNOWN_ENVELOPES:
-                self._known = {}
-            self._known[split[1].tobytes()] = (layout, envelope.incarnation, envelope.channel,
-                                               contract.later_bytes)
-        return key, layout, contract.later_bytes
-
     def _refuse(self, why: str) -> None:
-        """Log a refusal and tell the sender (over gRPC), so that it fails."""
+        """Log a refusal and tell the sender (by the reply path), so that it fails."""
         owner = self._owner
         logger.warning("%s", why)
         self._num_refused += 1
         text = torch.frombuffer(bytearray(why.encode()), dtype=torch.uint8)
-        key = MessageKey(owner.grpc.endpoint.incarnation, self._num_refused,
-                         _REFUSED_CHANNEL + str(owner.label))
+        key = MessageKey(owner.endpoint.incarnation, self._num_refused,
+                         REFUSED_CHANNEL + str(owner.label))
         try:
-            owner.grpc.send(self.peer, key, [text])
             # Delivered before the sender's flush (which waits for this ring)
             # can return: the refusal is raised there.
-            owner.grpc.flush(owner.settings.send_timeout_s)
+            owner.reply(self.peer, key, [text])
         except TransportError as exc:
             logger.warning("%s could not tell %s of the refusal: %s", owner.tag,
                            self.peer.describe(), exc)
 
 
 class ShmTransport:
-    """The `Transport` protocol over shared memory to peers on this host and a
-    wrapped `GrpcTransport` to the others (see the module's docstring).
+    """Messages to and from the peers on this host that share memory with
+    this process (see the module's docstring), delivered into `endpoint`;
+    `reply` carries refusals back to their senders.
 
-        transport = ShmTransport(GrpcTransport(label, token=..., incarnation=...),
-                                 prefix=new_job_prefix())
-        address = transport.start()
-        transport.set_peers({peer: address_of_peer, ...})
-        transport.kind_of(peer)              # TransportKind.SHM on this host
-        transport.close()
+        shm = ShmTransport(endpoint, prefix=new_job_prefix(), reply=...)
+        shm.start(address)                   # this process's gRPC address
+        if shm.can_share_with(peer_address)[0]:
+            shm.connect(peer)
+        shm.send(peer, key, tensors)
+        shm.close()
     """
 
-    def __init__(self, grpc: GrpcTransport, *, prefix: str | None,
-                 choice: TransportChoice = TransportChoice.AUTO,
+    def __init__(self, endpoint: Endpoint, *, prefix: str, reply: Reply,
                  settings: ShmSettings | None = None, directory: str = SHM_DIR) -> None:
-        self.grpc = grpc
+        self.endpoint = endpoint
         self.prefix = prefix
-        self.choice = choice
+        self.reply = reply
         self.settings = settings or ShmSettings()
         self.directory = directory
-        if choice is TransportChoice.SHM and prefix is None:
-            raise TransportError("SPLITRUN_TRANSPORT=shm needs the job's shared-memory prefix "
-                                 "(SPLITRUN_SHM_PREFIX, set by `splitrun launch`)")
         self._boot_id = boot_id()
         self._marker: str | None = None
-        self._kinds: dict[Label, TransportKind] = {}
         self._writers: dict[Label, RingWriter] = {}
         self._attach_locks: dict[Label, threading.Lock] = {}
         self._incoming: dict[Label, _IncomingRing] = {}
@@ -348,32 +280,15 @@ class ShmTransport:
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._is_closed = False
-        # Set by abort() and fail(): the job failed (close() removes its files).
-        self.job_failed = threading.Event()
-        self._abort_error: BaseException | None = None
-        grpc.route(_REFUSED_CHANNEL, self._on_refused)
-
-    def __enter__(self) -> ShmTransport:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+        endpoint.route(REFUSED_CHANNEL, self._on_refused)
 
     @property
     def label(self) -> Label:
-        return self.grpc.label
-
-    @property
-    def incarnation(self) -> int:
-        return self.grpc.incarnation
-
-    @property
-    def address(self) -> str | None:
-        return self.grpc.address
+        return self.endpoint.label
 
     @property
     def tag(self) -> str:
-        return f"[{self.label.describe()}]"
+        return self.endpoint.tag
 
     @property
     def is_closing(self) -> bool:
@@ -381,86 +296,65 @@ class ShmTransport:
 
     # -- setup --
 
-    def start(self) -> str:
-        """Start the gRPC server; write this process's marker for same-host peers."""
-        address = self.grpc.start()
-        if self.choice is not TransportChoice.GRPC and self.prefix is not None \
-                and self._marker is None:
-            path = _marker_path(self.prefix, address)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.write(fd, self._boot_id.encode())
-            finally:
-                os.close(fd)
-            self._marker = path
-        return address
-
-    def set_identity(self, label: Label, incarnation: int) -> None:
-        with self._lock:
-            if self._kinds:
-                raise TransportError(f"{self.tag} set_identity({label}, {incarnation}) after "
-                                     f"set_peers; a process's identity is fixed by then")
-        self.grpc.set_identity(label, incarnation)
-
-    def set_peers(self, peers: Mapping[Label, str]) -> None:
-        """Where each peer listens; chooses shared memory or gRPC for each new
-        peer, creating this side's ring to it and attaching to its ring here."""
-        self.grpc.set_peers(peers)
-        with self._lock:
-            if self._envelopes is None:
-                self._envelopes = EnvelopeWriter(str(self.label))
-            for peer, address in sorted(peers.items()):
-                if peer == self.label or peer in self._kinds:
-                    continue
-                kind, why = self._choose(address)
-                if kind is TransportKind.GRPC and self.choice is TransportChoice.SHM:
-                    raise TransportError(
-                        f"{self.tag} SPLITRUN_TRANSPORT=shm, but {peer.describe()} at "
-                        f"{address} cannot share memory with this process: {why}")
-                if kind is TransportKind.SHM:
-                    self._open_rings(peer)
-                self._kinds[peer] = kind
-                logger.info("%s transport to %s: %s (%s)", self.tag, peer.describe(),
-                            kind.value, why)
-
-    def _choose(self, address: str) -> tuple[TransportKind, str]:
-        if self.choice is TransportChoice.GRPC:
-            return TransportKind.GRPC, "SPLITRUN_TRANSPORT=grpc"
-        if self.prefix is None:
-            return TransportKind.GRPC, "no shared-memory prefix for this job"
-        if self._marker is None:
-            return TransportKind.GRPC, "this process wrote no marker (start() first)"
+    def start(self, address: str) -> None:
+        """Write this process's marker for same-host peers; `address`: where
+        peers reach this process (its port names the marker)."""
+        if self._marker is not None:
+            return
         path = _marker_path(self.prefix, address)
         if path is None:
-            return TransportKind.GRPC, f"no port in its address {address!r}"
+            return
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, self._boot_id.encode())
+        finally:
+            os.close(fd)
+        self._marker = path
+
+    def can_share_with(self, address: str) -> tuple[bool, str]:
+        """Whether the peer at `address` shares memory with this process, and why."""
+        if self._marker is None:
+            return False, "this process wrote no marker (start() first)"
+        path = _marker_path(self.prefix, address)
+        if path is None:
+            return False, f"no port in its address {address!r}"
         try:
             with open(path) as f:
                 theirs = f.read().strip()
         except OSError as exc:
-            return TransportKind.GRPC, f"its marker is not readable here ({exc.strerror})"
+            return False, f"its marker is not readable here ({exc.strerror})"
         if not theirs or theirs != self._boot_id:
-            return TransportKind.GRPC, "another boot id: not this host"
-        return TransportKind.SHM, f"same host, boot id {self._boot_id[:8]}"
+            return False, "another boot id: not this host"
+        return True, f"same host, boot id {self._boot_id[:8]}"
 
     def _ring_name(self, src: Label, dst: Label) -> str:
-        return f"{self.incarnation}-{src}-{dst}"
+        return f"{self.endpoint.incarnation}-{src}-{dst}"
 
-    def _open_rings(self, peer: Label) -> None:
-        self.grpc.register({_REFUSED_CHANNEL + str(peer): ChannelContract(peer, None)})
-        settings = self.settings
-        self._writers[peer] = RingWriter(
-            self.prefix, self._ring_name(self.label, peer), owner=self.label.describe(),
-            peer=peer.describe(), directory=self.directory,
-            settings=RingSettings(capacity_bytes=settings.ring_bytes,
-                                  attach_timeout_s=settings.attach_timeout_s))
-        self._attach_locks[peer] = threading.Lock()
-        # The peer attaches in the background: its files go from /dev/shm as
-        # soon as it has, whether or not this process ever sends to it.
-        threading.Thread(target=self._attach_writer, args=(peer,), daemon=True,
-                         name=f"splitrun-shm-attach-{peer}").start()
-        incoming = _IncomingRing(self, peer, self._ring_name(peer, self.label))
-        self._incoming[peer] = incoming
-        incoming.thread.start()
+    def connect(self, peer: Label) -> None:
+        """Create this side's ring to `peer` and attach to its ring here (in
+        the background: the peer creates it in its own time)."""
+        with self._lock:
+            if self._envelopes is None:
+                self._envelopes = EnvelopeWriter(str(self.label))
+            self.endpoint.register({REFUSED_CHANNEL + str(peer): ChannelContract(peer, None)})
+            settings = self.settings
+            self._writers[peer] = RingWriter(
+                self.prefix, self._ring_name(self.label, peer), owner=self.label.describe(),
+                peer=peer.describe(), directory=self.directory,
+                settings=RingSettings(capacity_bytes=settings.ring_bytes,
+                                      attach_timeout_s=settings.attach_timeout_s))
+            self._attach_locks[peer] = threading.Lock()
+            # The peer attaches in the background: its files go from /dev/shm as
+            # soon as it has, whether or not this process ever sends to it.
+            threading.Thread(target=self._attach_writer, args=(peer,), daemon=True,
+                             name=f"splitrun-shm-attach-{peer}").start()
+            incoming = _IncomingRing(self, peer, self._ring_name(peer, self.label))
+            self._incoming[peer] = incoming
+            incoming.thread.start()
+
+    def carries(self, peer: Label) -> bool:
+        """True once `connect(peer)`: messages to `peer` go through its ring."""
+        return peer in self._writers
 
     def _attach_writer(self, peer: Label) -> None:
         try:
@@ -468,9 +362,9 @@ class ShmTransport:
         except Exception as exc:  # noqa: BLE001 - reported below unless the job ended
             # close() closes the writers first: a wait it cut short is no failure;
             # nor is one the job's failure ended.
-            if not (self._is_closed or self.is_closing or self.job_failed.is_set()):
-                self.fail(TransportError(f"{self.tag} shared memory to "
-                                         f"{peer.describe()}: {exc}"))
+            if not (self._is_closed or self.is_closing or self.endpoint.job_failed.is_set()):
+                self.endpoint.fail(TransportError(f"{self.tag} shared memory to "
+                                                  f"{peer.describe()}: {exc}"))
 
     def _await_attach(self, peer: Label) -> None:
         """Wait until `peer` attached to our ring to it, up to attach_timeout_s,
@@ -480,10 +374,10 @@ class ShmTransport:
         lock = self._attach_locks[peer]
         deadline = time.monotonic() + self.settings.attach_timeout_s
         while not writer.is_attached:
-            if self._is_closed or self.is_closing or self.job_failed.is_set():
-                self.grpc.raise_if_failed()
-                if self._abort_error is not None:
-                    raise self._abort_error
+            if self._is_closed or self.is_closing or self.endpoint.job_failed.is_set():
+                self.endpoint.raise_if_failed()
+                if self.endpoint.abort_error is not None:
+                    raise self.endpoint.abort_error
                 raise TransportError(f"{self.tag} stopped waiting for {peer.describe()} to "
                                      f"attach to shared memory: the transport is closing")
             remaining = deadline - time.monotonic()
@@ -502,36 +396,13 @@ class ShmTransport:
             finally:
                 lock.release()
 
-    def kind_of(self, peer: Label) -> TransportKind:
-        """How messages to and from `peer` travel (decided by `set_peers`)."""
-        kind = self._kinds.get(peer)
-        if kind is None:
-            raise TransportError(f"{self.tag} {peer.describe()} is no peer yet; set_peers() "
-                                 f"first")
-        return kind
-
-    def expect(self, contracts: Mapping[str, ChannelContract]) -> None:
-        self.grpc.expect(contracts)
-
-    def register(self, contracts: Mapping[str, ChannelContract]) -> None:
-        self.grpc.register(contracts)
-
-    def pending(self) -> list[MessageKey]:
-        return self.grpc.pending()
-
-    def ping(self, dst: Label, timeout_s: float = 5.0) -> str:
-        return self.grpc.ping(dst, timeout_s)
-
-    # -- the Transport protocol --
+    # -- messages --
 
     def send(self, dst: Label, key: MessageKey, tensors: Sequence[torch.Tensor]) -> None:
-        """To a same-host peer: copied into its ring before this returns (blocks
-        only while the ring is full); to others: queued on gRPC."""
-        writer = self._writers.get(dst)
-        if writer is None:
-            self.grpc.send(dst, key, tensors)
-            return
-        self.grpc.raise_if_failed()
+        """Copied into `dst`'s ring before this returns (blocks only while the
+        ring is full); `dst` must be connected."""
+        writer = self._writers[dst]
+        self.endpoint.raise_if_failed()
         if self._is_closed:
             raise TransportError(
                 f"{self.tag} send {key} to {dst.describe()}: the transport is closed")
@@ -549,12 +420,8 @@ class ShmTransport:
         except RingError as exc:
             error = TransportError(f"{self.tag} sending {key} to {dst.describe()} over shared "
                                    f"memory failed: {exc}")
-            self.grpc.fail(error)
+            self.endpoint.fail(error)
             raise error from None
-
-    def recv(self, src: Label, key: MessageKey, timeout_s: float,
-             control=None) -> list[torch.Tensor]:
-        return self.grpc.recv(src, key, timeout_s, control)
 
     def is_lent(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` views an incoming ring (a payload lent in place).
@@ -566,23 +433,9 @@ class ShmTransport:
         return any(ring.reader.holds_address(address) for ring in list(self._incoming.values())
                    if ring.reader is not None and ring.reader.num_lent)
 
-    def abort(self, error: BaseException) -> None:
-        if self._abort_error is None:
-            self._abort_error = error
-        self.job_failed.set()
-        self.grpc.abort(error)
-
-    def finish_at(self, num_steps: int) -> None:
-        self.grpc.finish_at(num_steps)
-
-    def route(self, prefix: str, handler) -> None:
-        self.grpc.route(prefix, handler)
-
-    def flush(self, timeout_s: float) -> None:
+    def flush(self, deadline: float) -> None:
         """Wait until every message sent so far is in its receiver's mailbox
-        (or refused: then that refusal is raised)."""
-        self.grpc.raise_if_failed()
-        deadline = time.monotonic() + timeout_s
+        (or refused: then the refusal fails this process's transport)."""
         with self._lock:
             writers = list(self._writers.items())
         for peer, writer in writers:
@@ -591,13 +444,13 @@ class ShmTransport:
             except RingError as exc:
                 error = TransportError(f"{self.tag} flushing the ring to {peer.describe()} "
                                        f"failed: {exc}")
-                self.grpc.fail(error)
+                self.endpoint.fail(error)
                 raise error from None
-        self.grpc.flush(max(deadline - time.monotonic(), 0.0))
 
     def close(self) -> None:
         """Close the rings (each receiver reads what was sent, then their end),
-        stop reading ours, remove this process's marker, close gRPC."""
+        stop reading ours, remove this process's marker; after the job
+        failed, every file of the job."""
         if self._is_closed:
             return
         self._is_closed = True
@@ -625,25 +478,22 @@ class ShmTransport:
                 os.unlink(self._marker)
             except FileNotFoundError:
                 pass
-        if self.job_failed.is_set() or self.grpc.has_failed:
+        if self.endpoint.job_failed.is_set() or self.endpoint.has_failed:
             self.remove_job_files()
-        self.grpc.close()
 
     def remove_job_files(self) -> None:
         """Remove every file of the job's prefix (this host's /dev/shm), once the
         job failed: a SIGKILLed peer's files are nobody's to remove otherwise."""
-        self.job_failed.set()
-        if self.prefix is not None:
-            remove_job_segments(self.prefix, self.directory)
+        self.endpoint.job_failed.set()
+        remove_job_segments(self.prefix, self.directory)
 
     # -- internals --
 
     def fail(self, error: TransportError) -> None:
-        self.job_failed.set()
-        self.grpc.fail(error)
+        self.endpoint.fail(error)
 
     def _on_refused(self, key: MessageKey, src: Label, tensors: list[torch.Tensor]) -> None:
         """A same-host peer refused one of our messages: fail like a gRPC refusal."""
         why = bytes(tensors[0].numpy()).decode(errors="replace") if tensors else "no reason"
-        self.grpc.fail(TransportError(f"{self.tag} sending to {src.describe()} over shared "
-                                      f"memory: refused: {why}"))
+        self.endpoint.fail(TransportError(f"{self.tag} sending to {src.describe()} over shared "
+                                          f"memory: refused: {why}"))

@@ -1,29 +1,12 @@
-"""What the sending and receiving sides of a `GrpcTransport` are given: its
-`GrpcSettings` and one frozen `Endpoint` (who this process is, the job's
-token, its mailbox, buffer pool and receive contracts, and where fatal errors
-go). Neither side holds the transport itself.
-
-`set_identity` gives the process a new label and incarnation after its server
-is up: the transport then builds a new `Endpoint` and puts it in the
-`CurrentEndpoint` the receiving side reads on every call.
-"""
+"""`GrpcSettings`: the tuning and limits of a `GrpcTransport`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from splitrun.splitter.labels import Label
-
-from ...errors import TransportError
-from ...rpc.service import TOKEN_METADATA_KEY
-from ...rpc.tls import TlsFiles
-from ..buffers import BufferPool
-from ..contract import ReceiveContracts
 from ..framing import DEFAULT_MAX_MESSAGE_BYTES
-from ..mailbox import Mailbox
 
-__all__ = ["GrpcSettings", "Endpoint", "CurrentEndpoint"]
+__all__ = ["GrpcSettings"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,37 +48,3 @@ class GrpcSettings:
     # Pooled receive buffers in pinned memory: for a process that computes on
     # CUDA, whose executor copies every received tensor to its GPU.
     pin_receive_buffers: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """One process's side of the transport, as its sender and receiver see it."""
-
-    label: Label
-    incarnation: int
-    token: str
-    settings: GrpcSettings
-    mailbox: Mailbox
-    pool: BufferPool
-    contracts: ReceiveContracts
-    # Called with the first failure of a sender: fails the whole transport.
-    on_fatal: Callable[[TransportError], None]
-    # TLS for this process's server and its channels to peers; None: plaintext.
-    tls: TlsFiles | None = None
-    # `[worker 1]`: how this process's log lines and errors start.
-    tag: str = field(init=False)
-    # The call metadata every call to a peer carries.
-    metadata: tuple[tuple[str, str], ...] = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "tag", f"[{self.label.describe()}]")
-        object.__setattr__(self, "metadata", ((TOKEN_METADATA_KEY, self.token),))
-
-
-class CurrentEndpoint:
-    """The transport's endpoint as of now; replaced (never changed) by `set_identity`."""
-
-    __slots__ = ("endpoint",)
-
-    def __init__(self, endpoint: Endpoint) -> None:
-        self.endpoint = endpoint
