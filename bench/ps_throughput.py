@@ -31,7 +31,18 @@ torch.profiler (aten ops by self CPU time) and cProfile (the main thread's
 Python functions), and a breakdown of one step (receive wait, sends, ops, the
 rest) from the executor's counters; the tables go to DIR.
 
+Issue 25 (bounded staleness): every run also measures DDP on 2 processes
+(gloo, 1 thread each; `ddp_2_processes`) and splitrun over shared memory at
+each `--stale S` bound (`splitrun_shm_ps_staleS`; a bounded job's rate is its
+slowest worker's), the best parameter-server configuration against the
+one-process ceiling (goal >= 0.85x) and DDP (goal >= 1.5x); and, with --part
+all or tta, time to target (bench/time_to_target.py): the digits job to 0.95
+held-out accuracy (goal: a bound >= 1.3x faster than synchronous splitrun and
+DDP) and the bench model to a training loss, seconds and steps of each.
+--skip-rpc leaves out the earlier goals' runs (RPC servers, gRPC, op by op).
+
     python bench/ps_throughput.py [--steps 40] [--repeats 3] [--quick]
+                                  [--part all|throughput|tta] [--stale 1 2] [--skip-rpc]
                                   [--two-hosts 1000 10000 [--two-hosts-only]]
                                   [--profile-dir DIR] [--gradient-bucket-mb MB]
 """
