@@ -159,6 +159,30 @@ PARALLEL_NAMES = {"mlp": "MLP", "vocab": "vocabulary-parallel", "norm": "layer-n
                   "dp": "data-parallel"}
 
 
+PS_NAMES = {"single_process": "one process, 2 threads", "ddp_2_processes": "DDP, 2 processes",
+            "splitrun_shm_ps": "splitrun, synchronous"}
+
+
+def ps_staleness(result: dict, fig) -> None:
+    """Steps/s of each configuration, and the steps each took to the digits
+    job's target (none: it did not get there)."""
+    left, right = fig.subplots(1, 2)
+    runs = result["results"]
+    names = [PS_NAMES.get(k, k.replace("splitrun_shm_ps_stale", "splitrun, staleness="))
+             for k in runs]
+    _bars(left, names, [runs[k]["steps_per_s"] for k in runs],
+          [_colour(k) for k in runs], "steps/s")
+    left.set_title("6.7 M-parameter MLP (higher is better)", fontsize=9)
+    target = result["time_to_target"]["digits"]
+    reached = target["results"]
+    labels = [PS_NAMES.get(k, k.replace("splitrun_shm_ps_stale", "splitrun, staleness="))
+              + ("" if reached[k]["steps"] is not None else " (not reached)") for k in reached]
+    _bars(right, labels, [reached[k]["steps"] or 0 for k in reached],
+          [_colour(k) for k in reached], "steps", "{:.0f}")
+    right.set_title("digits: steps to " + target["target"].replace("held-out ", ""), fontsize=9)
+    fig.suptitle("Parameter servers with bounded staleness")
+
+
 def parallel(result: dict, fig) -> None:
     entries = [e for e in result["results"] if "dtensor" in e]
     labels = [f"{PARALLEL_NAMES.get(e['model'], e['model'])}\n{e['ranks']} ranks" for e in entries]
@@ -270,6 +294,7 @@ DRAWINGS: dict[str, Callable[[dict, object], None]] = {
     "embedding_cache_hit_rates": embedding_cache_hit_rates,
     "embedding_cache_throughput": embedding_cache_throughput, "startup": startup,
     "gpu": gpu, "transport_hosts": transport_hosts,
+    "ps_staleness": ps_staleness,
 }
 
 

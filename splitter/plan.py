@@ -193,6 +193,9 @@ class SplitPlan:
     parallel: ParallelSummary | None = None
     # Embedding-cache mode: the cached tables, whose rows travel outside the channels.
     cached_tables: tuple[CachedTableEntry, ...] = ()
+    # Parameter-server mode: a worker at step c may read state that data-syncs
+    # bring it at version >= c - staleness (0: the version of step c, exactly).
+    staleness: int = 0
     _index: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

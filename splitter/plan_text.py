@@ -21,6 +21,8 @@ plan adds its groups, state shardings and collectives:
     group w0 w1
     shard l1.weight S(0) w0
     collective all-reduce addmm_1 P->R 256
+
+A parameter-server plan with a staleness bound says it (`staleness 2`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def plan_to_text(plan: SplitPlan) -> str:
                   for key, placement, group in plan.parallel.shardings]
         lines += [f"collective {c}" for c in plan.parallel.collectives]
     lines += [f"cached_table {t}" for t in plan.cached_tables]
+    if plan.staleness:
+        lines.append(f"staleness {plan.staleness}")
     for c in plan.channels:
         values = " ".join(_value_token(s, r) for s, r in zip(c.values, c.recv_names))
         lines.append(f"channel {c.name} {c.kind.value} {c.nbytes}: {values}".rstrip())
@@ -97,6 +101,7 @@ def plan_from_text(text: str) -> SplitPlan:
     shardings: list[tuple[str, str, Label]] = []
     collectives: list[CollectiveEntry] = []
     tables: list[CachedTableEntry] = []
+    staleness = 0
     current: dict | None = None
     for number, raw in enumerate(lines[1:], start=2):
         line = raw.strip()
@@ -143,6 +148,8 @@ def plan_from_text(text: str) -> SplitPlan:
                 collectives.append(CollectiveEntry(kind, value, src, dst, int(nbytes)))
             elif word == "cached_table":
                 tables.append(CachedTableEntry.parse(rest))
+            elif word == "staleness":
+                staleness = int(rest)
             elif word == "sync":
                 key, owner, arrow, reader, channel = rest.split()
                 if arrow != "->":
@@ -165,4 +172,4 @@ def plan_from_text(text: str) -> SplitPlan:
     if groups or shardings or collectives:
         parallel = ParallelSummary(tuple(groups), tuple(shardings), tuple(collectives))
     return SplitPlan(mode, cluster, tuple(processes), tuple(channels), tuple(syncs), parallel,
-                     tuple(tables))
+                     tuple(tables), staleness)
