@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run run-pipeline run-recsys run-parallel lint test test-fast proto bench clean
+.PHONY: venv run run-pipeline run-recsys run-parallel lint test test-fast proto bench docs clean
 
 # torchrec goes in with --no-deps: its metadata's `fbgemm-gpu` (the CUDA build)
 # would overwrite fbgemm-gpu-cpu's files; its other dependencies come with setup.cfg.
@@ -57,6 +57,14 @@ bench: $(STAMP)
 	$(PY) bench/transport.py
 	$(PY) bench/ps_throughput.py
 	$(PY) bench/embedding_cache.py
+
+# The pictures in docs/: the plans of the main job and the pipeline example (needs
+# graphviz's dot on PATH: apt-get install graphviz) and the benchmarks' plots, drawn
+# from the runs kept in docs/bench-data/ (bench/record.py keeps a new one).
+docs: $(STAMP)
+	$(VENV)/bin/splitrun plan --workers 2 --servers 1 --out docs/img/ps-plan.svg examples/ps_train.py
+	$(VENV)/bin/splitrun plan --workers 3 --out docs/img/pipeline-plan.svg examples/pipeline_split.py
+	$(PY) bench/plots.py --out docs/img
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .import_linter_cache .ruff_cache *.egg-info

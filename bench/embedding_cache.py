@@ -24,7 +24,10 @@ recommendation job. Prints JSON.
     process, TorchRec's DistributedModelParallel on 2 processes (gloo).
     Interleaved, median of --repeats runs; samples/s over the steps after a
     warm-up (the cache is full by then) and over the whole run; every ratio
-    of a splitrun job to an anchor. Goals (one host): the LRU 20 % cache at
+    of a splitrun job to an anchor; for the splitrun jobs also the ms a step
+    blocked for rows and the share of table steps whose plan (evict, write
+    back, pull, install) was made while the step before computed. Goals (one
+    host): the LRU 20 % cache at
     least 1.0x DMP's samples/s, the whole-table-cached job at least 1.0x the
     fused collection's, the LRU 20 % cache at least 0.9x the whole-table
     ceiling. The three splitrun jobs then run across two simulated hosts
@@ -327,7 +330,9 @@ def run_job(args: argparse.Namespace) -> None:
             "hits": sum(c["hits"] for c in counters),
             "unique_ids": sum(c["unique_ids"] for c in counters),
             "bytes_pulled": sum(c["bytes_pulled"] for c in counters),
-            "bytes_pushed": sum(c["bytes_pushed"] for c in counters)}), flush=True)
+            "bytes_pushed": sum(c["bytes_pushed"] for c in counters),
+            "table_steps_planned_ahead": sum(c["planned_ahead"] for c in counters),
+            "table_steps": len(counters) * len(stamps[1:])}), flush=True)
 
 
 class _StepProfiler:
@@ -521,13 +526,16 @@ def summarize(measured: list[dict], warmup: int, steps: int, batch_size: int) ->
                                         / steps / 1e6, 2),
             "mb_pushed_per_step": round(median(r["bytes_pushed"] for r in measured)
                                         / steps / 1e6, 2),
-            "ms_blocked_for_rows_per_step": _blocked(measured, warmup)}
+            "ms_blocked_for_rows_per_step": _blocked(measured, warmup),
+            "share_planned_ahead": round(median(r["table_steps_planned_ahead"] / r["table_steps"]
+                                                for r in measured), 4)}
 
 
 def _blocked(measured: list[dict], warmup: int) -> dict:
     """Medians over the runs of the ms a timed step blocked waiting for
-    prefetched rows (what the next-batch prefetch did not hide) and for rows
-    pulled in the step itself, and the share of the step the first is."""
+    prefetched rows (what the next-batch prefetch, or the next step's plan
+    made while a step computes, did not hide) and for rows pulled in the step
+    itself, and the share of the step the first is."""
     result = {}
     for kind in ("prefetched", "pulled"):
         result[kind] = round(1e3 * statistics.median(

@@ -239,7 +239,7 @@ class TwoHosts:
 
     a: Host
     b: Host
-    rate_mbit: float
+    rate_mbit: float | None  # None: unshaped (the veth's own speed)
     subnet: str
 
     @property
@@ -267,13 +267,13 @@ def _tbf_args(rate_mbit: float) -> list[str]:
 
 
 @contextlib.contextmanager
-def two_hosts(rate_mbit: float = 1000.0, *, mtu: int = 1500,
+def two_hosts(rate_mbit: float | None = 1000.0, *, mtu: int = 1500,
               private_shm: bool = True) -> Iterator[TwoHosts]:
     """Create the two hosts, yield them, and remove them (processes first) at
     exit, whatever happens inside the block. `private_shm`: each host gets its
     own /dev/shm (as two machines have)."""
     require_root()
-    if rate_mbit <= 0:
+    if rate_mbit is not None and rate_mbit <= 0:
         raise HostsError(f"rate_mbit must be positive, got {rate_mbit}")
     remove_stale()
     tag = f"{os.getpid()}-{secrets.token_hex(3)}"
@@ -302,8 +302,9 @@ def two_hosts(rate_mbit: float = 1000.0, *, mtu: int = 1500,
                   "dev", host.device])
             _run(["ip", "-n", host.namespace, "link", "set", "lo", "up"])
             _run(["ip", "-n", host.namespace, "link", "set", host.device, "up"])
-            host.run(["tc", "qdisc", "add", "dev", host.device, "root",
-                      *_tbf_args(rate_mbit)])
+            if rate_mbit is not None:
+                host.run(["tc", "qdisc", "add", "dev", host.device, "root",
+                          *_tbf_args(rate_mbit)])
         logger.info("two hosts: %s", json.dumps(hosts.describe()))
         yield hosts
     finally:

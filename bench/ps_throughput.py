@@ -31,7 +31,18 @@ torch.profiler (aten ops by self CPU time) and cProfile (the main thread's
 Python functions), and a breakdown of one step (receive wait, sends, ops, the
 rest) from the executor's counters; the tables go to DIR.
 
+Issue 25 (bounded staleness): every run also measures DDP on 2 processes
+(gloo, 1 thread each; `ddp_2_processes`) and splitrun over shared memory at
+each `--stale S` bound (`splitrun_shm_ps_staleS`; a bounded job's rate is its
+slowest worker's), the best parameter-server configuration against the
+one-process ceiling (goal >= 0.85x) and DDP (goal >= 1.5x); and, with --part
+all or tta, time to target (bench/time_to_target.py): the digits job to 0.95
+held-out accuracy (goal: a bound >= 1.3x faster than synchronous splitrun and
+DDP) and the bench model to a training loss, seconds and steps of each.
+--skip-rpc leaves out the earlier goals' runs (RPC servers, gRPC, op by op).
+
     python bench/ps_throughput.py [--steps 40] [--repeats 3] [--quick]
+                                  [--part all|throughput|tta] [--stale 1 2] [--skip-rpc]
                                   [--two-hosts 1000 10000 [--two-hosts-only]]
                                   [--profile-dir DIR] [--gradient-bucket-mb MB]
 """
@@ -61,6 +72,12 @@ HERE = pathlib.Path(__file__).resolve()
 GOAL_RATIO = 2.0
 # splitrun over shared memory against the tutorial-style RPC server (issue 12).
 GOAL_SHM_RATIO = 1.5
+# Issue 25: the best parameter-server configuration against the one-process
+# ceiling and DDP; a staleness bound's time to 0.95 on the digits job against
+# synchronous splitrun and DDP.
+GOAL_OVER_CEILING = 0.85
+GOAL_OVER_DDP = 1.5
+GOAL_TTA_SPEEDUP = 1.3
 # Bounds one whole measured run (start, warm-up, steps, shutdown) on 2 cores.
 RUN_TIMEOUT_S = 900
 WARMUP_STEPS = 3
@@ -108,6 +125,94 @@ def run_single(args) -> float:
         loss_fn(net, x, y).backward()
         optimizer.step()
     return args.steps / (time.perf_counter() - started)
+
+
+def make_task(args, name: str):
+    """The time-to-target task `name` (bench/time_to_target.py)."""
+    from time_to_target import bench_task, digits_task
+    if name == "digits":
+        return digits_task(args.tta_digits_steps)
+    return bench_task(model, args.width, args.batch_size, args.tta_bench_steps)
+
+
+def run_single_to_target(args, name: str) -> dict:
+    """One process, 2 threads, on the whole global batch, to the task's target."""
+    from time_to_target import TargetClock
+    torch.set_num_threads(2)
+    task = make_task(args, name)
+    net = task.make_model()
+    optimizer = task.make_optimizer(net.parameters())
+    clock = TargetClock()
+    for index, (x, y) in enumerate(task.batches):
+        optimizer.zero_grad()
+        loss = task.loss(net, x, y)
+        loss.backward()
+        optimizer.step()
+        clock.step_done(task, net, None, loss.item(), index + 1)
+    return clock.result()
+
+
+# -- DDP, 2 processes -----------------------------------------------------------
+
+def _ddp_process(rank: int, world: int, init_method: str, args, results,
+                 task_name: str | None) -> None:
+    """One DDP rank (gloo, 1 thread) on its shard of every global batch: the
+    throughput job (task_name None) or a time-to-target task."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        task = None if task_name is None else make_task(args, task_name)
+        net = model(args.width) if task is None else task.make_model()
+        ddp = DistributedDataParallel(net)
+        optimizer = (torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9) if task is None
+                     else task.make_optimizer(ddp.parameters()))
+        data = batches(args.steps + WARMUP_STEPS, args.batch_size) if task is None \
+            else task.batches
+        shard = data[0][0].shape[0] // world
+        clock = None
+        if task is not None:
+            from time_to_target import TargetClock
+            clock = TargetClock()
+        started = None
+        for index, (x, y) in enumerate(data):
+            if index == WARMUP_STEPS and task is None:
+                started = time.perf_counter()
+            lo = rank * shard
+            optimizer.zero_grad()
+            loss = loss_fn(ddp, x[lo:lo + shard], y[lo:lo + shard])
+            loss.backward()
+            optimizer.step()
+            if clock is not None and rank == 0:
+                clock.step_done(task, net, None, loss.item(), index + 1)
+        if rank == 0:
+            results.put(args.steps / (time.perf_counter() - started) if task is None
+                        else clock.result())
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ddp(args, task_name: str | None = None):
+    """DDP on 2 processes: steps/s, or a time-to-target result."""
+    import torch.multiprocessing as mp
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    world = 2
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    processes = [context.Process(target=_ddp_process,
+                                 args=(rank, world, init, args, results, task_name))
+                 for rank in range(world)]
+    for process in processes:
+        process.start()
+    try:
+        return results.get(timeout=RUN_TIMEOUT_S)
+    finally:
+        for process in processes:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
 
 
 # -- (b) torch.distributed.rpc parameter server ---------------------------
@@ -304,6 +409,9 @@ def run_splitrun_job(args) -> None:
 
     torch.set_num_threads(1)
     job = Job.from_env()
+    if args.tta:
+        run_splitrun_to_target(args, job)
+        return
     net = model(args.width)
     place(net, role="server")
     data = batches(args.steps + WARMUP_STEPS, args.batch_size)
@@ -312,7 +420,8 @@ def run_splitrun_job(args) -> None:
                       (data[0][0][:shard], data[0][1][:shard]))
     bucket = (None if args.gradient_bucket_mb is None
               else max(1, int(args.gradient_bucket_mb * (1 << 20))))
-    trainer = job.start(program, ParameterServerMode(gradient_bucket_bytes=bucket),
+    trainer = job.start(program, ParameterServerMode(gradient_bucket_bytes=bucket,
+                                                     staleness=args.staleness),
                         gather_state=False)
     # The baseline of tiling: the server's update op by op.
     trainer.process.executor.tile_pointwise = not args.op_by_op
@@ -339,9 +448,40 @@ def run_splitrun_job(args) -> None:
     trainer.finish()
     if profiler is not None and job.is_server:
         profiler.stop()
-    if job.is_driver:
+    if job.is_worker:  # under a staleness bound the workers end apart: the slowest counts
         print("BENCH " + json.dumps({"steps_per_s": args.steps / (stepped - started),
                                      "finish_s": time.perf_counter() - stepped}), flush=True)
+
+
+def run_splitrun_to_target(args, job) -> None:
+    """A time-to-target task in parameter-server mode; worker 0 evaluates the
+    parameters each step read and prints the result."""
+    from time_to_target import TargetClock
+
+    from splitrun.splitter import ParameterServerMode, capture, place
+    task = make_task(args, args.tta)
+    net = task.make_model()
+    place(net, role="server")
+    shard = task.batches[0][0].shape[0] // job.cluster.num_workers
+    program = capture(net, task.loss, task.make_optimizer(net.parameters()),
+                      (task.batches[0][0][:shard], task.batches[0][1][:shard]))
+    trainer = job.start(program, ParameterServerMode(staleness=args.staleness),
+                        gather_state=False)
+    executor = trainer.process.executor
+    # An accuracy target evaluates what a step read: the synchronous plan keeps
+    # it too (a loss target needs nothing kept: no copies added to its steps).
+    evaluates = task.target_accuracy is not None
+    executor.keep_synced = evaluates
+    clock = TargetClock() if job.is_driver else None
+    for step, batch in enumerate(trainer.shard(task.batches)):
+        outputs = trainer.step(batch)
+        if clock is not None:
+            version = executor.stats.versions_read.get(step, step)
+            clock.step_done(task, net, executor.synced_state() if evaluates else None,
+                            outputs["loss"].item(), version)
+    trainer.finish()
+    if clock is not None:
+        print("TTA " + json.dumps(clock.result()), flush=True)
 
 
 def _profile_served_steps(process, profiler: _StepProfiler) -> None:
@@ -422,27 +562,33 @@ class _StepProfiler:
         (self.directory / f"{self.name}-step.json").write_text(json.dumps(breakdown, indent=2))
 
 
-def _job_args(args, profile_dir: str | None = None, op_by_op: bool = False) -> list[str]:
+def _job_args(args, profile_dir: str | None = None, op_by_op: bool = False,
+              staleness: int = 0, tta: str | None = None) -> list[str]:
     bucket_mb = args.gradient_bucket_mb
     return [str(HERE), "--job", "--steps", str(args.steps), "--width", str(args.width),
             "--batch-size", str(args.batch_size), *(["--op-by-op"] if op_by_op else []),
+            "--staleness", str(staleness), "--tta-digits-steps", str(args.tta_digits_steps),
+            "--tta-bench-steps", str(args.tta_bench_steps), *(["--tta", tta] if tta else []),
             *(["--profile-dir", profile_dir] if profile_dir else []),
             *(["--gradient-bucket-mb", str(bucket_mb)] if bucket_mb is not None else [])]
 
 
 def run_splitrun(args, transport: str = "grpc", profile_dir: str | None = None,
-                 op_by_op: bool = False) -> float:
+                 op_by_op: bool = False, staleness: int = 0, tta: str | None = None):
     """One launched job; `transport` is its SPLITRUN_TRANSPORT (`auto`: shared
     memory between the three processes, all on this host); `op_by_op`: the
-    server runs its elementwise update op by op, not tile by tile."""
+    server runs its elementwise update op by op, not tile by tile. Returns the
+    slowest worker's steps/s, or with `tta` worker 0's time-to-target result."""
     command = [sys.executable, "-m", "splitrun.launcher", "--log-level", "WARNING",
                "launch", "--workers", "2", "--servers", "1", "--device", "cpu",
-               *_job_args(args, profile_dir, op_by_op)]
+               *_job_args(args, profile_dir, op_by_op, staleness, tta)]
     out = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                          env={**os.environ, "SPLITRUN_TRANSPORT": transport})
-    for line in out.stdout.splitlines():
-        if "BENCH " in line:
-            return json.loads(line.split("BENCH ", 1)[1])["steps_per_s"]
+    marker = "TTA " if tta else "BENCH "
+    found = [json.loads(line.split(marker, 1)[1]) for line in out.stdout.splitlines()
+             if marker in line]
+    if out.returncode == 0 and found:
+        return found[0] if tta else min(r["steps_per_s"] for r in found)
     raise RuntimeError(f"splitrun run failed ({out.returncode}):\n{out.stdout[-4000:]}")
 
 
@@ -543,8 +689,25 @@ def main() -> None:
     parser.add_argument("--gradient-bucket-mb", type=float, default=None, metavar="MB",
                         help="splitrun sends gradients in buckets of MB as the backward "
                              "makes them (ParameterServerMode(gradient_bucket_bytes=...))")
+    parser.add_argument("--stale", type=int, nargs="*", default=[1, 2], metavar="S",
+                        help="staleness bounds measured besides the synchronous mode "
+                             "(ParameterServerMode(staleness=S))")
+    parser.add_argument("--part", choices=["all", "throughput", "tta"], default="all",
+                        help="throughput, time to target, or both (each part measures "
+                             "its own baselines)")
+    parser.add_argument("--tasks", nargs="+", choices=["digits", "bench"],
+                        default=["digits", "bench"], help="time-to-target tasks run")
+    parser.add_argument("--skip-rpc", action="store_true",
+                        help="leave out the torch.distributed.rpc servers, splitrun over "
+                             "gRPC and splitrun op by op (the earlier goals' runs)")
+    parser.add_argument("--tta-digits-steps", type=int, default=300,
+                        help="most steps of a digits run to 0.95 held-out accuracy")
+    parser.add_argument("--tta-bench-steps", type=int, default=120,
+                        help="most steps of a bench-model run to the target loss")
     parser.add_argument("--op-by-op", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--staleness", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--tta", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rpc-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rpc-init", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rpc-tutorial", action="store_true", help=argparse.SUPPRESS)
@@ -561,48 +724,17 @@ def main() -> None:
     if args.repeats is None:
         args.repeats = 1 if args.quick else 3
     params = sum(p.numel() for p in model(args.width).parameters())
-    if args.two_hosts and args.two_hosts_only:
-        print(json.dumps({"benchmark": "ps_throughput", "parameters": params,
-                          "global_batch": args.batch_size, "steps": args.steps,
-                          "repeats": args.repeats, "workers": 2, "servers": 1,
-                          "two_hosts": _two_hosts_report(args)}, indent=2))
-        return
-    measured = {"single_process": [], "torch_rpc_tutorial_ps": [],
-                "torch_rpc_batch_update_ps": [], "splitrun_ps": [], "splitrun_shm_ps": [],
-                "splitrun_shm_ps_op_by_op": []}
-    for _ in range(args.repeats):  # interleaved, so drift hits all alike
-        measured["single_process"].append(run_single(args))
-        measured["torch_rpc_tutorial_ps"].append(run_rpc(args, tutorial=True))
-        measured["torch_rpc_batch_update_ps"].append(run_rpc(args, tutorial=False))
-        measured["splitrun_ps"].append(run_splitrun(args, "grpc"))
-        measured["splitrun_shm_ps"].append(run_splitrun(args, "auto"))
-        measured["splitrun_shm_ps_op_by_op"].append(run_splitrun(args, "auto", op_by_op=True))
     report = {"benchmark": "ps_throughput", "parameters": params,
               "global_batch": args.batch_size, "steps": args.steps, "repeats": args.repeats,
-              "workers": 2, "servers": 1, "results": {}}
-    for name, runs in measured.items():
-        steps_per_s = statistics.median(runs)
-        report["results"][name] = {"steps_per_s": round(steps_per_s, 3),
-                                   "samples_per_s": round(steps_per_s * args.batch_size, 1),
-                                   "runs_steps_per_s": [round(r, 3) for r in runs]}
-    speed = {name: r["steps_per_s"] for name, r in report["results"].items()}
-    ratio = speed["splitrun_ps"] / speed["torch_rpc_tutorial_ps"]
-    report["splitrun_over_rpc"] = round(ratio, 3)
-    report["splitrun_over_rpc_batch_update"] = round(
-        speed["splitrun_ps"] / speed["torch_rpc_batch_update_ps"], 3)
-    report["splitrun_over_single_process"] = round(
-        report["results"]["splitrun_ps"]["steps_per_s"]
-        / report["results"]["single_process"]["steps_per_s"], 3)
-    report["goal_splitrun_over_rpc_at_least"] = GOAL_RATIO
-    report["meets_goal"] = ratio >= GOAL_RATIO
-    shm_ratio = speed["splitrun_shm_ps"] / speed["torch_rpc_tutorial_ps"]
-    report["splitrun_shm_over_rpc"] = round(shm_ratio, 3)
-    report["splitrun_shm_over_splitrun_grpc"] = round(
-        speed["splitrun_shm_ps"] / speed["splitrun_ps"], 3)
-    report["goal_splitrun_shm_over_rpc_at_least"] = GOAL_SHM_RATIO
-    report["meets_shm_goal"] = shm_ratio >= GOAL_SHM_RATIO
-    report["splitrun_shm_tiled_over_op_by_op"] = round(
-        speed["splitrun_shm_ps"] / speed["splitrun_shm_ps_op_by_op"], 3)
+              "workers": 2, "servers": 1}
+    if args.two_hosts and args.two_hosts_only:
+        report["two_hosts"] = _two_hosts_report(args)
+        print(json.dumps(report, indent=2))
+        return
+    if args.part in ("all", "throughput"):
+        report.update(_throughput_report(args))
+    if args.part in ("all", "tta"):
+        report["time_to_target"] = _time_to_target_report(args)
     if args.two_hosts:
         report["two_hosts"] = _two_hosts_report(args)
     if args.profile_dir:
@@ -611,6 +743,107 @@ def main() -> None:
                              "steps": [json.loads(path.read_text()) for path in sorted(
                                  pathlib.Path(args.profile_dir).glob("*-step.json"))]}
     print(json.dumps(report, indent=2))
+
+
+def _stale_name(staleness: int) -> str:
+    return "splitrun_shm_ps" if staleness == 0 else f"splitrun_shm_ps_stale{staleness}"
+
+
+def _throughput_report(args) -> dict:
+    runs = {"single_process": lambda: run_single(args), "ddp_2_processes": lambda: run_ddp(args)}
+    if not args.skip_rpc:
+        runs.update({"torch_rpc_tutorial_ps": lambda: run_rpc(args, tutorial=True),
+                     "torch_rpc_batch_update_ps": lambda: run_rpc(args, tutorial=False),
+                     "splitrun_ps": lambda: run_splitrun(args, "grpc"),
+                     "splitrun_shm_ps_op_by_op": lambda: run_splitrun(args, "auto",
+                                                                      op_by_op=True)})
+    for staleness in [0, *args.stale]:
+        runs[_stale_name(staleness)] = (
+            lambda s=staleness: run_splitrun(args, "auto", staleness=s))
+    measured = {name: [] for name in runs}
+    for _ in range(args.repeats):  # interleaved, so drift hits all alike
+        for name, run in runs.items():
+            measured[name].append(run())
+    report = {"results": {}}
+    for name, values in measured.items():
+        steps_per_s = statistics.median(values)
+        report["results"][name] = {"steps_per_s": round(steps_per_s, 3),
+                                   "samples_per_s": round(steps_per_s * args.batch_size, 1),
+                                   "runs_steps_per_s": [round(r, 3) for r in values]}
+    speed = {name: r["steps_per_s"] for name, r in report["results"].items()}
+    if not args.skip_rpc:
+        ratio = speed["splitrun_ps"] / speed["torch_rpc_tutorial_ps"]
+        report["splitrun_over_rpc"] = round(ratio, 3)
+        report["splitrun_over_rpc_batch_update"] = round(
+            speed["splitrun_ps"] / speed["torch_rpc_batch_update_ps"], 3)
+        report["goal_splitrun_over_rpc_at_least"] = GOAL_RATIO
+        report["meets_goal"] = ratio >= GOAL_RATIO
+        shm_ratio = speed["splitrun_shm_ps"] / speed["torch_rpc_tutorial_ps"]
+        report["splitrun_shm_over_rpc"] = round(shm_ratio, 3)
+        report["splitrun_shm_over_splitrun_grpc"] = round(
+            speed["splitrun_shm_ps"] / speed["splitrun_ps"], 3)
+        report["goal_splitrun_shm_over_rpc_at_least"] = GOAL_SHM_RATIO
+        report["meets_shm_goal"] = shm_ratio >= GOAL_SHM_RATIO
+        report["splitrun_shm_tiled_over_op_by_op"] = round(
+            speed["splitrun_shm_ps"] / speed["splitrun_shm_ps_op_by_op"], 3)
+    ps = [_stale_name(s) for s in [0, *args.stale]]
+    best = max(ps, key=speed.__getitem__)
+    report["best_ps_configuration"] = best
+    report["best_ps_over_single_process"] = round(speed[best] / speed["single_process"], 3)
+    report["best_ps_over_ddp"] = round(speed[best] / speed["ddp_2_processes"], 3)
+    report["sync_ps_over_single_process"] = round(
+        speed["splitrun_shm_ps"] / speed["single_process"], 3)
+    report["goal_best_ps_over_single_process_at_least"] = GOAL_OVER_CEILING
+    report["goal_best_ps_over_ddp_at_least"] = GOAL_OVER_DDP
+    report["meets_ceiling_goal"] = speed[best] / speed["single_process"] >= GOAL_OVER_CEILING
+    report["meets_ddp_goal"] = speed[best] / speed["ddp_2_processes"] >= GOAL_OVER_DDP
+    return report
+
+
+def _time_to_target_report(args) -> dict:
+    """Per task, seconds and steps to the target of one process, DDP, and
+    splitrun at each staleness (medians over the runs; a configuration that
+    missed the target in any run reports how many runs reached it)."""
+    report = {}
+    for task in args.tasks:
+        runs = {"single_process": lambda t=task: run_single_to_target(args, t),
+                "ddp_2_processes": lambda t=task: run_ddp(args, t)}
+        for staleness in [0, *args.stale]:
+            runs[_stale_name(staleness)] = (
+                lambda s=staleness, t=task: run_splitrun(args, "auto", staleness=s, tta=t))
+        measured = {name: [] for name in runs}
+        for _ in range(args.repeats):
+            for name, run in runs.items():
+                measured[name].append(run())
+        results = {}
+        for name, values in measured.items():
+            reached = [v for v in values if v["reached"]]
+            results[name] = {
+                "runs_reached": f"{len(reached)}/{len(values)}",
+                "seconds": (round(statistics.median(v["seconds"] for v in reached), 3)
+                            if len(reached) == len(values) else None),
+                "steps": (statistics.median(v["steps"] for v in reached)
+                          if len(reached) == len(values) else None),
+                "runs": values}
+        entry = {"target": ("held-out accuracy 0.95" if task == "digits"
+                            else "training loss 1.6 (mean of 5 steps)"), "results": results}
+        seconds = {n: r["seconds"] for n, r in results.items() if r["seconds"] is not None}
+        stale = [_stale_name(s) for s in args.stale if _stale_name(s) in seconds]
+        if stale:
+            fastest = min(stale, key=seconds.__getitem__)
+            entry["fastest_stale"] = fastest
+            for baseline in ("splitrun_shm_ps", "ddp_2_processes"):
+                if baseline in seconds:
+                    entry[f"fastest_stale_speedup_over_{baseline}"] = round(
+                        seconds[baseline] / seconds[fastest], 3)
+            if task == "digits":
+                entry["goal_speedup_at_least"] = GOAL_TTA_SPEEDUP
+                entry["meets_goal"] = all(
+                    entry.get(f"fastest_stale_speedup_over_{b}", 0) >= GOAL_TTA_SPEEDUP
+                    for b in ("splitrun_shm_ps", "ddp_2_processes"))
+        entry["default_reaches_target"] = "splitrun_shm_ps" in seconds
+        report[task] = entry
+    return report
 
 
 if __name__ == "__main__":

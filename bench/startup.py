@@ -1,6 +1,8 @@
 """Start-up and end-to-end time of the main job (examples/ps_train.py, 2 workers
-+ 1 server): `splitrun launch` (local backend) against `splitrun launch
---backend ray` on a one-node Ray cluster and, with --two-hosts RATE_MBIT, on a
++ 1 server): `splitrun launch` (local backend, its processes forked from a
+template that imported torch once) against the same with `--start-method exec`
+(``local_exec``: every process a fresh interpreter, as before the template),
+`splitrun launch --backend ray` on a one-node Ray cluster and, with --two-hosts RATE_MBIT, on a
 Ray cluster across the two-host harness (bench/hosts.py, needs root: the head
 and the server in host a, a second node and both workers in host b, placed by
 custom resources; the launcher runs in a, as on the head node). Each cluster
@@ -11,13 +13,18 @@ Per run, seconds from starting the launcher to:
 - ``ready_s``: worker 0 logs its plan (every process joined, the plan agreed:
   the next thing is the first step);
 - ``end_to_end_s``: the launcher exited;
+- ``cpu_s``: CPU seconds (user and system) of the launcher and the processes
+  it reaped (a local job's: the template, the job's processes), which load
+  from other programs on a shared machine changes far less than the seconds
+  above (a Ray job's actors are the raylet's, not counted);
 and, for Ray, as the launcher reports them (from its own start, after its
 imports): ``placed_s``, connected to Ray and the placement group placed;
 ``actors_s``, every actor started (its script running).
 The backends take turns, so a machine that slows down mid-run biases none.
-Medians over the runs; each Ray row over the local backend's and minus it.
+Medians over the runs; each other row over the local backend's and minus it.
 
-    python bench/startup.py [--runs 3] [--epochs 1] [--two-hosts 1000]
+    python bench/startup.py [--runs 3] [--epochs 1] [--backends local,local_exec,ray]
+                            [--two-hosts 1000]
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import os
 import pathlib
 import platform
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -41,7 +49,7 @@ JOB_TIMEOUT_S = 600.0
 _READY = re.compile(r"^\[worker 0\] .*\bplan [0-9a-f]+:")
 _ACTORS = re.compile(r"every actor started ([0-9.]+) s after start")
 _PLACED = re.compile(r"\(placement group \S+, ([0-9.]+) s after start\)")
-BACKENDS = ("local", "ray", "ray_two_hosts")
+BACKENDS = ("local", "local_exec", "ray", "ray_two_hosts")
 # Across the two hosts: the server on a (sr_server), the workers on b (sr_worker).
 _TWO_HOST_RESOURCES = {"a_resources": {"sr_server": 1}, "b_resources": {"sr_worker": 2}}
 
@@ -49,9 +57,12 @@ _TWO_HOST_RESOURCES = {"a_resources": {"sr_server": 1}, "b_resources": {"sr_work
 def _one_run(backend: str, address: str | None, epochs: int, host=None) -> dict:
     """One run of the job; `host`: run the launcher inside that host of the
     harness (bench/hosts.py)."""
-    argv = [sys.executable, "-m", "splitrun.launcher", "launch", "--workers", "2",
+    # -v: the plan and the Ray timings are lifecycle lines.
+    argv = [sys.executable, "-m", "splitrun.launcher", "-v", "launch", "--workers", "2",
             "--servers", "1"]
-    if backend == "ray":
+    if backend == "local_exec":
+        argv += ["--start-method", "exec"]
+    elif backend == "ray":
         argv += ["--backend", "ray", "--address", address,
                  "--worker-resources", '{"CPU": 0.5}', "--server-resources", '{"CPU": 0.5}']
     elif backend == "ray_two_hosts":
@@ -64,6 +75,7 @@ def _one_run(backend: str, address: str | None, epochs: int, host=None) -> dict:
     env = dict(os.environ)
     env.update(RAY_ENV)
     started = time.monotonic()
+    cpu_before = _children_cpu_s()
     process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, start_new_session=True, text=True)
     result: dict = {"backend": backend}
@@ -85,9 +97,16 @@ def _one_run(backend: str, address: str | None, epochs: int, host=None) -> dict:
             process.kill()
             process.wait(timeout=30)
     result["end_to_end_s"] = time.monotonic() - started
+    result["cpu_s"] = _children_cpu_s() - cpu_before
     if code != 0:
         raise RuntimeError(f"{backend} run exited with {code}:\n{''.join(lines[-40:])}")
     return result
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's reaped children and theirs."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _median(runs: list[dict], key: str) -> float | None:
@@ -99,7 +118,7 @@ def _cluster(stack: contextlib.ExitStack, backend: str, rate_mbit: float | None)
     """Start the cluster `backend` runs on (None for the local backend):
     (address, host to run the launcher in, seconds it took to start)."""
     started = time.monotonic()
-    if backend == "local":
+    if backend in ("local", "local_exec"):
         return None, None, None
     if backend == "ray":
         head = RayHead(num_cpus=2, resources={})
@@ -117,12 +136,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=1, help="of ps_train.py (22 steps each)")
+    parser.add_argument("--backends", default="local,local_exec,ray",
+                        help="comma-separated, of " + ", ".join(BACKENDS[:3]) +
+                             " (default %(default)s); local always runs")
     parser.add_argument("--two-hosts", type=float, default=None, metavar="RATE_MBIT",
                         help="also Ray across the two-host harness with a link of this rate "
                              "(needs root)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    backends = BACKENDS if args.two_hosts else BACKENDS[:2]
+    chosen = {"local", *args.backends.split(",")}
+    unknown = chosen - set(BACKENDS[:3])
+    if unknown:
+        parser.error(f"--backends: unknown {sorted(unknown)}; choose from {BACKENDS[:3]}")
+    backends = [b for b in BACKENDS[:3] if b in chosen]
+    if args.two_hosts:
+        backends.append("ray_two_hosts")
     runs: dict[str, list[dict]] = {backend: [] for backend in backends}
     cluster_start_s = {}
     with contextlib.ExitStack() as stack:
@@ -136,11 +164,11 @@ def main() -> int:
             for backend in backends:
                 address, host = clusters[backend]
                 runs[backend].append(_one_run(backend, address, args.epochs, host))
-    keys = ("ready_s", "placed_s", "actors_s", "end_to_end_s")
+    keys = ("ready_s", "placed_s", "actors_s", "end_to_end_s", "cpu_s")
     summary = {backend: {key: _median(results, key) for key in keys}
                for backend, results in runs.items()}
     local = summary["local"]
-    compared = ("ready_s", "end_to_end_s")
+    compared = ("ready_s", "end_to_end_s", "cpu_s")
     print(json.dumps({
         "benchmark": "startup", "job": "examples/ps_train.py, 2 workers + 1 server",
         "epochs": args.epochs, "runs": args.runs, "two_hosts_rate_mbit": args.two_hosts,

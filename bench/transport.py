@@ -9,9 +9,15 @@ latency and size / latency the throughput. Baselines, same pattern:
   reused buffer, a one-byte ack);
 - ``grpc_unary``: a bare grpcio unary call carrying the payload (raw bytes, no
   protobuf), whose empty reply is the ack;
+- ``grpc_stream``: a bare grpcio stream-unary call carrying the payload in
+  1 MiB requests (raw bytes, cut before timing): grpcio's own ceiling for a
+  chunked bulk transfer, with no copy or check of splitrun's;
 - ``gloo``: torch.distributed send/recv, world size 2, FileStore rendezvous;
 - ``splitrun``: ``GrpcTransport.send`` of a uint8 tensor, ``recv`` on the
   other side, a one-element tensor back;
+- ``splitrun_tcp``: the same through splitrun's TCP data plane
+  (``RoutedTransport``, SPLITRUN_TRANSPORT=tcp), what a job uses between hosts,
+  with gRPC as its control plane;
 - ``splitrun_shm``: the same through ``RoutedTransport`` over shared memory (the
   pair is on one host), as a job started by ``splitrun launch`` uses it.
 
@@ -43,9 +49,12 @@ import traceback
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB]
-KINDS = ["tcp", "grpc_unary", "gloo", "splitrun", "splitrun_shm"]
-GOAL_64MIB_VS_TCP = 0.40   # splitrun throughput at 64 MiB, as a fraction of raw TCP's
-GOAL_4KIB_VS_GRPC = 1.3    # splitrun round trip at 4 KiB, as a multiple of a bare unary call's
+KINDS = ["tcp", "grpc_unary", "grpc_stream", "gloo", "splitrun", "splitrun_tcp", "splitrun_shm"]
+# splitrun between processes that share no memory (issue 28): 64 MiB at >= 1.0x
+# gloo and >= 0.8x raw TCP; a 4 KiB round trip in <= 2x gloo's.
+GOAL_64MIB_VS_GLOO = 1.0
+GOAL_64MIB_VS_TCP = 0.8
+GOAL_4KIB_VS_GLOO = 2.0
 # splitrun over shared memory (issue 12): 64 MiB at >= 2x gloo and >= 1.5x raw
 # TCP; a 4 KiB round trip in <= 0.5x a bare grpcio unary call's.
 GOAL_SHM_64MIB_VS_GLOO = 2.0
@@ -72,17 +81,38 @@ def _warmup(size: int) -> int:
 # -- one side of each transport ------------------------------------------------------
 
 
+class _Hosts:
+    """Where each side of a pair listens: loopback, or (--two-hosts) the
+    addresses of the two simulated hosts, set in each child process."""
+
+    a = "127.0.0.1"
+    b = "127.0.0.1"
+    mine = "127.0.0.1"
+
+
+def _enter_namespace(namespace: str) -> None:
+    """Move this process into a network namespace made by bench/hosts.py."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns into {namespace} failed")
+    finally:
+        os.close(fd)
+
+
 class _Tcp:
     def __init__(self, role: str, conn, sizes: list[int]) -> None:
         if role == "a":
-            server = socket.create_server(("127.0.0.1", 0))
+            server = socket.create_server((_Hosts.a, 0))
             conn.send(server.getsockname()[1])
             server.settimeout(SETUP_TIMEOUT_S)
             self.sock, _ = server.accept()
             server.close()
         else:
             port = conn.recv()
-            self.sock = socket.create_connection(("127.0.0.1", port), timeout=SETUP_TIMEOUT_S)
+            self.sock = socket.create_connection((_Hosts.a, port), timeout=SETUP_TIMEOUT_S)
         self.sock.settimeout(PAIR_TIMEOUT_S)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buffer = memoryview(bytearray(max(sizes)))
@@ -118,11 +148,11 @@ class _GrpcUnary:
                 "bench.Echo", {"Call": grpc.unary_unary_rpc_method_handler(lambda r, c: b"")})
             self.server = grpc.server(futures.ThreadPoolExecutor(4), options=options)
             self.server.add_generic_rpc_handlers((handler,))
-            conn.send(self.server.add_insecure_port("127.0.0.1:0"))
+            conn.send(self.server.add_insecure_port(f"{_Hosts.b}:0"))
             self.server.start()
         else:
             port = conn.recv()
-            self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
+            self.channel = grpc.insecure_channel(f"{_Hosts.b}:{port}", options=options)
             grpc.channel_ready_future(self.channel).result(timeout=SETUP_TIMEOUT_S)
             self.call = self.channel.unary_unary("/bench.Echo/Call")
             self.metadata = (("splitrun-token", TOKEN),)
@@ -138,6 +168,43 @@ class _GrpcUnary:
             self.server.stop(1).wait(5)
         else:
             self.channel.close()
+
+
+class _GrpcStream(_GrpcUnary):
+    """A bare stream-unary call per payload, in 1 MiB requests cut beforehand."""
+
+    def __init__(self, role: str, conn, sizes: list[int]) -> None:
+        from concurrent import futures
+
+        import grpc
+        options = [("grpc.max_receive_message_length", 16 * MiB),
+                   ("grpc.max_send_message_length", 16 * MiB)]
+        self.server = None
+        if role == "b":
+            def drain(requests, context):
+                for _ in requests:
+                    pass
+                return b""
+            handler = grpc.method_handlers_generic_handler(
+                "bench.Echo", {"Stream": grpc.stream_unary_rpc_method_handler(drain)})
+            self.server = grpc.server(futures.ThreadPoolExecutor(4), options=options)
+            self.server.add_generic_rpc_handlers((handler,))
+            conn.send(self.server.add_insecure_port(f"{_Hosts.b}:0"))
+            self.server.start()
+        else:
+            port = conn.recv()
+            self.channel = grpc.insecure_channel(f"{_Hosts.b}:{port}", options=options)
+            grpc.channel_ready_future(self.channel).result(timeout=SETUP_TIMEOUT_S)
+            self.call = self.channel.stream_unary("/bench.Echo/Stream")
+            self.metadata = (("splitrun-token", TOKEN),)
+            self.chunks: dict[int, list[bytes]] = {}
+
+    def round_trip(self, payload: bytes) -> None:
+        chunks = self.chunks.get(len(payload))
+        if chunks is None:
+            chunks = self.chunks[len(payload)] = [payload[i:i + MiB]
+                                                  for i in range(0, len(payload), MiB)]
+        self.call(iter(chunks), timeout=PAIR_TIMEOUT_S, metadata=self.metadata)
 
 
 class _Gloo:
@@ -171,6 +238,7 @@ class _Gloo:
 class _Splitrun:
     chunk_bytes: int | None = None  # --chunk-bytes, set in the child process
     shm_prefix: str | None = None   # the pair's shared-memory prefix (splitrun_shm)
+    over_tcp = False                # splitrun_tcp
 
     def __init__(self, role: str, conn, sizes: list[int]) -> None:
         import torch
@@ -190,11 +258,15 @@ class _Splitrun:
         settings = GrpcSettings() if self.chunk_bytes is None else \
             GrpcSettings(chunk_bytes=self.chunk_bytes)
         self.transport = GrpcTransport(self.me, token=TOKEN, incarnation=1, contracts=expected,
-                                       settings=settings)
+                                       settings=settings, host=_Hosts.mine)
         if self.shm_prefix is not None:
             from splitrun.runtime.transport.router import RoutedTransport, TransportChoice
             self.transport = RoutedTransport(self.transport, prefix=self.shm_prefix,
                                              choice=TransportChoice.SHM)
+        if self.over_tcp:
+            from splitrun.runtime.transport.router import RoutedTransport, TransportChoice
+            self.transport = RoutedTransport(self.transport, prefix=None,
+                                             choice=TransportChoice.TCP)
         conn.send(self.transport.start())
         self.transport.set_peers({self.peer: conn.recv()})
         self.ack = torch.zeros(1, dtype=torch.uint8)
@@ -215,8 +287,8 @@ class _Splitrun:
         self.transport.close()
 
 
-_SIDES = {"tcp": _Tcp, "grpc_unary": _GrpcUnary, "gloo": _Gloo, "splitrun": _Splitrun,
-          "splitrun_shm": _Splitrun}
+_SIDES = {"tcp": _Tcp, "grpc_unary": _GrpcUnary, "grpc_stream": _GrpcStream, "gloo": _Gloo,
+          "splitrun": _Splitrun, "splitrun_tcp": _Splitrun, "splitrun_shm": _Splitrun}
 
 
 def _payload(kind: str, size: int):
@@ -224,38 +296,61 @@ def _payload(kind: str, size: int):
     data = torch.randint(0, 256, (size,), dtype=torch.uint8)
     if kind == "tcp":
         return memoryview(data.numpy())
-    if kind == "grpc_unary":
+    if kind in ("grpc_unary", "grpc_stream"):
         return data.numpy().tobytes()
     return data
 
 
 def _side(kind: str, role: str, peer, parent, sizes: list[int], quick: bool,
-          chunk_bytes: int | None, shm_prefix: str | None = None) -> None:
+          chunk_bytes: int | None, shm_prefix: str | None = None,
+          place: dict | None = None) -> None:
     """One process of a pair: A times round trips, B answers them. `peer` is a
-    pipe to the other side (set-up only), `parent` one to the parent."""
+    pipe to the other side (set-up only), `parent` one to the parent. `place`:
+    each role's (namespace, address, device) on two simulated hosts."""
     try:
+        if place is not None:
+            namespace, _Hosts.mine, device = place[role]
+            _Hosts.a, _Hosts.b = place["a"][1], place["b"][1]
+            _enter_namespace(namespace)
+            os.environ["GLOO_SOCKET_IFNAME"] = device
         import torch
         torch.set_num_threads(1)
         _Splitrun.chunk_bytes = chunk_bytes
         _Splitrun.shm_prefix = shm_prefix
+        _Splitrun.over_tcp = kind == "splitrun_tcp"
         side = _SIDES[kind](role, _Link(peer), sizes)
         _Link(peer).send("ready")  # both sides set up before A starts timing
         _Link(peer).recv()
         results = {}
+        profile = None
+        if os.environ.get("SPLITRUN_BENCH_PROFILE"):  # --profile DIR
+            import cProfile
+            profile = cProfile.Profile()
+            profile.enable()
+        cpu = {}  # per size: this process's CPU seconds (all threads) per round trip
         for size in sizes:
             count = _warmup(size) + _repeats(size, quick)
             if role == "a":
                 payload = _payload(kind, size)
                 times = []
-                for _ in range(count):
+                for index in range(count):
+                    if index == _warmup(size):
+                        cpu_started = time.process_time()
                     started = time.perf_counter()
                     side.round_trip(payload)
                     times.append(time.perf_counter() - started)
                 results[size] = times[_warmup(size):]
             else:
-                for _ in range(count):
+                for index in range(count):
+                    if index == _warmup(size):
+                        cpu_started = time.process_time()
                     side.serve_one(size)
-        parent.send(("ok", results if role == "a" else None))
+            cpu[size] = (time.process_time() - cpu_started) / _repeats(size, quick)
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(os.path.join(os.environ["SPLITRUN_BENCH_PROFILE"],
+                                            f"{kind}-{role}-{os.getpid()}.prof"))
+        parent.send(("ok", (results, cpu)))
         # Close only when the parent says so: both sides are done by then.
         if parent.poll(SETUP_TIMEOUT_S):
             parent.recv()
@@ -281,8 +376,10 @@ class _Link:
 
 
 def _measure(kind: str, sizes: list[int], quick: bool,
-             chunk_bytes: int | None) -> dict[int, list[float]]:
-    """Run one pair of processes; the round-trip times A measured, per size."""
+             chunk_bytes: int | None, place: dict | None = None
+             ) -> tuple[dict[int, list[float]], dict[int, float], dict[int, float]]:
+    """Run one pair of processes; the round-trip times A measured, and each
+    side's CPU seconds per round trip, per size."""
     ctx = mp.get_context("spawn")
     shm_prefix = None
     if kind == "splitrun_shm":
@@ -295,7 +392,7 @@ def _measure(kind: str, sizes: list[int], quick: bool,
         parents[role] = here
         procs.append(ctx.Process(target=_side,
                                  args=(kind, role, peer, there, sizes, quick, chunk_bytes,
-                                       shm_prefix),
+                                       shm_prefix, place),
                                  daemon=True))
     for proc in procs:
         proc.start()
@@ -310,7 +407,7 @@ def _measure(kind: str, sizes: list[int], quick: bool,
             outcome[role] = value
         for here in parents.values():
             here.send("close")
-        return outcome["a"]
+        return outcome["a"][0], outcome["a"][1], outcome["b"][1]
     finally:
         for proc in procs:
             proc.join(30)
@@ -327,6 +424,70 @@ def _summary(times: list[float], size: int) -> dict:
             "min_rtt_us": round(min(times) * 1e6, 1), "repeats": len(times)}
 
 
+def _rounds(kinds: list[str], sizes: list[int], rounds: int, quick: bool,
+            chunk_bytes: int | None, place: dict | None) -> tuple[dict, dict]:
+    """Round-trip times per transport and size, and per round the CPU seconds
+    per round trip of sender (A) and receiver (B)."""
+    raw: dict[str, dict[int, list[float]]] = {kind: {size: [] for size in sizes}
+                                               for kind in kinds}
+    cpu: dict[str, dict[int, list[tuple[float, float]]]] = {
+        kind: {size: [] for size in sizes} for kind in kinds}
+    for _ in range(rounds):
+        for kind in kinds:
+            times, cpu_a, cpu_b = _measure(kind, sizes, quick, chunk_bytes, place)
+            for size in sizes:
+                raw[kind][size] += times[size]
+                cpu[kind][size].append((cpu_a[size], cpu_b[size]))
+    return raw, cpu
+
+
+def _goal(goals: dict, name: str, ratio: float | None, goal: float, at_least: bool) -> None:
+    if ratio is not None:
+        goals[name] = {"goal": f"{'>=' if at_least else '<='} {goal}", "measured": ratio,
+                       "met": ratio >= goal if at_least else ratio <= goal}
+
+
+def _report(measured: tuple[dict, dict], sizes: list[int]) -> dict:
+    """Medians per transport and size, ratios against the baselines, goals."""
+    raw, cpu = measured
+    table = {kind: {str(size): _summary(times[size], size) for size in sizes}
+             for kind, times in raw.items()}
+    for kind, per_size in cpu.items():
+        for size, pairs in per_size.items():
+            row = table[kind][str(size)]
+            row["cpu_us_sender"] = round(statistics.median(a for a, _ in pairs) * 1e6, 1)
+            row["cpu_us_receiver"] = round(statistics.median(b for _, b in pairs) * 1e6, 1)
+    for kind in ("splitrun", "splitrun_tcp", "splitrun_shm"):
+        for size in map(str, sizes):
+            row = table.get(kind, {}).get(size)
+            if row is None:
+                continue
+            for base in ("tcp", "gloo", "grpc_unary", "grpc_stream", "splitrun"):
+                if base in table and base != kind:
+                    row[f"throughput_vs_{base}"] = round(
+                        row["gbps"] / table[base][size]["gbps"], 3)
+                    row[f"rtt_vs_{base}"] = round(row["rtt_us"] / table[base][size]["rtt_us"], 3)
+    goals: dict = {}
+    big, small = str(64 * MiB), str(4 * KiB)
+    # Between processes that share no memory a job's messages take the tcp
+    # data plane (gRPC where a peer has none): the goals are on that path.
+    split = table.get("splitrun_tcp", {})
+    _goal(goals, "throughput_64MiB_vs_gloo", split.get(big, {}).get("throughput_vs_gloo"),
+          GOAL_64MIB_VS_GLOO, True)
+    _goal(goals, "throughput_64MiB_vs_tcp", split.get(big, {}).get("throughput_vs_tcp"),
+          GOAL_64MIB_VS_TCP, True)
+    _goal(goals, "rtt_4KiB_vs_gloo", split.get(small, {}).get("rtt_vs_gloo"),
+          GOAL_4KIB_VS_GLOO, False)
+    shm = table.get("splitrun_shm", {})
+    _goal(goals, "shm_throughput_64MiB_vs_gloo", shm.get(big, {}).get("throughput_vs_gloo"),
+          GOAL_SHM_64MIB_VS_GLOO, True)
+    _goal(goals, "shm_throughput_64MiB_vs_tcp", shm.get(big, {}).get("throughput_vs_tcp"),
+          GOAL_SHM_64MIB_VS_TCP, True)
+    _goal(goals, "shm_rtt_4KiB_vs_grpc_unary", shm.get(small, {}).get("rtt_vs_grpc_unary"),
+          GOAL_SHM_4KIB_VS_GRPC, False)
+    return {"results": table, "goals": goals}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -336,60 +497,39 @@ def main() -> None:
     parser.add_argument("--rounds", type=int,
                         help="rounds of all transports (default 3, 1 with --quick)")
     parser.add_argument("--chunk-bytes", type=int, help="splitrun's GrpcSettings.chunk_bytes")
+    parser.add_argument("--two-hosts", nargs="*", metavar="RATE", default=None,
+                        help="also between two simulated hosts (bench/hosts.py, needs root): "
+                             "'unshaped' or a rate in Mbit/s per run, e.g. unshaped 10000")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="cProfile each side's timed loop into DIR/<kind>-<a|b>-<pid>.prof "
+                             "(python -m pstats to read; timings are then slower)")
+    parser.add_argument("--no-loopback", action="store_true",
+                        help="with --two-hosts: skip the loopback runs")
     args = parser.parse_args()
     sizes = args.sizes or ([s for s in SIZES if s <= 64 * MiB] if args.quick else SIZES)
     rounds = args.rounds or (1 if args.quick else 3)
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        os.environ["SPLITRUN_BENCH_PROFILE"] = os.path.abspath(args.profile)
     started = time.perf_counter()
-    raw: dict[str, dict[int, list[float]]] = {kind: {size: [] for size in sizes}
-                                               for kind in args.kinds}
-    for _ in range(rounds):
-        for kind in args.kinds:
-            for size, times in _measure(kind, sizes, args.quick, args.chunk_bytes).items():
-                raw[kind][size] += times
-    table = {kind: {str(size): _summary(times[size], size) for size in sizes}
-             for kind, times in raw.items()}
-    for size in map(str, sizes):
-        row = table.get("splitrun_shm", {}).get(size)
-        if row is None:
-            continue
-        for base in ("tcp", "gloo", "grpc_unary", "splitrun"):
-            if base in table:
-                row[f"throughput_vs_{base}"] = round(row["gbps"] / table[base][size]["gbps"], 3)
-        if "grpc_unary" in table:
-            row["rtt_vs_grpc_unary"] = round(
-                row["rtt_us"] / table["grpc_unary"][size]["rtt_us"], 3)
-    for size in map(str, sizes):
-        row = table.get("splitrun", {}).get(size)
-        if row is None:
-            continue
-        if "tcp" in table:
-            row["throughput_vs_tcp"] = round(row["gbps"] / table["tcp"][size]["gbps"], 3)
-        if "grpc_unary" in table:
-            row["throughput_vs_grpc_unary"] = round(
-                row["gbps"] / table["grpc_unary"][size]["gbps"], 3)
-            row["rtt_vs_grpc_unary"] = round(
-                row["rtt_us"] / table["grpc_unary"][size]["rtt_us"], 3)
-    goals = {}
-    split = table.get("splitrun", {})
-    if str(64 * MiB) in split and "throughput_vs_tcp" in split[str(64 * MiB)]:
-        ratio = split[str(64 * MiB)]["throughput_vs_tcp"]
-        goals["throughput_64MiB_vs_tcp"] = {"goal": f">= {GOAL_64MIB_VS_TCP}",
-                                            "measured": ratio, "met": ratio >= GOAL_64MIB_VS_TCP}
-    if str(4 * KiB) in split and "rtt_vs_grpc_unary" in split[str(4 * KiB)]:
-        ratio = split[str(4 * KiB)]["rtt_vs_grpc_unary"]
-        goals["rtt_4KiB_vs_grpc_unary"] = {"goal": f"<= {GOAL_4KIB_VS_GRPC}",
-                                           "measured": ratio, "met": ratio <= GOAL_4KIB_VS_GRPC}
-    shm = table.get("splitrun_shm", {})
-    for base, goal in (("gloo", GOAL_SHM_64MIB_VS_GLOO), ("tcp", GOAL_SHM_64MIB_VS_TCP)):
-        ratio = shm.get(str(64 * MiB), {}).get(f"throughput_vs_{base}")
-        if ratio is not None:
-            goals[f"shm_throughput_64MiB_vs_{base}"] = {"goal": f">= {goal}", "measured": ratio,
-                                                       "met": ratio >= goal}
-    ratio = shm.get(str(4 * KiB), {}).get("rtt_vs_grpc_unary")
-    if ratio is not None:
-        goals["shm_rtt_4KiB_vs_grpc_unary"] = {"goal": f"<= {GOAL_SHM_4KIB_VS_GRPC}",
-                                               "measured": ratio,
-                                               "met": ratio <= GOAL_SHM_4KIB_VS_GRPC}
+    out: dict = {}
+    if not args.no_loopback:
+        out.update(_report(_rounds(args.kinds, sizes, rounds, args.quick, args.chunk_bytes,
+                                   None), sizes))
+    if args.two_hosts is not None:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from hosts import two_hosts
+        kinds = [kind for kind in args.kinds if kind != "splitrun_shm"]  # not across hosts
+        out["two_hosts"] = {}
+        for rate in args.two_hosts or ["unshaped"]:
+            rate_mbit = None if rate == "unshaped" else float(rate)
+            with two_hosts(rate_mbit) as hosts:
+                place = {role: (host.namespace, host.address, host.device)
+                         for role, host in (("a", hosts.a), ("b", hosts.b))}
+                report = _report(_rounds(kinds, sizes, rounds, args.quick, args.chunk_bytes,
+                                         place), sizes)
+            name = "unshaped" if rate_mbit is None else f"{rate_mbit:g}mbit"
+            out["two_hosts"][name] = report
     import grpc
     import torch
     print(json.dumps({
@@ -401,8 +541,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__, "grpcio": grpc.__version__,
                     "torch_threads": 1},
-        "results": table,
-        "goals": goals,
+        **out,
         "wall_s": round(time.perf_counter() - started, 1),
     }, indent=2))
 

@@ -21,6 +21,7 @@ from splitrun.runtime.cluster.step_file import read_step
 from splitrun.runtime.errors import ClusterError
 from splitrun.runtime.rpc.tls import TlsFiles, check_bind
 from splitrun.runtime.transport.shm.job_files import (
+    STEP_FILE_SUFFIX,
     job_file_path,
     new_job_prefix,
     remove_job_segments,
@@ -28,6 +29,7 @@ from splitrun.runtime.transport.shm.job_files import (
 from splitrun.splitter.errors import SplitrunError
 from splitrun.splitter.labels import Label, Role
 
+from .forked import Template
 from .process_logs import ProcessLogs, Tee
 from .render import read_module_map, render_plan
 from .supervisor import Supervisor
@@ -279,6 +281,16 @@ def _parser() -> argparse.ArgumentParser:
                              "machine's cores divided by its processes; Ray, the process's "
                              "CPU resource; at least 1); OMP_NUM_THREADS/MKL_NUM_THREADS set "
                              "by you win")
+    launch.add_argument("--start-method", default="forkserver", choices=["forkserver", "exec"],
+                        help="local backend: forkserver (default), every process is forked "
+                             "from one template process that imported torch and splitrun "
+                             "once (seconds faster); exec, each starts a fresh interpreter "
+                             "(for a script that sets variables such as OMP_NUM_THREADS "
+                             "before it imports torch)")
+    launch.add_argument("--preload", action="append", default=[], metavar="MODULE",
+                        help="forkserver: also import MODULE in the template (the script's "
+                             "folder first on the path), e.g. your model's heavy imports; "
+                             "repeatable")
     _add_ray_args(launch)
     _add_script_args(launch)
 
@@ -367,14 +379,16 @@ def _export(args) -> int:
     return 0
 
 
-def new_supervisor(args) -> Supervisor:
+def new_supervisor(args, template: Template | None = None) -> Supervisor:
     """A supervisor for the processes of one start of the job: their lines on
-    the console, prefixed, and with --log-dir in one file per process too."""
+    the console, prefixed, and with --log-dir in one file per process too;
+    forked from `template` where given."""
     verbose = is_verbose(args)
     if getattr(args, "log_dir", None) is None:
-        return Supervisor(verbose=verbose)
+        return Supervisor(verbose=verbose, template=template)
     logs = ProcessLogs(args.log_dir)
-    return Supervisor(out=Tee(sys.stdout, logs.open_launcher()), logs=logs, verbose=verbose)
+    return Supervisor(out=Tee(sys.stdout, logs.open_launcher()), logs=logs, verbose=verbose,
+                      template=template)
 
 
 def is_verbose(args) -> bool:
@@ -475,11 +489,12 @@ def _launch(args) -> int:
         interrupted.append(signum)
         if current:
             current[-1].interrupt(signum)
+    template = _start_template(args)  # imports while the scheduler starts
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         restart_from, attempt = None, 0
         while True:
-            supervisor = new_supervisor(args)
+            supervisor = new_supervisor(args, template)
             current.append(supervisor)
             if interrupted:
                 supervisor.interrupt(interrupted[0])
@@ -498,12 +513,24 @@ def _launch(args) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if template is not None:
+            template.close()
     if own_dir:
         if outcome.exit_code == 0:
             shutil.rmtree(directory, ignore_errors=True)
         else:
             supervisor.say(f"checkpoints kept in {directory}")
     return outcome.exit_code
+
+
+def _start_template(args) -> Template | None:
+    """The template process the job's processes are forked from, started with
+    their environment but their own variables (--start-method forkserver)."""
+    if args.start_method != "forkserver":
+        return None
+    env = dict(os.environ)
+    env.update(_thread_env(thread_budget(args.threads_per_process, args.workers + args.servers)))
+    return Template.start(env, args.script, args.preload)
 
 
 def _run_once(args, token: str, tls: TlsFiles | None, supervisor: Supervisor,
@@ -530,7 +557,7 @@ def _run_once(args, token: str, tls: TlsFiles | None, supervisor: Supervisor,
         extra[ENV.RESTART_FROM] = restart_from
     # Each process keeps its steps done in a file under the job's prefix: a
     # process killed between two heartbeats is named at the step it reached.
-    step_files = {label: job_file_path(shm_prefix, str(label), ".step")
+    step_files = {label: job_file_path(shm_prefix, str(label), STEP_FILE_SUFFIX)
                   for label in _labels(args)}
 
     def step_of(label: Label) -> int | None:

@@ -4,7 +4,10 @@ first failure, blaming the process that failed first.
 Each child leads its own process group (so its own children go with it) and
 dies with the launcher from the moment it starts (the launcher starts it
 through `bootstrap.py`, which sets PR_SET_PDEATHSIG before the script runs).
-Only processes this supervisor started are ever signalled, by id.
+Only processes this supervisor started are ever signalled, by id. Given a
+`Template`, it forks them from that process, which has imported torch once
+(template.py says why that is safe and when a process starts with exec
+instead); the launcher adopts them, so they are its children like the others.
 
 Shared memory: a child whose environment names the job's shared-memory prefix
 is watched by a `Janitor`, a small process that removes the prefix's files
@@ -40,6 +43,7 @@ from splitrun.runtime.transport.shm.job_files import SHM_DIR
 from splitrun.splitter.labels import Label
 
 from .bootstrap import ERROR_MARK
+from .forked import ForkedProcess, Template
 from .janitor import Janitor
 from .process_logs import ProcessLogs
 
@@ -70,7 +74,7 @@ _TIMEOUTS = ("RecvTimeout",)
 @dataclass
 class Child:
     label: Label
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedProcess
     reader: threading.Thread | None = None
     exit_code: int | None = None
     # The last line of the last traceback it printed ("ValueError: boom"), and when.
@@ -161,7 +165,8 @@ class Supervisor:
     """Runs one command per label; `run()` returns when all exited cleanly or
     after the first failure has stopped the rest."""
 
-    def __init__(self, out=None, logs: ProcessLogs | None = None, verbose: bool = True) -> None:
+    def __init__(self, out=None, logs: ProcessLogs | None = None, verbose: bool = True,
+                 template: Template | None = None) -> None:
         self.children: list[Child] = []
         self._out = out or sys.stdout
         # Lifecycle lines (`note`) are shown only when asked (-v).
@@ -172,15 +177,21 @@ class Supervisor:
         self._interrupted = threading.Event()
         self._signal = signal.SIGINT
         self._janitor = Janitor()
+        # Forks the processes (None: each starts with exec).
+        self._template = template
 
     def spawn(self, label: Label, argv: Sequence[str], env: dict[str, str]) -> Child:
-        # No preexec_fn: Python then starts the child with vfork/posix_spawn,
-        # which runs no fork handlers. gRPC's, with the scheduler's server
-        # threads running, can abort a forked child before it execs. `argv`
-        # starts with the bootstrap, which asks to die with this process.
-        process = subprocess.Popen(
-            list(argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True)
+        process = None
+        if self._template is not None:
+            process = self._template.spawn(list(argv), env, cancelled=self._interrupted.is_set)
+        if process is None:
+            # No preexec_fn: Python then starts the child with vfork/posix_spawn,
+            # which runs no fork handlers. gRPC's, with the scheduler's server
+            # threads running, can abort a forked child before it execs. `argv`
+            # starts with the bootstrap, which asks to die with this process.
+            process = subprocess.Popen(
+                list(argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, start_new_session=True)
         child = Child(label, process)
         shm_prefix = env.get(ENV.SHM_PREFIX)
         if shm_prefix:

@@ -25,7 +25,10 @@ with them, dirty rows written back when evicted and at the end), which equals
 training with the whole table in one process. With W >= 2 workers, gradients
 go to the servers every step (which average them and update, as in
 parameter-server mode) and a cached row is refreshed once older than
-`max_staleness` steps: 0 gives exactly parameter-server mode.
+`max_staleness` steps: 0 gives exactly parameter-server mode. It is the rule
+of `ParameterServerMode(staleness=s)` for rows: a row a worker reads at step c
+is at least version c - max_staleness (version v: the servers' row after the
+updates of steps 0 .. v-1; see splitter/ps_mode.py).
 """
 
 from __future__ import annotations

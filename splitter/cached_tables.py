@@ -39,7 +39,8 @@ class CacheSettings:
     cache_rows: int
     policy: EvictionPolicy = EvictionPolicy.LRU
     # With several workers: a cached row is re-read from its server once it
-    # is older than this many steps (0: every step, exactly parameter-server mode).
+    # is older than this many steps (0: every step, exactly parameter-server mode);
+    # the staleness rule of ParameterServerMode(staleness=s), for rows.
     max_staleness: int = 0
 
     def write_back(self, num_workers: int) -> bool:

@@ -268,6 +268,9 @@ class SplitPlan:
     cached_tables: tuple[CachedTableEntry, ...] = ()
     # General mode with micro-batches: the pipeline schedule (None otherwise).
     pipeline: PipelineSummary | None = None
+    # Parameter-server mode: a worker at step c may read state that data-syncs
+    # bring it at version >= c - staleness (0: the version of step c, exactly).
+    staleness: int = 0
     _index: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -29,6 +29,8 @@ forwards (F) and backwards (B); its nodes' names end in their action
     pipeline 1f1b microbatches=4
     stage w0: F0 F1 B0 F2 B1 F3 B2 B3
     stage w1: F0 B0 F1 B1 F2 B2 F3 B3
+
+A parameter-server plan with a staleness bound says it (`staleness 2`).
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ def plan_to_text(plan: SplitPlan) -> str:
                      f"microbatches={pipeline.num_microbatches}")
         lines += [f"stage {stage}: {' '.join(actions)}"
                   for stage, actions in zip(pipeline.stages, pipeline.actions)]
+    if plan.staleness:
+        lines.append(f"staleness {plan.staleness}")
     for c in plan.channels:
         values = " ".join(_value_token(s, r) for s, r in zip(c.values, c.recv_names))
         lines.append(f"channel {c.name} {c.kind.value} {c.nbytes}: {values}".rstrip())
@@ -115,6 +119,7 @@ def plan_from_text(text: str) -> SplitPlan:
     tables: list[CachedTableEntry] = []
     pipeline: tuple[PipelineSchedule, int] | None = None
     stages: list[tuple[Label, tuple[str, ...]]] = []
+    staleness = 0
     current: dict | None = None
     for number, raw in enumerate(lines[1:], start=2):
         line = raw.strip()
@@ -170,6 +175,8 @@ def plan_from_text(text: str) -> SplitPlan:
             elif word == "stage":
                 stage, _, actions = rest.partition(":")
                 stages.append((Label.parse(stage), tuple(actions.split())))
+            elif word == "staleness":
+                staleness = int(rest)
             elif word == "sync":
                 key, owner, arrow, reader, channel = rest.split()
                 if arrow != "->":
@@ -198,4 +205,4 @@ def plan_from_text(text: str) -> SplitPlan:
     elif stages:
         raise PlanParseError("'stage' lines need a 'pipeline' line before them")
     return SplitPlan(mode, cluster, tuple(processes), tuple(channels), tuple(syncs), parallel,
-                     tuple(tables), summary)
+                     tuple(tables), summary, staleness)

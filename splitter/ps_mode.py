@@ -19,6 +19,26 @@ DDP overlaps its all-reduce with it. Same ops, same results; more messages.
 postbuild (plan): the template's schedule is given to every worker with its own
 channels; each server receives one copy of every gradient message per worker,
 binding worker r's gradient to slot r.
+
+Staleness (`staleness=s`, stale-synchronous parallel, Ho et al. 2013), the
+exact rule. Version v of a server's parameters is its state after the updates
+of clocks (steps) 0 .. v-1; the update of clock c is the synchronous one: the
+mean over all W workers of their clock-c gradients, applied by the optimizer
+once all W have arrived (per clock, not per worker: so s=0 is the synchronous
+mode itself, and the optimizer sees one averaged gradient per step). Worker w
+computes its clock-c gradient on version v(w, c), where
+
+    c - s <= v(w, c) <= c
+
+and v(w, c) is the newest version that has reached the worker when its step
+c starts (each server sends version c at the start of its step c). A worker
+blocks only when the newest version it holds is older than c - s; the bound
+holds per server (a worker may read different versions from two servers).
+With s=0 the plan is the synchronous plan, bit for bit. Update applied at
+clock c: x_{c+1} = opt(x_c, mean_w g_w(x_{v(w,c)})). With dense parameters
+on the workers (dense="worker"), those are all-reduced every step as before
+(exact), and the bound applies to the servers' embedding rows alone. The
+embedding cache's `max_staleness` is the same rule for cached rows.
 """
 
 from __future__ import annotations
@@ -99,12 +119,25 @@ class ParameterServerMode(Mode):
     `dense`: "server" (the default) keeps every parameter on the servers;
     "worker" keeps parameters with dense gradients on every worker, averaged
     between the workers by an all-reduce each step, and only embedding rows
-    (sparse gradients) on the servers (`dense_placement`)."""
+    (sparse gradients) on the servers (`dense_placement`).
+
+    `staleness`: 0 (the default) is synchronous: every worker's step c reads
+    the parameters updated with the gradients of steps 0 .. c-1 of all
+    workers. s >= 1 lets a worker's step c read parameters as old as version
+    c - s (updated through step c-s-1), so it need not wait for the update of
+    the step before; the runtime blocks it only past that bound (the module's
+    docstring has the exact rule)."""
 
     kind = ModeKind.PARAMETER_SERVER
 
     def __init__(self, *, gradient_bucket_bytes: int | None = None,
-                 dense: DensePlacement | str = DensePlacement.SERVER) -> None:
+                 dense: DensePlacement | str = DensePlacement.SERVER,
+                 staleness: int = 0) -> None:
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+            raise PlanError(f"staleness={staleness!r}: give a whole number of steps >= 0 (0, "
+                            f"the default, is synchronous; s lets a worker read parameters "
+                            f"up to s steps old)")
+        self.staleness = staleness
         if gradient_bucket_bytes is not None and gradient_bucket_bytes < 1:
             raise PlanError(f"gradient_bucket_bytes={gradient_bucket_bytes}: give a positive "
                             f"number of bytes, or None for one message per step")
@@ -317,6 +350,8 @@ class ParameterServerMode(Mode):
 
     def postbuild(self, plan: SplitPlan, program: Program,
                   artifacts: ServerAssignment) -> SplitPlan:
+        if self.staleness:
+            plan = dataclasses.replace(plan, staleness=self.staleness, _index={})
         num_workers = plan.cluster.num_workers
         if num_workers == 1:
             return plan  # the template is the only worker: nothing to replicate
@@ -370,7 +405,8 @@ class ParameterServerMode(Mode):
 
         syncs = tuple(DataSync(s.key, s.owner, Label.worker(rank), copies[s.channel][rank].name)
                       for s in plan.data_syncs for rank in range(num_workers))
-        return SplitPlan(plan.mode, plan.cluster, tuple(processes), tuple(channels), syncs)
+        return SplitPlan(plan.mode, plan.cluster, tuple(processes), tuple(channels), syncs,
+                         staleness=plan.staleness)
 
 
 def _update_as_buckets_fill(graph: fx.Graph, bucket_bytes: int) -> None:

@@ -19,6 +19,30 @@ from cluster import SCRIPTS, LocalCluster
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 os.environ.setdefault("SPLITRUN_DEVICE", "cpu")
 
+# `make test` runs the end-to-end tests in several pytest-xdist workers
+# (tests/run_suites.py, --dist loadgroup). A fixture that launches a job once
+# for several tests (session or module scope) would be launched once per
+# worker its tests land in; the tests that use it share a group, so one worker
+# runs them all and it is launched once. Tests that must not overlap (a Ray
+# cluster each, a gigabyte each) say so with their own xdist_group mark.
+SHARED_LAUNCH_GROUPS = {
+    "uninterrupted_ps_job": "ps_checkpoints",
+    "parallel_saved_at_five": "ps_checkpoints",
+    "ps_saved_at_ten": "ps_checkpoints",
+    "launched_reference": "identity",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items):
+    for item in items:
+        groups = {SHARED_LAUNCH_GROUPS[name] for name in item.fixturenames
+                  if name in SHARED_LAUNCH_GROUPS}
+        groups |= {mark.args[0] for mark in item.iter_markers("xdist_group")}
+        assert len(groups) <= 1, f"{item.nodeid} is in several xdist groups: {sorted(groups)}"
+        if groups:
+            item.add_marker(pytest.mark.xdist_group(groups.pop()))
+
 
 @pytest.fixture
 def local_cluster(tmp_path):

@@ -1,14 +1,17 @@
 """`make test`: the end-to-end tests (`-m slow`) and the others in two pytest
 processes at once.
 
-The end-to-end tests run one after another, each starting a launcher and its
-processes; between them (processes starting, heartbeats, waits on deadlines)
-about a third of this 2-core machine's CPU is idle, which the in-process tests
-fill meanwhile. Two end-to-end tests at once would double the processes their
-deadlines are sized for, so they stay in one pytest process. The end-to-end
-output streams; the other tests' output comes after it, as one block. The exit
-status is the first failing one's (0 when both pass; "no tests collected" in
-one of them, as when PYTEST_ARGS pick tests of one kind, is no failure).
+Both spend much of their time waiting (processes starting, heartbeats,
+deadlines) rather than computing, so each runs in pytest-xdist workers: the
+end-to-end tests with `--dist loadgroup`, which keeps together the tests that
+share a launched job or must not overlap (conftest.py's groups); the others
+with `--dist loadfile`, so a module's fixtures are made once. Two end-to-end
+tests at once load the machine more than one did: their timing-sensitive
+checks (a step count at a kill, the stall timeout) have less slack.
+E2E_WORKERS = 1 runs them one after another. The end-to-end output streams; the other tests'
+output comes after it, as one block. The exit status is the first failing
+one's (0 when both pass; "no tests collected" in one of them, as when
+PYTEST_ARGS pick tests of one kind, is no failure).
 
     python tests/run_suites.py [PYTEST_ARGS...]    # both get the same arguments
 """
@@ -24,11 +27,16 @@ import tempfile
 # much more before it is stopped.
 UNIT_SUITE_GRACE_S = 1800.0
 NO_TESTS_COLLECTED = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
+# Tests at once (pytest-xdist workers) in each suite.
+E2E_WORKERS = 2
+UNIT_WORKERS = 2
 
 
 def _pytest(marker: str, args: list[str]) -> list[str]:
-    # One cache writer: the in-process suite leaves .pytest_cache alone.
-    extra = ["-p", "no:cacheprovider"] if marker == "not slow" else []
+    if marker == "slow":
+        extra = ["-n", str(E2E_WORKERS), "--dist", "loadgroup"]
+    else:  # one cache writer: the in-process suite leaves .pytest_cache alone
+        extra = ["-n", str(UNIT_WORKERS), "--dist", "loadfile", "-p", "no:cacheprovider"]
     return [sys.executable, "-m", "pytest", "-q", "-m", marker, *extra, *args]
 
 

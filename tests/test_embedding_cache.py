@@ -172,6 +172,31 @@ def test_lru_and_lfu_evict_different_rows_and_never_a_pinned_one():
 
 
 @pytest.mark.parametrize("policy", [EvictionPolicy.LRU, EvictionPolicy.LFU])
+def test_a_plan_that_would_evict_a_kept_slot_is_refused_and_changes_nothing(policy):
+    """Planning the next batch while a step runs keeps the running step's
+    slots: a plan that must evict one is refused, the cache left as it was;
+    one that need not is the plan made without `keep`."""
+    caches = [RowCache(_table(policy=policy)) for _ in range(2)]
+    for cache in caches:
+        for step, ids in enumerate([[0, 1], [2, 3]]):
+            cache.plan(torch.tensor(ids), step, write_back=True, max_staleness=0)
+    kept, other = caches
+    before = {name: getattr(kept, name).clone() for name in ("slot_of_id", "id_of_slot",
+                                                             "last_used", "dirty")}
+    # Rows of step 0 on are kept: the victim (id 0, the least recent) too.
+    assert kept.plan(torch.tensor([4]), 2, write_back=True, max_staleness=0,
+                     keep_since=0) is None
+    for name, value in before.items():
+        assert torch.equal(getattr(kept, name), value), f"{name} changed"
+    assert kept.filled == 4
+    plan = kept.plan(torch.tensor([4]), 2, write_back=True, max_staleness=0, keep_since=1)
+    expected = other.plan(torch.tensor([4]), 2, write_back=True, max_staleness=0)
+    assert torch.equal(plan.pull_slots, expected.pull_slots)
+    assert torch.equal(kept.id_of_slot, other.id_of_slot)
+    assert torch.equal(kept.last_used, other.last_used)
+
+
+@pytest.mark.parametrize("policy", [EvictionPolicy.LRU, EvictionPolicy.LFU])
 def test_evictions_at_scale_pick_exactly_the_policys_victims(policy):
     """A cache large enough that eviction selects its victims partially (LRU
     by counting its step-number keys, LFU by topk): every step's victims are

@@ -132,12 +132,22 @@ def test_a_signal_to_a_standalone_scheduler_exits_as_the_launcher_does(local_clu
     assert f"splitrun scheduler: interrupted by {sig.name}" in scheduler.output()
 
 
-def test_children_die_with_a_killed_launcher(local_cluster):
+@pytest.mark.parametrize("method, watched", [
+    ("exec", ["worker 0", "worker 1"]),      # the processes, importing torch
+    ("forkserver", ["template"]),            # the template, importing torch
+    ("forkserver", ["worker 0", "worker 1"]),  # the processes, just forked
+])
+def test_children_die_with_a_killed_launcher(local_cluster, method, watched):
     started = time.monotonic()
-    proc = local_cluster.start("launch", "--workers", 2, FAULT_JOB)
+    proc = local_cluster.start("launch", "--start-method", method, "--workers", 2, FAULT_JOB)
+    pids = {}
     try:
-        pids = started_pids(proc, ["worker 0", "worker 1"])
-        # Still importing torch: the script has not reached Job.from_env().
+        if watched == ["template"]:
+            pids = {"template": int(proc.wait_for(r"template \(pid (\d+)\) started", 60)
+                                    .group(1))}
+        else:
+            pids = started_pids(proc, watched)
+        # Still importing torch (exec: the script has not reached Job.from_env()).
         remaining = 0.5 - (time.monotonic() - started)
         if remaining > 0:
             time.sleep(remaining)  # the scenario: SIGKILL 0.5 s after start
@@ -149,7 +159,7 @@ def test_children_die_with_a_killed_launcher(local_cluster):
         for pid in pids.values():
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
-    assert not alive, f"children {alive} outlived the launcher by 1 s"
+    assert not alive, f"{watched} ({alive}) outlived the launcher by 1 s"
 
 
 def bad_checkpoint(tmp_path, problem: str):

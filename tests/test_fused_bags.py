@@ -70,6 +70,44 @@ def test_sum_bags_train_in_one_fused_call_bit_for_bit_with_the_unsplit_step(monk
         assert counters["evictions"] > 0, f"{table}: the cache must really evict"
 
 
+@pytest.mark.parametrize("build, optimizer, cache_rows", [
+    (make_sum_bags, "sgd", 48), (make_sum_bags, "sgd", 200), (make, "adagrad", 48)])
+def test_the_next_steps_rows_move_while_a_step_computes(monkeypatch, build, optimizer,
+                                                        cache_rows):
+    """One worker: each step's plan is made (rows evicted, written back,
+    pulled, installed) while the step before computes. The trained tables are
+    the unsplit step's bit for bit, and hits, misses and evictions are those
+    of planning every step in the step, also where a plan ahead is refused
+    (48 rows: it would evict a row the running step uses)."""
+    from splitrun.runtime.engine.embedding.client import EmbeddingClient
+
+    def run(plan_ahead: bool):
+        if not plan_ahead:
+            monkeypatch.setattr(EmbeddingClient, "_plan_ahead", lambda self, tables: set())
+        program, batches = build(optimizer, 1, NUM_STEPS, cache_rows=cache_rows)
+        result = run_threaded(_split(program), NUM_STEPS, feeds(batches), recv_timeout_s=30)
+        monkeypatch.undo()
+        return result, batches
+
+    ahead, batches = run(True)
+    in_step, _ = run(False)
+    options = {"sparse_tables": True} if build is make else {}
+    whole, _ = build(optimizer, 1, NUM_STEPS, cache_rows=None, **options)
+    for key, value in whole.train_unsplit(NUM_STEPS, feeds(batches))[1].items():
+        assert torch.equal(ahead.state[key], value), f"{key} differs"
+    planned_ahead = []
+    for (table, counters), expected in zip(next(iter(ahead.cache_counters.values())).items(),
+                                           next(iter(in_step.cache_counters.values())).values()):
+        for name in ("hits", "misses", "evictions", "unique_ids"):
+            assert counters[name] == expected[name], f"{table}: {name}"
+        assert expected["planned_ahead"] == 0
+        planned_ahead.append(counters["planned_ahead"])
+    if cache_rows == 48:  # some plans ahead refused, some made
+        assert min(planned_ahead) < NUM_STEPS - 1 and max(planned_ahead) > 0, planned_ahead
+    else:  # every step after the first
+        assert planned_ahead == [NUM_STEPS - 1] * len(planned_ahead)
+
+
 @pytest.mark.parametrize("optimizer, num_workers", [("adagrad", 1), ("sgd", 2)])
 def test_bags_the_kernel_cannot_train_keep_their_own_update(optimizer, num_workers):
     """Adagrad, or several workers (gradients go to the servers): one

@@ -156,6 +156,12 @@ def test_main_job_across_two_hosts_reaches_its_accuracy(bind, tmp_path):
         accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)", driver).group(1))
         assert accuracy >= 0.95, driver
         text = "\n".join(p.output() for p in procs)
+        # Between the hosts the tensors take the tcp data plane, within host b
+        # shared memory (docs/data-plane.md).
+        assert re.search(r"\[worker 0\] transport to server 0: tcp", text), text
+        assert re.search(r"\[server 0\] transport to worker 1: tcp", text), text
+        assert re.search(r"\[worker 0\] transport to worker 1: shm", text) or \
+            "transport to worker 1" not in driver, text
         if bind == "address":
             assert f"serving tensors on {a.address}:" in text
             assert f"serving tensors on {b.address}:" in text

@@ -18,6 +18,10 @@ from splitrun.launcher.cli import main
 ray = pytest.importorskip("ray")
 from ray_head import RAY_ENV, RayHead, ray_on_two_hosts  # noqa: E402 - after the skip: it needs Ray
 
+# One Ray cluster at a time (each is sized to the machine's 2 CPUs): under
+# pytest-xdist (tests/run_suites.py) one worker runs this module's tests.
+pytestmark = pytest.mark.xdist_group("ray")
+
 EXAMPLES = REPO / "examples"
 WORKER = '{"CPU": 0.5, "sr_worker": 1}'
 SERVER = '{"CPU": 0.5, "sr_server": 1}'

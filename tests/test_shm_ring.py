@@ -17,6 +17,7 @@ sys.path.insert(0, str(SCRIPTS))
 from ring_peer import ordered_message  # noqa: E402
 
 from splitrun.runtime.errors import RecvTimeout
+from splitrun.runtime.transport.shm.job_files import STEP_FILE_SUFFIX, job_file_path
 from splitrun.runtime.transport.shm.ring import (
     SHM_DIR,
     RingClosed,
@@ -100,6 +101,7 @@ def test_message_larger_than_the_ring_streams_through_it(prefix):
         proc.kill()
 
 
+@pytest.mark.xdist_group("one_gib")  # one at a time under pytest-xdist
 @pytest.mark.slow
 def test_a_1_gib_tensor(prefix):
     numel = (1 << 30) // 4
@@ -209,6 +211,20 @@ def test_killed_producer_before_attach_leaves_files_that_the_prefix_removes(pref
     ring_path, socket_path = ring_paths(prefix, "w7-s0")
     assert os.path.exists(ring_path) and os.path.exists(socket_path)
     assert sorted(remove_job_segments(prefix)) == sorted([ring_path, socket_path])
+
+
+def test_a_failing_process_leaves_the_step_files_to_the_launcher(prefix):
+    # A process cleaning up after a failure removes the job's files, but not a
+    # killed peer's step file: the launcher reads it after the peer died to
+    # name the step it reached, and removes it when the job ends.
+    ring_path, socket_path = ring_paths(prefix, "w0-w1")
+    step_path = job_file_path(prefix, "worker1", STEP_FILE_SUFFIX)
+    for path in (ring_path, socket_path, step_path):
+        open(path, "wb").close()
+    assert sorted(remove_job_segments(prefix, keep_step_files=True)) == sorted(
+        [ring_path, socket_path])
+    assert os.path.exists(step_path)
+    assert remove_job_segments(prefix) == [step_path]
 
 
 def test_receive_deadline_and_bad_names(prefix):

@@ -290,6 +290,7 @@ def test_a_peer_that_dies_is_named_in_the_error(kind, prefix):
         remove_job_segments(prefix)  # what the killed process left: the launcher's job
 
 
+@pytest.mark.xdist_group("one_gib")  # one at a time under pytest-xdist
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_one_gib_tensor_crosses_from_another_process_intact(kind, prefix):

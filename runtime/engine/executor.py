@@ -5,6 +5,14 @@ Local ops run on the process's device; a SEND hands tensors to the transport
 (the transport checked the message against its channel's receive contract
 when it arrived). Values are freed
 after their last use, as `torch.fx.Interpreter` does.
+
+With a staleness bound s (`SplitPlan.staleness`, parameter-server mode), the
+receive of a data-sync channel at step c takes the newest version that has
+arrived (the message of the highest step <= c; older ones are taken and
+dropped) and waits only if even that is older than c - s: then for version
+c - s, the oldest the bound allows. The version kept is reused by later steps
+until a newer one arrives. Versions read are recorded per step
+(`ExecutorStats.versions_read`).
 """
 
 from __future__ import annotations
@@ -53,6 +61,9 @@ class ExecutorStats:
     # at once in a step: the activations kept for the backward. Each storage
     # counts once; the state and the feeds do not count.
     peak_activation_bytes: int = 0
+    # Staleness-bounded plans: step -> the oldest state version this step read
+    # over its data-sync channels (equal to the step when nothing was stale).
+    versions_read: dict[int, int] = field(default_factory=dict)
 
     @property
     def messages_sent(self) -> int:
@@ -72,6 +83,7 @@ class ExecutorStats:
             "step_s": round(self.step_s, 6),
             "recv_wait_s": round(self.recv_wait_s, 6),
             "peak_activation_bytes": self.peak_activation_bytes,
+            **({"versions_read": dict(self.versions_read)} if self.versions_read else {}),
             "sent": {k: vars(v) for k, v in sorted(self.sent.items())},
             "received": {k: vars(v) for k, v in sorted(self.received.items())},
         }
@@ -200,6 +212,22 @@ class Executor:
         self.stats = ExecutorStats()
         self._bindings = dict(bindings or {})
         self._waiting: Waiting | None = None
+        self.staleness = plan.staleness
+        # Staleness-bounded data-sync channels into this process: channel ->
+        # (version, tensors) last taken; the first step this executor ran.
+        self._bounded = ({s.channel for s in plan.data_syncs if s.reader == label}
+                         if plan.staleness else set())
+        self._held: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        self._first_step: int | None = None
+        # Where each data-synced state key arrives: channel -> [(index, key)].
+        self._synced: dict[str, list[tuple[int, str]]] = {}
+        for sync in plan.data_syncs:
+            if sync.reader == label:
+                names = plan.channel(sync.channel).recv_names
+                node = program.input_for_key(sync.key).node
+                self._synced.setdefault(sync.channel, []).append((names.index(node), sync.key))
+        # `keep_synced`: also keep what synchronous receives bring (`synced_state`).
+        self.keep_synced = False
         self._tag = f"[{label.describe()}]"
         self._nodes: dict[str, fx.Node] = {n.name: n for n in self.program.graph.nodes}
         self._compile()
@@ -285,6 +313,8 @@ class Executor:
         steps.
         """
         started = time.perf_counter()
+        if self._first_step is None:
+            self._first_step = step
         env: dict[str, object] = dict(self._constants)
         for key, node in self._state_nodes.items():
             env[node] = self.state[key]
@@ -336,8 +366,13 @@ class Executor:
                 if control is not None:
                     between_steps = (MessageKey(self.incarnation, step, control[0]), control[1])
                     control = None
-                self._receive(step, name, target, payload, env, timeout, between_steps,
-                              idle=idle)
+                if name in self._bounded:
+                    self._receive_bounded(step, name, target, payload, env, timeout)
+                else:
+                    self._receive(step, name, target, payload, env, timeout, between_steps,
+                                  idle=idle)
+                    if self.keep_synced and name in self._synced:
+                        self._held[name] = (step, [env[n] for n in payload])
                 for received in payload:
                     live.hold(received, env[received])
             for dead in self._free_after[index]:
@@ -349,6 +384,9 @@ class Executor:
         outputs = {key: self._owned(env[node]) for key, node in self._output_nodes.items()}
         for key, node in self._state_updates.items():
             self.state[key] = self._owned(env[node])
+        for channel, (version, tensors) in self._held.items():
+            # Kept for later steps: must not hold the sender's ring room.
+            self._held[channel] = (version, [self._owned(t) for t in tensors])
         self.stats.steps += 1
         self.stats.step_s += time.perf_counter() - started
         return outputs
@@ -403,6 +441,64 @@ class Executor:
         counter.messages += 1
         counter.bytes += nbytes_of(tensors)
         counter.wait_s += waited
+
+    def synced_state(self) -> dict[str, torch.Tensor]:
+        """The state the last step read through data-syncs (in parameter-server
+        mode a worker's view of the servers' parameters), by state key; under
+        a staleness bound, of the version that step read. A synchronous plan
+        keeps it only with `keep_synced` set (an evaluation's hook)."""
+        state = {}
+        for channel, keys in self._synced.items():
+            if channel in self._held:
+                tensors = self._held[channel][1]
+                state.update((key, tensors[index]) for index, key in keys)
+        return state
+
+    def _receive_bounded(self, step, channel, src, recv_names, env, timeout_s) -> None:
+        """A staleness-bounded data-sync receive (see the module's docstring):
+        the newest version arrived, or a wait for version step - s if even
+        that is older than the bound allows."""
+        held_version = self._held.get(channel, (-1, None))[0]
+        # Versions from before this executor's first step are never sent.
+        oldest_allowed = max(step - self.staleness, self._first_step)
+        newest = self._take_newest(step, channel, src, max(held_version, self._first_step - 1))
+        if newest is None and held_version < oldest_allowed:
+            # Past the bound: wait for the oldest version it allows.
+            self._receive(oldest_allowed, channel, src, recv_names, env, timeout_s, None)
+            newest = (self._take_newest(step, channel, src, oldest_allowed)
+                      or (oldest_allowed, [env[name] for name in recv_names]))
+        if newest is not None:
+            self._held[channel] = newest
+        version, tensors = self._held[channel]
+        self._note_version(step, version)
+        for name, tensor in zip(recv_names, tensors):
+            env[name] = tensor if tensor.device == self.device else tensor.to(self.device)
+
+    def _take_newest(self, step, channel, src, after: int
+                     ) -> tuple[int, list[torch.Tensor]] | None:
+        """Take every version of `channel` in (after, step] that is here and
+        return the newest (None if none is). A sender delivers a channel's
+        versions in order (one queue or ring per peer): below the newest
+        present, every version not taken yet is present too."""
+        newest = None
+        for version in range(step, after, -1):
+            key = MessageKey(self.incarnation, version, channel)
+            try:
+                tensors = self.transport.recv(src, key, 0.0)
+            except RecvTimeout:
+                if newest is None:
+                    continue
+                break
+            counter = self.stats.received[channel]
+            counter.messages += 1
+            counter.bytes += nbytes_of(tensors)
+            if newest is None:
+                newest = (version, tensors)
+        return newest
+
+    def _note_version(self, step: int, version: int) -> None:
+        versions = self.stats.versions_read
+        versions[step] = min(versions.get(step, version), version)
 
     def abort(self, error: BaseException) -> None:
         self.transport.abort(error)

@@ -128,6 +128,13 @@ def receive_contracts(plan: SplitPlan, program: Program, label: Label
             later[instr.target] = known
             sizes = [spec.nbytes if spec is not None else None for spec in specs[instr.target]]
             after[src] = (None if known is None or None in sizes else known + sum(sizes))
+    if plan.staleness:
+        # Under a staleness bound a data-sync message may wait in the mailbox
+        # past its step (read a step later, or never): never lent, it holds no
+        # room in the sender's ring, so the sender never waits on it.
+        for sync in plan.data_syncs:
+            if sync.reader == label:
+                later[sync.channel] = None
     return {channel.name: ChannelContract(channel.src, specs[channel.name],
                                           later_bytes=later.get(channel.name))
             for channel in plan.recv_channels(label)}

@@ -1,6 +1,8 @@
 """`RoutedTransport`: a job's transport, routing per peer: shared memory
-(`shm.ShmTransport`) to the peers on this host that can share it, gRPC
-(`grpc.GrpcTransport`) to the others and for control. The two transports
+(`shm.ShmTransport`) to the peers on this host that can share it, the TCP
+data plane (`tcp.TcpTransport`) to the others, gRPC (`grpc.GrpcTransport`)
+for control and as the fallback. See docs/data-plane.md for which path a
+message takes and why. The two transports
 never import each other; both deliver into the one `Endpoint` (mailbox, pool,
 contracts, failure) the gRPC transport was built with, and receives take
 from it whichever transport carried the message. A refusal on shared memory
@@ -8,8 +10,11 @@ goes back to its sender over gRPC.
 
 Choosing per peer (`set_peers`): `SPLITRUN_TRANSPORT=auto` takes shared
 memory for every peer whose marker says it is on this host (see
-`ShmTransport.can_share_with`), gRPC otherwise; `grpc` forces gRPC; `shm`
-requires shared memory for every peer. `kind_of(peer)` says which, and the
+`ShmTransport.can_share_with`), else the TCP data plane when the peer's
+gRPC server says where its data port is (`tcp.ask_data_port`) and the
+connection opens and authenticates, else gRPC; `grpc` forces gRPC; `shm`
+requires shared memory for every peer; `tcp` requires the TCP data plane
+for every peer (no shared memory). `kind_of(peer)` says which, and the
 choice is logged.
 """
 
@@ -31,6 +36,7 @@ from .grpc import GrpcTransport
 from .keys import MessageKey
 from .shm.job_files import SHM_DIR, remove_job_segments
 from .shm.transport import ShmSettings, ShmTransport
+from .tcp import DataPlaneService, TcpSettings, TcpTransport, ask_data_port
 
 __all__ = ["RoutedTransport", "TransportChoice", "TransportKind"]
 
@@ -42,6 +48,7 @@ class TransportKind(enum.Enum):
 
     GRPC = "grpc"
     SHM = "shm"
+    TCP = "tcp"
 
 
 class TransportChoice(enum.Enum):
@@ -52,6 +59,7 @@ class TransportChoice(enum.Enum):
     AUTO = "auto"
     GRPC = "grpc"
     SHM = "shm"
+    TCP = "tcp"
 
     @classmethod
     def parse(cls, text: str, variable: str = "SPLITRUN_TRANSPORT") -> TransportChoice:
@@ -76,7 +84,8 @@ class RoutedTransport:
 
     def __init__(self, grpc: GrpcTransport, *, prefix: str | None,
                  choice: TransportChoice = TransportChoice.AUTO,
-                 settings: ShmSettings | None = None, directory: str = SHM_DIR) -> None:
+                 settings: ShmSettings | None = None, directory: str = SHM_DIR,
+                 tcp_settings: TcpSettings | None = None) -> None:
         if choice is TransportChoice.SHM and prefix is None:
             raise TransportError("SPLITRUN_TRANSPORT=shm needs the job's shared-memory prefix "
                                  "(SPLITRUN_SHM_PREFIX, set by `splitrun launch`)")
@@ -86,9 +95,14 @@ class RoutedTransport:
         self.prefix = prefix
         self.directory = directory
         self.shm: ShmTransport | None = None
-        if prefix is not None and choice is not TransportChoice.GRPC:
+        if prefix is not None and choice not in (TransportChoice.GRPC, TransportChoice.TCP):
             self.shm = ShmTransport(self.endpoint, prefix=prefix, reply=self._reply,
                                     settings=settings, directory=directory)
+        self.tcp: TcpTransport | None = None
+        if choice is not TransportChoice.GRPC:
+            self.tcp = TcpTransport(self.endpoint, reply=self._reply, tls=grpc.tls,
+                                    settings=tcp_settings)
+            grpc.add_service(DataPlaneService(lambda: self.tcp.port).handler())
         self._kinds: dict[Label, TransportKind] = {}
         self._lock = threading.Lock()
 
@@ -118,6 +132,8 @@ class RoutedTransport:
 
     def start(self) -> str:
         """Start the gRPC server; write this process's marker for same-host peers."""
+        if self.tcp is not None:
+            self.tcp.start(self.grpc.host)
         address = self.grpc.start()
         if self.shm is not None:
             self.shm.start(address)
@@ -145,13 +161,40 @@ class RoutedTransport:
                         f"{address} cannot share memory with this process: {why}")
                 if kind is TransportKind.SHM:
                     self.shm.connect(peer)
+                elif self.tcp is not None:
+                    kind, why = self._connect_tcp(peer, address, why)
                 self._kinds[peer] = kind
                 logger.info("%s transport to %s: %s (%s)", self.tag, peer.describe(),
                             kind.value, why)
 
+    def _connect_tcp(self, peer: Label, address: str,
+                     why_not_shm: str) -> tuple[TransportKind, str]:
+        """The TCP data plane to `peer` if it offers one and the connection
+        opens (gRPC otherwise; an error under SPLITRUN_TRANSPORT=tcp)."""
+        host = address.rsplit(":", 1)[0]
+        try:
+            port = ask_data_port(address, token=self.endpoint.token, tls=self.grpc.tls,
+                                 timeout_s=self.tcp.settings.connect_timeout_s, tag=self.tag,
+                                 peer=peer.describe())
+            if port is None:
+                why = "it serves no tcp data plane"
+            else:
+                self.tcp.connect(peer, host, port)
+                return TransportKind.TCP, f"{why_not_shm}; tcp data plane at {host}:{port}"
+        except TransportError as exc:
+            why = str(exc)
+        if self.choice is TransportChoice.TCP:
+            raise TransportError(f"{self.tag} SPLITRUN_TRANSPORT=tcp, but the tcp data plane "
+                                 f"to {peer.describe()} at {address} is not available: {why}")
+        logger.warning("%s tcp data plane to %s not available (%s); gRPC carries its "
+                       "messages", self.tag, peer.describe(), why)
+        return TransportKind.GRPC, f"{why_not_shm}; {why}"
+
     def _choose(self, address: str) -> tuple[TransportKind, str]:
         if self.choice is TransportChoice.GRPC:
             return TransportKind.GRPC, "SPLITRUN_TRANSPORT=grpc"
+        if self.choice is TransportChoice.TCP:
+            return TransportKind.GRPC, "SPLITRUN_TRANSPORT=tcp"
         if self.shm is None:
             return TransportKind.GRPC, "no shared-memory prefix for this job"
         shares, why = self.shm.can_share_with(address)
@@ -184,6 +227,8 @@ class RoutedTransport:
         only while the ring is full); to others: queued on gRPC."""
         if self.shm is not None and self.shm.carries(dst):
             self.shm.send(dst, key, tensors)
+        elif self.tcp is not None and self.tcp.carries(dst):
+            self.tcp.send(dst, key, tensors)
         else:
             self.grpc.send(dst, key, tensors)
 
@@ -210,11 +255,17 @@ class RoutedTransport:
         deadline = time.monotonic() + timeout_s
         if self.shm is not None:
             self.shm.flush(deadline)
+        if self.tcp is not None:
+            self.tcp.flush(deadline)
         self.grpc.flush(max(deadline - time.monotonic(), 0.0))
 
     def close(self) -> None:
         """Close shared memory (its rings, marker, and the job's files after a
-        failure), then gRPC."""
+        failure), the tcp data plane (its last flush: a failure is raised
+        after gRPC closed), then gRPC."""
+        problems = self.tcp.close() if self.tcp is not None else []
+        if problems:
+            self.endpoint.fail(problems[0])
         if self.shm is not None:
             self.shm.close()
         elif self.endpoint.job_failed.is_set() or self.endpoint.has_failed:
@@ -233,7 +284,7 @@ class RoutedTransport:
     # -- internals --
 
     def _reply(self, peer: Label, key: MessageKey, tensors: list[torch.Tensor]) -> None:
-        """Shared memory's way back to a sender: over gRPC, delivered before
-        the sender's flush (which waits for its ring) can return."""
+        """Shared memory's and the tcp data plane's way back to a sender (a
+        refusal): over gRPC, delivered before the sender's flush can return."""
         self.grpc.send(peer, key, tensors)
-        self.grpc.flush(self.shm.settings.send_timeout_s)
+        self.grpc.flush(self.grpc.settings.send_timeout_s)

@@ -5,13 +5,20 @@
 
 Worker 0 saves the final state gathered from every process to --out. With
 --stop-after N it trains only up to step N (and --save writes a checkpoint
-there); --resume continues from a checkpoint.
+there); --resume continues from a checkpoint. --staleness S runs
+ParameterServerMode(staleness=S); --slow-worker R makes worker R take
+--slow-step-s longer over each step (a deliberately slow worker), and
+--versions-out DIR has every worker write, per step, the parameter version
+it read (DIR/worker<R>.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
 import sys
+import time
 
 import torch
 from ps_models import make
@@ -31,16 +38,28 @@ def main() -> int:
     parser.add_argument("--resume")
     parser.add_argument("--out")
     parser.add_argument("--gradient-bucket-bytes", type=int)
+    parser.add_argument("--staleness", type=int, default=0)
+    parser.add_argument("--slow-worker", type=int)
+    parser.add_argument("--slow-step-s", type=float, default=0.05)
+    parser.add_argument("--versions-out")
     args = parser.parse_args()
 
     job = Job.from_env()
     program, _, batches = make(args.kind, args.optimizer, job.cluster.num_workers, args.steps,
                                width=args.width)
-    mode = ParameterServerMode(gradient_bucket_bytes=args.gradient_bucket_bytes)
+    mode = ParameterServerMode(gradient_bucket_bytes=args.gradient_bucket_bytes,
+                               staleness=args.staleness)
     trainer = job.start(program, mode, num_steps=args.steps, resume=args.resume)
     stop = args.stop_after or args.steps
+    slow = job.is_worker and job.rank == args.slow_worker
     for batch in trainer.shard(batches[trainer.steps_done:stop]):
+        if slow:
+            time.sleep(args.slow_step_s)  # the slowness under test, not a synchronisation
         trainer.step(batch)
+    if args.versions_out and job.is_worker:
+        versions = trainer.stats.versions_read
+        path = pathlib.Path(args.versions_out) / f"worker{job.rank}.json"
+        path.write_text(json.dumps({str(step): v for step, v in sorted(versions.items())}))
     if args.save and job.is_worker:
         trainer.save(args.save)
     final_state = trainer.finish()

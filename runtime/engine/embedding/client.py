@@ -26,7 +26,13 @@ Consistency model:
 - One worker: write-back. The update runs on the cached rows, whose optimizer
   state is cached with them; a dirty row goes back to its server when evicted
   and when the job saves or finishes. The servers' tables are then exactly what
-  training with the whole table in one process gives.
+  training with the whole table in one process gives. The next step's plan is
+  made while a step computes (`_plan_ahead`, a thread: evict, write back,
+  pull, install), keeping every row the running step looked up: a row it
+  evicts is final (the running step does not update it), a row it pulls is
+  one the worker does not cache (its server holds its latest value: its
+  write-back went before, on the same ordered channel). A plan that would
+  evict a kept row is refused and that step plans in the step.
 - Several workers: gradients go to the servers every step (each server
   averages them over the workers and updates, as parameter-server mode does),
   and a cached row older than `max_staleness` steps is pulled again before it
@@ -39,8 +45,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -70,6 +78,22 @@ from .step_ids import StepIds
 __all__ = ["EmbeddingClient"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Ahead:
+    """The next step's plans of some tables, made in a thread while this
+    step computes: per table (plan, bytes pulled, bytes pushed) once done,
+    tables whose plan was refused left out. If one was refused, the others'
+    rows did not move yet (`moved` False): the next step writes back and
+    pulls for them with the refused tables' own plans, one message per server."""
+
+    step: int
+    tables: tuple[str, ...]
+    thread: threading.Thread | None = None
+    planned: dict[str, tuple[BatchPlan, int, int]] = field(default_factory=dict)
+    moved: bool = True
+    error: BaseException | None = None
 
 
 class EmbeddingClient:
@@ -112,6 +136,11 @@ class EmbeddingClient:
         # prefetch did not hide) and to pulls made in the step itself.
         self.waits = {"prefetched": 0.0, "pulled": 0.0}
         self._seq = itertools.count()
+        # Plans of the next step made while this one computes (`_plan_ahead`),
+        # by the tables of the lookup they serve; tables whose lookups turned
+        # out not to be their feed are planned in the step only.
+        self._ahead: dict[tuple[str, ...], _Ahead] = {}
+        self._no_ahead: set[str] = set()
 
     def begin_step(self, step: int, next_feeds: Mapping[str, torch.Tensor] | None) -> None:
         """The step about to run, and the next step's feeds if known: the
@@ -156,7 +185,7 @@ class EmbeddingClient:
             self.waits[waited] += time.perf_counter() - started
         return reply
 
-    def _reply_parts(self, server: Label, seq: int, tables: list[str], waited: str
+    def _reply_parts(self, server: Label, seq: int, tables: list[str], waited: str | None
                      ) -> list[list[torch.Tensor]]:
         """A pull's reply, split by table: rows, and the row state of
         write-back tables."""
@@ -256,7 +285,7 @@ class EmbeddingClient:
             count = flat.numel()  # every lookup hits (counted per lookup)
             self.caches[table].counters.record(lookups=count, unique_ids=count, hits=count,
                                                misses=0, evictions=0, bytes_pulled=0,
-                                               bytes_pushed=0)
+                                               bytes_pushed=0, planned_ahead=0)
             self._resident_slots[table] = flat
             slots.append(flat)
         return slots
@@ -280,31 +309,186 @@ class EmbeddingClient:
         cache.counters.bytes_pulled += pulled
         self._loaded.add(table)
 
-    def _plan_tables(self, lookups: list[tuple[str, torch.Tensor]]) -> list[BatchPlan]:
-        """Plan each table's ids against its cache; evicted dirty rows go back
-        and misses are pulled in one message per server for all the tables,
-        and the next step's misses are asked for."""
+    def _plan_tables(self, lookups: list[tuple[str, torch.Tensor]], *,
+                     ahead: bool = True) -> list[BatchPlan]:
+        """Plan each table's ids against its cache (or take the plan made
+        while the last step computed); evicted dirty rows go back and misses
+        are pulled in one message per server for all the tables; then the
+        next step's plans are made while this step computes (`_plan_ahead`),
+        or the next step's misses asked for (`_prefetch`)."""
         keys = [table for table, _ in lookups]
         if len(set(keys)) < len(keys):  # a table looked up twice: one after the other
-            return [plan for lookup in lookups for plan in self._plan_tables([lookup])]
+            return [plan for lookup in lookups
+                    for plan in self._plan_tables([lookup], ahead=False)]
+        done, unmoved = self._take_ahead(lookups)
+        ahead_made = set(done) | set(unmoved)
+        now = [(table, ids) for table, ids in lookups if table not in ahead_made]
+        if now or unmoved:
+            done.update(self._plan_now(now, unmoved))
         plans = []
         for table, ids in lookups:
-            cache = self.caches[table]
-            plans.append(cache.plan(ids, self._step, write_back=self.write_back[table],
-                                    max_staleness=cache.table.settings.max_staleness))
-        pushed = self._write_back([(t, p.evicted_ids, p.evicted_slots)
-                                   for t, p in zip(keys, plans)])
-        pulled = self._pull(list(zip(keys, plans)))
-        for (table, ids), plan in zip(lookups, plans):
+            plan, pulled, pushed = done[table]
             # A hit is a row served without a pull (a stale cached row is a miss).
             misses = plan.pull_ids.numel()
             self.caches[table].counters.record(
                 lookups=ids.numel(), unique_ids=plan.num_unique,
                 hits=plan.num_unique - misses, misses=misses, evictions=plan.evictions,
-                bytes_pulled=pulled.get(table, 0), bytes_pushed=pushed.get(table, 0))
+                bytes_pulled=pulled, bytes_pushed=pushed, planned_ahead=int(table in ahead_made))
             self._plans[table] = plan
-        self._prefetch(keys)
+            plans.append(plan)
+        planned_ahead = self._plan_ahead(keys) if ahead else set()
+        self._prefetch([table for table in keys if table not in planned_ahead])
         return plans
+
+    def _plan_now(self, lookups: list[tuple[str, torch.Tensor]],
+                  planned: dict[str, BatchPlan]) -> dict[str, tuple[BatchPlan, int, int]]:
+        """Plan the tables' ids in the step and move the rows of these plans
+        and of `planned` (plans made ahead whose rows did not move): (plan,
+        bytes pulled, bytes pushed) per table."""
+        keys = [table for table, _ in lookups] + list(planned)
+        plans = []
+        for table, ids in lookups:
+            cache = self.caches[table]
+            plans.append(cache.plan(ids, self._step, write_back=self.write_back[table],
+                                    max_staleness=cache.table.settings.max_staleness))
+        plans += planned.values()
+        pushed = self._write_back([(t, p.evicted_ids, p.evicted_slots)
+                                   for t, p in zip(keys, plans)])
+        pulled = self._pull(list(zip(keys, plans)))
+        return {table: (plan, pulled.get(table, 0), pushed.get(table, 0))
+                for table, plan in zip(keys, plans)}
+
+    # -- planning the next step while this one computes --
+
+    def _plan_ahead(self, tables: list[str]) -> set[str]:
+        """Plan the next batch of the write-back tables among `tables` in a
+        thread, now, while this step computes: evict, write back, pull and
+        install, as the next step's own plan would, one message per server.
+        The tables it will plan.
+
+        Exact because a row this step reads or updates is kept: a plan that
+        would evict one is refused (`RowCache.plan`'s `keep_since`) and the next
+        step plans that table itself. So every evicted row is final (no
+        update of this step touches it) when it is written back, and every
+        pulled row is one the worker does not cache, whose latest value the
+        server holds (its write-back went earlier, on the same ordered
+        channel). The plan is the one the next step would make: the same
+        victims, the same hits (LFU's counts and LRU's clock advance in the
+        same order)."""
+        if self._next_feeds is None:
+            return set()
+        wanted = []
+        for table in tables:
+            cache = self.caches[table]
+            feed = cache.table.ids_feed
+            if (not self.write_back[table] or self.resident[table] or table in self._no_ahead
+                    or cache.policy is EvictionPolicy.NONE or feed is None
+                    or feed not in self._next_feeds):
+                continue
+            wanted.append(table)
+        if not wanted:
+            return set()
+        ahead = _Ahead(self._step + 1, tuple(wanted))
+        lookups = [(table, self._next_feeds[self.caches[table].table.ids_feed])
+                   for table in wanted]
+        ahead.thread = threading.Thread(target=self._run_ahead, args=(ahead, lookups),
+                                        name=f"splitrun-cache-ahead-{self.label}", daemon=True)
+        self._ahead[ahead.tables] = ahead
+        ahead.thread.start()
+        return set(ahead.tables)
+
+    def _run_ahead(self, ahead: _Ahead, wanted: list[tuple[str, torch.Tensor]]) -> None:
+        """The thread of `_plan_ahead`: touches only these tables' caches
+        (the step running meanwhile reads and updates only the rows it looked
+        up, which the plans keep)."""
+        try:
+            plans = []
+            for table, ids in wanted:
+                cache = self.caches[table]
+                plan = cache.plan(ids, ahead.step, write_back=True,
+                                  max_staleness=cache.table.settings.max_staleness,
+                                  keep_since=ahead.step - 1)
+                if plan is not None:
+                    plans.append((table, plan))
+            if len(plans) < len(wanted):  # the next step moves every table's rows at once
+                ahead.planned = {t: (p, 0, 0) for t, p in plans}
+                ahead.moved = False
+                return
+            pushed = self._write_back([(t, p.evicted_ids, p.evicted_slots) for t, p in plans],
+                                      ahead.step)
+            pulled = self._fetch({t: (p.pull_ids, p.pull_slots) for t, p in plans},
+                                 ahead.step, waited=None)
+            ahead.planned = {t: (p, pulled.get(t, 0), pushed.get(t, 0)) for t, p in plans}
+        except BaseException as exc:  # noqa: BLE001 - raised in the step that waits for it
+            ahead.error = exc
+
+    def _settle(self, ahead: _Ahead) -> None:
+        """Wait for `ahead`'s thread (the time blocked counts as waiting for
+        prefetched rows: what planning ahead did not hide); raise its error."""
+        if ahead.thread is not None:
+            started = time.perf_counter()
+            ahead.thread.join(timeout=2 * self.timeout_s)
+            self.waits["prefetched"] += time.perf_counter() - started
+            if ahead.thread.is_alive():
+                raise CacheError(f"[{self.label.describe()}] planning step {ahead.step}'s rows "
+                                 f"of {list(ahead.tables)} ahead took over "
+                                 f"{2 * self.timeout_s:.0f} s")
+            ahead.thread = None
+        if ahead.error is not None:
+            raise ahead.error
+
+    def settle_ahead(self) -> None:
+        """Wait until no plan is being made ahead (before the job's messages
+        about the tables: flush, save, dump); the plans stay for their step."""
+        for ahead in list(self._ahead.values()):
+            self._settle(ahead)
+
+    def _take_ahead(self, lookups: list[tuple[str, torch.Tensor]]
+                    ) -> tuple[dict[str, tuple[BatchPlan, int, int]], dict[str, BatchPlan]]:
+        """This step's plans made ahead for `lookups`' tables, those whose ids
+        are the lookup's: (plans whose rows moved, with their bytes pulled
+        and pushed; plans whose rows are still to move). A plan ahead that
+        overlaps these tables otherwise is settled and dropped (the cache
+        stays valid: it only holds rows the step did not ask for), and so is
+        one whose ids were not the lookup's; such tables are not planned
+        ahead again."""
+        tables = {table for table, _ in lookups}
+        done: dict[str, tuple[BatchPlan, int, int]] = {}
+        unmoved: dict[str, BatchPlan] = {}
+        for key in [key for key in self._ahead if tables & set(key)]:
+            ahead = self._ahead.pop(key)
+            self._settle(ahead)
+            if ahead.step != self._step or key != tuple(t for t, _ in lookups):
+                self._no_ahead.update(key)  # the step looks these tables up otherwise
+                self._move_rows([p for p, _, _ in ahead.planned.values()], ahead)
+                continue
+            wrong = []
+            for table, ids in lookups:
+                if table not in ahead.planned:
+                    continue
+                plan = ahead.planned[table]
+                if not torch.equal(plan[0].flat_ids, ids.reshape(-1).to("cpu", torch.int64)):
+                    self._no_ahead.add(table)
+                    wrong.append(plan[0])
+                elif ahead.moved:
+                    done[table] = plan
+                else:
+                    unmoved[table] = plan[0]
+            self._move_rows(wrong, ahead)
+        return done, unmoved
+
+    def _move_rows(self, plans: list[BatchPlan], ahead: _Ahead) -> None:
+        """Write back and pull the rows of plans made ahead that no step uses,
+        if they did not move yet: their slots must hold their rows before
+        the cache plans again."""
+        if ahead.moved or not plans:
+            return
+        keys = {id(plan): table for table, (plan, _, _) in ahead.planned.items()}
+        tables = [keys[id(plan)] for plan in plans]
+        self._write_back([(t, p.evicted_ids, p.evicted_slots) for t, p in zip(tables, plans)],
+                         ahead.step)
+        self._fetch({t: (p.pull_ids, p.pull_slots) for t, p in zip(tables, plans)}, ahead.step,
+                    waited="pulled")
 
     def update(self, indices: torch.Tensor, values: torch.Tensor, lr: torch.Tensor,
                step: torch.Tensor, *, table: str, coalesced: bool = False) -> None:
@@ -397,22 +581,31 @@ class EmbeddingClient:
                 keep = torch.ones_like(ids, dtype=torch.bool).index_fill_(0, position, False)
                 ids, slots = ids.masked_select(keep), slots.masked_select(keep)
             needed[table] = (ids, slots)
+        for table, count in self._fetch(needed, self._step, waited="pulled").items():
+            pulled[table] += count
+        return pulled
+
+    def _fetch(self, needed: dict[str, tuple[torch.Tensor, torch.Tensor]], step: int,
+               waited: str | None) -> dict[str, int]:
+        """Pull each table's ids (sorted) from the servers into its cache's
+        slots, one request per server for every table, fresh for `step`;
+        bytes pulled per table."""
+        pulled = dict.fromkeys(needed, 0)
         by_server: dict[Label, list[tuple[str, torch.Tensor]]] = {}
         for table, (ids, _) in needed.items():
             for server, positions in self._by_server(table, ids):
                 by_server.setdefault(server, []).append((table, positions))
         requests = [(server, parts, self._request(
-            server, Op.PULL, self._step,
+            server, Op.PULL, step,
             [(table, [needed[table][0].index_select(0, positions)]) for table, positions in parts]))
             for server, parts in by_server.items()]
         for server, parts, seq in requests:
-            replies = self._reply_parts(server, seq, [table for table, _ in parts], "pulled")
+            replies = self._reply_parts(server, seq, [table for table, _ in parts], waited)
             for (table, positions), reply in zip(parts, replies):
                 cache = self.caches[table]
                 pulled[table] += nbytes_of(reply)
                 cache.install(needed[table][1].index_select(0, positions), reply[0],
-                              dict(zip(cache.table.state_names, reply[1:])),
-                              fresh_for=self._step)
+                              dict(zip(cache.table.state_names, reply[1:])), fresh_for=step)
         return pulled
 
     def _prefetch(self, tables: list[str]) -> None:
@@ -442,8 +635,8 @@ class EmbeddingClient:
                                 [(table, [ids]) for table, ids in parts])
             self._prefetch_requests.append((server, seq, parts, self._step))
 
-    def _write_back(self, evicted: list[tuple[str, torch.Tensor, torch.Tensor]]
-                    ) -> dict[str, int]:
+    def _write_back(self, evicted: list[tuple[str, torch.Tensor, torch.Tensor]],
+                    step: int | None = None) -> dict[str, int]:
         """Push the rows of each table's `ids` (in cache `slots`, not yet
         overwritten) to their servers, one message per server for every
         table; bytes pushed per table."""
@@ -461,7 +654,7 @@ class EmbeddingClient:
                 by_server.setdefault(server, []).append((table, tensors))
                 pushed[table] += nbytes_of(tensors)
         for server, parts in by_server.items():
-            self._request(server, Op.PUSH, self._step, parts)
+            self._request(server, Op.PUSH, self._step if step is None else step, parts)
         return pushed
 
     # -- end of training, checkpoints --
@@ -469,12 +662,14 @@ class EmbeddingClient:
     def flush(self) -> None:
         """Write every dirty row back (write-back mode); requests stay in order,
         so a later dump sees them."""
+        self.settle_ahead()
         dirty = [(table, *cache.dirty_slots()) for table, cache in self.caches.items()]
         for table, pushed in self._write_back(dirty).items():
             self.caches[table].counters.bytes_pushed += pushed
 
     def drain_prefetch(self) -> None:
         """Take the replies of prefetches no step will use (the last batch's)."""
+        self.settle_ahead()
         for server, seq, _, _ in self._prefetch_requests:
             self._reply(server, seq)
         self._prefetch_requests = []

@@ -21,6 +21,7 @@ import torch
 from splitrun.splitter.cached_tables import CachedTable, EvictionPolicy
 
 from ...errors import CacheError
+from .row_copy import copy_rows_, gather_rows
 from .step_ids import StepIds
 
 __all__ = ["RowCache", "BatchPlan", "TableCounters"]
@@ -68,6 +69,7 @@ class TableCounters:
     evictions: int = 0
     bytes_pulled: int = 0
     bytes_pushed: int = 0
+    planned_ahead: int = 0  # steps whose plan was made while the step before computed
     last_step: dict = field(default_factory=dict)
 
     @property
@@ -83,7 +85,8 @@ class TableCounters:
         return {"lookups": self.lookups, "unique_ids": self.unique_ids, "hits": self.hits,
                 "misses": self.misses, "evictions": self.evictions,
                 "bytes_pulled": self.bytes_pulled, "bytes_pushed": self.bytes_pushed,
-                "hit_rate": round(self.hit_rate, 6), "last_step": dict(self.last_step)}
+                "planned_ahead": self.planned_ahead, "hit_rate": round(self.hit_rate, 6),
+                "last_step": dict(self.last_step)}
 
 
 @dataclass
@@ -184,7 +187,7 @@ class RowCache:
                 f"{self.table.num_rows - 1}) but the batch looks up id {bad}")
 
     def plan(self, ids: torch.Tensor | StepIds, step: int, *, write_back: bool,
-             max_staleness: int) -> BatchPlan:
+             max_staleness: int, keep_since: int | None = None) -> BatchPlan | None:
         """Make room for the batch's ids and say which rows to pull.
 
         `ids`: the batch's ids (any shape), or their `StepIds` when the caller
@@ -194,6 +197,12 @@ class RowCache:
         chosen for eviction. Misses go to free slots first, then to the
         policy's victims; with several workers, cached rows older than
         `max_staleness` steps are pulled again.
+
+        `keep_since`: rows looked up at this step or later are kept: a step
+        still running reads and updates them (the client plans the next batch
+        while the current one computes; the running step's plan was the last
+        one). The plan is the one made without it; if it would evict one of
+        them, none is made (the cache is left as it was) and None is returned.
         """
         step_ids = ids if isinstance(ids, StepIds) else None
         flat = ids.ids if step_ids is not None else ids.reshape(-1).to("cpu", torch.int64)
@@ -201,6 +210,9 @@ class RowCache:
         slots = self.slot_of_id.index_select(0, flat)
         cached = slots >= 0
         hit_slots = slots.masked_select(cached)
+        # The hits' slots, marked to count them (a memset clears the marks).
+        marks = self._slot_marks
+        marks.index_fill_(0, hit_slots, True)
         if self.policy is EvictionPolicy.NONE:
             # Every row is pulled: the ids are made unique once, and the
             # gradient sums per unique id with the same unique.
@@ -210,7 +222,8 @@ class RowCache:
             num_unique = unique.numel()
         else:
             miss_ids = self._distinct_ids(flat.masked_select(~cached))
-            num_unique = miss_ids.numel() + self._count_distinct_slots(hit_slots)
+            num_unique = miss_ids.numel() + int(marks.sum())
+        marks.zero_()
         if num_unique > self.capacity:
             raise CacheError(
                 f"table {self.table.key!r}: this batch looks up {num_unique} distinct "
@@ -220,7 +233,11 @@ class RowCache:
         if not write_back and self.policy is not EvictionPolicy.NONE:
             old = (step - self.fresh_for.index_select(0, hit_slots)) > max_staleness
             stale_ids = self.id_of_slot.index_select(0, hit_slots.masked_select(old))
-        new_slots, evicted = self._make_room(miss_ids.numel(), pinned=hit_slots)
+        new_slots, evicted, filled = self._room(miss_ids.numel(), pinned=hit_slots)
+        if keep_since is not None and evicted.numel() and bool(
+                (self.last_used.index_select(0, evicted) >= keep_since).any()):
+            return None
+        self.filled = filled
         evicted_ids = self.id_of_slot.index_select(0, evicted)
         dirty = self.dirty.index_select(0, evicted)
         dirty_slots = evicted.masked_select(dirty)
@@ -231,7 +248,7 @@ class RowCache:
         self.dirty.index_fill_(0, new_slots, False)
         if miss_ids.numel():
             slots = self.slot_of_id.index_select(0, flat)
-        self.last_used.index_fill_(0, slots, step)
+        self.last_used.index_fill_(0, slots, step)  # a masked_fill_ over the marks: 6x slower
         if self.frequency is not None:
             self.frequency.index_add_(0, flat, torch.ones_like(flat))
         pull_ids = miss_ids
@@ -253,28 +270,20 @@ class RowCache:
         self.check_ids(ids)
         return self._distinct_ids(ids.masked_select(self.slot_of_id.index_select(0, ids) < 0))
 
-    def _count_distinct_slots(self, slots: torch.Tensor) -> int:
-        if slots.numel() == 0:
-            return 0
-        self._slot_marks.index_fill_(0, slots, True)
-        count = int(self._slot_marks.sum())
-        self._slot_marks.index_fill_(0, slots, False)
-        return count
-
-    def _make_room(self, needed: int, pinned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _room(self, needed: int, pinned: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """`needed` slots: free ones first (in slot order), then the policy's
-        victims among the cached rows not `pinned` (returned too)."""
+        victims among the cached rows not `pinned` (returned too), and the
+        filled count once they are taken (the caller commits it)."""
         free = self.capacity - self.filled
         if needed <= free:
             slots = torch.arange(self.filled, self.filled + needed)
-            self.filled += needed
-            return slots, slots[:0]
+            return slots, slots[:0], self.filled + needed
         key = self._eviction_key()
         key[self.filled:] = _FREE_FIRST
         key.index_fill_(0, pinned, int(key.max()) + 1)  # after every other slot
         chosen = _smallest(key, needed)
-        self.filled = self.capacity
-        return chosen, chosen[free:]
+        return chosen, chosen[free:], self.capacity
 
     def _eviction_key(self) -> torch.Tensor:
         """Every slot's key, a new tensor: the smallest are evicted first."""
@@ -291,9 +300,9 @@ class RowCache:
     def install(self, slots: torch.Tensor, rows: torch.Tensor,
                 state: dict[str, torch.Tensor], fresh_for: int) -> None:
         on_device = slots.to(self.device)
-        self.rows.index_copy_(0, on_device, rows.to(self.device, self.rows.dtype))
+        copy_rows_(self.rows, on_device, rows.to(self.device, self.rows.dtype))
         for name, value in state.items():
-            self.state[name].index_copy_(0, on_device, value.to(self.device, self.rows.dtype))
+            copy_rows_(self.state[name], on_device, value.to(self.device, self.rows.dtype))
         self.fresh_for.index_fill_(0, slots.cpu(), fresh_for)
 
     def gather(self, plan: BatchPlan, shape: torch.Size) -> torch.Tensor:
@@ -317,8 +326,8 @@ class RowCache:
     def rows_at(self, slots: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Copies of the rows in `slots` and of their optimizer state."""
         on_device = slots.to(self.device)
-        return (self.rows.index_select(0, on_device),
-                {name: t.index_select(0, on_device) for name, t in self.state.items()})
+        return (gather_rows(self.rows, on_device),
+                {name: gather_rows(t, on_device) for name, t in self.state.items()})
 
     def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mask of cached ids, their rows) for ids that may or may not be cached."""

@@ -25,6 +25,7 @@ from splitrun.splitter.sparse_optim import IN_PLACE
 from ...errors import MessageRejected, SplitrunError
 from ...transport.protocol import MessageKey, Transport
 from .protocol import Op, read_request, reply_channel
+from .row_copy import copy_rows_, gather_rows
 from .sharding import RowSharding
 
 __all__ = ["EmbeddingStore", "ShardSnapshot"]
@@ -187,9 +188,9 @@ class EmbeddingStore:
         if op is Op.PUSH:
             for shard, (ids, rows, *state) in zip(shards, self._parts(rest, shards, op)):
                 local = shard.sharding.local_index(ids, self.label.rank)
-                shard.rows.index_copy_(0, local, rows)
+                copy_rows_(shard.rows, local, rows)
                 for name, value in zip(shard.table.state_names, state):
-                    shard.state[name].index_copy_(0, local, value)
+                    copy_rows_(shard.state[name], local, value)
         elif op is Op.GRADS:
             complete = []
             for shard, part in zip(shards, self._parts(rest, shards, op)):
@@ -241,10 +242,9 @@ class EmbeddingStore:
         if op is Op.PULL:
             for shard, (ids,) in zip(shards, self._parts(tensors, shards, op)):
                 local = shard.sharding.local_index(ids, self.label.rank)
-                reply.append(shard.rows.index_select(0, local))  # faster than rows[local]
+                reply.append(gather_rows(shard.rows, local))
                 if shard.write_back:  # the row's optimizer state travels with it
-                    reply += [shard.state[n].index_select(0, local)
-                              for n in shard.table.state_names]
+                    reply += [gather_rows(shard.state[n], local) for n in shard.table.state_names]
         else:
             for shard in shards:
                 reply += [shard.rows.clone(),

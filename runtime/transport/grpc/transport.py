@@ -87,6 +87,8 @@ class GrpcTransport:
         self._lock = threading.Lock()
         self._server: grpc.Server | None = None
         self._server_pool: futures.ThreadPoolExecutor | None = None
+        # Other services of this process's server (the tcp data plane's address).
+        self._services: list[grpc.GenericRpcHandler] = []
         self._is_closed = False
 
     def __enter__(self) -> GrpcTransport:
@@ -105,6 +107,13 @@ class GrpcTransport:
 
     # -- setup --
 
+    def add_service(self, handler: grpc.GenericRpcHandler) -> None:
+        """Serve another service beside the tensor service (before `start`);
+        its calls need the job's token like every call."""
+        if self._server is not None:
+            raise TransportError(f"{self._tag} add_service after start()")
+        self._services.append(handler)
+
     def start(self) -> str:
         """Bind and start the server; returns the bound "host:port" (port 0 picks one)."""
         if self._server is not None:
@@ -120,7 +129,8 @@ class GrpcTransport:
         server = grpc.server(self._server_pool, options=server_options(settings),
                              maximum_concurrent_rpcs=settings.max_server_threads,
                              interceptors=(auth,))
-        server.add_generic_rpc_handlers((TensorServicer(self.endpoint).handler(),))
+        server.add_generic_rpc_handlers((TensorServicer(self.endpoint).handler(),
+                                         *self._services))
         wanted = _format_address(self.host, self.port)
         try:
             if self.tls is None:

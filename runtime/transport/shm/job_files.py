@@ -13,8 +13,8 @@ import secrets
 
 from .ring_errors import RingError
 
-__all__ = ["SHM_DIR", "JOB_PREFIX_PATTERN", "new_job_prefix", "ring_paths", "job_file_path",
-           "remove_job_segments", "boot_id", "unlink_quietly"]
+__all__ = ["SHM_DIR", "JOB_PREFIX_PATTERN", "STEP_FILE_SUFFIX", "new_job_prefix", "ring_paths",
+           "job_file_path", "remove_job_segments", "boot_id", "unlink_quietly"]
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +23,9 @@ SHM_DIR = "/dev/shm"
 # (the launcher's janitor checks it too).
 JOB_PREFIX_PATTERN = re.compile(r"^splitrun-[0-9a-f]{12,64}-$")
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
+# A process's steps done, kept for its launcher (cluster/step_file.py): the
+# launcher reads it after the process died, so only the launcher removes it.
+STEP_FILE_SUFFIX = ".step"
 
 
 def new_job_prefix() -> str:
@@ -55,8 +58,12 @@ def job_file_path(prefix: str, name: str, suffix: str, directory: str = SHM_DIR)
     return os.path.join(directory, prefix + name + suffix)
 
 
-def remove_job_segments(prefix: str, directory: str = SHM_DIR) -> list[str]:
-    """Remove every file of the job `prefix` under `directory`; returns their paths."""
+def remove_job_segments(prefix: str, directory: str = SHM_DIR,
+                        keep_step_files: bool = False) -> list[str]:
+    """Remove every file of the job `prefix` under `directory` (but the step
+    files with `keep_step_files`: a process cleaning up after a failure leaves
+    them to the launcher, which names a killed peer by its step file);
+    returns their paths."""
     _check_prefix(prefix)
     removed = []
     try:
@@ -64,7 +71,8 @@ def remove_job_segments(prefix: str, directory: str = SHM_DIR) -> list[str]:
     except FileNotFoundError:
         return removed
     for entry in sorted(entries):
-        if entry.startswith(prefix):
+        if entry.startswith(prefix) and not (keep_step_files
+                                             and entry.endswith(STEP_FILE_SUFFIX)):
             path = os.path.join(directory, entry)
             try:
                 os.unlink(path)

@@ -483,9 +483,11 @@ class ShmTransport:
 
     def remove_job_files(self) -> None:
         """Remove every file of the job's prefix (this host's /dev/shm), once the
-        job failed: a SIGKILLed peer's files are nobody's to remove otherwise."""
+        job failed: a SIGKILLed peer's files are nobody's to remove otherwise.
+        The step files stay: the launcher still reads a killed peer's (it
+        removes the job's files when it ends)."""
         self.endpoint.job_failed.set()
-        remove_job_segments(self.prefix, self.directory)
+        remove_job_segments(self.prefix, self.directory, keep_step_files=True)
 
     # -- internals --
 

@@ -1,0 +1,32 @@
+"""The launcher's side of the template process: which processes it forks.
+(Forked processes themselves, through the real launcher, are
+tests/test_start_methods_e2e.py's.)"""
+
+from __future__ import annotations
+
+import sys
+
+from splitrun.launcher.forked import exec_reason
+from splitrun.launcher.template import BOOTSTRAP_MODULE
+
+BOOTSTRAP = [sys.executable, "-m", BOOTSTRAP_MODULE, "--parent-pid", "7", "job.py"]
+
+
+def test_a_process_is_forked_where_it_differs_in_splitruns_variables_only():
+    template = {"PATH": "/usr/bin", "OMP_NUM_THREADS": "1", "SPLITRUN_DEVICE": "cpu"}
+    own = {**template, "SPLITRUN_ROLE": "worker", "SPLITRUN_RANK": "1",
+           "SPLITRUN_DEVICE": "cuda"}
+    assert exec_reason(BOOTSTRAP, own, template) is None
+    # Read when torch is imported (the template's imports): must be the template's.
+    assert exec_reason(BOOTSTRAP, {**own, "OMP_NUM_THREADS": "2"}, template) == \
+        "its environment differs from the template's in OMP_NUM_THREADS"
+    assert exec_reason(BOOTSTRAP, {**own, "CUDA_VISIBLE_DEVICES": "0"}, template) == \
+        "its environment differs from the template's in CUDA_VISIBLE_DEVICES"
+    without_path = {k: v for k, v in own.items() if k != "PATH"}
+    assert "differs from the template's in PATH" in exec_reason(BOOTSTRAP, without_path,
+                                                                template)
+
+
+def test_a_command_other_than_the_bootstrap_starts_with_exec():
+    for argv in ([sys.executable, "-c", "pass"], ["python3", *BOOTSTRAP[1:]]):
+        assert exec_reason(argv, {}, {}).startswith("its command is not the bootstrap's")

@@ -1,0 +1,291 @@
+"""The TCP data plane (runtime/transport/tcp): real sockets between two
+endpoints, checked for what the gRPC path promises: numbers arrive exactly,
+the job's token is checked before any frame is read (and wrong bytes are
+refused with a reason, never a traceback), a stalled connection holds no
+message, TLS works and plaintext to a TLS server is refused, a refusal fails
+the sender with the receiver's reason, a dead receiver fails it too."""
+
+import socket
+import threading
+import time
+
+import pytest
+import tls_files
+import torch
+
+from splitrun.runtime import MessageKey
+from splitrun.runtime.errors import TransportError
+from splitrun.runtime.rpc.tls import TlsFiles
+from splitrun.runtime.transport.contract import ChannelContract
+from splitrun.runtime.transport.endpoint import Endpoint
+from splitrun.runtime.transport.tcp import TcpSettings, TcpTransport, wire
+from splitrun.splitter import Label
+
+W0, W1 = Label.worker(0), Label.worker(1)
+TOKEN = "test-token"
+INCARNATION = 3
+RECV_TIMEOUT_S = 30.0
+SETTINGS = TcpSettings(connect_timeout_s=5.0, hello_timeout_s=0.5, close_timeout_s=10.0)
+# Bounds reading one reply in these tests.
+READ_TIMEOUT_S = 10.0
+
+
+def key(step: int, channel: str = "w0->w1#0") -> MessageKey:
+    return MessageKey(INCARNATION, step, channel)
+
+
+class Pair:
+    """W0 sends to W1 over tcp; a refusal W1 sends back (over gRPC in a job)
+    is recorded and put in W0's mailbox, as gRPC would."""
+
+    def __init__(self, contracts, tls: TlsFiles | None = None,
+                 settings: TcpSettings = SETTINGS) -> None:
+        self.receiver_endpoint = Endpoint(W1, INCARNATION, token=TOKEN, expect_timeout_s=2.0)
+        self.receiver_endpoint.expect(contracts)
+        self.sender_endpoint = Endpoint(W0, INCARNATION, token=TOKEN)
+        self.refusals: list[tuple[Label, str]] = []
+        self.receiver = TcpTransport(self.receiver_endpoint, reply=self._reply, tls=tls,
+                                     settings=settings)
+        self.sender = TcpTransport(self.sender_endpoint, reply=self._reply, tls=tls,
+                                   settings=SETTINGS)
+        self.port = self.receiver.start("127.0.0.1")
+        self.sender.start("127.0.0.1")
+
+    def _reply(self, dst: Label, k: MessageKey, tensors: list[torch.Tensor]) -> None:
+        assert dst == W0
+        self.refusals.append((dst, bytes(tensors[0].numpy()).decode()))
+        self.sender_endpoint.identity.mailbox.put(k, W1, tensors)
+
+    def connect(self) -> None:
+        self.sender.connect(W1, "127.0.0.1", self.port)
+
+    def recv(self, k: MessageKey) -> list[torch.Tensor]:
+        return self.receiver_endpoint.take(k, W0, RECV_TIMEOUT_S)
+
+    def close(self) -> None:
+        self.sender.close()
+        self.receiver.close()
+
+
+@pytest.fixture
+def pair_factory():
+    made = []
+
+    def make(contracts, tls=None, settings=SETTINGS):
+        made.append(Pair(contracts, tls, settings))
+        return made[-1]
+    yield make
+    for pair in made:
+        pair.close()
+
+
+def raw_connection(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=READ_TIMEOUT_S)
+    return sock
+
+
+def read_reply(sock: socket.socket) -> tuple[int, bytes]:
+    kind, length = wire.HEADER.unpack(wire.read_exact(sock, wire.HEADER.size))
+    return kind, wire.read_exact(sock, length)
+
+
+def test_messages_arrive_exactly_small_and_large(pair_factory):
+    big = torch.randn(3 << 20)  # 12 MiB: written from the tensor, read into the buffer
+    ints = torch.arange(12, dtype=torch.int64).reshape(3, 4)
+    small = torch.randn(2, 3)
+    contracts = {
+        "big": ChannelContract(W0, ((torch.float32, tuple(big.shape)),
+                                    (torch.int64, (3, 4)))),
+        "w0->w1#0": ChannelContract(W0, ((torch.float32, (2, 3)),)),
+    }
+    pair = pair_factory(contracts)
+    pair.connect()
+    for step in range(3):
+        pair.sender.send(W1, key(step), [small + step])
+    pair.sender.send(W1, key(0, "big"), [big, ints.t().contiguous().t()])  # non-contiguous
+    pair.sender.flush(time.monotonic() + RECV_TIMEOUT_S)
+    for step in range(3):
+        (got,) = pair.recv(key(step))
+        assert torch.equal(got, small + step)
+    got_big, got_ints = pair.recv(key(0, "big"))
+    assert torch.equal(got_big, big)
+    assert torch.equal(got_ints, ints)
+    assert pair.refusals == []
+
+
+def test_wrong_token_is_refused_before_any_frame(pair_factory):
+    pair = pair_factory({"w0->w1#0": ChannelContract(W0, ((torch.float32, (2, 3)),))})
+    sock = raw_connection(pair.port)
+    with sock:
+        # A whole message follows the wrong token: none of it may be read as one.
+        sock.sendall(wire.hello("not-the-token") + wire.frame(wire.MESSAGE, b"\x00" * 10))
+        kind, body = read_reply(sock)
+        assert kind == wire.REFUSED
+        _, status, details = wire.parse_refusal(body)
+        assert status == "UNAUTHENTICATED"
+        assert "[worker 1] refused a data connection" in details
+        assert "the job token is wrong" in details
+        assert "Traceback" not in details
+        try:
+            assert sock.recv(1) == b""  # then closed
+        except ConnectionResetError:
+            pass  # closed with the unread frame
+    assert pair.receiver_endpoint.pending() == []
+
+
+def test_sender_with_wrong_token_gets_a_clear_error(pair_factory):
+    pair = pair_factory({})
+    stranger = TcpTransport(Endpoint(W0, INCARNATION, token="other"), reply=lambda *a: None,
+                            settings=SETTINGS)
+    try:
+        with pytest.raises(TransportError, match=r"refused the data connection: "
+                                                 r"UNAUTHENTICATED: .*job token is wrong"):
+            stranger.connect(W1, "127.0.0.1", pair.port)
+    finally:
+        stranger.close()
+
+
+@pytest.mark.parametrize("garbage", [
+    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+    wire.MAGIC + b"\xff\xff",                                  # a 64 KiB token
+    wire.MAGIC + b"\x00\x00",                                  # no token
+])
+def test_bad_hellos_are_refused_with_a_reason(pair_factory, garbage):
+    pair = pair_factory({})
+    with raw_connection(pair.port) as sock:
+        sock.sendall(garbage)
+        kind, body = read_reply(sock)
+        assert kind == wire.REFUSED
+        _, status, details = wire.parse_refusal(body)
+        assert status == "UNAUTHENTICATED", details
+        assert "every process of a job must use the job's token" in details
+
+
+def test_wire_fuzz_after_the_hello_never_crashes_the_receiver(pair_factory):
+    """Random frames from an authenticated peer: each connection is refused
+    (INVALID_ARGUMENT and a reason) or closed; nothing reaches the mailbox and
+    the receiver keeps serving real messages."""
+    contract = {"w0->w1#0": ChannelContract(W0, ((torch.float32, (2, 3)),))}
+    pair = pair_factory(contract)
+    rng = torch.Generator().manual_seed(28)
+    for case in range(40):
+        size = int(torch.randint(1, 200, (1,), generator=rng))
+        junk = bytes(torch.randint(0, 256, (size,), generator=rng, dtype=torch.uint8).tolist())
+        if case % 2:  # a message frame whose envelope is junk
+            junk = wire.frame(wire.MESSAGE, junk)
+        with raw_connection(pair.port) as sock:
+            sock.sendall(wire.hello(TOKEN))
+            assert read_reply(sock)[0] == wire.ACCEPTED
+            sock.sendall(junk)
+            sock.shutdown(socket.SHUT_WR)
+            try:
+                kind, body = read_reply(sock)
+            except wire.PeerClosed:
+                continue  # a frame cut short by the end of the connection
+            assert kind == wire.REFUSED, (case, kind)
+            _, status, details = wire.parse_refusal(body)
+            assert status in ("INVALID_ARGUMENT", "NOT_FOUND"), (case, status, details)
+            assert "[worker 1] refused" in details and "Traceback" not in details
+    assert pair.receiver_endpoint.pending() == []
+    pair.connect()
+    pair.sender.send(W1, key(0), [torch.ones(2, 3)])
+    assert torch.equal(pair.recv(key(0))[0], torch.ones(2, 3))
+
+
+def test_a_stalled_connection_holds_nothing(pair_factory):
+    """A caller that connects and says nothing is dropped after
+    hello_timeout_s; meanwhile a real sender is served."""
+    pair = pair_factory({"w0->w1#0": ChannelContract(W0, ((torch.float32, (2, 3)),))})
+    with raw_connection(pair.port) as stalled:
+        pair.connect()
+        pair.sender.send(W1, key(0), [torch.zeros(2, 3)])
+        assert torch.equal(pair.recv(key(0))[0], torch.zeros(2, 3))
+        started = time.monotonic()
+        assert stalled.recv(1) == b""  # the server closed it
+        assert time.monotonic() - started < READ_TIMEOUT_S
+
+
+def test_a_sender_stalled_mid_message_is_dropped(pair_factory):
+    contract = {"w0->w1#0": ChannelContract(W0, ((torch.float32, (1024,)),))}
+    pair = pair_factory(contract, settings=TcpSettings(message_timeout_s=0.5))
+    from splitrun.runtime.transport.buffers import encode
+    from splitrun.runtime.transport.framing import EnvelopeWriter
+    encoded = encode([torch.zeros(1024)])
+    envelope = EnvelopeWriter(str(W0)).serialize(key(0), encoded)
+    with raw_connection(pair.port) as sock:
+        sock.sendall(wire.hello(TOKEN))
+        assert read_reply(sock)[0] == wire.ACCEPTED
+        sock.sendall(wire.frame(wire.MESSAGE, envelope) + b"\x00" * 100)  # 100 of 4096 bytes
+        kind, body = read_reply(sock)
+        assert kind == wire.REFUSED
+        _, status, details = wire.parse_refusal(body)
+        assert status == "DEADLINE_EXCEEDED", details
+        assert "stalled" in details
+    assert pair.receiver_endpoint.pending() == []
+
+
+def test_refused_message_fails_the_sender_with_the_receivers_reason(pair_factory):
+    pair = pair_factory({"w0->w1#0": ChannelContract(W0, ((torch.float32, (2, 3)),))})
+    pair.connect()
+    pair.sender.send(W1, key(0), [torch.zeros(3, 3)])  # the contract says (2, 3)
+    with pytest.raises(TransportError) as caught:
+        pair.sender.flush(time.monotonic() + RECV_TIMEOUT_S)
+    text = str(caught.value)
+    assert "[worker 0] sending" in text and "to worker 1" in text, text
+    assert "INVALID_ARGUMENT" in text and "float32[2, 3], got float32[3, 3]" in text, text
+    # ...and the receiver told the sender over the control plane at once,
+    # which failed the sender's endpoint (waking its receives).
+    assert pair.refusals and pair.refusals[0][0] == W0
+    assert "got float32[3, 3]" in pair.refusals[0][1]
+    assert pair.sender_endpoint.has_failed
+    with pytest.raises(TransportError):
+        pair.sender.send(W1, key(1), [torch.zeros(2, 3)])
+
+
+def test_unknown_channel_is_not_found(pair_factory):
+    pair = pair_factory({})
+    pair.connect()
+    pair.sender.send(W1, key(0, "nowhere"), [torch.zeros(1)])
+    with pytest.raises(TransportError, match="NOT_FOUND.*nowhere"):
+        pair.sender.flush(time.monotonic() + RECV_TIMEOUT_S)
+
+
+def test_dead_receiver_fails_the_sender_naming_it(pair_factory):
+    pair = pair_factory({"w0->w1#0": ChannelContract(W0, ((torch.float32, (1 << 20,)),))})
+    pair.connect()
+    pair.receiver.close()
+    with pytest.raises(TransportError, match=r"worker 1 at 127\.0\.0\.1:\d+ \(tcp\) failed: "
+                                             r"UNAVAILABLE.*gone or unreachable"):
+        for step in range(50):  # the first writes may still land in the socket buffer
+            pair.sender.send(W1, key(step), [torch.zeros(1 << 20)])
+    assert pair.sender_endpoint.has_failed
+
+
+@pytest.mark.skipif(not tls_files.have_openssl(), reason="needs the openssl command")
+def test_tls_round_trip_and_plaintext_refused(pair_factory, tmp_path):
+    files = tls_files.make(tmp_path)
+    tls = TlsFiles(str(files.cert), str(files.key), str(files.ca))
+    pair = pair_factory({"w0->w1#0": ChannelContract(W0, ((torch.float32, (2, 3)),))}, tls)
+    pair.connect()
+    value = torch.randn(2, 3)
+    pair.sender.send(W1, key(0), [value])
+    pair.sender.flush(time.monotonic() + RECV_TIMEOUT_S)
+    assert torch.equal(pair.recv(key(0))[0], value)
+    plain = TcpTransport(Endpoint(W0, INCARNATION, token=TOKEN), reply=lambda *a: None,
+                         settings=SETTINGS)
+    try:
+        with pytest.raises(TransportError, match="cannot open the data connection"):
+            plain.connect(W1, "127.0.0.1", pair.port)
+    finally:
+        plain.close()
+
+
+def test_close_ends_every_thread(pair_factory):
+    pair = pair_factory({"w0->w1#0": ChannelContract(W0, ((torch.float32, (2, 3)),))})
+    pair.connect()
+    pair.sender.send(W1, key(0), [torch.zeros(2, 3)])
+    pair.recv(key(0))
+    ours = [t for t in threading.enumerate() if t.name.startswith("splitrun-tcp")]
+    assert ours  # an accept thread per transport, a connection thread at the receiver
+    pair.close()  # joins them
+    assert [t.name for t in ours if t.is_alive()] == []
