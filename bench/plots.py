@@ -258,7 +258,7 @@ def startup(result: dict, fig) -> None:
     ax.set_xticks(range(len(backends)), backends)
     ax.set_ylabel("seconds from starting the launcher")
     ax.legend(fontsize=8)
-    ax.set_title("The main job's start-up: local launcher against Ray")
+    ax.set_title("The main job's start-up by backend (local_exec: fresh interpreters)")
 
 
 GPU_TRANSPORT_NAMES = {"shm_transport": "splitrun, the job's path", "ring_cuda": "the ring alone",
