@@ -107,13 +107,27 @@ class GraphSplitter:
         return SplitProgram(self.mode.postbuild(plan, program, artifacts), program, artifacts)
 
     def _control_drafts(self, runs, drafts) -> list[ChannelDraft]:
-        """A per-step trigger for every busy process nothing else feeds."""
+        """A per-step trigger for every busy process nothing else feeds, and
+        for every server that sends to a server before its first receive.
+        Servers have no loop of their own: a server serves a step when the
+        step's first message comes. One that starts a step on its own also
+        starts the step after the workers' last; what it sends a worker then
+        is never read, but a server it sends to would run that step too (an
+        extra update of its state)."""
         default = self.mode.default_label(self.cluster)
         fed = {d.dst for d in drafts}
         busy = set(runs) | {d.src for d in drafts}
+        first_recv: dict[Label, int] = {}
+        for d in drafts:
+            first_recv[d.dst] = min(first_recv.get(d.dst, d.recv_pos), d.recv_pos)
+        # At one position a receive comes before the sends (_EVENT_ORDER).
+        starts_servers = {d.src for d in drafts
+                          if d.src.role is Role.SERVER and d.dst.role is Role.SERVER
+                          and d.send_pos < first_recv.get(d.src, d.send_pos + 1)}
         return [ChannelDraft(default, label, ChannelKind.CONTROL,
                              send_pos=_CONTROL_POS, recv_pos=_CONTROL_POS)
-                for label in sorted(busy - fed - {default}, key=Label.sort_key)]
+                for label in sorted(((busy - fed) | starts_servers) - {default},
+                                    key=Label.sort_key)]
 
     def _processes(self, program, scan, channels, drafts) -> tuple[ProcessPlan, ...]:
         events: dict[Label, list[tuple]] = defaultdict(list)

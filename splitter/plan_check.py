@@ -7,6 +7,7 @@ from collections import Counter
 from torch import fx
 
 from .errors import PlanError
+from .labels import Role
 from .plan import ChannelKind, OpKind, SplitPlan, actions_in
 
 __all__ = ["check_plan"]
@@ -15,6 +16,7 @@ __all__ = ["check_plan"]
 def check_plan(plan: SplitPlan, program=None) -> None:
     _check_channels(plan)
     _check_no_deadlock(plan)
+    _check_servers_start_on_a_message(plan)
     if plan.pipeline is not None:
         _check_pipeline(plan)
     if program is not None:
@@ -77,6 +79,23 @@ def _check_no_deadlock(plan: SplitPlan) -> None:
                for p in plan.processes if position[p.label] < len(p.schedule)]
     if blocked:
         raise PlanError("the schedules deadlock: " + "; ".join(blocked))
+
+
+def _check_servers_start_on_a_message(plan: SplitPlan) -> None:
+    """A server serves a step when the step's first message comes. One that
+    sends to a server before its first receive would start steps the workers
+    never run, and make that server run them too."""
+    for proc in plan.processes:
+        if proc.label.role is not Role.SERVER:
+            continue
+        for instr in proc.schedule:
+            if instr.kind is OpKind.RECV:
+                break
+            if instr.kind is OpKind.SEND and plan.channel(instr.target).dst.role is Role.SERVER:
+                raise PlanError(
+                    f"[{proc.label.describe()}] sends {instr.target} to a server before it "
+                    f"receives anything: it would start steps the workers never run (a "
+                    f"control edge from the default process is its per-step trigger)")
 
 
 def _check_pipeline(plan: SplitPlan) -> None:

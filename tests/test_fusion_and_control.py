@@ -12,6 +12,7 @@ from splitrun.splitter import (
     InputKind,
     InputSpec,
     Label,
+    OpKind,
     OutputKind,
     OutputSpec,
     Program,
@@ -90,3 +91,60 @@ def test_process_without_inbound_data_gets_a_control_edge():
     assert [h["loss"] for h in run.history] == [h["loss"] for h in expected]
     assert torch.equal(run.state["w"], state["w"])
     assert run.stats[Label.worker(1)].received[control[0].name].messages == NUM_STEPS
+
+
+def _server_feeding_server_program():
+    """Server 1 computes from its state and sends to server 0 before it receives
+    anything; server 0 updates its state from that. (Found by the property test:
+    without a trigger, server 1 started the step after the workers' last on its
+    own, and server 0 ran it too.)"""
+    graph = fx.Graph()
+    x = graph.placeholder("in_0")
+    a = graph.placeholder("state_a")
+    b = graph.placeholder("state_b")
+    aten = torch.ops.aten
+    nodes = {}
+
+    def op(name, target, args, label):
+        node = graph.call_function(target, args)
+        set_node_annotation(node, label)
+        nodes[name] = node
+        return node
+
+    scaled = op("scaled", aten.mul.Tensor, (a, 2.0), "s1")
+    new_b = op("new_b", aten.add.Tensor, (b, scaled), "s0")
+    y = op("y", aten.mul.Tensor, (x, 3.0), "w0")
+    z = op("z", aten.add.Tensor, (y, scaled), "s1")
+    new_a = op("new_a", aten.add.Tensor, (a, 1.0), "s1")
+    loss = op("loss", aten.sum.default, (z,), "w0")
+    graph.output((loss, new_a, new_b))
+    for node in graph.nodes:
+        if node.op != "output":
+            node.meta["val"] = torch.empty(() if node is loss else (3,), device="meta")
+    return Program(
+        fx.GraphModule(torch.nn.Module(), graph),
+        (InputSpec("in_0", InputKind.BATCH, "batch.0"),
+         InputSpec("state_a", InputKind.PARAM, "a"),
+         InputSpec("state_b", InputKind.PARAM, "b")),
+        (OutputSpec(loss.name, OutputKind.LOSS, "loss"),
+         OutputSpec(new_a.name, OutputKind.STATE, "a"),
+         OutputSpec(new_b.name, OutputKind.STATE, "b")),
+        {"a": torch.ones(3), "b": torch.zeros(3)})
+
+
+def test_a_server_that_sends_to_a_server_before_receiving_waits_for_a_trigger():
+    program = _server_feeding_server_program()
+    split_prog = split_program(program, Cluster(num_workers=1, num_servers=2))
+    plan = split_prog.plan
+    plan.lint(program)
+    first = plan.process(Label.server(1)).schedule[0]
+    assert first.kind is OpKind.RECV
+    assert plan.channel(first.target).kind is ChannelKind.CONTROL
+    assert plan.channel(first.target).src == Label.worker(0)
+
+    batches = [{"batch.0": torch.full((3,), float(s))} for s in range(NUM_STEPS)]
+    expected, state = program.train_unsplit(NUM_STEPS, batches.__getitem__)
+    run = run_threaded(split_prog, NUM_STEPS, batches.__getitem__, recv_timeout_s=10)
+    assert [h["loss"] for h in run.history] == [h["loss"] for h in expected]
+    assert torch.equal(run.state["b"], state["b"]), "server 0 ran a step the workers never ran"
+    assert run.stats[Label.server(0)].steps == NUM_STEPS
