@@ -38,8 +38,8 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports --no-logo
 	$(VENV)/bin/ruff check .
 
-# The static checks, then the whole test suite: the end-to-end tests and the
-# others in two pytest processes at once (tests/run_suites.py says why).
+# The static checks, then the whole test suite in 4 pytest-xdist workers, longest
+# tests first (tests/run_suites.py and tests/scheduling.py say why).
 test: lint
 	$(PY) tests/run_suites.py
 

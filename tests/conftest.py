@@ -11,20 +11,25 @@ launcher's default device) also where a GPU is; the tests of the CUDA path
 """
 
 import os
+import tempfile
 
 import pytest
 import torch
 from cluster import SCRIPTS, LocalCluster
+from scheduling import LongestFirstScheduling, UnitsFile, recorder_from_env, unit_of
 
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 os.environ.setdefault("SPLITRUN_DEVICE", "cpu")
+UNITS_DIR = pytest.StashKey[tempfile.TemporaryDirectory]()
 
-# `make test` runs the end-to-end tests in several pytest-xdist workers
-# (tests/run_suites.py, --dist loadgroup). A fixture that launches a job once
-# for several tests (session or module scope) would be launched once per
-# worker its tests land in; the tests that use it share a group, so one worker
-# runs them all and it is launched once. Tests that must not overlap (a Ray
-# cluster each, a gigabyte each) say so with their own xdist_group mark.
+# `make test` runs the tests in several pytest-xdist workers (tests/run_suites.py,
+# --dist loadgroup, tests/scheduling.py's longest-first scheduler). A fixture that
+# launches a job once for several tests (session or module scope) would be
+# launched once per worker its tests land in; the tests that use it share a
+# group, so one worker runs them all and it is launched once. Tests that must not
+# overlap (a Ray cluster each, a gigabyte each) say so with their own xdist_group
+# mark. Every other in-process test is grouped with its file (module fixtures
+# made once), every other end-to-end test is a unit of its own.
 SHARED_LAUNCH_GROUPS = {
     "uninterrupted_ps_job": "ps_checkpoints",
     "parallel_saved_at_five": "ps_checkpoints",
@@ -33,15 +38,46 @@ SHARED_LAUNCH_GROUPS = {
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(items):
+def pytest_configure(config):
+    recorder = recorder_from_env()
+    if recorder is not None:
+        config.pluginmanager.register(recorder, "splitrun-durations")
+    if config.getoption("dist", "no") == "loadgroup" and not hasattr(config, "workerinput"):
+        config.stash[UNITS_DIR] = tempfile.TemporaryDirectory(prefix="splitrun-test-units-")
+
+
+def pytest_unconfigure(config):
+    folder = config.stash.get(UNITS_DIR, None)
+    if folder is not None:
+        folder.cleanup()
+
+
+def pytest_configure_node(node):  # pytest-xdist, in the controller: one per worker
+    folder = node.config.stash.get(UNITS_DIR, None)
+    if folder is not None:
+        node.workerinput[UnitsFile.KEY] = folder.name
+
+
+def pytest_xdist_make_scheduler(config, log):
+    folder = config.stash.get(UNITS_DIR, None)
+    if folder is None:
+        return None
+    return LongestFirstScheduling(config, log, UnitsFile(folder.name))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    units = {}
     for item in items:
         groups = {SHARED_LAUNCH_GROUPS[name] for name in item.fixturenames
                   if name in SHARED_LAUNCH_GROUPS}
         groups |= {mark.args[0] for mark in item.iter_markers("xdist_group")}
         assert len(groups) <= 1, f"{item.nodeid} is in several xdist groups: {sorted(groups)}"
-        if groups:
-            item.add_marker(pytest.mark.xdist_group(groups.pop()))
+        units[item.nodeid] = unit_of(item.nodeid, groups.pop() if groups else None,
+                                     end_to_end=item.get_closest_marker("slow") is not None)
+    worker = getattr(config, "workerinput", {})
+    if UnitsFile.KEY in worker:
+        UnitsFile(worker[UnitsFile.KEY]).write(worker["workerid"], units)
 
 
 @pytest.fixture
