@@ -51,8 +51,18 @@ def whole_bytes_cost(problem: Problem, choice: list[int]) -> float:
     return total
 
 
+class OracleOutOfTime(Exception):
+    """The integer program was not solved to optimality within its time limit;
+    `lower_bound` is what the solver proved: no choice costs less."""
+
+    def __init__(self, lower_bound: float, message: str) -> None:
+        super().__init__(message)
+        self.lower_bound = lower_bound
+
+
 def exact_choice(problem: Problem, time_limit_s: float = 120.0) -> tuple[list[int], float]:
-    """(a choice of every variable least in whole bytes, that least cost)."""
+    """(a choice of every variable least in whole bytes, that least cost).
+    Raises OracleOutOfTime when the solver needs longer than `time_limit_s`."""
     counts = problem.num_candidates
     columns: list[float] = []       # objective coefficient of each column
     integral: list[int] = []
@@ -112,6 +122,9 @@ def exact_choice(problem: Problem, time_limit_s: float = 120.0) -> tuple[list[in
     result = milp(np.array(columns), integrality=np.array(integral), bounds=Bounds(0.0, 1.0),
                   constraints=LinearConstraint(matrix.tocsr(), np.array(lower), np.array(upper)),
                   options={"mip_rel_gap": 0.0, "time_limit": time_limit_s})
+    if result.status == 1:  # the time limit
+        bound = result.get("mip_dual_bound")  # None when the solver proved none
+        raise OracleOutOfTime(-math.inf if bound is None else bound, result.message)
     assert result.status == 0, f"the integer program did not solve: {result.message}"
     choice = []
     for v, count in enumerate(counts):
