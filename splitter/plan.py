@@ -249,9 +249,10 @@ class PipelineSummary:
         return theoretical_bubble(len(self.stages), self.num_microbatches, self.num_chunks)
 
     def explain(self) -> str:
-        chunks = f", {self.num_chunks} chunks each" if self.num_chunks > 1 else ""
+        over = (f"{len(self.stages)} processes, {self.num_chunks} chunks each"
+                if self.num_chunks > 1 else f"{len(self.stages)} stages")
         lines = [f"pipeline {self.schedule.value}, {self.num_microbatches} micro-batches "
-                 f"over {len(self.stages)} stages{chunks} (bubble in theory "
+                 f"over {over} (bubble in theory "
                  f"{self.theoretical_bubble():.2f}):"]
         lines += [f"  {stage}: {' '.join(actions)}"
                   for stage, actions in zip(self.stages, self.actions)]
