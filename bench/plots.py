@@ -216,7 +216,7 @@ def pipeline(result: dict, fig) -> None:
         names.append(f"theory, {schedule}")
         values.append(theory[schedule])
         colours.append(OTHER)
-    _bars(right, names, values, colours, "idle fraction (1 - CPU / wall)", "{:.3f}")
+    _bars(right, names, values, colours, "idle fraction", "{:.3f}")
     right.set_title("bubble (lower is better)", fontsize=9)
     fig.suptitle("Pipelines: micro-batched schedules next to torch.distributed.pipelining")
 

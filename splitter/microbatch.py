@@ -13,7 +13,8 @@ The copies are laid out in one global order that runs every stage's actions
 in the order its schedule says (`stage_actions`), so the splitter turns the
 order into per-process schedules that cannot deadlock, as it does for any
 order. Copied nodes are named after their action: `addmm__F3` is micro-batch
-3's forward, `mm_1__B0` micro-batch 0's backward.
+3's forward, `mm_1__B0` micro-batch 0's backward; under interleaved 1F1B the
+action names its virtual stage too (`addmm__2F3`, see `pipeline_order`).
 
 A step can be cut this way only if its samples are independent: a value
 reduced over the batch (batch-norm statistics) must not flow back into
