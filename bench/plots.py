@@ -183,6 +183,61 @@ def ps_staleness(result: dict, fig) -> None:
     fig.suptitle("Parameter servers with bounded staleness")
 
 
+PIPELINE_NAMES = {
+    "splitrun_no_microbatches": "splitrun, no micro-batches",
+    "splitrun_no_microbatches_2_threads": "splitrun, no micro-batches, 2 threads each",
+    "splitrun_gpipe": "splitrun GPipe", "splitrun_1f1b": "splitrun 1F1B",
+    "splitrun_interleaved": "splitrun interleaved 1F1B",
+    "torch_gpipe": "torch ScheduleGPipe", "torch_1f1b": "torch Schedule1F1B",
+    "torch_interleaved": "torch ScheduleInterleaved1F1B",
+    "unsplit_one_process": "unsplit, 1 process, 2 threads",
+    "unsplit_one_process_1_thread": "unsplit, 1 process, 1 thread",
+}
+
+
+def pipeline(result: dict, fig) -> None:
+    """Steps/s of each configuration, and each schedule's measured bubble
+    (the processes' mean) against the theory."""
+    left, right = fig.subplots(1, 2)
+    runs = result["results"]
+    _bars(left, [PIPELINE_NAMES.get(k, k) for k in runs], [runs[k]["steps_per_s"] for k in runs],
+          [OTHER if k.startswith("unsplit") else _colour(k) for k in runs], "steps/s")
+    left.set_title(f"{result['model']}\n{result['processes']} processes, "
+                   f"{result['microbatches']} micro-batches (higher is better)", fontsize=8)
+    theory = result["theory_bubble_by_schedule"]
+    names, values, colours = [], [], []
+    for schedule in theory:
+        for system in ("splitrun", "torch"):
+            row = runs.get(f"{system}_{schedule}")
+            if row is not None and "bubble" in row:
+                names.append(PIPELINE_NAMES[f"{system}_{schedule}"])
+                values.append(sum(row["bubble"]) / len(row["bubble"]))
+                colours.append(_colour(system))
+        names.append(f"theory, {schedule}")
+        values.append(theory[schedule])
+        colours.append(OTHER)
+    _bars(right, names, values, colours, "idle fraction", "{:.3f}")
+    right.set_title("bubble (lower is better)", fontsize=9)
+    fig.suptitle("Pipelines: micro-batched schedules next to torch.distributed.pipelining")
+
+
+def pipeline_ceiling(result: dict, fig) -> None:
+    """The thread rows: what the unmicro-batched split and the unsplit step
+    do with 1 and 2 threads a process, next to 1F1B and its ceiling."""
+    ax = fig.add_subplot()
+    runs = result["results"]
+    names = [PIPELINE_NAMES.get(k, k) for k in runs]
+    values = [runs[k]["steps_per_s"] for k in runs]
+    colours = [OTHER if k.startswith("unsplit") else _colour(k) for k in runs]
+    best = result["ceiling"].get("1f1b")
+    if best is not None:
+        names.append("1F1B's ceiling from its measured work")
+        values.append(1000 / best["best_step_ms"])
+        colours.append(BASELINE)
+    _bars(ax, names, values, colours, "steps/s")
+    ax.set_title("1 thread per stage against 2 (the machine has 2 cores)", fontsize=9)
+
+
 def parallel(result: dict, fig) -> None:
     entries = [e for e in result["results"] if "dtensor" in e]
     labels = [f"{PARALLEL_NAMES.get(e['model'], e['model'])}\n{e['ranks']} ranks" for e in entries]
@@ -294,7 +349,7 @@ DRAWINGS: dict[str, Callable[[dict, object], None]] = {
     "embedding_cache_hit_rates": embedding_cache_hit_rates,
     "embedding_cache_throughput": embedding_cache_throughput, "startup": startup,
     "gpu": gpu, "transport_hosts": transport_hosts,
-    "ps_staleness": ps_staleness,
+    "ps_staleness": ps_staleness, "pipeline": pipeline, "pipeline_ceiling": pipeline_ceiling,
 }
 
 

@@ -13,7 +13,8 @@ The copies are laid out in one global order that runs every stage's actions
 in the order its schedule says (`stage_actions`), so the splitter turns the
 order into per-process schedules that cannot deadlock, as it does for any
 order. Copied nodes are named after their action: `addmm__F3` is micro-batch
-3's forward, `mm_1__B0` micro-batch 0's backward.
+3's forward, `mm_1__B0` micro-batch 0's backward; under interleaved 1F1B the
+action names its virtual stage too (`addmm__2F3`, see `pipeline_order`).
 
 A step can be cut this way only if its samples are independent: a value
 reduced over the batch (batch-norm statistics) must not flow back into
@@ -34,11 +35,11 @@ from torch import fx
 
 from .errors import PlanError
 from .labels import Cluster, Label
-from .plan import PipelineSchedule
+from .pipeline_order import Action, PipelineSchedule, interleaved_rounds, stage_actions
 from .program import InputKind, OutputKind, OutputSpec, Program, set_node_annotation
 from .resolve import describe_node, resolve_labels
 
-__all__ = ["MicrobatchedStep", "microbatch_step", "stage_actions", "LossReduction"]
+__all__ = ["MicrobatchedStep", "microbatch_step", "LossReduction"]
 
 _aten = torch.ops.aten
 
@@ -69,29 +70,15 @@ class LossReduction(Enum):
 
 @dataclass(frozen=True)
 class MicrobatchedStep:
-    """The rewritten program, its pipeline stages (labels in forward order)
-    and each stage's actions as laid out (`"F0"`, `"B0"`, ...)."""
+    """The rewritten program, its pipeline stages (the processes, labels in
+    forward order), each one's actions as laid out (`"F0"`, `"B0"`, ...;
+    `"2F0"` under interleaved 1F1B) and the chunks each process holds."""
 
     program: Program
     stages: tuple[Label, ...]
     actions: tuple[tuple[str, ...], ...]
     loss_reduction: LossReduction
-
-
-def stage_actions(schedule: PipelineSchedule, num_stages: int, stage: int,
-                  num_microbatches: int) -> list[tuple[str, int]]:
-    """Stage `stage`'s actions under `schedule`: `("F", m)` and `("B", m)`."""
-    forwards = [("F", m) for m in range(num_microbatches)]
-    backwards = [("B", m) for m in range(num_microbatches)]
-    if schedule is PipelineSchedule.GPIPE:
-        return forwards + backwards
-    if schedule is PipelineSchedule.ONE_F_ONE_B:
-        warmup = min(num_stages - 1 - stage, num_microbatches)
-        actions = forwards[:warmup]
-        for m in range(num_microbatches - warmup):
-            actions += [forwards[warmup + m], backwards[m]]
-        return actions + backwards[num_microbatches - warmup:]
-    raise PlanError(f"schedule {schedule.value!r} is not built; use 'gpipe' or '1f1b'")
+    num_chunks: int = 1
 
 
 def microbatch_step(program: Program, cluster: Cluster, mode: object, num_microbatches: int,
@@ -330,15 +317,102 @@ class _Layout:
             node is product for product, _ in self.fused.values()))
 
     def build(self) -> MicrobatchedStep:
-        facts, labels = self.facts, self.labels
         nodes = [n for n in self.micro.graph.nodes if n.op not in ("placeholder", "output")]
-        stages: list[Label] = []
-        for node in nodes:
-            if node in facts.replicated and labels[node] not in stages:
-                stages.append(labels[node])
+        replicated = [n for n in nodes if n in self.facts.replicated]
+        if self.schedule is PipelineSchedule.INTERLEAVED:
+            stages, self.stage_of, num_chunks = self._chunks(replicated)
+        else:
+            stages = list(dict.fromkeys(self.labels[n] for n in replicated))
+            self.stage_of = {n: stages.index(self.labels[n]) for n in replicated}
+            num_chunks = 1
+        self.num_chunks = num_chunks
         order, actions = self._order(nodes, stages)
         program = self._emit(order)
-        return MicrobatchedStep(program, tuple(stages), actions, facts.loss_reduction)
+        return MicrobatchedStep(program, tuple(stages), actions, self.facts.loss_reduction,
+                                num_chunks)
+
+    def _chunks(self, replicated: list[fx.Node]):
+        """Interleaved 1F1B: the processes in pipeline order, each replicated
+        node's virtual stage, and the chunks per process. A chunk is a maximal
+        run of one process's nodes in the forward (as traced); with P
+        processes and V chunks each, virtual stage v must run on process
+        v mod P. The backward goes through the same chunks in reverse: a
+        backward node's stage counts the process changes on its way from the
+        loss (`_backward_depths`)."""
+        facts, labels = self.facts, self.labels
+        forward: list[Label] = []  # each run's label
+        stage_of: dict[fx.Node, int] = {}
+        for node in replicated:
+            if node in facts.forward:
+                if not forward or forward[-1] != labels[node]:
+                    forward.append(labels[node])
+                stage_of[node] = len(forward) - 1
+        processes = list(dict.fromkeys(forward))
+        num_procs = len(processes)
+        names = " ".join(str(label) for label in forward)
+        if len(forward) % num_procs or any(label != processes[v % num_procs]
+                                           for v, label in enumerate(forward)):
+            raise PlanError(
+                f"schedule 'interleaved' needs each of the {num_procs} processes to hold "
+                f"chunks of the forward in turn ({' '.join(map(str, processes))} "
+                f"{' '.join(map(str, processes))} ...); this split's forward runs through "
+                f"{names}. Place the model's pieces round-robin (rank = piece % processes), "
+                f"the loss with the last piece, or use schedule='gpipe'")
+        num_chunks = len(forward) // num_procs
+        if num_chunks < 2:
+            raise PlanError(
+                f"schedule 'interleaved' runs several chunks per process, but this split "
+                f"gives each of its {num_procs} processes one piece of the forward ({names}); "
+                f"use schedule='1f1b', or place the model's pieces round-robin over the "
+                f"processes (rank = piece % processes)")
+        interleaved_rounds(num_procs, self.num_microbatches)  # refuses a count that cannot run
+        last = len(forward) - 1
+        for node, depth in self._backward_depths(replicated, dict(stage_of)).items():
+            stage = last - depth
+            if stage < 0 or labels[node] != forward[stage]:
+                raise PlanError(
+                    f"schedule 'interleaved': {describe_node(self.micro, node)} runs on "
+                    f"{labels[node].describe()} {depth} process changes back from the loss, "
+                    f"but the forward's chunks ({names}) put "
+                    f"{'no chunk' if stage < 0 else forward[stage].describe()} there; the "
+                    f"backward must pass through the forward's chunks in reverse. Use "
+                    f"schedule='gpipe'")
+            stage_of[node] = stage
+        return processes, stage_of, num_chunks
+
+    def _backward_depths(self, replicated: list[fx.Node],
+                         forward_stage: dict[fx.Node, int]) -> dict[fx.Node, int]:
+        """Per backward node, the process changes on the way from the loss:
+        the most over its backward inputs (plus one where the input ran
+        elsewhere). A node that reads no backward value (the loss's gradient
+        seed, a forward value kept for the backward) starts at the chunk of
+        the forward values it reads; one that reads neither takes the depth of
+        its readers."""
+        facts, labels = self.facts, self.labels
+        last = max(forward_stage.values())
+        backward = [n for n in replicated if n not in facts.forward]
+        depth: dict[fx.Node, int] = {}
+        for node in backward:
+            found = [depth[i] + (labels[i] != labels[node])
+                     for i in node.all_input_nodes if i in depth]
+            chunks = [forward_stage[i] for i in node.all_input_nodes
+                      if i in forward_stage and labels[i] == labels[node]]
+            if found:
+                depth[node] = max(found)
+            elif chunks:
+                depth[node] = last - max(chunks)
+        for node in reversed(backward):
+            if node not in depth:
+                found = [depth[u] - (labels[u] != labels[node]) for u in node.users
+                         if u in depth]
+                depth[node] = max(0, min(found, default=0))
+        return depth
+
+    def _action(self, node: fx.Node, m: int) -> str:
+        """The action a copy of `node` for micro-batch `m` belongs to."""
+        phase = "F" if node in self.facts.forward else "B"
+        stage = self.stage_of[node] if self.num_chunks > 1 else None
+        return str(Action(stage, phase, m))
 
     # The combined values: each gradient, and the loss, summed over micro-batches.
     def _combined(self) -> list[tuple[str, fx.Node]]:
@@ -357,27 +431,28 @@ class _Layout:
             readers = sorted({labels[u] for u in placeholder.users if u in facts.replicated},
                              key=Label.sort_key)
             slices += [(_SLICE, placeholder, m, label) for m in range(count) for label in readers]
-        phase_nodes: dict[tuple[Label, str], list[fx.Node]] = defaultdict(list)
+        phase_nodes: dict[tuple[int, str], list[fx.Node]] = defaultdict(list)
         for node in nodes:
             if node in facts.replicated:
                 phase = "F" if node in facts.forward else "B"
-                phase_nodes[(labels[node], phase)].append(node)
+                phase_nodes[(self.stage_of[node], phase)].append(node)
         combined_at = {node: key for key, node in self._combined()}
         queues: dict[Label, list[list[tuple]]] = {}
         laid_out: list[tuple[str, ...]] = []
         for index, stage in enumerate(stages):
             queue, names = [], []
-            for phase, m in stage_actions(self.schedule, len(stages), index, count):
-                action = [(_REP, n, m, stage) for n in phase_nodes[(stage, phase)]
-                          if not self._is_skipped(n, m)]
-                for node in phase_nodes[(stage, phase)]:
+            for step in stage_actions(self.schedule, len(stages), index, count, self.num_chunks):
+                m, pieces = step.micro, phase_nodes[(
+                    index if step.stage is None else step.stage, step.phase)]
+                action = [(_REP, n, m, stage) for n in pieces if not self._is_skipped(n, m)]
+                for node in pieces:
                     if node in combined_at:
                         action.append((_ACC, node, m, stage))
                         if m == count - 1:
                             action.append((_SCALE, node, m, stage))
                 if action:
                     queue.append(action)
-                    names.append(f"{phase}{m}")
+                    names.append(str(step))
             queues[stage] = queue
             laid_out.append(tuple(names))
         return pre + slices + self._interleave(queues, stages) + post, tuple(laid_out)
@@ -436,8 +511,9 @@ class _Layout:
                              f"for {missing[1].name} on {self.labels[missing[1]].describe()}")
         return (f"schedule {self.schedule.value!r} cannot run this split: "
                 f"{'; '.join(waits)}. Each stage must be one contiguous piece of the "
-                f"forward (put the loss on the last stage, e.g. with region()), or use "
-                f"schedule='gpipe'")
+                f"forward (put the loss on the last stage, e.g. with region()); for a "
+                f"process that holds several pieces in turn use schedule='interleaved', "
+                f"or use schedule='gpipe'")
 
     # -- the new graph --
 
@@ -483,7 +559,7 @@ class _Layout:
             if kind in (_ACC, _SCALE):
                 key = combined_name[node]
                 base = "loss" if key == "loss" else "grad_" + key.replace(".", "_")
-                tag = "F" if key == "loss" else "B"
+                tag = self._action(node, m)
                 product, chain = self.fused.get(node, (None, ()))
                 if kind == _ACC and product is not None:
                     if m == 0:
@@ -492,13 +568,13 @@ class _Layout:
                         factors = fx.node.map_arg(product.args, lookup(m))
                         new = self._call(graph, _aten.addmm.default,
                                          (env[(_ACC, node, m - 1)], *factors),
-                                         f"{base}_sum__{tag}{m}", product, label)
+                                         f"{base}_sum__{tag}", product, label)
                     env[(_ACC, node, m)] = new
                 elif kind == _ACC:
                     value = env[(_REP, node, m)]
                     new = value if m == 0 else self._call(
                         graph, _aten.add.Tensor, (env[(_ACC, node, m - 1)], value),
-                        f"{base}_sum__{tag}{m}", node, label)
+                        f"{base}_sum__{tag}", node, label)
                     env[(_ACC, node, m)] = final[node] = new
                 else:
                     total = env[(_ACC, node, m)]
@@ -514,9 +590,8 @@ class _Layout:
             args = fx.node.map_arg(node.args, lookup(m if kind == _REP else None))
             kwargs = fx.node.map_arg(node.kwargs, lookup(m if kind == _REP else None))
             if kind == _REP:
-                phase = "F" if node in facts.forward else "B"
                 new = graph.create_node(node.op, node.target, args, kwargs,
-                                        name=f"{node.name}__{phase}{m}")
+                                        name=f"{node.name}__{self._action(node, m)}")
                 env[(_REP, node, m)] = new
             else:
                 new = graph.create_node(node.op, node.target, args, kwargs, name=node.name)

@@ -163,6 +163,7 @@ class PipelineArtifacts(ModeArtifacts):
     stages: tuple[Label, ...] = ()
     actions: tuple[tuple[str, ...], ...] = ()
     loss_reduction: LossReduction = LossReduction.MEAN
+    num_chunks: int = 1
 
 
 class GeneralMode(Mode):
@@ -170,8 +171,10 @@ class GeneralMode(Mode):
 
     With `microbatches=M` (> 1) the step's batch is cut into M micro-batches
     (rows along the first dimension of every batch input) that flow through
-    the stages on `schedule`: "gpipe" (every forward, then every backward) or
-    "1f1b" (at most S-s micro-batches in flight on stage s of S). Gradients
+    the stages on `schedule`: "gpipe" (every forward, then every backward),
+    "1f1b" (at most S-s micro-batches in flight on stage s of S) or
+    "interleaved" (1F1B over several chunks per process, each process holding
+    pieces of the model in turn, as torch's ScheduleInterleaved1F1B). Gradients
     are summed over the micro-batches and the optimizer runs once, so the
     step equals the unsplit one within float rounding (see `microbatch`)."""
 
@@ -186,14 +189,9 @@ class GeneralMode(Mode):
         try:
             schedule = PipelineSchedule(schedule)
         except ValueError:
-            names = ", ".join(repr(s.value) for s in PipelineSchedule
-                              if s is not PipelineSchedule.INTERLEAVED)
+            names = ", ".join(repr(s.value) for s in PipelineSchedule)
             raise PlanError(f"GeneralMode(schedule={schedule!r}): unknown schedule; "
                             f"choose one of {names}") from None
-        if schedule is PipelineSchedule.INTERLEAVED:
-            raise PlanError(
-                "GeneralMode(schedule='interleaved'): interleaved 1F1B (several virtual "
-                "stages per process) is not built yet; use 'gpipe' or '1f1b'")
         self.microbatches = microbatches
         self.schedule = schedule
 
@@ -203,7 +201,8 @@ class GeneralMode(Mode):
             return program, ModeArtifacts()
         step = microbatch_step(program, cluster, self, self.microbatches, self.schedule)
         return step.program, PipelineArtifacts(self.schedule, self.microbatches, step.stages,
-                                               step.actions, step.loss_reduction)
+                                               step.actions, step.loss_reduction,
+                                               step.num_chunks)
 
     def fuse(self, edges: list[Edge], cluster: Cluster) -> list[ChannelDraft]:
         """As in the base mode, but a segment is also cut where one
@@ -222,7 +221,7 @@ class GeneralMode(Mode):
         if not isinstance(artifacts, PipelineArtifacts):
             return plan
         summary = PipelineSummary(artifacts.schedule, artifacts.num_microbatches,
-                                  artifacts.stages, artifacts.actions)
+                                  artifacts.stages, artifacts.actions, artifacts.num_chunks)
         return dataclasses.replace(plan, pipeline=summary, _index={})
 
 

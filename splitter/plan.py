@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from .errors import PlanError
 from .labels import Cluster, Label
+from .pipeline_order import PipelineSchedule, max_in_flight, theoretical_bubble
 
 __all__ = [
     "ModeKind",
@@ -187,27 +188,17 @@ class ParallelSummary:
         return "\n".join(lines)
 
 
-class PipelineSchedule(Enum):
-    """The order in which a stage runs its micro-batches' forwards (F) and
-    backwards (B): GPipe runs every forward, then every backward; 1F1B
-    (PipeDream-flush) starts S-1-s forwards ahead on stage s, then alternates
-    one forward and one backward, so at most S-s micro-batches are in flight."""
-
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED = "interleaved"
-
-
 # A micro-batched node's name ends in its action: `addmm__F3` is micro-batch
-# 3's forward, `mm_2__B0` micro-batch 0's backward.
-_ACTION_RE = re.compile(r"__([FB])(\d+)$")
+# 3's forward, `mm_2__B0` micro-batch 0's backward, `addmm__2F3` virtual
+# stage 2's forward of micro-batch 3 (interleaved).
+_ACTION_RE = re.compile(r"__(\d*[FB]\d+)$")
 
 
 def action_of(node_name: str) -> str | None:
-    """The action (`"F3"`, `"B0"`) a micro-batched node belongs to, or None
-    for a node run once per step (shared forward pieces, the optimizer)."""
+    """The action (`"F3"`, `"B0"`, `"2F3"`) a micro-batched node belongs to,
+    or None for a node run once per step (shared forward pieces, the optimizer)."""
     match = _ACTION_RE.search(node_name)
-    return None if match is None else match.group(1) + match.group(2)
+    return None if match is None else match.group(1)
 
 
 def actions_in(schedule: tuple[Instruction, ...]) -> tuple[str, ...]:
@@ -225,30 +216,43 @@ def actions_in(schedule: tuple[Instruction, ...]) -> tuple[str, ...]:
 @dataclass(frozen=True, slots=True)
 class PipelineSummary:
     """What a micro-batched plan adds: its schedule, the number of
-    micro-batches, the stages in pipeline order, and per stage the order of
-    its actions (`"F0"`, `"B0"`, ...) as its process's schedule runs them.
+    micro-batches, the processes in pipeline order (`stages`), per process
+    the order of its actions (`"F0"`, `"B0"`; `"2F0"` with a virtual stage
+    under interleaved 1F1B) as its schedule runs them, and the chunks each
+    process holds (virtual stages; 1 but under interleaved 1F1B).
     `lint` re-derives the actions from the schedules and checks the
     micro-batches in flight against what the schedule promises."""
 
     schedule: PipelineSchedule
     num_microbatches: int
     stages: tuple[Label, ...]
-    actions: tuple[tuple[str, ...], ...]  # one tuple per stage, in stage order
+    actions: tuple[tuple[str, ...], ...]  # one tuple per process, in stage order
+    num_chunks: int = 1
+
+    @property
+    def num_virtual_stages(self) -> int:
+        return len(self.stages) * self.num_chunks
+
+    def process_of(self, virtual_stage: int) -> int:
+        """The index (in `stages`) of the process that runs a virtual stage."""
+        return virtual_stage % len(self.stages)
 
     def max_in_flight(self, stage: int) -> int:
-        """The most micro-batches stage `stage` may hold activations for."""
-        if self.schedule is PipelineSchedule.GPIPE:
-            return self.num_microbatches
-        return min(self.num_microbatches, len(self.stages) - stage)
+        """The most (stage, micro-batch) pairs process `stage` may hold
+        activations for."""
+        return max_in_flight(self.schedule, len(self.stages), stage, self.num_microbatches,
+                             self.num_chunks)
 
     def theoretical_bubble(self) -> float:
-        """The idle fraction (S-1)/(M+S-1) of GPipe and 1F1B with equal stages."""
-        num_stages = len(self.stages)
-        return (num_stages - 1) / (self.num_microbatches + num_stages - 1)
+        """The idle fraction (P-1)/(V*M+P-1) with equal stages (V = 1 but
+        under interleaved 1F1B); see `pipeline_order.theoretical_bubble`."""
+        return theoretical_bubble(len(self.stages), self.num_microbatches, self.num_chunks)
 
     def explain(self) -> str:
+        over = (f"{len(self.stages)} processes, {self.num_chunks} chunks each"
+                if self.num_chunks > 1 else f"{len(self.stages)} stages")
         lines = [f"pipeline {self.schedule.value}, {self.num_microbatches} micro-batches "
-                 f"over {len(self.stages)} stages (bubble in theory "
+                 f"over {over} (bubble in theory "
                  f"{self.theoretical_bubble():.2f}):"]
         lines += [f"  {stage}: {' '.join(actions)}"
                   for stage, actions in zip(self.stages, self.actions)]

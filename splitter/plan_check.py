@@ -8,6 +8,7 @@ from torch import fx
 
 from .errors import PlanError
 from .labels import Role
+from .pipeline_order import Action, stage_actions
 from .plan import ChannelKind, OpKind, SplitPlan, actions_in
 
 __all__ = ["check_plan"]
@@ -113,19 +114,28 @@ def _check_pipeline(plan: SplitPlan) -> None:
         if len(set(actual)) != len(actual):
             raise PlanError(f"[{who}] runs an action in pieces: {' '.join(actual)}")
         in_flight, forwarded, bound = 0, set(), pipeline.max_in_flight(index)
-        for action in actual:
-            micro = int(action[1:])
-            if action[0] == "F":
-                forwarded.add(micro)
+        for text in actual:
+            action = Action.parse(text)
+            pair = (action.stage, action.micro)
+            if action.phase == "F":
+                forwarded.add(pair)
                 in_flight += 1
                 if in_flight > bound:
                     raise PlanError(
-                        f"[{who}] holds {in_flight} micro-batches in flight at {action}; "
+                        f"[{who}] holds {in_flight} micro-batches in flight at {text}; "
                         f"{pipeline.schedule.value} promises at most {bound} on stage {index}")
             else:
-                if micro not in forwarded and any(a == f"F{micro}" for a in actual):
-                    raise PlanError(f"[{who}] runs B{micro} before F{micro}")
-                in_flight -= micro in forwarded
+                forward = str(action._replace(phase="F"))
+                if pair not in forwarded and forward in actual:
+                    raise PlanError(f"[{who}] runs {text} before {forward}")
+                in_flight -= pair in forwarded
+        promised = tuple(str(a) for a in stage_actions(
+            pipeline.schedule, len(pipeline.stages), index, pipeline.num_microbatches,
+            pipeline.num_chunks))
+        if actual != promised:
+            raise PlanError(
+                f"[{who}] the schedule runs {' '.join(actual)} but {pipeline.schedule.value} "
+                f"orders stage {index} of {len(pipeline.stages)} as {' '.join(promised)}")
 
 
 def _check_dataflow(plan: SplitPlan, program) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from .labels import Role
+from .pipeline_order import Action
 from .plan import ChannelKind, Instruction, OpKind, PipelineSummary, SplitPlan, actions_in
 
 __all__ = ["plan_to_dot", "count_of"]
@@ -190,42 +191,58 @@ def _runs(ops: list[str]) -> tuple[Instruction, ...]:
 
 
 def _pipeline_grid(pipeline: PipelineSummary) -> str:
-    """The schedule as a table, one row per stage and one column per time
+    """The schedule as a table, one row per process and one column per time
     slot, each action taking one slot; empty cells are the bubble. Slots come
-    from running the stages' action orders with F(m) after the previous
-    stage's F(m) and B(m) after the next stage's B(m)."""
+    from running the processes' action orders with F(m) of a stage after the
+    previous stage's F(m) and B(m) after the next stage's B(m)."""
     num_stages = len(pipeline.stages)
-    done: dict[tuple[int, str], int] = {}
+    last_stage = pipeline.num_virtual_stages - 1
+
+    def stage_of(action: Action, process: int) -> int:
+        return process if action.stage is None else action.stage
+
+    def before(action: Action, process: int) -> tuple[int, Action] | None:
+        """The (process, action) that must end before `action` can start."""
+        stage = stage_of(action, process) + (-1 if action.phase == "F" else 1)
+        if not 0 <= stage <= last_stage:
+            return None
+        named = stage if action.stage is not None else None
+        return pipeline.process_of(stage), action._replace(stage=named)
+
+    done: dict[tuple[int, Action], int] = {}
     cursor = [0] * num_stages
     free_at = [0] * num_stages
-    total = sum(len(a) for a in pipeline.actions)
+    actions = [[Action.parse(a) for a in row] for row in pipeline.actions]
+    total = sum(len(a) for a in actions)
     while len(done) < total:
         moved = False
-        for stage, actions in enumerate(pipeline.actions):
-            while cursor[stage] < len(actions):
-                action = actions[cursor[stage]]
-                before = stage - 1 if action[0] == "F" else stage + 1
-                if 0 <= before < num_stages and action in pipeline.actions[before]:
-                    if (before, action) not in done:
+        for process, row in enumerate(actions):
+            while cursor[process] < len(row):
+                action = row[cursor[process]]
+                waits_for = before(action, process)
+                if waits_for is not None and waits_for[1] in actions[waits_for[0]]:
+                    if waits_for not in done:
                         break
-                    start = max(free_at[stage], done[(before, action)])
+                    start = max(free_at[process], done[waits_for])
                 else:
-                    start = free_at[stage]
-                done[(stage, action)] = free_at[stage] = start + 1
-                cursor[stage] += 1
+                    start = free_at[process]
+                done[(process, action)] = free_at[process] = start + 1
+                cursor[process] += 1
                 moved = True
         if not moved:
             break  # lint reports schedules that cannot finish
     width = max(free_at, default=0)
     rows = [f'<tr><td colspan="{width + 1}"><b>{pipeline.schedule.value}, '
-            f"{pipeline.num_microbatches} micro-batches: bubble in theory "
+            f"{pipeline.num_microbatches} micro-batches"
+            f"{f', {pipeline.num_chunks} chunks each' if pipeline.num_chunks > 1 else ''}"
+            f": bubble in theory "
             f"{pipeline.theoretical_bubble():.0%}</b></td></tr>"]
     for stage, label in enumerate(pipeline.stages):
-        cells = [""] * width
+        cells: list[Action | None] = [None] * width
         for (where, action), end in done.items():
             if where == stage:
                 cells[end - 1] = action
-        row = "".join(f'<td bgcolor="{_SLOT_COLOURS[c[:1]]}">{c or "&nbsp;"}</td>'
-                      for c in cells)
+        row = "".join(f'<td bgcolor="{_SLOT_COLOURS[c.phase if c else ""]}">'
+                      f'{c if c else "&nbsp;"}</td>' for c in cells)
         rows.append(f"<tr><td>{label}</td>{row}</tr>")
     return '<table border="0" cellborder="1" cellspacing="0">' + "".join(rows) + "</table>"

@@ -30,6 +30,12 @@ forwards (F) and backwards (B); its nodes' names end in their action
     stage w0: F0 F1 B0 F2 B1 F3 B2 B3
     stage w1: F0 B0 F1 B1 F2 B2 F3 B3
 
+Interleaved 1F1B adds the chunks each process holds, and its actions name
+their virtual stage (`2F0`, nodes `addmm__2F0`):
+
+    pipeline interleaved microbatches=2 chunks=2
+    stage w0: 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1
+
 A parameter-server plan with a staleness bound says it (`staleness 2`).
 """
 
@@ -73,8 +79,9 @@ def plan_to_text(plan: SplitPlan) -> str:
     lines += [f"cached_table {t}" for t in plan.cached_tables]
     if plan.pipeline is not None:
         pipeline = plan.pipeline
+        chunks = f" chunks={pipeline.num_chunks}" if pipeline.num_chunks > 1 else ""
         lines.append(f"pipeline {pipeline.schedule.value} "
-                     f"microbatches={pipeline.num_microbatches}")
+                     f"microbatches={pipeline.num_microbatches}{chunks}")
         lines += [f"stage {stage}: {' '.join(actions)}"
                   for stage, actions in zip(pipeline.stages, pipeline.actions)]
     if plan.staleness:
@@ -117,7 +124,7 @@ def plan_from_text(text: str) -> SplitPlan:
     shardings: list[tuple[str, str, Label]] = []
     collectives: list[CollectiveEntry] = []
     tables: list[CachedTableEntry] = []
-    pipeline: tuple[PipelineSchedule, int] | None = None
+    pipeline: tuple[PipelineSchedule, int, int] | None = None
     stages: list[tuple[Label, tuple[str, ...]]] = []
     staleness = 0
     current: dict | None = None
@@ -167,11 +174,13 @@ def plan_from_text(text: str) -> SplitPlan:
             elif word == "cached_table":
                 tables.append(CachedTableEntry.parse(rest))
             elif word == "pipeline":
-                schedule, count = rest.split()
-                name, _, value = count.partition("=")
-                if name != "microbatches":
-                    raise ValueError("expected 'pipeline SCHEDULE microbatches=M'")
-                pipeline = (PipelineSchedule(schedule), int(value))
+                schedule, *counts = rest.split()
+                settings = dict(count.partition("=")[::2] for count in counts)
+                if not 1 <= len(counts) <= 2 or "microbatches" not in settings \
+                        or not set(settings) <= {"microbatches", "chunks"}:
+                    raise ValueError("expected 'pipeline SCHEDULE microbatches=M [chunks=V]'")
+                pipeline = (PipelineSchedule(schedule), int(settings["microbatches"]),
+                            int(settings.get("chunks", 1)))
             elif word == "stage":
                 stage, _, actions = rest.partition(":")
                 stages.append((Label.parse(stage), tuple(actions.split())))
@@ -201,7 +210,7 @@ def plan_from_text(text: str) -> SplitPlan:
     summary = None
     if pipeline is not None:
         summary = PipelineSummary(pipeline[0], pipeline[1], tuple(s for s, _ in stages),
-                                  tuple(a for _, a in stages))
+                                  tuple(a for _, a in stages), pipeline[2])
     elif stages:
         raise PlanParseError("'stage' lines need a 'pipeline' line before them")
     return SplitPlan(mode, cluster, tuple(processes), tuple(channels), tuple(syncs), parallel,

@@ -249,9 +249,8 @@ def test_a_loss_that_is_not_a_mean_or_sum_is_refused_naming_the_op():
 
 
 def test_bad_mode_settings_are_refused():
-    with pytest.raises(PlanError, match="interleaved 1F1B .* not built yet; use 'gpipe' or"):
-        GeneralMode(microbatches=4, schedule="interleaved")
-    with pytest.raises(PlanError, match="unknown schedule; choose one of 'gpipe', '1f1b'"):
+    with pytest.raises(PlanError, match="unknown schedule; choose one of 'gpipe', '1f1b', "
+                                        "'interleaved'"):
         GeneralMode(microbatches=4, schedule="zero-bubble")
     with pytest.raises(PlanError, match="at least 1"):
         GeneralMode(microbatches=0)
@@ -260,18 +259,20 @@ def test_bad_mode_settings_are_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("num_workers, schedule", [(2, "1f1b"), (3, "gpipe")])
+@pytest.mark.parametrize("num_workers, schedule, model", [(2, "1f1b", "stages"),
+                                                          (3, "gpipe", "stages"),
+                                                          (2, "interleaved", "chunks")])
 def test_launched_microbatched_job_equals_the_unsplit_step(local_cluster, tmp_path,
-                                                          num_workers, schedule):
+                                                          num_workers, schedule, model):
     out = tmp_path / "result.pt"
     steps = 8
-    proc = local_cluster.run(SCRIPTS / "train_job.py", "--model", "stages", "--optimizer", "adam",
+    proc = local_cluster.run(SCRIPTS / "train_job.py", "--model", model, "--optimizer", "adam",
                              "--steps", steps,
                              "--microbatches", 4, "--schedule", schedule, "--out", out,
                              workers=num_workers)
     assert f"all {num_workers} processes finished" in proc.output()
     assert_clean_output(proc)
-    program, data = build("stages", "adam", num_workers, steps)
+    program, data = build(model, "adam", num_workers, steps)
     history, state = program.train_unsplit(steps, feeds_of(data))
     result = torch.load(out)
     torch.testing.assert_close(result["losses"], torch.stack([h["loss"] for h in history]),
@@ -279,4 +280,177 @@ def test_launched_microbatched_job_equals_the_unsplit_step(local_cluster, tmp_pa
     assert result["state"].keys() == state.keys()
     for key, value in state.items():
         torch.testing.assert_close(result["state"][key], value, **TOLERANCE, msg=key)
-    assert not torch.equal(state["stages.0.0.weight"], program.initial_state["stages.0.0.weight"])
+    first = next(iter(program.grads))
+    assert not torch.equal(state[first], program.initial_state[first])
+
+
+# -- interleaved 1F1B ---------------------------------------------------------------
+
+
+class Chunks(nn.Module):
+    """`num_chunks` pieces of linear+GELU per worker, placed in turn (piece i
+    on rank i % workers), the head and loss with the last piece."""
+
+    def __init__(self, num_workers: int, num_chunks: int, width: int = 24) -> None:
+        super().__init__()
+        self.pieces = nn.ModuleList([
+            place(nn.Sequential(nn.Linear(12 if i == 0 else width, width), nn.GELU()),
+                  rank=i % num_workers) for i in range(num_workers * num_chunks)])
+        self.head = place(nn.Linear(width, 5), rank=num_workers - 1)
+        self.num_workers = num_workers
+
+    def forward(self, x):
+        for piece in self.pieces:
+            x = piece(x)
+        return self.head(x)
+
+
+def chunks_program(num_workers, num_chunks, rows=16, optimizer=None):
+    torch.manual_seed(1)
+    data = batches(rows)
+    program = capture(Chunks(num_workers, num_chunks), stages_loss,
+                      optimizer or optim.SGD(lr=0.05, momentum=0.9), data[0],
+                      return_grads=True)
+    return program, data
+
+
+def test_interleaved_order_is_torchs():
+    # Learned from torch's ScheduleInterleaved1F1B, compared with its own
+    # order (the actions it computes per rank, its timing gaps left out).
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    from splitrun.splitter.pipeline_order import stage_actions
+    compared = 0
+    for processes in (2, 3, 4):
+        for chunks in (1, 2, 3):
+            for microbatches in range(1, 13):
+                rounds = max(1, microbatches // processes)
+                if microbatches % rounds:
+                    continue
+                torch_schedule = SimpleNamespace(
+                    pp_group_size=processes, n_local_stages=chunks,
+                    _n_microbatches=microbatches,
+                    microbatches_per_round=microbatches // rounds)
+                for rank in range(processes):
+                    theirs = [str(a) for a in  # torch's _Action prints as "2F0"
+                              ScheduleInterleaved1F1B._calculate_single_rank_operations(
+                                  torch_schedule, rank) if a is not None]
+                    ours = [str(a) for a in stage_actions(PipelineSchedule.INTERLEAVED,
+                                                          processes, rank, microbatches, chunks)]
+                    assert ours == theirs, (processes, chunks, microbatches, rank)
+                    compared += 1
+    assert compared > 100
+
+
+@pytest.mark.parametrize("num_workers, num_chunks, microbatches, rows",
+                         [(2, 2, 4, 16), (2, 3, 4, 16), (3, 2, 2, 16), (2, 2, 3, 24)])
+def test_interleaved_step_equals_the_unsplit_step(num_workers, num_chunks, microbatches, rows):
+    program, data = chunks_program(num_workers, num_chunks, rows)
+    split = split_program(program, Cluster(num_workers=num_workers),
+                          GeneralMode(microbatches=microbatches, schedule="interleaved"))
+    split.lint()
+    pipeline = split.plan.pipeline
+    assert (pipeline.num_chunks, pipeline.stages) == (num_chunks, tuple(split.plan.labels))
+    # Each process runs its own chunks only: virtual stage v on process v mod P.
+    for process, actions in enumerate(pipeline.actions):
+        assert {int(a[:-2]) % num_workers for a in actions} == {process}
+        assert len(actions) == 2 * num_chunks * microbatches
+    assert_equals_unsplit(program, split, data)
+
+
+def test_the_interleaved_schedule_is_in_the_plan_text_and_picture():
+    program, _ = chunks_program(2, 2)
+    plan = split_program(program, Cluster(num_workers=2),
+                         GeneralMode(microbatches=4, schedule="interleaved")).plan
+    text = plan.to_text()
+    assert "pipeline interleaved microbatches=4 chunks=2" in text
+    assert "stage w0: 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3" in text
+    assert "stage w1: 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3" in text
+    assert SplitPlan.from_text(text) == plan
+    # Each chunk's activations leave as soon as its forward is done.
+    sent = [c.values for c in plan.channels if c.src.rank == 0 and c.dst.rank == 1]
+    actions = [sorted({v.rsplit("__", 1)[1] for v in values if "F" in v.rsplit("__", 1)[-1]})
+               for values in sent]
+    assert [a for a in actions if a] == [["0F0"], ["0F1"], ["2F0"], ["2F1"], ["0F2"], ["0F3"],
+                                         ["2F2"], ["2F3"]]
+    dot = plan.to_dot()
+    assert "4 micro-batches, 2 chunks each: bubble in theory 11%" in dot
+    # One slot per chunk action (16 per process): 18 slots wide, 2 idle
+    # on each process, the 1/9 = (P-1)/(V*M+P-1) of the theory.
+    assert dot.count("&nbsp;") == 4
+    assert 'bgcolor="#bfdbfe">2F0</td>' in dot
+
+
+def test_lint_checks_the_interleaved_order():
+    program, _ = chunks_program(2, 2)
+    plan = split_program(program, Cluster(num_workers=2),
+                         GeneralMode(microbatches=2, schedule="interleaved")).plan
+    plan.lint()
+    text = plan.to_text()
+    line = next(x for x in text.splitlines() if x.startswith("stage w0:"))
+    gpipe_like = "stage w0: 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1"
+    assert line == gpipe_like  # M = P: all forwards first is the schedule itself
+    program, _ = chunks_program(2, 2, rows=24)
+    plan = split_program(program, Cluster(num_workers=2),
+                         GeneralMode(microbatches=6, schedule="interleaved")).plan
+    text = plan.to_text()
+    line = next(x for x in text.splitlines() if x.startswith("stage w1:"))
+    swapped = line.replace("1F2 1B0", "1B0 1F2")
+    assert swapped != line
+    with pytest.raises(PlanError, match=r"worker 1\] the schedule runs .* but the pipeline "
+                                        r"\(interleaved\) says .*1B0 1F2"):
+        SplitPlan.from_text(text.replace(line, swapped)).lint()
+
+
+def test_interleaved_holds_the_activations_it_promises():
+    """Process p holds at most its warm-up forwards plus one (stage,
+    micro-batch) pairs, each a chunk's activations (measured by the executor)."""
+    program, data = chunks_program(2, 2, rows=32)
+    microbatches = 8
+    peaks = {}
+    for schedule in ("gpipe", "interleaved"):
+        split = split_program(program, Cluster(num_workers=2),
+                              GeneralMode(microbatches=microbatches, schedule=schedule))
+        run = run_threaded(split, 2, feeds_of(data))
+        peaks[schedule] = [run.stats[label].peak_activation_bytes for label in split.plan.labels]
+        if schedule == "interleaved":
+            bounds = [split.plan.pipeline.max_in_flight(p) for p in range(2)]
+    assert bounds == [5, 3]  # (V-1)*M/rounds + 2*(P-1-p) + 1 of M*V = 16 pairs
+    for process, (gpipe, interleaved) in enumerate(zip(peaks["gpipe"], peaks["interleaved"])):
+        per_pair = gpipe / (microbatches * 2)  # GPipe holds all 16 pairs
+        # In flight: the bound, plus one pair's values on their way out.
+        assert interleaved <= (bounds[process] + 1) * per_pair, (process, peaks)
+        assert interleaved < gpipe / 2, (process, peaks)
+
+
+def test_interleaved_refusals_name_the_fix():
+    program, _ = chunks_program(2, 2, rows=20)
+    with pytest.raises(PlanError, match=r"interleaved 1F1B over 2 processes runs 5 micro-batches "
+                                        r"in 2 rounds of 2, which leaves 1 over; choose "
+                                        r"microbatches among \[2, 3, 4, 6, 8\]"):
+        split_program(program, Cluster(num_workers=2),
+                      GeneralMode(microbatches=5, schedule="interleaved"))
+    contiguous, _ = stages_program(2)
+    with pytest.raises(PlanError, match=r"one piece of the forward \(w0 w1\); use "
+                                        r"schedule='1f1b'"):
+        split_program(contiguous, Cluster(num_workers=2),
+                      GeneralMode(microbatches=4, schedule="interleaved"))
+    chunked, _ = chunks_program(2, 2)
+    with pytest.raises(PlanError, match=r"schedule '1f1b' cannot run this split.*use "
+                                        r"schedule='interleaved'"):
+        split_program(chunked, Cluster(num_workers=2), GeneralMode(microbatches=4))
+    # Pieces out of turn (w0 w1 w1 w0): no process order makes them chunks.
+    torch.manual_seed(1)
+    model = Chunks(2, 2)
+    for piece, rank in zip(model.pieces, (0, 1, 1, 0)):
+        place(piece, rank=rank)
+    place(model.head, rank=0)
+    data = batches()
+    loss = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    program = capture(model, loss, optim.SGD(lr=0.1), data[0])
+    with pytest.raises(PlanError, match=r"hold chunks of the forward in turn \(w0 w1 w0 w1 "
+                                        r"\.\.\.\); this split's forward runs through w0 w1 w0"):
+        split_program(program, Cluster(num_workers=2),
+                      GeneralMode(microbatches=4, schedule="interleaved"))

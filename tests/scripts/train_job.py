@@ -44,6 +44,23 @@ class Pipeline(nn.Module):
         return x
 
 
+class Chunks(nn.Module):
+    """2 pieces per worker, placed in turn (rank = piece % workers), the head
+    with the last: the chunks of an interleaved pipeline."""
+
+    def __init__(self, num_workers: int, width: int = 32) -> None:
+        super().__init__()
+        self.pieces = nn.ModuleList([
+            place(nn.Sequential(nn.Linear(12 if i == 0 else width, width), nn.Tanh()),
+                  rank=i % num_workers) for i in range(2 * num_workers)])
+        self.head = place(nn.Linear(width, 5), rank=num_workers - 1)
+
+    def forward(self, x):
+        for piece in self.pieces:
+            x = piece(x)
+        return self.head(x)
+
+
 def _loss_on_last_worker(num_workers: int):
     def loss_fn(model, x, y):
         logits = model(x)
@@ -59,9 +76,9 @@ def build(model_name: str, optimizer: str, num_workers: int, steps: int, hidden:
         model, loss_fn = TiedBigramLM(num_workers=num_workers), lm_loss
         batches = markov_batches(steps, batch=8)
     else:
-        model = Pipeline(num_workers, hidden)
+        model = (Chunks if model_name == "chunks" else Pipeline)(num_workers, hidden)
         loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
-        if model_name == "stages":  # the loss on the last worker: a pipeline's stages
+        if model_name in ("stages", "chunks"):  # the loss on the last worker, after the pipeline
             loss_fn = _loss_on_last_worker(num_workers)
         generator = torch.Generator().manual_seed(1)
         batches = [(torch.randn(16, 12, generator=generator),
@@ -72,7 +89,7 @@ def build(model_name: str, optimizer: str, num_workers: int, steps: int, hidden:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="mlp", choices=["mlp", "stages", "lm"])
+    parser.add_argument("--model", default="mlp", choices=["mlp", "stages", "chunks", "lm"])
     parser.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZERS))
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=32)
