@@ -325,6 +325,19 @@ def test_striped_messages_arrive_exactly(pair_factory):
     assert pair.refusals == []
 
 
+def test_a_refused_striped_message_fails_the_sender_with_the_reason(pair_factory):
+    pair = pair_factory({"w0->w1#0": ChannelContract(W0, ((torch.float32, (2, 3)),))},
+                        sender_settings=STRIPED)
+    pair.connect()
+    with pytest.raises(TransportError) as caught:
+        pair.sender.send(W1, key(0), [torch.zeros(3, 300)])  # striped; the contract: (2, 3)
+        pair.sender.flush(time.monotonic() + RECV_TIMEOUT_S)
+    text = str(caught.value)
+    assert "to worker 1" in text and "INVALID_ARGUMENT" in text, text
+    assert "float32[2, 3], got float32[3, 300]" in text, text
+    assert pair.receiver_endpoint.pending() == []
+
+
 class FakeReceiver:
     """A data port that accepts a main connection and one stripe, reads a
     little of the stripe's part and resets it, and never reads the main

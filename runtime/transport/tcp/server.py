@@ -186,6 +186,10 @@ class DataServer:
                     f"{self._tag} dropped a data connection from {peer}: the sender "
                     f"stalled mid-message for message_timeout_s="
                     f"{self.settings.message_timeout_s:g} s"), delivered, peer)
+        except StripeFailed as exc:
+            # A stripe of this connection's message ended or stalled: the
+            # message is dropped; the sender's send or flush reports it.
+            logger.warning("%s dropped a message from %s: %s", self._tag, peer, exc)
         except (OSError, ssl.SSLError, wire.PeerClosed) as exc:
             # The sender went away or closed; it reports that itself.
             logger.debug("%s data connection from %s ended: %s", self._tag, peer, exc)
@@ -331,7 +335,11 @@ class DataServer:
                                    f"{self._tag} refused a frame from {peer}: kind {kind} "
                                    f"with {length} bytes; expected a part or a bye")
                 seq = wire.seq_of(wire.read_exact(sock, length))
-                for view in group.take(seq, index, timeout):
+                try:
+                    views = group.take(seq, index, timeout)
+                except StripeFailed:
+                    return  # the main connection ended, and says why
+                for view in views:
                     wire.read_into(sock, view)
                 group.done(seq, index)
         except BaseException as exc:
