@@ -147,6 +147,7 @@ class DataLink:
         # The first stripe write that failed during the message in flight:
         # (its stripe's index, the error).
         self._part_failure: tuple[int, BaseException] | None = None
+        self._parts_aborted = False  # this thread stopped the stripes' writes
 
     def add_stripes(self, senders: list[StripeSender]) -> None:
         self._stripes = senders
@@ -178,7 +179,7 @@ class DataLink:
         """Part 0 after the envelope on this thread, part k on stripe k's
         thread, all at once; returns when every part is with the kernel."""
         cuts = bounds(encoded.total_bytes, self.num_connections)
-        self._part_failure = None
+        self._part_failure, self._parts_aborted = None, False
         for sender, (start, end) in zip(self._stripes, cuts[1:]):
             sender.start(self._num_sent, views_between(encoded.views, start, end))
         error: BaseException | None = None
@@ -188,6 +189,7 @@ class DataLink:
                 self._sock.sendall(view)
         except (OSError, ssl.SSLError) as exc:
             error = exc
+            self._parts_aborted = True  # their failures are these aborts, not a cause
             for sender in self._stripes:
                 sender.abort()  # the message cannot arrive: stop its other parts now
         for sender in self._stripes:
@@ -205,7 +207,7 @@ class DataLink:
     def part_failed(self, sender: StripeSender, error: BaseException) -> None:
         """A stripe's write failed (on its thread): stop the message's other
         writes at once; the sending thread then reports `error`."""
-        if self._part_failure is None:
+        if self._part_failure is None and not self._parts_aborted:
             self._part_failure = (sender.index, error)
         for other in self._stripes:
             if other is not sender:
