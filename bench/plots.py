@@ -87,10 +87,11 @@ def transport(result: dict, fig) -> None:
     fig.suptitle("Between two processes of one host")
 
 
-HOSTS_NAMES = {"splitrun_tcp": "splitrun, TCP data plane", "splitrun": "splitrun, gRPC",
+HOSTS_NAMES = {"splitrun_tcp": "splitrun, TCP data plane",
+               "splitrun_tcp1": "splitrun, TCP, one connection", "splitrun": "splitrun, gRPC",
                "gloo": "gloo", "tcp": "raw TCP", "grpc_stream": "bare grpcio stream"}
-HOSTS_COLOURS = {"splitrun_tcp": SPLITRUN, "splitrun": OTHER, "gloo": "#636363",
-                 "tcp": BASELINE, "grpc_stream": "#f7f7f7"}
+HOSTS_COLOURS = {"splitrun_tcp": SPLITRUN, "splitrun_tcp1": "#9ecae1", "splitrun": OTHER,
+                 "gloo": "#636363", "tcp": BASELINE, "grpc_stream": "#f7f7f7"}
 
 
 def transport_hosts(result: dict, fig) -> None:
@@ -109,7 +110,7 @@ def transport_hosts(result: dict, fig) -> None:
     ax.set_xticks(range(len(settings)), settings)
     ax.set_ylabel("GB/s, 64 MiB one way (higher is better)")
     ax.legend(fontsize=8)
-    ax.set_title("Between hosts: the TCP data plane next to gloo, raw TCP and gRPC")
+    ax.set_title("Between hosts: the TCP data plane next to gloo and raw TCP")
 
 
 def shm_ring(result: dict, fig) -> None:

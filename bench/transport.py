@@ -18,6 +18,9 @@ latency and size / latency the throughput. Baselines, same pattern:
 - ``splitrun_tcp``: the same through splitrun's TCP data plane
   (``RoutedTransport``, SPLITRUN_TRANSPORT=tcp), what a job uses between hosts,
   with gRPC as its control plane;
+- ``splitrun_tcp1``: the same with one connection per peer
+  (``TcpSettings(stripes=1)``): what striping a large message over several
+  connections gains;
 - ``splitrun_shm``: the same through ``RoutedTransport`` over shared memory (the
   pair is on one host), as a job started by ``splitrun launch`` uses it.
 
@@ -50,6 +53,8 @@ import traceback
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 KINDS = ["tcp", "grpc_unary", "grpc_stream", "gloo", "splitrun", "splitrun_tcp", "splitrun_shm"]
+# Also measurable, not run by default: the tcp data plane on one connection per peer.
+EXTRA_KINDS = ["splitrun_tcp1"]
 # splitrun between processes that share no memory (issue 28): 64 MiB at >= 1.0x
 # gloo and >= 0.8x raw TCP; a 4 KiB round trip in <= 2x gloo's.
 GOAL_64MIB_VS_GLOO = 1.0
@@ -238,7 +243,8 @@ class _Gloo:
 class _Splitrun:
     chunk_bytes: int | None = None  # --chunk-bytes, set in the child process
     shm_prefix: str | None = None   # the pair's shared-memory prefix (splitrun_shm)
-    over_tcp = False                # splitrun_tcp
+    over_tcp = False                # splitrun_tcp, splitrun_tcp1
+    tcp_stripes: int | None = None  # splitrun_tcp1: 1
 
     def __init__(self, role: str, conn, sizes: list[int]) -> None:
         import torch
@@ -265,8 +271,11 @@ class _Splitrun:
                                              choice=TransportChoice.SHM)
         if self.over_tcp:
             from splitrun.runtime.transport.router import RoutedTransport, TransportChoice
-            self.transport = RoutedTransport(self.transport, prefix=None,
-                                             choice=TransportChoice.TCP)
+            from splitrun.runtime.transport.tcp import TcpSettings
+            self.transport = RoutedTransport(
+                self.transport, prefix=None, choice=TransportChoice.TCP,
+                tcp_settings=None if self.tcp_stripes is None else
+                TcpSettings(stripes=self.tcp_stripes))
         conn.send(self.transport.start())
         self.transport.set_peers({self.peer: conn.recv()})
         self.ack = torch.zeros(1, dtype=torch.uint8)
@@ -288,7 +297,8 @@ class _Splitrun:
 
 
 _SIDES = {"tcp": _Tcp, "grpc_unary": _GrpcUnary, "grpc_stream": _GrpcStream, "gloo": _Gloo,
-          "splitrun": _Splitrun, "splitrun_tcp": _Splitrun, "splitrun_shm": _Splitrun}
+          "splitrun": _Splitrun, "splitrun_tcp": _Splitrun, "splitrun_tcp1": _Splitrun,
+          "splitrun_shm": _Splitrun}
 
 
 def _payload(kind: str, size: int):
@@ -317,7 +327,8 @@ def _side(kind: str, role: str, peer, parent, sizes: list[int], quick: bool,
         torch.set_num_threads(1)
         _Splitrun.chunk_bytes = chunk_bytes
         _Splitrun.shm_prefix = shm_prefix
-        _Splitrun.over_tcp = kind == "splitrun_tcp"
+        _Splitrun.over_tcp = kind in ("splitrun_tcp", "splitrun_tcp1")
+        _Splitrun.tcp_stripes = 1 if kind == "splitrun_tcp1" else None
         side = _SIDES[kind](role, _Link(peer), sizes)
         _Link(peer).send("ready")  # both sides set up before A starts timing
         _Link(peer).recv()
@@ -457,12 +468,13 @@ def _report(measured: tuple[dict, dict], sizes: list[int]) -> dict:
             row = table[kind][str(size)]
             row["cpu_us_sender"] = round(statistics.median(a for a, _ in pairs) * 1e6, 1)
             row["cpu_us_receiver"] = round(statistics.median(b for _, b in pairs) * 1e6, 1)
-    for kind in ("splitrun", "splitrun_tcp", "splitrun_shm"):
+    for kind in ("splitrun", "splitrun_tcp", "splitrun_tcp1", "splitrun_shm"):
         for size in map(str, sizes):
             row = table.get(kind, {}).get(size)
             if row is None:
                 continue
-            for base in ("tcp", "gloo", "grpc_unary", "grpc_stream", "splitrun"):
+            for base in ("tcp", "gloo", "grpc_unary", "grpc_stream", "splitrun",
+                         "splitrun_tcp1"):
                 if base in table and base != kind:
                     row[f"throughput_vs_{base}"] = round(
                         row["gbps"] / table[base][size]["gbps"], 3)
@@ -493,7 +505,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="fewer repetitions and no 256 MiB payload")
     parser.add_argument("--sizes", type=int, nargs="+")
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=KINDS)
+    parser.add_argument("--kinds", nargs="+", choices=KINDS + EXTRA_KINDS, default=KINDS)
     parser.add_argument("--rounds", type=int,
                         help="rounds of all transports (default 3, 1 with --quick)")
     parser.add_argument("--chunk-bytes", type=int, help="splitrun's GrpcSettings.chunk_bytes")

@@ -187,7 +187,8 @@ def test_64mib_between_processes_arrives_bit_for_bit():
     try:
         address = peer.line().split()[1]
         a.set_peers({W1: address})
-        assert peer.line() == "ready tcp"
+        # 64 MiB is striped over the main connection and its default stripe.
+        assert peer.line() == "ready tcp connections=2"
         assert a.kind_of(W1) is TransportKind.TCP
         (big,) = a.recv(W1, MessageKey(INCARNATION, 0, "big"), RECV_TIMEOUT_S)
         (digest,) = a.recv(W1, MessageKey(INCARNATION, 0, "digest"), RECV_TIMEOUT_S)
@@ -199,18 +200,20 @@ def test_64mib_between_processes_arrives_bit_for_bit():
         a.close()
 
 
-def test_a_killed_receiver_fails_the_sender_naming_it():
+@pytest.mark.parametrize("floats, steps", [(1 << 18, 200), (4 << 20, 20)],
+                         ids=["1MiB", "16MiB-striped"])
+def test_a_killed_receiver_fails_the_sender_naming_it(floats, steps):
     a = routed(W0)
     peer = Peer(a.start(), "hold")
     try:
         address = peer.line().split()[1]
         a.set_peers({W1: address})
-        assert peer.line() == "ready tcp"
+        assert peer.line().startswith("ready tcp")
         peer.stop()  # SIGKILL
         with pytest.raises(TransportError, match=r"worker 1 at .* \(tcp\) failed: "
                                                  r"UNAVAILABLE.*gone or unreachable"):
-            for step in range(200):  # the first writes may land in the socket buffer
-                a.send(W1, key(step), [torch.zeros(1 << 18)])
+            for step in range(steps):  # the first writes may land in the socket buffer
+                a.send(W1, key(step), [torch.zeros(floats)])
             a.flush(RECV_TIMEOUT_S)
     finally:
         peer.stop()

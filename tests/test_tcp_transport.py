@@ -5,6 +5,8 @@ refused with a reason, never a traceback), a stalled connection holds no
 message, TLS works and plaintext to a TLS server is refused, a refusal fails
 the sender with the receiver's reason, a dead receiver fails it too."""
 
+import dataclasses
+import re
 import socket
 import threading
 import time
@@ -39,7 +41,8 @@ class Pair:
     is recorded and put in W0's mailbox, as gRPC would."""
 
     def __init__(self, contracts, tls: TlsFiles | None = None,
-                 settings: TcpSettings = SETTINGS) -> None:
+                 settings: TcpSettings = SETTINGS,
+                 sender_settings: TcpSettings = SETTINGS) -> None:
         self.receiver_endpoint = Endpoint(W1, INCARNATION, token=TOKEN, expect_timeout_s=2.0)
         self.receiver_endpoint.expect(contracts)
         self.sender_endpoint = Endpoint(W0, INCARNATION, token=TOKEN)
@@ -47,7 +50,7 @@ class Pair:
         self.receiver = TcpTransport(self.receiver_endpoint, reply=self._reply, tls=tls,
                                      settings=settings)
         self.sender = TcpTransport(self.sender_endpoint, reply=self._reply, tls=tls,
-                                   settings=SETTINGS)
+                                   settings=sender_settings)
         self.port = self.receiver.start("127.0.0.1")
         self.sender.start("127.0.0.1")
 
@@ -71,8 +74,8 @@ class Pair:
 def pair_factory():
     made = []
 
-    def make(contracts, tls=None, settings=SETTINGS):
-        made.append(Pair(contracts, tls, settings))
+    def make(contracts, tls=None, settings=SETTINGS, sender_settings=SETTINGS):
+        made.append(Pair(contracts, tls, settings, sender_settings))
         return made[-1]
     yield make
     for pair in made:
@@ -289,3 +292,150 @@ def test_close_ends_every_thread(pair_factory):
     assert ours  # an accept thread per transport, a connection thread at the receiver
     pair.close()  # joins them
     assert [t.name for t in ours if t.is_alive()] == []
+
+
+# -- large messages striped over several connections --------------------------------
+
+STRIPED = dataclasses.replace(SETTINGS, stripes=3, stripe_min_bytes=1 << 10)
+
+
+def test_striped_messages_arrive_exactly(pair_factory):
+    """Three connections; parts cut across tensors of several dtypes, small
+    (unstriped) messages in between, every byte where it belongs."""
+    rng = torch.Generator().manual_seed(28)
+    tensors = [torch.randn(1000, 37, generator=rng),
+               torch.randint(-9, 9, (3, 5), generator=rng, dtype=torch.int64),
+               torch.empty(0),
+               torch.randint(0, 255, (4097,), generator=rng, dtype=torch.uint8)]
+    contracts = {
+        "big": ChannelContract(W0, tuple((t.dtype, tuple(t.shape)) for t in tensors)),
+        "w0->w1#0": ChannelContract(W0, ((torch.float32, (2, 3)),)),
+    }
+    pair = pair_factory(contracts, sender_settings=STRIPED)
+    pair.connect()
+    assert pair.sender.connections(W1) == 3
+    for step in range(4):
+        pair.sender.send(W1, key(step, "big"), [t + step for t in tensors])
+        pair.sender.send(W1, key(step), [torch.full((2, 3), float(step))])
+    pair.sender.flush(time.monotonic() + RECV_TIMEOUT_S)
+    for step in range(4):
+        got = pair.recv(key(step, "big"))
+        assert all(torch.equal(g, t + step) for g, t in zip(got, tensors))
+        assert torch.equal(pair.recv(key(step))[0], torch.full((2, 3), float(step)))
+    assert pair.refusals == []
+
+
+def test_a_refused_striped_message_fails_the_sender_with_the_reason(pair_factory):
+    pair = pair_factory({"w0->w1#0": ChannelContract(W0, ((torch.float32, (2, 3)),))},
+                        sender_settings=STRIPED)
+    pair.connect()
+    with pytest.raises(TransportError) as caught:
+        pair.sender.send(W1, key(0), [torch.zeros(3, 300)])  # striped; the contract: (2, 3)
+        pair.sender.flush(time.monotonic() + RECV_TIMEOUT_S)
+    text = str(caught.value)
+    assert "to worker 1" in text and "INVALID_ARGUMENT" in text, text
+    assert "float32[2, 3], got float32[3, 300]" in text, text
+    assert pair.receiver_endpoint.pending() == []
+
+
+class FakeReceiver:
+    """A data port that accepts a main connection and one stripe, reads a
+    little of the stripe's part and resets it, and never reads the main
+    connection's data: the sender must fail, naming the peer, not hang."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(READ_TIMEOUT_S)
+        self.port = self.listener.getsockname()[1]
+        self.main: socket.socket | None = None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _accept(self, link_id: bytes) -> socket.socket:
+        sock, _ = self.listener.accept()
+        sock.settimeout(READ_TIMEOUT_S)
+        wire.read_exact(sock, len(wire.hello(TOKEN)))
+        sock.sendall(wire.frame(wire.ACCEPTED, link_id))
+        return sock
+
+    def _serve(self) -> None:
+        self.main = self._accept(b"L" * wire.LINK_ID_BYTES)
+        with self._accept(b"S" * wire.LINK_ID_BYTES) as stripe:
+            assert read_reply(stripe)[0] == wire.JOIN
+            stripe.sendall(wire.frame(wire.ACCEPTED))
+            wire.read_exact(stripe, 1 << 20)  # the PART frame and some of its bytes
+            stripe.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00"
+                              b"\x00\x00\x00")  # close with a reset
+
+    def close(self) -> None:
+        self.thread.join(READ_TIMEOUT_S)
+        if self.main is not None:
+            self.main.close()
+        self.listener.close()
+
+
+def test_a_stripe_dying_mid_message_fails_the_sender_naming_it():
+    receiver = FakeReceiver()
+    sender = TcpTransport(Endpoint(W0, INCARNATION, token=TOKEN), reply=lambda *a: None,
+                          settings=dataclasses.replace(SETTINGS, stripes=2))
+    outcome: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            sender.send(W1, key(0), [torch.zeros(16 << 20)])  # 64 MiB, 32 on each
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            outcome.append(exc)
+    try:
+        sender.connect(W1, "127.0.0.1", receiver.port)
+        assert sender.connections(W1) == 2
+        thread = threading.Thread(target=send, daemon=True)
+        thread.start()
+        thread.join(READ_TIMEOUT_S)
+        assert not thread.is_alive(), "the send hung after its stripe died"
+        assert outcome and isinstance(outcome[0], TransportError), outcome
+        assert re.search(r"\[worker 0\] sending .* to worker 1 at 127\.0\.0\.1:\d+ \(tcp\) "
+                         r"failed: UNAVAILABLE: ConnectionError: stripe connection 1: .*worker 1 "
+                         r"is gone or unreachable", str(outcome[0])), str(outcome[0])
+        with pytest.raises(TransportError, match="stripe connection 1"):
+            sender.send(W1, key(1), [torch.zeros(4)])  # the link stays failed
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_stripe_cut_mid_part_delivers_nothing_and_the_receiver_goes_on(pair_factory):
+    """A raw sender splits a message over a main connection and a stripe,
+    then cuts the stripe mid-part: the receiver ends the main connection
+    (no hang), puts nothing in the mailbox, refuses a join naming no
+    connection, and still serves a real sender."""
+    from splitrun.runtime.transport.buffers import encode
+    from splitrun.runtime.transport.framing import EnvelopeWriter
+    contract = {"w0->w1#0": ChannelContract(W0, ((torch.float32, (1 << 18,)),))}
+    pair = pair_factory(contract)
+    encoded = encode([torch.ones(1 << 18)])  # 1 MiB: 512 KiB a part
+    envelope = EnvelopeWriter(str(W0)).serialize(key(0), encoded)
+    with raw_connection(pair.port) as main, raw_connection(pair.port) as stripe:
+        main.sendall(wire.hello(TOKEN))
+        kind, link_id = read_reply(main)
+        assert kind == wire.ACCEPTED and len(link_id) == wire.LINK_ID_BYTES
+        stripe.sendall(wire.hello(TOKEN))
+        assert read_reply(stripe)[0] == wire.ACCEPTED
+        stripe.sendall(wire.join(link_id, 1))
+        assert read_reply(stripe)[0] == wire.ACCEPTED
+        main.sendall(wire.split(2, envelope) + bytes(encoded.views[0][:1 << 19]))
+        stripe.sendall(wire.part(0) + bytes(1000))  # 1000 of its 512 KiB
+        stripe.shutdown(socket.SHUT_WR)
+        stripe.close()
+        assert main.recv(1) == b""  # the receiver ended the message's connection
+    with raw_connection(pair.port) as stranger:
+        stranger.sendall(wire.hello(TOKEN))
+        assert read_reply(stranger)[0] == wire.ACCEPTED
+        stranger.sendall(wire.join(b"x" * wire.LINK_ID_BYTES, 1))
+        kind, body = read_reply(stranger)
+        assert kind == wire.REFUSED
+        _, status, details = wire.parse_refusal(body)
+        assert status == "INVALID_ARGUMENT" and "names no open data connection" in details
+    assert pair.receiver_endpoint.pending() == []
+    pair.connect()
+    pair.sender.send(W1, key(0), [torch.full((1 << 18,), 2.0)])
+    assert torch.equal(pair.recv(key(0))[0], torch.full((1 << 18,), 2.0))

@@ -4,7 +4,8 @@
 
 A RoutedTransport that must use the tcp data plane (SPLITRUN_TRANSPORT=tcp).
 It starts, prints "address HOST:PORT", takes worker 0 at ADDRESS as its peer
-and prints "ready". MODE `big`: it sends worker 0 a 64 MiB float32 tensor on
+and prints "ready tcp connections=N" (N: the connections to it, stripes
+included). MODE `big`: it sends worker 0 a 64 MiB float32 tensor on
 channel "big" and its blake2b digest on "digest", flushes and closes. MODE
 `hold`: it stays alive for the test to kill it (bounded)."""
 
@@ -35,7 +36,8 @@ def main():
         prefix=None, choice=TransportChoice.TCP)
     print("address", transport.start(), flush=True)
     transport.set_peers({Label.worker(0): address})
-    print("ready", transport.kind_of(Label.worker(0)).value, flush=True)
+    print("ready", transport.kind_of(Label.worker(0)).value,
+          f"connections={transport.tcp.connections(Label.worker(0))}", flush=True)
     if mode == "hold":
         threading.Event().wait(HOLD_S)
         return

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import secrets
 import socket
 import ssl
 import threading
@@ -36,6 +37,7 @@ from ..framing import parse_envelope
 from ..keys import MessageKey
 from . import wire
 from .settings import TcpSettings
+from .stripes import StripeFailed, StripeGroup, bounds, views_between
 
 __all__ = ["DataServer", "status_of", "Refuse"]
 
@@ -88,6 +90,9 @@ class DataServer:
         # the sender's fault, not an idle connection).
         self._in_message: dict[int, bool] = {}
         self._threads: list[threading.Thread] = []
+        # Per main connection, by the link id its ACCEPTED told: where its
+        # stripe connections join (`stripes`).
+        self._groups: dict[bytes, StripeGroup] = {}
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self.port: int | None = None
@@ -154,6 +159,7 @@ class DataServer:
         peer = f"{address[0]}:{address[1]} (tcp)"
         delivered = 0
         sock = conn
+        group = StripeGroup(secrets.token_bytes(wire.LINK_ID_BYTES))
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(self.settings.hello_timeout_s)
@@ -162,8 +168,10 @@ class DataServer:
                 with self._lock:
                     self._connections[id(conn)] = sock
             self._check_hello(sock, peer)
-            sock.sendall(wire.frame(wire.ACCEPTED))
-            delivered = self._messages(sock, peer, id(conn))
+            with self._lock:
+                self._groups[group.link_id] = group
+            sock.sendall(wire.frame(wire.ACCEPTED, group.link_id))
+            delivered = self._messages(sock, peer, id(conn), group)
         except _Refusal as refusal:
             self._tell(sock, refusal, delivered, peer)
         except TimeoutError:
@@ -178,6 +186,10 @@ class DataServer:
                     f"{self._tag} dropped a data connection from {peer}: the sender "
                     f"stalled mid-message for message_timeout_s="
                     f"{self.settings.message_timeout_s:g} s"), delivered, peer)
+        except StripeFailed as exc:
+            # A stripe of this connection's message ended or stalled: the
+            # message is dropped; the sender's send or flush reports it.
+            logger.warning("%s dropped a message from %s: %s", self._tag, peer, exc)
         except (OSError, ssl.SSLError, wire.PeerClosed) as exc:
             # The sender went away or closed; it reports that itself.
             logger.debug("%s data connection from %s ended: %s", self._tag, peer, exc)
@@ -190,6 +202,8 @@ class DataServer:
             with self._lock:
                 self._connections.pop(id(conn), None)
                 self._in_message.pop(id(conn), None)
+                self._groups.pop(group.link_id, None)
+            group.fail(f"the main connection from {peer} ended")
             sock.close()
 
     def _tell(self, sock: socket.socket, refusal: _Refusal, delivered: int, peer: str) -> None:
@@ -222,12 +236,15 @@ class DataServer:
                        f"{self._tag} refused a data connection from {peer}: {why}; every "
                        f"process of a job must use the job's token")
 
-    def _messages(self, sock: socket.socket, peer: str, conn_id: int) -> int:
-        """Frames until BYE or the end of the connection; messages delivered."""
+    def _messages(self, sock: socket.socket, peer: str, conn_id: int,
+                  group: StripeGroup) -> int:
+        """Frames until BYE or the end of the connection; messages delivered.
+        A connection whose first frame is JOIN is a stripe (`_stripe`)."""
         admission = Admission(self.endpoint)
         header = bytearray(wire.HEADER.size)
         header_view = memoryview(header)
         delivered = 0
+        first = True
         timeout = self.settings.message_timeout_s
         while True:
             sock.settimeout(None)  # a connection may idle between messages
@@ -243,12 +260,17 @@ class DataServer:
             self._in_message[conn_id] = True
             sock.settimeout(timeout)
             kind, length = wire.HEADER.unpack(header)
+            if kind == wire.JOIN and first and length <= wire.MAX_REPLY_BYTES:
+                joined, index = self._join(wire.read_exact(sock, length), sock, peer)
+                self._stripe(sock, f"{peer}, stripe connection {index}", conn_id, joined, index)
+                return 0
+            first = False
             if kind == wire.SYNC and length == 0:
                 sock.sendall(wire.delivered(delivered))
                 continue
             if kind == wire.BYE and length == 0:
                 return delivered
-            if kind != wire.MESSAGE:
+            if kind not in (wire.MESSAGE, wire.SPLIT):
                 raise _Refusal("INVALID_ARGUMENT",
                                f"{self._tag} refused a frame from {peer}: kind {kind} with "
                                f"{length} bytes; expected a message, a sync or a bye")
@@ -256,12 +278,80 @@ class DataServer:
                 raise _Refusal("INVALID_ARGUMENT",
                                f"{self._tag} refused a message from {peer}: an envelope of "
                                f"{length} bytes (at most {wire.MAX_ENVELOPE_BYTES})")
-            envelope = wire.read_exact(sock, length)
-            self._receive(sock, admission, memoryview(envelope), peer)
+            body = memoryview(wire.read_exact(sock, length))
+            if kind == wire.MESSAGE:
+                self._receive(sock, admission, body, peer)
+            else:
+                parts = body[0] if length else 0
+                if not 2 <= parts <= wire.MAX_STRIPES:
+                    raise _Refusal("INVALID_ARGUMENT",
+                                   f"{self._tag} refused a message from {peer}: split in "
+                                   f"{parts} parts (2 to {wire.MAX_STRIPES})")
+                self._receive(sock, admission, body[1:], peer, (group, delivered, parts))
             delivered += 1
 
+    def _join(self, body: bytes, sock: socket.socket, peer: str) -> tuple[StripeGroup, int]:
+        """A stripe connection joins its main connection's group: which, as
+        which stripe."""
+        try:
+            link_id, index = wire.parse_join(body)
+        except ValueError as exc:
+            raise _Refusal("INVALID_ARGUMENT",
+                           f"{self._tag} refused a stripe connection from {peer}: {exc}") from None
+        with self._lock:
+            group = self._groups.get(link_id)
+        if group is None or not group.join(index, sock):
+            raise _Refusal("INVALID_ARGUMENT",
+                           f"{self._tag} refused a stripe connection from {peer}: it names no "
+                           f"open data connection, or stripe {index} of it is taken or out of "
+                           f"range (1 to {wire.MAX_STRIPES - 1})")
+        sock.sendall(wire.frame(wire.ACCEPTED))
+        return group, index
+
+    def _stripe(self, sock: socket.socket, peer: str, conn_id: int, group: StripeGroup,
+                index: int) -> None:
+        """A stripe connection's frames: PART (its bytes go where the main
+        connection posted them, once it admitted the message) until BYE."""
+        header = bytearray(wire.HEADER.size)
+        header_view = memoryview(header)
+        timeout = self.settings.message_timeout_s
+        try:
+            while True:
+                sock.settimeout(None)
+                self._in_message[conn_id] = False
+                try:
+                    wire.read_into(sock, header_view)
+                except (wire.PeerClosed, ssl.SSLError, OSError):
+                    if self._closing.is_set():
+                        return
+                    raise
+                self._in_message[conn_id] = True
+                sock.settimeout(timeout)
+                kind, length = wire.HEADER.unpack(header)
+                if kind == wire.BYE and length == 0:
+                    return
+                if kind != wire.PART or length != 8:
+                    raise _Refusal("INVALID_ARGUMENT",
+                                   f"{self._tag} refused a frame from {peer}: kind {kind} "
+                                   f"with {length} bytes; expected a part or a bye")
+                seq = wire.seq_of(wire.read_exact(sock, length))
+                try:
+                    views = group.take(seq, index, timeout)
+                except StripeFailed:
+                    return  # the main connection ended, and says why
+                for view in views:
+                    wire.read_into(sock, view)
+                group.done(seq, index)
+        except BaseException as exc:
+            group.fail(f"{self._tag}: the data connection from {peer} failed: "
+                       f"{type(exc).__name__}: {exc}")
+            raise
+
     def _receive(self, sock: socket.socket, admission: Admission, envelope: memoryview,
-                 peer: str) -> None:
+                 peer: str, split: tuple[StripeGroup, int, int] | None = None) -> None:
+        """Admit one message, then read its data into its buffer: all from
+        `sock`, or (`split`: the group, the message's index, its parts) part 0
+        from `sock` and the others by the group's stripe connections."""
         try:
             admitted = admission.admit(envelope, peer)
         except MessageRejected as exc:
@@ -278,7 +368,23 @@ class DataServer:
                            f"{admitted.src.describe()} ({peer}): cannot allocate "
                            f"{admitted.layout.buffer_bytes} bytes: {exc}",
                            admitted.src) from None
-        buffer.fill(lambda view: wire.read_into(sock, view))
+        if split is None:
+            buffer.fill(lambda view: wire.read_into(sock, view))
+        else:
+            group, seq, parts = split
+            views: list[memoryview] = []
+            buffer.fill(views.append)  # the tensors' places, in wire order
+            cuts = bounds(admitted.layout.total_bytes, parts)
+            try:
+                group.post(seq, {k: views_between(views, *cuts[k]) for k in range(1, parts)})
+            except StripeFailed as exc:
+                raise _Refusal("INVALID_ARGUMENT",
+                               f"{admitted.receiver.tag} refused {key} from "
+                               f"{admitted.src.describe()} ({peer}): {exc}",
+                               admitted.src) from None
+            for view in views_between(views, *cuts[0]):
+                wire.read_into(sock, view)
+            group.wait(seq, self.settings.message_timeout_s)
         try:
             mailbox.put(key, admitted.src, buffer.tensors())
         except MessageRejected as exc:  # a duplicate that came meanwhile

@@ -123,6 +123,12 @@ class TcpTransport:
     def carries(self, peer: Label) -> bool:
         return peer in self._links
 
+    def connections(self, peer: Label) -> int:
+        """How many connections carry messages to `peer` (the main one and
+        its stripes); 0 when not connected."""
+        link = self._links.get(peer)
+        return 0 if link is None else link.num_connections
+
     def send(self, dst: Label, key: MessageKey, tensors: Sequence[torch.Tensor]) -> None:
         """Write the message to `dst`'s connection (see `link`)."""
         self.endpoint.raise_if_failed()

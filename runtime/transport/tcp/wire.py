@@ -7,10 +7,18 @@ has TLS:
     frame    u8 kind, u32 length, `length` bytes, and for MESSAGE the payload:
              MESSAGE  the serialized envelope (`framing.EnvelopeWriter`), then
                       the envelope's total_bytes of tensor data, unframed
+             SPLIT    u8 parts, then the envelope: a message striped over
+                      `parts` connections (`stripes`); its first part follows
              SYNC     nothing: the server answers DELIVERED
              BYE      nothing: the sender is done; the server closes
 
-Server to client: frames of the same shape: ACCEPTED (the token passed),
+A stripe connection (after its own hello and ACCEPTED) sends JOIN (the
+main connection's link id, u8 its index), answered by ACCEPTED, then for
+each striped message PART (u64 the message's index on the main connection)
+followed by its part of the bytes, unframed; BYE at the end.
+
+Server to client: frames of the same shape: ACCEPTED (the token passed;
+its body: LINK_ID_BYTES naming the connection, for stripes to join),
 DELIVERED (u64: messages put in the mailbox so far on this connection), or
 REFUSED (u64 delivered before it, then "<STATUS>\\n<details>"), after which
 the server closes. Status names are gRPC's, so a refusal reads the same
@@ -23,9 +31,10 @@ import socket
 import struct
 
 __all__ = ["MAGIC", "MAX_TOKEN_BYTES", "MAX_ENVELOPE_BYTES", "MAX_REPLY_BYTES", "HEADER",
-           "MESSAGE", "SYNC", "BYE", "ACCEPTED", "DELIVERED", "REFUSED", "hello", "token_length",
-           "frame", "delivered", "count_of", "refusal", "parse_refusal", "read_exact",
-           "read_into", "PeerClosed"]
+           "MAX_STRIPES", "LINK_ID_BYTES", "MESSAGE", "SYNC", "BYE", "SPLIT", "PART", "JOIN",
+           "ACCEPTED", "DELIVERED", "REFUSED", "hello", "token_length", "frame", "split", "part",
+           "seq_of", "join", "parse_join", "delivered", "count_of", "refusal", "parse_refusal",
+           "read_exact", "read_into", "PeerClosed"]
 
 MAGIC = b"splitrun-data/1\n"
 MAX_TOKEN_BYTES = 4096
@@ -36,7 +45,12 @@ HEADER = struct.Struct("<BI")
 _TOKEN_LENGTH = struct.Struct("<H")
 _COUNT = struct.Struct("<Q")
 
-MESSAGE, SYNC, BYE = 1, 2, 3
+# Connections per peer at most (the main one and its stripes).
+MAX_STRIPES = 16
+LINK_ID_BYTES = 16
+_JOIN = struct.Struct(f"<{LINK_ID_BYTES}sB")
+
+MESSAGE, SYNC, BYE, SPLIT, PART, JOIN = 1, 2, 3, 4, 5, 6
 ACCEPTED, DELIVERED, REFUSED = 10, 11, 12
 
 
@@ -63,6 +77,30 @@ def delivered(count: int) -> bytes:
 
 def count_of(body: bytes) -> int:
     return _COUNT.unpack_from(body)[0]
+
+
+def split(parts: int, envelope: bytes) -> bytes:
+    """The header of a message striped over `parts` connections."""
+    return HEADER.pack(SPLIT, len(envelope) + 1) + bytes((parts,)) + envelope
+
+
+def part(seq: int) -> bytes:
+    return frame(PART, _COUNT.pack(seq))
+
+
+def seq_of(body: bytes) -> int:
+    return _COUNT.unpack(body)[0]
+
+
+def join(link_id: bytes, index: int) -> bytes:
+    return frame(JOIN, _JOIN.pack(link_id, index))
+
+
+def parse_join(body: bytes) -> tuple[bytes, int]:
+    """(link id, index); ValueError if the body is not a JOIN's."""
+    if len(body) != _JOIN.size:
+        raise ValueError(f"a join of {len(body)} bytes (expected {_JOIN.size})")
+    return _JOIN.unpack(body)
 
 
 def refusal(count: int, status: str, details: str) -> bytes:
