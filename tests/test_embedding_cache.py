@@ -267,6 +267,31 @@ def test_lru_order_kept_step_by_step_plans_exactly_as_sorting_every_slot(monkeyp
     assert used_order >= 20, "the kept order chose the victims of most steps"
 
 
+def test_lru_order_stays_bounded_while_nothing_is_evicted(monkeypatch):
+    """Steps that only hit leave stale entries behind in the kept LRU order:
+    it is dropped past 4 entries a slot and built again from the slots' last
+    uses, and the plans stay those of sorting every slot."""
+    rows, capacity = 2_000, 200
+    kept = RowCache(_table(rows=rows, cache_rows=capacity))
+    sorting = RowCache(_table(rows=rows, cache_rows=capacity))
+    monkeypatch.setattr(sorting, "_lru_order", lambda step: None)
+    generator = torch.Generator().manual_seed(1)
+    largest = 0
+    for step in range(60):
+        if 10 <= step < 40:  # only rows cached now: no misses, no victims
+            cached = kept.id_of_slot[kept.id_of_slot >= 0]
+            ids = cached[torch.randint(0, cached.numel(), (150,), generator=generator)]
+        else:
+            ids = torch.randint(0, rows, (150,), generator=generator)
+        plans = [cache.plan(ids, step, write_back=True, max_staleness=0)
+                 for cache in (kept, sorting)]
+        assert torch.equal(plans[0].lookup_slots, plans[1].lookup_slots), f"step {step}"
+        assert torch.equal(kept.id_of_slot, sorting.id_of_slot), f"step {step}"
+        if kept._use_order is not None:
+            largest = max(largest, kept._use_order.num_entries)
+    assert 0 < largest <= 4 * capacity
+
+
 def test_bad_ids_and_small_caches_name_the_table():
     cache = RowCache(_table(rows=20, cache_rows=4))
     with pytest.raises(SplitrunError, match=r"table 'emb.weight' has 20 rows \(ids 0-19\) but "

@@ -40,6 +40,9 @@ _PARTIAL_SELECT_RATIO = 16
 # Keys spanning at most this many values per key (LRU's: step numbers) find
 # the count-th smallest by counting them (a bincount), ~8x faster than topk.
 _COUNTING_SPAN_PER_KEY = 4
+# LRU's kept order is built again from the slots' last uses once it holds
+# this many entries a slot (the bench's 20 % caches settle at about 2).
+_ORDER_ENTRIES_PER_SLOT = 4
 # The eviction key of a free slot: before every row's (all policies' keys
 # are >= -1), so free slots are taken first.
 _FREE_FIRST = -2
@@ -351,6 +354,9 @@ class RowCache:
             order.drop(end)
         marks[new_slots] = True
         order.append(step, np.flatnonzero(marks))
+        if order.num_entries > _ORDER_ENTRIES_PER_SLOT * self.capacity:
+            # Few evictions leave stale entries piling up: built again when next needed.
+            self._use_order = None
 
     def _eviction_key(self) -> torch.Tensor:
         """Every slot's key, a new tensor: the smallest are evicted first."""

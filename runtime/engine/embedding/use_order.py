@@ -29,6 +29,7 @@ class UseOrder:
         # (slots, the step each was used at), front first.
         self._entries: deque[tuple[np.ndarray, np.ndarray]] = deque(
             [(order, last_used.take(order))] if filled else [])
+        self.num_entries = filled  # current and stale
 
     def oldest(self, count: int, last_used: np.ndarray, pinned: np.ndarray
                ) -> tuple[np.ndarray, tuple[int, int]] | None:
@@ -54,9 +55,10 @@ class UseOrder:
         step now, so none of those entries is current any more)."""
         index, position = end
         for _ in range(index):
-            self._entries.popleft()
+            self.num_entries -= self._entries.popleft()[0].size
         if self._entries and position:
             slots, steps = self._entries.popleft()
+            self.num_entries -= min(position, slots.size)
             if position < slots.size:
                 self._entries.appendleft((slots[position:], steps[position:]))
 
@@ -64,3 +66,4 @@ class UseOrder:
         """The slots `used` at `step` (distinct, sorted), after every earlier use."""
         if used.size:
             self._entries.append((used, np.full(used.size, step, dtype=np.int64)))
+            self.num_entries += used.size
