@@ -36,12 +36,15 @@ recommendation job. Prints JSON.
 
 (c) Profile (only with --part profile): the three jobs of (b) on one host,
     the steps after the warm-up: worker 0's under torch.profiler (aten ops
-    by self CPU time) and cProfile; server 0's table store (the requests of
-    those steps, in its serving thread) the same way; the tables go to
-    --profile-dir/<job>/{worker0,server0}/.
+    by self CPU time) and cProfile, with the CPU time of its step's thread
+    and of its whole process (the plan made ahead and the transport's threads
+    too) a step; server 0's table store (the requests of those steps, in its
+    serving thread) the same way; the tables go to
+    --profile-dir/<job>/{worker0,server0}/ (--variants: only those jobs).
 
     python bench/embedding_cache.py [--quick] [--repeats 3] [--one-host]
         [--rates-mbit 10000 1000] [--part hit_rates|throughput|profile]
+        [--variants lru_20_percent ...]
 """
 
 from __future__ import annotations
@@ -347,23 +350,31 @@ class _StepProfiler:
             torch.profiler.ProfilerActivity.CPU])
         self.python_profile = cProfile.Profile()
         self.steps = 0
+        self.started_cpu_s = self.started_process_s = 0.0
 
     def after_step(self, step: int) -> None:
         if step + 1 == self.after:
             self.torch_profile.start()
             self.python_profile.enable()
+            self.started_cpu_s = time.thread_time()
+            self.started_process_s = _process_cpu_s()
         elif step + 1 > self.after:
             self.steps += 1
 
     def stop(self) -> None:
         if self.steps == 0:
             return
+        cpu_ms = 1e3 * (time.thread_time() - self.started_cpu_s) / self.steps
+        process_ms = 1e3 * (_process_cpu_s() - self.started_process_s) / self.steps
         self.python_profile.disable()
         self.torch_profile.stop()
         self.directory.mkdir(parents=True, exist_ok=True)
         table = self.torch_profile.key_averages().table(sort_by="self_cpu_time_total",
                                                        row_limit=PROFILE_ROWS)
-        (self.directory / "ops.txt").write_text(f"{self.steps} steps\n{table}\n")
+        (self.directory / "ops.txt").write_text(
+            f"{self.steps} steps; the step's thread's CPU time: {cpu_ms:.1f} ms a step; the "
+            f"whole worker process (the plan made ahead, the transport's threads too): "
+            f"{process_ms:.1f} ms a step\n{table}\n")
         text = io.StringIO()
         stats = pstats.Stats(self.python_profile, stream=text)
         stats.sort_stats("tottime").print_stats(PROFILE_ROWS)
@@ -625,14 +636,14 @@ def two_host_throughput(rates_mbit: tuple[float, ...], repeats: int, warmup: int
     return report
 
 
-def profile(quick: bool, directory: str) -> dict:
+def profile(quick: bool, directory: str, variants: list[str]) -> dict:
     """Worker 0's steps and server 0's table store profiled: the cached (LRU
-    20 %), uncached and whole-table-cached jobs, steps after the warm-up;
-    tables in `directory`/<variant>/{worker0,server0}/."""
+    20 %), uncached and whole-table-cached jobs (or `variants`), steps after
+    the warm-up; tables in `directory`/<variant>/{worker0,server0}/."""
     warmup = QUICK_WARMUP_STEPS if quick else WARMUP_STEPS
     steps = warmup + PROFILED_STEPS + 2  # the server's window closes at a later request
     report = {}
-    for variant in VARIANTS:
+    for variant in variants:
         where = str(pathlib.Path(directory) / variant)
         launch(variant, steps, where, warmup)
         report[variant] = where
@@ -652,6 +663,8 @@ def main() -> None:
                         help="link rates of the two-host throughput runs")
     parser.add_argument("--profile-dir", help="--part profile: where the tables go "
                         "(default: bench_profile/ in the working directory)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="--part profile: the jobs to profile (default: all)")
     parser.add_argument("--profile-after", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("job_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -672,7 +685,8 @@ def main() -> None:
         repeats = args.repeats or (1 if args.quick else 3)
         report["throughput"] = throughput(args.quick, repeats, rates)
     if args.part == "profile":
-        report["profile"] = profile(args.quick, args.profile_dir or "bench_profile")
+        report["profile"] = profile(args.quick, args.profile_dir or "bench_profile",
+                                     args.variants)
     report["total_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(report, indent=2))
 

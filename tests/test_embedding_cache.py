@@ -231,6 +231,67 @@ def test_evictions_at_scale_pick_exactly_the_policys_victims(policy):
     assert partial_steps >= 10, "eviction picked few victims of many slots"
 
 
+def test_lru_order_kept_step_by_step_plans_exactly_as_sorting_every_slot(monkeypatch):
+    """LRU reads its victims off an order it keeps as plans are made
+    (`use_order.py`); a cache that sorts every slot's last use each plan
+    instead makes the same plans: the same victims in the same order, so the
+    same slots for the same ids. Also across a plan refused for keeping the
+    running step's rows, and a table planned twice in one step."""
+    rows, capacity = 5_000, 600
+    kept = RowCache(_table(rows=rows, cache_rows=capacity))
+    sorting = RowCache(_table(rows=rows, cache_rows=capacity))
+    monkeypatch.setattr(sorting, "_lru_order", lambda step: None)
+    generator = torch.Generator().manual_seed(0)
+    used_order = 0
+    for step in range(40):
+        ids = torch.cat([torch.randint(0, 400, (300,), generator=generator),
+                         torch.randint(0, rows, (120,), generator=generator)])
+        replans = [(ids, step, None)]
+        if step % 7 == 3:  # refused: it must evict a row the step before used
+            replans.insert(0, (torch.randint(0, rows, (500,), generator=generator), step, step - 1))
+        if step % 11 == 5:  # the same table twice in one step
+            replans.append((torch.randint(0, rows, (200,), generator=generator), step, None))
+        for batch, at, keep_since in replans:
+            plans = [cache.plan(batch, at, write_back=True, max_staleness=0,
+                                keep_since=keep_since) for cache in (kept, sorting)]
+            if plans[0] is None or plans[1] is None:
+                assert plans[0] is None and plans[1] is None, f"step {step}"
+                continue
+            for name in ("lookup_slots", "pull_ids", "pull_slots", "evicted_ids",
+                         "evicted_slots"):
+                assert torch.equal(getattr(plans[0], name), getattr(plans[1], name)), (
+                    f"step {step}: {name}")
+            used_order += kept._use_order is not None and plans[0].evictions > 0
+        for name in ("slot_of_id", "id_of_slot", "last_used"):
+            assert torch.equal(getattr(kept, name), getattr(sorting, name)), f"step {step}: {name}"
+    assert used_order >= 20, "the kept order chose the victims of most steps"
+
+
+def test_lru_order_stays_bounded_while_nothing_is_evicted(monkeypatch):
+    """Steps that only hit leave stale entries behind in the kept LRU order:
+    it is dropped past 4 entries a slot and built again from the slots' last
+    uses, and the plans stay those of sorting every slot."""
+    rows, capacity = 2_000, 200
+    kept = RowCache(_table(rows=rows, cache_rows=capacity))
+    sorting = RowCache(_table(rows=rows, cache_rows=capacity))
+    monkeypatch.setattr(sorting, "_lru_order", lambda step: None)
+    generator = torch.Generator().manual_seed(1)
+    largest = 0
+    for step in range(60):
+        if 10 <= step < 40:  # only rows cached now: no misses, no victims
+            cached = kept.id_of_slot[kept.id_of_slot >= 0]
+            ids = cached[torch.randint(0, cached.numel(), (150,), generator=generator)]
+        else:
+            ids = torch.randint(0, rows, (150,), generator=generator)
+        plans = [cache.plan(ids, step, write_back=True, max_staleness=0)
+                 for cache in (kept, sorting)]
+        assert torch.equal(plans[0].lookup_slots, plans[1].lookup_slots), f"step {step}"
+        assert torch.equal(kept.id_of_slot, sorting.id_of_slot), f"step {step}"
+        if kept._use_order is not None:
+            largest = max(largest, kept._use_order.num_entries)
+    assert 0 < largest <= 4 * capacity
+
+
 def test_bad_ids_and_small_caches_name_the_table():
     cache = RowCache(_table(rows=20, cache_rows=4))
     with pytest.raises(SplitrunError, match=r"table 'emb.weight' has 20 rows \(ids 0-19\) but "

@@ -30,6 +30,7 @@ from splitrun.splitter.embedding_bags import bag_gradient_rows, sorted_groups
 from splitrun.splitter.sparse_optim import sparse_sgd_
 
 from ...errors import CacheError
+from .huge_pages import zeros_rows
 from .row_cache import RowCache
 
 __all__ = ["FusedBags"]
@@ -58,7 +59,7 @@ class FusedBags:
         self.device = caches[0].device
         self.dims = [cache.table.dim for cache in caches]
         sizes = [cache.capacity * cache.table.dim for cache in caches]
-        self.weights = torch.zeros(sum(sizes), dtype=caches[0].table.dtype, device=self.device)
+        self.weights = zeros_rows(sum(sizes), caches[0].table.dtype, self.device)
         starts = [0]
         for size in sizes[:-1]:
             starts.append(starts[-1] + size)

@@ -24,6 +24,7 @@ from splitrun.splitter.sparse_optim import IN_PLACE
 
 from ...errors import MessageRejected, SplitrunError
 from ...transport.protocol import MessageKey, Transport
+from .huge_pages import empty_rows
 from .protocol import Op, read_request, reply_channel
 from .row_copy import copy_rows_, gather_rows
 from .sharding import RowSharding
@@ -105,8 +106,8 @@ class EmbeddingStore:
             shardings = [RowSharding(t.num_rows, cluster.num_servers) for t in group_tables]
             sizes = [sharding.shard_size(label.rank) for sharding in shardings]
             first = group_tables[0]
-            group = _Group(torch.empty(sum(sizes), first.dim, dtype=first.dtype),
-                           {n: torch.empty(sum(sizes), first.dim, dtype=first.dtype)
+            group = _Group(empty_rows((sum(sizes), first.dim), first.dtype),
+                           {n: empty_rows((sum(sizes), first.dim), first.dtype)
                             for n in first.state_names})
             base = 0
             for table, sharding, size in zip(group_tables, shardings, sizes):
