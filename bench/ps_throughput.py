@@ -745,6 +745,15 @@ def main() -> None:
     print(json.dumps(report, indent=2))
 
 
+def _progress(name: str, run):
+    """`run()`, its result and wall time said on stderr (stdout is the JSON)."""
+    started = time.perf_counter()
+    result = run()
+    print(f"{name}: {result} ({time.perf_counter() - started:.1f} s)", file=sys.stderr,
+          flush=True)
+    return result
+
+
 def _stale_name(staleness: int) -> str:
     return "splitrun_shm_ps" if staleness == 0 else f"splitrun_shm_ps_stale{staleness}"
 
@@ -763,7 +772,7 @@ def _throughput_report(args) -> dict:
     measured = {name: [] for name in runs}
     for _ in range(args.repeats):  # interleaved, so drift hits all alike
         for name, run in runs.items():
-            measured[name].append(run())
+            measured[name].append(_progress(name, run))
     report = {"results": {}}
     for name, values in measured.items():
         steps_per_s = statistics.median(values)
@@ -814,7 +823,7 @@ def _time_to_target_report(args) -> dict:
         measured = {name: [] for name in runs}
         for _ in range(args.repeats):
             for name, run in runs.items():
-                measured[name].append(run())
+                measured[name].append(_progress(f"{task} {name}", run))
         results = {}
         for name, values in measured.items():
             reached = [v for v in values if v["reached"]]
