@@ -115,7 +115,7 @@ def _free_port() -> int:
 
 # -- (a) one process ------------------------------------------------------
 
-def run_single(args) -> float:
+def run_single(args) -> dict:
     torch.set_num_threads(2)
     net = model(args.width)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
@@ -204,7 +204,7 @@ def _ddp_process(rank: int, world: int, init_method: str, args, results,
         dist.destroy_process_group()
 
 
-def run_ddp(args, task_name: str | None = None):
+def run_ddp(args, task_name: str | None = None) -> dict:
     """DDP on 2 processes: steps/s, or a time-to-target result."""
     import torch.multiprocessing as mp
     context = mp.get_context("spawn")
