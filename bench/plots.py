@@ -181,7 +181,8 @@ def ps_staleness(result: dict, fig) -> None:
         ax.set_title("6.7 M-parameter MLP (higher is better)", fontsize=9)
     for name, task in tasks.items():
         reached = task["results"]
-        labels = [_ps_name(k) + ("" if reached[k]["seconds"] is not None else
+        labels = [_ps_name(k) + (f", {reached[k]['steps']:g} steps"
+                                 if reached[k]["seconds"] is not None else
                                  f" (reached {reached[k]['runs_reached']})") for k in reached]
         ax = next(panels)
         _bars(ax, labels, [reached[k]["seconds"] or 0 for k in reached],
