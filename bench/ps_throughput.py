@@ -29,7 +29,8 @@ With --profile-dir DIR, one more splitrun run over shared memory is
 profiled: worker 0's and server 0's steps after the warm-up under
 torch.profiler (aten ops by self CPU time) and cProfile (the main thread's
 Python functions), and a breakdown of one step (receive wait, sends, ops, the
-rest) from the executor's counters; the tables go to DIR.
+rest) from the executor's counters; the tables go to DIR. --profile-staleness S
+profiles a run under ParameterServerMode(staleness=S) instead.
 
 Issue 25 (bounded staleness): every run also measures DDP on 2 processes
 (gloo, 1 thread each; `ddp_2_processes`) and splitrun over shared memory at
@@ -47,7 +48,8 @@ machine's cores (`cpu_bound_steps_per_s`: no process ever waiting).
     python bench/ps_throughput.py [--steps 40] [--repeats 3] [--quick]
                                   [--part all|throughput|tta] [--stale 1 2] [--skip-rpc]
                                   [--two-hosts 1000 10000 [--two-hosts-only]]
-                                  [--profile-dir DIR] [--gradient-bucket-mb MB]
+                                  [--profile-dir DIR [--profile-staleness S]]
+                                  [--gradient-bucket-mb MB]
 """
 
 from __future__ import annotations
@@ -731,6 +733,8 @@ def main() -> None:
     parser.add_argument("--profile-dir", default=None, metavar="DIR",
                         help="also profile one splitrun run over shared memory (worker 0's "
                              "and server 0's steps after the warm-up); tables go to DIR")
+    parser.add_argument("--profile-staleness", type=int, default=0, metavar="S",
+                        help="the profiled run's ParameterServerMode(staleness=S)")
     parser.add_argument("--gradient-bucket-mb", type=float, default=None, metavar="MB",
                         help="splitrun sends gradients in buckets of MB as the backward "
                              "makes them (ParameterServerMode(gradient_bucket_bytes=...))")
@@ -783,7 +787,8 @@ def main() -> None:
     if args.two_hosts:
         report["two_hosts"] = _two_hosts_report(args)
     if args.profile_dir:
-        profiled = run_splitrun(args, "auto", profile_dir=args.profile_dir)["steps_per_s"]
+        profiled = run_splitrun(args, "auto", profile_dir=args.profile_dir,
+                                staleness=args.profile_staleness)["steps_per_s"]
         report["profile"] = {"steps_per_s": round(profiled, 3), "directory": args.profile_dir,
                              "steps": [json.loads(path.read_text()) for path in sorted(
                                  pathlib.Path(args.profile_dir).glob("*-step.json"))]}
