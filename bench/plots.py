@@ -304,7 +304,7 @@ DRAWINGS: dict[str, Callable[[dict, object], None]] = {
     "embedding_cache_throughput": embedding_cache_throughput, "startup": startup,
     "gpu": gpu, "transport_hosts": transport_hosts,
     "ps_staleness": ps_staleness, "ps_staleness_s2": ps_staleness,
-    "ps_staleness_tta": ps_staleness,
+    "ps_staleness_tta": ps_staleness, "ps_staleness_tta_quiet": ps_staleness,
 }
 
 
