@@ -164,23 +164,32 @@ PS_NAMES = {"single_process": "one process, 2 threads", "ddp_2_processes": "DDP,
             "splitrun_shm_ps": "splitrun, synchronous"}
 
 
+def _ps_name(key: str) -> str:
+    return PS_NAMES.get(key, key.replace("splitrun_shm_ps_stale", "splitrun, staleness="))
+
+
 def ps_staleness(result: dict, fig) -> None:
-    """Steps/s of each configuration, and the steps each took to the digits
-    job's target (none: it did not get there)."""
-    left, right = fig.subplots(1, 2)
-    runs = result["results"]
-    names = [PS_NAMES.get(k, k.replace("splitrun_shm_ps_stale", "splitrun, staleness="))
-             for k in runs]
-    _bars(left, names, [runs[k]["steps_per_s"] for k in runs],
-          [_colour(k) for k in runs], "steps/s")
-    left.set_title("6.7 M-parameter MLP (higher is better)", fontsize=9)
-    target = result["time_to_target"]["digits"]
-    reached = target["results"]
-    labels = [PS_NAMES.get(k, k.replace("splitrun_shm_ps_stale", "splitrun, staleness="))
-              + ("" if reached[k]["steps"] is not None else " (not reached)") for k in reached]
-    _bars(right, labels, [reached[k]["steps"] or 0 for k in reached],
-          [_colour(k) for k in reached], "steps", "{:.0f}")
-    right.set_title("digits: steps to " + target["target"].replace("held-out ", ""), fontsize=9)
+    """What a bench/ps_throughput.py run with --stale measured: steps/s of
+    each configuration (--part throughput), and the seconds each took to
+    each task's target (--part tta; "not reached": it did not get there)."""
+    tasks = result.get("time_to_target", {})
+    panels = iter(fig.subplots(1, ("results" in result) + len(tasks), squeeze=False)[0])
+    if "results" in result:
+        runs = result["results"]
+        ax = next(panels)
+        _bars(ax, [_ps_name(k) for k in runs], [runs[k]["steps_per_s"] for k in runs],
+              [_colour(k) for k in runs], "steps/s")
+        ax.set_title("6.7 M-parameter MLP (higher is better)", fontsize=9)
+    for name, task in tasks.items():
+        reached = task["results"]
+        labels = [_ps_name(k) + (f", {reached[k]['steps']:g} steps"
+                                 if reached[k]["seconds"] is not None else
+                                 f" (reached {reached[k]['runs_reached']})") for k in reached]
+        ax = next(panels)
+        _bars(ax, labels, [reached[k]["seconds"] or 0 for k in reached],
+              [_colour(k) for k in reached], "seconds (median)", "{:.2f}")
+        ax.set_title(f"{name}: time to {task['target'].replace('held-out ', '')}",
+                     fontsize=9)
     fig.suptitle("Parameter servers with bounded staleness")
 
 
@@ -350,7 +359,9 @@ DRAWINGS: dict[str, Callable[[dict, object], None]] = {
     "embedding_cache_hit_rates": embedding_cache_hit_rates,
     "embedding_cache_throughput": embedding_cache_throughput, "startup": startup,
     "gpu": gpu, "transport_hosts": transport_hosts,
-    "ps_staleness": ps_staleness, "pipeline": pipeline, "pipeline_ceiling": pipeline_ceiling,
+    "ps_staleness": ps_staleness, "ps_staleness_s2": ps_staleness,
+    "ps_staleness_tta": ps_staleness, "ps_staleness_tta_quiet": ps_staleness,
+    "pipeline": pipeline, "pipeline_ceiling": pipeline_ceiling,
 }
 
 

@@ -29,7 +29,8 @@ With --profile-dir DIR, one more splitrun run over shared memory is
 profiled: worker 0's and server 0's steps after the warm-up under
 torch.profiler (aten ops by self CPU time) and cProfile (the main thread's
 Python functions), and a breakdown of one step (receive wait, sends, ops, the
-rest) from the executor's counters; the tables go to DIR.
+rest) from the executor's counters; the tables go to DIR. --profile-staleness S
+profiles a run under ParameterServerMode(staleness=S) instead.
 
 Issue 25 (bounded staleness): every run also measures DDP on 2 processes
 (gloo, 1 thread each; `ddp_2_processes`) and splitrun over shared memory at
@@ -40,11 +41,15 @@ all or tta, time to target (bench/time_to_target.py): the digits job to 0.95
 held-out accuracy (goal: a bound >= 1.3x faster than synchronous splitrun and
 DDP) and the bench model to a training loss, seconds and steps of each.
 --skip-rpc leaves out the earlier goals' runs (RPC servers, gRPC, op by op).
+Each throughput run also reports every process's CPU time a step (all its
+threads, after the warm-up) and the steps/s their sum allows on this
+machine's cores (`cpu_bound_steps_per_s`: no process ever waiting).
 
     python bench/ps_throughput.py [--steps 40] [--repeats 3] [--quick]
                                   [--part all|throughput|tta] [--stale 1 2] [--skip-rpc]
                                   [--two-hosts 1000 10000 [--two-hosts-only]]
-                                  [--profile-dir DIR] [--gradient-bucket-mb MB]
+                                  [--profile-dir DIR [--profile-staleness S]]
+                                  [--gradient-bucket-mb MB]
 """
 
 from __future__ import annotations
@@ -112,19 +117,25 @@ def _free_port() -> int:
 
 # -- (a) one process ------------------------------------------------------
 
-def run_single(args) -> float:
+def run_single(args) -> dict:
     torch.set_num_threads(2)
     net = model(args.width)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     data = batches(args.steps + WARMUP_STEPS, args.batch_size)
-    started = None
+    started = cpu_started = None
     for index, (x, y) in enumerate(data):
         if index == WARMUP_STEPS:
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
         optimizer.zero_grad()
         loss_fn(net, x, y).backward()
         optimizer.step()
-    return args.steps / (time.perf_counter() - started)
+    return {"steps_per_s": args.steps / (time.perf_counter() - started),
+            "cpu_ms_per_step": {"process": _cpu_ms(cpu_started, args.steps)}}
+
+
+def _cpu_ms(cpu_started: float, steps: int) -> float:
+    """CPU time of this process (all its threads) per step since `cpu_started`."""
+    return (time.process_time() - cpu_started) * 1000 / steps
 
 
 def make_task(args, name: str):
@@ -175,10 +186,10 @@ def _ddp_process(rank: int, world: int, init_method: str, args, results,
         if task is not None:
             from time_to_target import TargetClock
             clock = TargetClock()
-        started = None
+        started = cpu_started = None
         for index, (x, y) in enumerate(data):
             if index == WARMUP_STEPS and task is None:
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.process_time()
             lo = rank * shard
             optimizer.zero_grad()
             loss = loss_fn(ddp, x[lo:lo + shard], y[lo:lo + shard])
@@ -186,14 +197,16 @@ def _ddp_process(rank: int, world: int, init_method: str, args, results,
             optimizer.step()
             if clock is not None and rank == 0:
                 clock.step_done(task, net, None, loss.item(), index + 1)
-        if rank == 0:
-            results.put(args.steps / (time.perf_counter() - started) if task is None
-                        else clock.result())
+        if task is None:  # every rank: its speed and CPU time
+            results.put((rank, args.steps / (time.perf_counter() - started),
+                         _cpu_ms(cpu_started, args.steps)))
+        elif rank == 0:
+            results.put(clock.result())
     finally:
         dist.destroy_process_group()
 
 
-def run_ddp(args, task_name: str | None = None):
+def run_ddp(args, task_name: str | None = None) -> dict:
     """DDP on 2 processes: steps/s, or a time-to-target result."""
     import torch.multiprocessing as mp
     context = mp.get_context("spawn")
@@ -206,7 +219,11 @@ def run_ddp(args, task_name: str | None = None):
     for process in processes:
         process.start()
     try:
-        return results.get(timeout=RUN_TIMEOUT_S)
+        if task_name is not None:
+            return results.get(timeout=RUN_TIMEOUT_S)
+        ranks = sorted(results.get(timeout=RUN_TIMEOUT_S) for _ in range(world))
+        return {"steps_per_s": min(speed for _, speed, _ in ranks),
+                "cpu_ms_per_step": {f"rank{rank}": cpu for rank, _, cpu in ranks}}
     finally:
         for process in processes:
             process.join(timeout=60)
@@ -431,10 +448,12 @@ def run_splitrun_job(args) -> None:
                                  trainer.process.executor.stats)
         if job.is_server:
             _profile_served_steps(trainer.process, profiler)
-    started = None
+    started = cpu_started = None
+    if job.is_server:
+        served = _cpu_from_served_step(trainer.process)
     for index, batch in enumerate(trainer.shard(data)):
         if index == WARMUP_STEPS:
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             if profiler is not None:
                 profiler.start()
         trainer.step(batch)
@@ -450,7 +469,29 @@ def run_splitrun_job(args) -> None:
         profiler.stop()
     if job.is_worker:  # under a staleness bound the workers end apart: the slowest counts
         print("BENCH " + json.dumps({"steps_per_s": args.steps / (stepped - started),
-                                     "finish_s": time.perf_counter() - stepped}), flush=True)
+                                     "finish_s": time.perf_counter() - stepped,
+                                     "process": job.label.describe(),
+                                     "cpu_ms_per_step": _cpu_ms(cpu_started, args.steps)}),
+              flush=True)
+    elif served:  # a server's steps ran inside finish(), the leaving barrier with them
+        print("CPU " + json.dumps({"process": job.label.describe(),
+                                   "cpu_ms_per_step": _cpu_ms(served[0], args.steps)}),
+              flush=True)
+
+
+def _cpu_from_served_step(process) -> list[float]:
+    """A server's CPU clock when the first step after the warm-up starts
+    (filled in then)."""
+    started: list[float] = []
+    serve_step = process.serve_step
+
+    def serve_and_clock(step: int, **kwargs):
+        if step == WARMUP_STEPS:
+            started.append(time.process_time())
+        return serve_step(step, **kwargs)
+
+    process.serve_step = serve_and_clock
+    return started
 
 
 def run_splitrun_to_target(args, job) -> None:
@@ -588,7 +629,13 @@ def run_splitrun(args, transport: str = "grpc", profile_dir: str | None = None,
     found = [json.loads(line.split(marker, 1)[1]) for line in out.stdout.splitlines()
              if marker in line]
     if out.returncode == 0 and found:
-        return found[0] if tta else min(r["steps_per_s"] for r in found)
+        if tta:
+            return found[0]
+        cpu = [json.loads(line.split("CPU ", 1)[1]) for line in out.stdout.splitlines()
+               if "CPU {" in line]
+        return {"steps_per_s": min(r["steps_per_s"] for r in found),
+                "cpu_ms_per_step": {r["process"].replace(" ", ""): r["cpu_ms_per_step"]
+                                    for r in [*found, *cpu]}}
     raise RuntimeError(f"splitrun run failed ({out.returncode}):\n{out.stdout[-4000:]}")
 
 
@@ -686,6 +733,8 @@ def main() -> None:
     parser.add_argument("--profile-dir", default=None, metavar="DIR",
                         help="also profile one splitrun run over shared memory (worker 0's "
                              "and server 0's steps after the warm-up); tables go to DIR")
+    parser.add_argument("--profile-staleness", type=int, default=0, metavar="S",
+                        help="the profiled run's ParameterServerMode(staleness=S)")
     parser.add_argument("--gradient-bucket-mb", type=float, default=None, metavar="MB",
                         help="splitrun sends gradients in buckets of MB as the backward "
                              "makes them (ParameterServerMode(gradient_bucket_bytes=...))")
@@ -738,11 +787,21 @@ def main() -> None:
     if args.two_hosts:
         report["two_hosts"] = _two_hosts_report(args)
     if args.profile_dir:
-        profiled = run_splitrun(args, "auto", profile_dir=args.profile_dir)
+        profiled = run_splitrun(args, "auto", profile_dir=args.profile_dir,
+                                staleness=args.profile_staleness)["steps_per_s"]
         report["profile"] = {"steps_per_s": round(profiled, 3), "directory": args.profile_dir,
                              "steps": [json.loads(path.read_text()) for path in sorted(
                                  pathlib.Path(args.profile_dir).glob("*-step.json"))]}
     print(json.dumps(report, indent=2))
+
+
+def _progress(name: str, run):
+    """`run()`, its result and wall time said on stderr (stdout is the JSON)."""
+    started = time.perf_counter()
+    result = run()
+    print(f"{name}: {result} ({time.perf_counter() - started:.1f} s)", file=sys.stderr,
+          flush=True)
+    return result
 
 
 def _stale_name(staleness: int) -> str:
@@ -763,13 +822,18 @@ def _throughput_report(args) -> dict:
     measured = {name: [] for name in runs}
     for _ in range(args.repeats):  # interleaved, so drift hits all alike
         for name, run in runs.items():
-            measured[name].append(run())
+            measured[name].append(_progress(name, run))
     report = {"results": {}}
     for name, values in measured.items():
-        steps_per_s = statistics.median(values)
-        report["results"][name] = {"steps_per_s": round(steps_per_s, 3),
-                                   "samples_per_s": round(steps_per_s * args.batch_size, 1),
-                                   "runs_steps_per_s": [round(r, 3) for r in values]}
+        speeds = [v if isinstance(v, float) else v["steps_per_s"] for v in values]
+        steps_per_s = statistics.median(speeds)
+        entry = report["results"][name] = {
+            "steps_per_s": round(steps_per_s, 3),
+            "samples_per_s": round(steps_per_s * args.batch_size, 1),
+            "runs_steps_per_s": [round(r, 3) for r in speeds]}
+        cpu = [v["cpu_ms_per_step"] for v in values if not isinstance(v, float)]
+        if cpu:
+            entry.update(_cpu_summary(cpu))
     speed = {name: r["steps_per_s"] for name, r in report["results"].items()}
     if not args.skip_rpc:
         ratio = speed["splitrun_ps"] / speed["torch_rpc_tutorial_ps"]
@@ -800,6 +864,17 @@ def _throughput_report(args) -> dict:
     return report
 
 
+def _cpu_summary(runs: list[dict[str, float]]) -> dict:
+    """Medians over the runs of each process's CPU milliseconds a step and of
+    their sum, and the steps/s that sum allows on this machine's cores were
+    no process ever waiting (the configuration's CPU bound)."""
+    total = statistics.median(sum(run.values()) for run in runs)
+    return {"cpu_ms_per_step": {process: round(statistics.median(run[process] for run in runs), 1)
+                                for process in runs[0]},
+            "cpu_ms_per_step_total": round(total, 1),
+            "cpu_bound_steps_per_s": round(os.cpu_count() * 1000 / total, 2)}
+
+
 def _time_to_target_report(args) -> dict:
     """Per task, seconds and steps to the target of one process, DDP, and
     splitrun at each staleness (medians over the runs; a configuration that
@@ -814,7 +889,7 @@ def _time_to_target_report(args) -> dict:
         measured = {name: [] for name in runs}
         for _ in range(args.repeats):
             for name, run in runs.items():
-                measured[name].append(run())
+                measured[name].append(_progress(f"{task} {name}", run))
         results = {}
         for name, values in measured.items():
             reached = [v for v in values if v["reached"]]

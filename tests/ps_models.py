@@ -67,6 +67,60 @@ def feeds(batches):
     return lambda step: {"batch.0": batches[step][0], "batch.1": batches[step][1]}
 
 
+# The OPTIMIZERS as plain torch.optim optimizers, for references run eagerly.
+TORCH_OPTIMIZERS = {
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9,
+                                                   weight_decay=1e-3),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.01),
+}
+
+
+def keys_read(plan, label, channel_versions: dict) -> dict[int, dict[str, int]]:
+    """Per step, the version of each state key that worker `label` read,
+    from its `ExecutorStats.channel_versions_read` (JSON-style keys allowed)."""
+    keys_of: dict[str, list[str]] = {}
+    for sync in plan.data_syncs:
+        if sync.reader == label:
+            keys_of.setdefault(sync.channel, []).append(sync.key)
+    return {int(step): {key: version for channel, version in channels.items()
+                        for key in keys_of[channel]}
+            for step, channels in channel_versions.items()}
+
+
+def stale_reference(program, optimizer: str, batches, versions: list[dict[int, dict[str, int]]]):
+    """The staleness rule (splitter/ps_mode.py) run eagerly in one process,
+    with torch autograd and a torch.optim optimizer: version v is the state
+    after the updates of steps 0 .. v-1; the update of step c is the mean over
+    the W workers of worker w's gradient on its shard of batch c at the
+    versions `versions[w][c]` (state key -> version) it read. Returns (losses,
+    parameters): losses[w][c] is worker w's step-c loss, parameters the final
+    ones, by state key."""
+    torch.manual_seed(0)
+    model = DenseNet()
+    model.load_state_dict({key: program.initial_state[key] for key in model.state_dict()})
+    step_with = TORCH_OPTIMIZERS[optimizer](model.parameters())
+    history = [{key: p.detach().clone() for key, p in model.named_parameters()}]
+    workers = len(versions)
+    losses = [[] for _ in range(workers)]
+    for step, (x, y) in enumerate(batches):
+        shard = x.shape[0] // workers
+        total = None
+        for rank in range(workers):
+            read = {key: history[version][key].clone().requires_grad_()
+                    for key, version in versions[rank][step].items()}
+            rows = slice(rank * shard, (rank + 1) * shard)
+            loss = F.cross_entropy(torch.func.functional_call(model, read, (x[rows],)), y[rows])
+            losses[rank].append(loss.item())
+            grads = torch.autograd.grad(loss, list(read.values()))
+            grads = dict(zip(read, grads))
+            total = grads if total is None else {k: total[k] + g for k, g in grads.items()}
+        for key, p in model.named_parameters():
+            p.grad = total[key] / workers
+        step_with.step()
+        history.append({key: p.detach().clone() for key, p in model.named_parameters()})
+    return losses, history[-1]
+
+
 # -- multi-hot features: embedding bags and padding ------------------------------
 
 BAG_ROWS = 40

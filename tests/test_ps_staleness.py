@@ -5,7 +5,11 @@ v(w, c) with c - s <= v(w, c) <= c, version v being the servers' state after
 the synchronous updates of steps 0 .. v-1. s=0 is the synchronous plan itself.
 The launched tests record, per worker and step, the version read, with one
 worker deliberately slow, and check the bound holds and is used up to its
-limit (the fast worker is not held back before it).
+limit (the fast worker is not held back before it). Others compare a
+bounded run, step by step, with the rule run eagerly in one process on the
+versions the run recorded (`stale_reference`): each worker's loss at each step
+(a function of the parameters it read) and the final parameters (of the
+updates applied).
 """
 
 import json
@@ -13,7 +17,7 @@ import json
 import pytest
 import torch
 from cluster import SCRIPTS
-from ps_models import feeds, make
+from ps_models import feeds, keys_read, make, stale_reference
 
 from splitrun.runtime import run_threaded
 from splitrun.runtime.transport.contract import receive_contracts
@@ -89,6 +93,34 @@ def test_threaded_bounded_run_reads_versions_within_the_bound_and_trains(kind, o
     assert not torch.allclose(run.state[key], split.program.initial_state[key])
 
 
+# A bounded run against the rule run eagerly: the same ops on the same
+# versions, in another order (a server sums the workers' gradients in slots).
+REFERENCE_TOLERANCE = 1e-6
+
+
+@pytest.mark.parametrize("staleness, optimizer, servers",
+                         [(1, "adam", 1), (2, "sgd_momentum", 2)])
+def test_threaded_bounded_run_equals_the_rule_run_eagerly(staleness, optimizer, servers):
+    """Each update is applied once, per clock, to the gradients of the
+    versions each worker recorded reading (no update twice, no gradient of
+    another version or clock, no shifted shard)."""
+    split, batches = _split(staleness=staleness, servers=servers, optimizer=optimizer)
+    run = run_threaded(split, STEPS, feeds(batches), recv_timeout_s=30)
+    workers = [Label.worker(rank) for rank in range(2)]
+    versions = [keys_read(split.plan, label, run.stats[label].channel_versions_read)
+                for label in workers]
+    for rank, read in enumerate(versions):
+        assert sorted(read) == list(range(STEPS)), rank
+        for step, keys in read.items():
+            assert all(step - staleness <= v <= step for v in keys.values()), (rank, step)
+    _, expected = stale_reference(split.program, optimizer, batches, versions)
+    for key, value in expected.items():
+        torch.testing.assert_close(run.state[key], value, rtol=0, atol=REFERENCE_TOLERANCE)
+    # The rule is not the synchronous one: some step read an older version.
+    assert any(v < step for read in versions for step, keys in read.items()
+               for v in keys.values())
+
+
 def _versions(directory, workers):
     return [{int(step): v for step, v in json.loads(
         (directory / f"worker{rank}.json").read_text()).items()} for rank in range(workers)]
@@ -113,6 +145,31 @@ def test_launched_slow_worker_bound_holds_and_the_fast_worker_runs_up_to_it(
     assert max(step - version for step, version in fast.items()) == staleness
     result = torch.load(out / "r.pt")
     assert result["steps"] == STEPS
+
+
+@pytest.mark.slow
+def test_launched_bounded_job_equals_the_rule_run_eagerly_step_by_step(local_cluster, tmp_path):
+    """Real processes over shared memory, a slow worker, two servers: every
+    worker's loss at every step is the loss of the versions it recorded
+    reading, and the final parameters those of the rule's updates."""
+    local_cluster.run(PS_JOB, "--steps", STEPS, "--staleness", 1, "--slow-worker", 1,
+                      "--slow-step-s", 0.05, "--versions-out", tmp_path, "--out",
+                      tmp_path / "r.pt", workers=2, servers=2)
+    records = [json.loads((tmp_path / f"worker{rank}-read.json").read_text())
+               for rank in range(2)]
+    versions = [{int(step): keys for step, keys in record["keys"].items()}
+                for record in records]
+    program, _, batches = make("dense", "adam", 2, STEPS)
+    losses, expected = stale_reference(program, "adam", batches, versions)
+    for rank, record in enumerate(records):
+        for step, (loss, reference) in enumerate(zip(record["losses"], losses[rank],
+                                                     strict=True)):
+            assert loss == pytest.approx(reference, abs=REFERENCE_TOLERANCE), (rank, step)
+    state = torch.load(tmp_path / "r.pt")["state"]
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=REFERENCE_TOLERANCE)
+    assert any(v < step for read in versions for step, keys in read.items()
+               for v in keys.values())
 
 
 @pytest.mark.slow

@@ -12,7 +12,8 @@ arrived (the message of the highest step <= c; older ones are taken and
 dropped) and waits only if even that is older than c - s: then for version
 c - s, the oldest the bound allows. The version kept is reused by later steps
 until a newer one arrives. Versions read are recorded per step
-(`ExecutorStats.versions_read`).
+(`ExecutorStats.versions_read`, and per channel, i.e. per server,
+`ExecutorStats.channel_versions_read`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class ExecutorStats:
     # Staleness-bounded plans: step -> the oldest state version this step read
     # over its data-sync channels (equal to the step when nothing was stale).
     versions_read: dict[int, int] = field(default_factory=dict)
+    # The same per data-sync channel (one per server, which may be at
+    # different versions): step -> {channel: version read}.
+    channel_versions_read: dict[int, dict[str, int]] = field(default_factory=dict)
 
     @property
     def messages_sent(self) -> int:
@@ -470,7 +474,7 @@ class Executor:
         if newest is not None:
             self._held[channel] = newest
         version, tensors = self._held[channel]
-        self._note_version(step, version)
+        self._note_version(step, channel, version)
         for name, tensor in zip(recv_names, tensors):
             env[name] = tensor if tensor.device == self.device else tensor.to(self.device)
 
@@ -496,9 +500,10 @@ class Executor:
                 newest = (version, tensors)
         return newest
 
-    def _note_version(self, step: int, version: int) -> None:
+    def _note_version(self, step: int, channel: str, version: int) -> None:
         versions = self.stats.versions_read
         versions[step] = min(versions.get(step, version), version)
+        self.stats.channel_versions_read.setdefault(step, {})[channel] = version
 
     def abort(self, error: BaseException) -> None:
         self.transport.abort(error)

@@ -9,7 +9,8 @@ there); --resume continues from a checkpoint. --staleness S runs
 ParameterServerMode(staleness=S); --slow-worker R makes worker R take
 --slow-step-s longer over each step (a deliberately slow worker), and
 --versions-out DIR has every worker write, per step, the parameter version
-it read (DIR/worker<R>.json).
+it read (DIR/worker<R>.json) and, per step, the version of each state key it
+read and its loss (DIR/worker<R>-read.json).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import time
 
 import torch
-from ps_models import make
+from ps_models import keys_read, make
 
 from splitrun.runtime.job import Job
 from splitrun.splitter import ParameterServerMode
@@ -52,14 +53,20 @@ def main() -> int:
     trainer = job.start(program, mode, num_steps=args.steps, resume=args.resume)
     stop = args.stop_after or args.steps
     slow = job.is_worker and job.rank == args.slow_worker
+    losses = []
     for batch in trainer.shard(batches[trainer.steps_done:stop]):
         if slow:
             time.sleep(args.slow_step_s)  # the slowness under test, not a synchronisation
-        trainer.step(batch)
+        loss = trainer.step(batch).get("loss")
+        losses.append(None if loss is None else loss.item())
     if args.versions_out and job.is_worker:
         versions = trainer.stats.versions_read
         path = pathlib.Path(args.versions_out) / f"worker{job.rank}.json"
         path.write_text(json.dumps({str(step): v for step, v in sorted(versions.items())}))
+        read = keys_read(trainer.plan, job.label, trainer.stats.channel_versions_read)
+        (path.parent / f"worker{job.rank}-read.json").write_text(json.dumps(
+            {"keys": {str(step): keys for step, keys in sorted(read.items())},
+             "losses": losses}))
     if args.save and job.is_worker:
         trainer.save(args.save)
     final_state = trainer.finish()
