@@ -402,9 +402,9 @@ def main() -> int:
             runs[name].append(run())
     table = {name: summarise(r) for name, r in runs.items()}
     speed = {name: row["steps_per_s"] for name, row in table.items()}
-    theory = {"gpipe": (STAGES - 1) / (m + STAGES - 1),
-              "1f1b": (STAGES - 1) / (m + STAGES - 1),
-              "interleaved": (STAGES - 1) / (CHUNKS * m + STAGES - 1)}
+    from splitrun.splitter.pipeline_order import theoretical_bubble
+    theory = {"gpipe": theoretical_bubble(STAGES, m), "1f1b": theoretical_bubble(STAGES, m),
+              "interleaved": theoretical_bubble(STAGES, m, CHUNKS)}
     ratios = {
         "splitrun_1f1b_vs_torch_1f1b": _ratio(speed, "splitrun_1f1b", "torch_1f1b"),
         "splitrun_gpipe_vs_torch_gpipe": _ratio(speed, "splitrun_gpipe", "torch_gpipe"),
