@@ -62,6 +62,7 @@ import json
 import os
 import pathlib
 import pstats
+import resource
 import socket
 import statistics
 import subprocess
@@ -136,6 +137,12 @@ def run_single(args) -> dict:
 def _cpu_ms(cpu_started: float, steps: int) -> float:
     """CPU time of this process (all its threads) per step since `cpu_started`."""
     return (time.process_time() - cpu_started) * 1000 / steps
+
+
+def _page_faults() -> int:
+    """This process's minor page faults so far: each first touch of a page
+    (memory newly allocated from the system) costs one, in kernel time."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def make_task(args, name: str):
@@ -448,12 +455,13 @@ def run_splitrun_job(args) -> None:
                                  trainer.process.executor.stats)
         if job.is_server:
             _profile_served_steps(trainer.process, profiler)
-    started = cpu_started = None
+    started = cpu_started = faults_started = None
     if job.is_server:
         served = _cpu_from_served_step(trainer.process)
     for index, batch in enumerate(trainer.shard(data)):
         if index == WARMUP_STEPS:
             started, cpu_started = time.perf_counter(), time.process_time()
+            faults_started = _page_faults()
             if profiler is not None:
                 profiler.start()
         trainer.step(batch)
@@ -471,23 +479,27 @@ def run_splitrun_job(args) -> None:
         print("BENCH " + json.dumps({"steps_per_s": args.steps / (stepped - started),
                                      "finish_s": time.perf_counter() - stepped,
                                      "process": job.label.describe(),
-                                     "cpu_ms_per_step": _cpu_ms(cpu_started, args.steps)}),
+                                     "cpu_ms_per_step": _cpu_ms(cpu_started, args.steps),
+                                     "page_faults_per_step":
+                                         (_page_faults() - faults_started) / args.steps}),
               flush=True)
     elif served:  # a server's steps ran inside finish(), the leaving barrier with them
         print("CPU " + json.dumps({"process": job.label.describe(),
-                                   "cpu_ms_per_step": _cpu_ms(served[0], args.steps)}),
+                                   "cpu_ms_per_step": _cpu_ms(served[0][0], args.steps),
+                                   "page_faults_per_step":
+                                       (_page_faults() - served[0][1]) / args.steps}),
               flush=True)
 
 
-def _cpu_from_served_step(process) -> list[float]:
-    """A server's CPU clock when the first step after the warm-up starts
-    (filled in then)."""
-    started: list[float] = []
+def _cpu_from_served_step(process) -> list[tuple[float, int]]:
+    """A server's CPU clock and page faults when the first step after the
+    warm-up starts (filled in then)."""
+    started: list[tuple[float, int]] = []
     serve_step = process.serve_step
 
     def serve_and_clock(step: int, **kwargs):
         if step == WARMUP_STEPS:
-            started.append(time.process_time())
+            started.append((time.process_time(), _page_faults()))
         return serve_step(step, **kwargs)
 
     process.serve_step = serve_and_clock
@@ -635,7 +647,9 @@ def run_splitrun(args, transport: str = "grpc", profile_dir: str | None = None,
                if "CPU {" in line]
         return {"steps_per_s": min(r["steps_per_s"] for r in found),
                 "cpu_ms_per_step": {r["process"].replace(" ", ""): r["cpu_ms_per_step"]
-                                    for r in [*found, *cpu]}}
+                                    for r in [*found, *cpu]},
+                "page_faults_per_step": {r["process"].replace(" ", ""): r["page_faults_per_step"]
+                                         for r in [*found, *cpu]}}
     raise RuntimeError(f"splitrun run failed ({out.returncode}):\n{out.stdout[-4000:]}")
 
 

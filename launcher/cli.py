@@ -26,6 +26,7 @@ from splitrun.runtime.transport.shm.job_files import (
     new_job_prefix,
     remove_job_segments,
 )
+from splitrun.runtime.transport.shm.ring_segment import glibc_tunables_for_copies
 from splitrun.splitter.errors import SplitrunError
 from splitrun.splitter.labels import Label, Role
 
@@ -441,11 +442,18 @@ def _thread_env(threads: int) -> dict[str, str]:
     return env
 
 
+def _copy_env() -> dict[str, str]:
+    """Large copies (a message into or out of a shared-memory ring) bypass
+    the caches (`glibc_tunables_for_copies`): set where a process starts."""
+    return {"GLIBC_TUNABLES": glibc_tunables_for_copies(os.environ.get("GLIBC_TUNABLES"))}
+
+
 def _child_env(args, address: str, token: str, label: Label,
                shm_prefix: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(_thread_env(thread_budget(args.threads_per_process,
                                          args.workers + args.servers)))
+    env.update(_copy_env())
     env.update({ENV.SCHEDULER: address, ENV.TOKEN: token, ENV.ROLE: label.role.value,
                 ENV.RANK: str(label.rank), ENV.DEVICE: args.device, ENV.HOST: args.host,
                 ENV.LOG_LEVEL: args.log_level, ENV.HEARTBEAT_TIMEOUT_S: str(args.heartbeat_timeout),
@@ -530,6 +538,7 @@ def _start_template(args) -> Template | None:
         return None
     env = dict(os.environ)
     env.update(_thread_env(thread_budget(args.threads_per_process, args.workers + args.servers)))
+    env.update(_copy_env())
     return Template.start(env, args.script, args.preload)
 
 
@@ -661,6 +670,7 @@ def _join(args) -> int:
     if args.threads_per_process is not None:
         env.update(_thread_env(thread_budget(args.threads_per_process, 1)))
     argv = _script_argv(args, die_with_launcher=False)
+    env.update(_copy_env())
     os.execvpe(argv[0], argv, env)  # this process becomes the job's process
     return 1  # not reached
 

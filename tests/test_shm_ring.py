@@ -3,6 +3,7 @@ end, tests/scripts/ring_peer.py at the other."""
 
 import hashlib
 import os
+import pathlib
 import signal
 import stat
 import subprocess
@@ -30,7 +31,13 @@ from splitrun.runtime.transport.shm.ring import (
     remove_job_segments,
     ring_paths,
 )
-from splitrun.runtime.transport.shm.ring_segment import GIL_FREE_COPY_BYTES, copy_bytes
+from splitrun.runtime.transport.shm.ring_segment import (
+    GIL_FREE_COPY_BYTES,
+    NON_TEMPORAL_THRESHOLD_BYTES,
+    NON_TEMPORAL_TUNABLE,
+    copy_bytes,
+    glibc_tunables_for_copies,
+)
 
 PEER = SCRIPTS / "ring_peer.py"
 # Bounds a child's start-up (an interpreter importing torch) and its sends.
@@ -362,6 +369,33 @@ def test_large_pieces_copy_through_torch_and_small_ones_as_views():
             target = bytearray(nbytes)
             copy_bytes(memoryview(target), source)
             assert target == data
+
+
+def test_a_copy_between_views_of_two_sizes_is_refused():
+    for nbytes in (1, GIL_FREE_COPY_BYTES):
+        with pytest.raises(ValueError, match=f"copy of {nbytes + 1} bytes into {nbytes}"):
+            copy_bytes(memoryview(bytearray(nbytes)), memoryview(bytearray(nbytes + 1)))
+
+
+GLIBC_LOADER = pathlib.Path("/lib64/ld-linux-x86-64.so.2")
+
+
+def test_large_copies_bypass_the_caches_unless_the_user_tuned_it():
+    ours = f"{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_THRESHOLD_BYTES:#x}"
+    assert glibc_tunables_for_copies(None) == ours
+    assert glibc_tunables_for_copies("") == ours
+    theirs = "glibc.malloc.arena_max=2"
+    assert glibc_tunables_for_copies(theirs) == f"{theirs}:{ours}", "the user's others kept"
+    own = f"{NON_TEMPORAL_TUNABLE}=0x100000"
+    assert glibc_tunables_for_copies(own) == own, "the user's threshold wins"
+    if not GLIBC_LOADER.exists():
+        pytest.skip("no glibc loader here to ask")
+    # glibc takes the string: the loader lists the threshold it would use.
+    listed = subprocess.run([str(GLIBC_LOADER), "--list-tunables"], capture_output=True,
+                            text=True, env={"GLIBC_TUNABLES": glibc_tunables_for_copies(theirs)},
+                            check=True).stdout
+    assert f"{NON_TEMPORAL_TUNABLE}: {NON_TEMPORAL_THRESHOLD_BYTES:#x} " in listed, listed
+    assert "glibc.malloc.arena_max: 0x2 " in listed, listed
 
 
 LEND_RING = 4 << 20

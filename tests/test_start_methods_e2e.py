@@ -14,6 +14,11 @@ import re
 import pytest
 from cluster import JOB_TIMEOUT_S, SCRIPTS, pid_alive
 
+from splitrun.runtime.transport.shm.ring_segment import (
+    NON_TEMPORAL_THRESHOLD_BYTES,
+    NON_TEMPORAL_TUNABLE,
+)
+
 pytestmark = pytest.mark.slow
 
 ENDINGS_JOB = SCRIPTS / "endings.py"
@@ -54,6 +59,10 @@ def test_each_start_and_ending_is_the_same_either_way(local_cluster, tmp_path, m
         assert facts["argv"] == [str(ENDINGS_JOB), "--dir", str(tmp_path)]
         assert facts["name"] == "__main__" and facts["path0"] == str(SCRIPTS)
         assert facts["role"] == "worker"
+        # Large copies (shared-memory messages) bypass the caches: glibc reads
+        # this at the process's start, so the launcher sets it.
+        assert f"{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_THRESHOLD_BYTES:#x}" in \
+            facts["glibc_tunables"].split(":"), facts["glibc_tunables"]
         assert not pid_alive(facts["pid"])
         # What `ps` shows: the template's command line for a forked process.
         module = {"forkserver": "template", "exec": "bootstrap"}[method]

@@ -36,7 +36,9 @@ def facts() -> dict:
     return {"pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0),
             "sid": os.getsid(0), "stdin": sys.stdin.read(), "cwd": os.getcwd(),
             "argv": sys.argv, "name": __name__, "path0": sys.path[0],
-            "role": os.environ.get("SPLITRUN_ROLE"), "numpy": int(numpy.random.randint(2**31)),
+            "role": os.environ.get("SPLITRUN_ROLE"),
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+            "numpy": int(numpy.random.randint(2**31)),
             "random": random.getrandbits(32),
             "cmdline": pathlib.Path("/proc/self/cmdline").read_text().split("\0")[:-1]}
 
