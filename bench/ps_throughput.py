@@ -455,13 +455,16 @@ def run_splitrun_job(args) -> None:
                                  trainer.process.executor.stats)
         if job.is_server:
             _profile_served_steps(trainer.process, profiler)
+    from ps_phases import PhaseClock
     started = cpu_started = faults_started = None
+    phases = PhaseClock(trainer.process.executor)
     if job.is_server:
-        served = _cpu_from_served_step(trainer.process)
+        served = _cpu_from_served_step(trainer.process, phases)
     for index, batch in enumerate(trainer.shard(data)):
         if index == WARMUP_STEPS:
             started, cpu_started = time.perf_counter(), time.process_time()
             faults_started = _page_faults()
+            phases.start()
             if profiler is not None:
                 profiler.start()
         trainer.step(batch)
@@ -470,6 +473,8 @@ def run_splitrun_job(args) -> None:
     # on its own. Both windows hold one full update cycle per step: a worker's
     # step starts by receiving the parameters of the previous step's update.
     stepped = time.perf_counter()
+    if job.is_worker:
+        phases.stop()
     if profiler is not None and job.is_worker:
         profiler.stop()
     trainer.finish()
@@ -481,26 +486,35 @@ def run_splitrun_job(args) -> None:
                                      "process": job.label.describe(),
                                      "cpu_ms_per_step": _cpu_ms(cpu_started, args.steps),
                                      "page_faults_per_step":
-                                         (_page_faults() - faults_started) / args.steps}),
+                                         (_page_faults() - faults_started) / args.steps,
+                                     "phases_ms_per_step": phases.per_step(args.steps)}),
               flush=True)
     elif served:  # a server's steps ran inside finish(), the leaving barrier with them
         print("CPU " + json.dumps({"process": job.label.describe(),
                                    "cpu_ms_per_step": _cpu_ms(served[0][0], args.steps),
                                    "page_faults_per_step":
-                                       (_page_faults() - served[0][1]) / args.steps}),
+                                       (_page_faults() - served[0][1]) / args.steps,
+                                   "phases_ms_per_step": phases.per_step(args.steps)}),
               flush=True)
 
 
-def _cpu_from_served_step(process) -> list[tuple[float, int]]:
+def _cpu_from_served_step(process, phases) -> list[tuple[float, int]]:
     """A server's CPU clock and page faults when the first step after the
-    warm-up starts (filled in then)."""
+    warm-up starts (filled in then); its phase clock runs from then until
+    the step that finds the workers finished."""
+    from splitrun.runtime.errors import JobFinished
     started: list[tuple[float, int]] = []
     serve_step = process.serve_step
 
     def serve_and_clock(step: int, **kwargs):
         if step == WARMUP_STEPS:
             started.append((time.process_time(), _page_faults()))
-        return serve_step(step, **kwargs)
+            phases.start()
+        try:
+            return serve_step(step, **kwargs)
+        except JobFinished:
+            phases.stop()
+            raise
 
     process.serve_step = serve_and_clock
     return started
@@ -649,7 +663,9 @@ def run_splitrun(args, transport: str = "grpc", profile_dir: str | None = None,
                 "cpu_ms_per_step": {r["process"].replace(" ", ""): r["cpu_ms_per_step"]
                                     for r in [*found, *cpu]},
                 "page_faults_per_step": {r["process"].replace(" ", ""): r["page_faults_per_step"]
-                                         for r in [*found, *cpu]}}
+                                         for r in [*found, *cpu]},
+                "phases_ms_per_step": {r["process"].replace(" ", ""): r["phases_ms_per_step"]
+                                       for r in [*found, *cpu]}}
     raise RuntimeError(f"splitrun run failed ({out.returncode}):\n{out.stdout[-4000:]}")
 
 
@@ -848,6 +864,10 @@ def _throughput_report(args) -> dict:
         cpu = [v["cpu_ms_per_step"] for v in values if not isinstance(v, float)]
         if cpu:
             entry.update(_cpu_summary(cpu))
+        phases = [v["phases_ms_per_step"] for v in values
+                  if not isinstance(v, float) and "phases_ms_per_step" in v]
+        if phases:
+            entry["phases_ms_per_step"] = _phase_summary(phases)
     speed = {name: r["steps_per_s"] for name, r in report["results"].items()}
     if not args.skip_rpc:
         ratio = speed["splitrun_ps"] / speed["torch_rpc_tutorial_ps"]
@@ -876,6 +896,14 @@ def _throughput_report(args) -> dict:
     report["meets_ceiling_goal"] = speed[best] / speed["single_process"] >= GOAL_OVER_CEILING
     report["meets_ddp_goal"] = speed[best] / speed["ddp_2_processes"] >= GOAL_OVER_DDP
     return report
+
+
+def _phase_summary(runs: list[dict[str, dict[str, float]]]) -> dict:
+    """Per process and phase (bench/ps_phases.py), the median over the runs
+    of its CPU milliseconds a step."""
+    return {process: {phase: round(statistics.median(run[process][phase] for run in runs), 2)
+                      for phase in phases}
+            for process, phases in sorted(runs[0].items())}
 
 
 def _cpu_summary(runs: list[dict[str, float]]) -> dict:
