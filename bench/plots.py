@@ -193,6 +193,37 @@ def ps_staleness(result: dict, fig) -> None:
     fig.suptitle("Parameter servers with bounded staleness")
 
 
+PHASE_COLOURS = {"ops_and_rest": "#9ecae1", "tiled_update": "#fdae6b", "sends": "#e6550d",
+                 "other_threads": "#a63603", "receives": "#636363"}
+
+
+def ps_phases(result: dict, fig) -> None:
+    """A bench/ps_throughput.py run's CPU a step (bench/ps_phases.py) of each
+    parameter-server configuration and process, stacked by phase."""
+    runs = {k: v for k, v in result["results"].items() if "phases_ms_per_step" in v}
+    ax = fig.add_subplot()
+    labels, rows = [], []
+    for config, entry in runs.items():
+        for process, phases in entry["phases_ms_per_step"].items():
+            labels.append(f"{_ps_name(config)}: {process}")
+            rows.append(phases)
+    left = [0.0] * len(rows)
+    for phase, colour in PHASE_COLOURS.items():
+        widths = [row.get(phase, 0.0) for row in rows]
+        ax.barh(labels, widths, left=left, color=colour, label=phase.replace("_", " "))
+        left = [a + b for a, b in zip(left, widths)]
+    for y, total in enumerate(left):
+        ax.text(total, y, f" {total:.1f}", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms of CPU a step (median of the runs)")
+    ax.margins(x=0.12)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    totals = ", ".join(f"{_ps_name(k).removeprefix('splitrun, ')} {v['cpu_ms_per_step_total']:g}"
+                       for k, v in runs.items())
+    ax.set_title(f"all processes, ms a step: {totals}", fontsize=8)
+    fig.suptitle("Where a parameter-server step's CPU goes")
+
+
 PIPELINE_NAMES = {
     "splitrun_no_microbatches": "splitrun, no micro-batches",
     "splitrun_no_microbatches_2_threads": "splitrun, no micro-batches, 2 threads each",
@@ -362,6 +393,8 @@ DRAWINGS: dict[str, Callable[[dict, object], None]] = {
     "ps_staleness": ps_staleness, "ps_staleness_s2": ps_staleness,
     "ps_staleness_tta": ps_staleness, "ps_staleness_tta_quiet": ps_staleness,
     "pipeline": pipeline, "pipeline_ceiling": pipeline_ceiling,
+    "ps_staleness_copies": ps_phases, "ps_staleness_copies_tta": ps_staleness,
+    "ps_copies_cached": ps_phases, "ps_copies_streamed": ps_phases,
 }
 
 
