@@ -63,11 +63,11 @@ class Mailbox:
                     f"[{self.owner.describe()}] refused {key} from {src.describe()}: "
                     f"the job's incarnation is {self.incarnation}; the sender is from a "
                     f"previous run of the job")
-            if key in self._messages:
+            entry = (src, list(tensors))
+            if self._messages.setdefault(key, entry) is not entry:
                 raise MessageRejected(
                     f"[{self.owner.describe()}] refused a second message for {key} "
                     f"from {src.describe()}")
-            self._messages[key] = (src, list(tensors))
             self._cond.notify_all()
 
     def take(self, key: MessageKey, src: Label, timeout_s: float,
@@ -80,8 +80,9 @@ class Mailbox:
         process that serves steps answers requests between steps this way.
         """
         deadline = time.monotonic() + timeout_s
+        messages = self._messages
         with self._cond:
-            while key not in self._messages:
+            while (entry := messages.pop(key, None)) is None:
                 if control is not None and control[0] in self._messages:
                     sender, tensors = self._messages.pop(control[0])
                     self._cond.release()
@@ -104,7 +105,7 @@ class Mailbox:
                         f"{timeout_s:g} s; is {src.describe()} alive and running the "
                         f"same plan? (raise recv_timeout_s if its steps are that slow)")
                 self._cond.wait(remaining)
-            sender, tensors = self._messages.pop(key)
+        sender, tensors = entry
         if sender != src:
             raise MessageRejected(
                 f"[{self.owner.describe()}] {key} came from {sender.describe()}, "

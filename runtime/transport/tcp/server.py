@@ -36,6 +36,7 @@ from ..endpoint import Endpoint
 from ..framing import parse_envelope
 from ..keys import MessageKey
 from . import wire
+from .reader import FrameReader
 from .settings import TcpSettings
 from .stripes import StripeFailed, StripeGroup, bounds, views_between
 
@@ -86,9 +87,10 @@ class DataServer:
         self._listener: socket.socket | None = None
         self._accepting: threading.Thread | None = None
         self._connections: dict[int, socket.socket] = {}
-        # Per connection: True while a frame is being read (a stall there is
-        # the sender's fault, not an idle connection).
-        self._in_message: dict[int, bool] = {}
+        # Per connection: True once its hello passed. From then on only a frame
+        # begun is read with a deadline: a timeout is the sender's stall, not an
+        # idle connection (see `reader`).
+        self._past_hello: dict[int, bool] = {}
         self._threads: list[threading.Thread] = []
         # Per main connection, by the link id its ACCEPTED told: where its
         # stripe connections join (`stripes`).
@@ -175,7 +177,7 @@ class DataServer:
         except _Refusal as refusal:
             self._tell(sock, refusal, delivered, peer)
         except TimeoutError:
-            if self._closing.is_set() or not self._in_message.get(id(conn)):
+            if self._closing.is_set() or not self._past_hello.get(id(conn)):
                 # A caller that said nothing within hello_timeout_s: dropped.
                 logger.warning("%s dropped a data connection from %s: no hello within "
                                "hello_timeout_s=%g s", self._tag, peer,
@@ -201,7 +203,7 @@ class DataServer:
         finally:
             with self._lock:
                 self._connections.pop(id(conn), None)
-                self._in_message.pop(id(conn), None)
+                self._past_hello.pop(id(conn), None)
                 self._groups.pop(group.link_id, None)
             group.fail(f"the main connection from {peer} ended")
             sock.close()
@@ -241,28 +243,27 @@ class DataServer:
         """Frames until BYE or the end of the connection; messages delivered.
         A connection whose first frame is JOIN is a stripe (`_stripe`)."""
         admission = Admission(self.endpoint)
-        header = bytearray(wire.HEADER.size)
-        header_view = memoryview(header)
+        reader = FrameReader(sock, self.settings.message_timeout_s)
+        self._past_hello[conn_id] = True  # from now on a timeout is a stall mid-frame
         delivered = 0
         first = True
-        timeout = self.settings.message_timeout_s
         while True:
-            sock.settimeout(None)  # a connection may idle between messages
-            self._in_message[conn_id] = False
             try:
-                wire.read_into(sock, header_view)
+                kind, length = reader.header()
             except (wire.PeerClosed, ssl.SSLError, OSError):
                 if self._closing.is_set():
                     # This process closes: the sender's flush learns what arrived.
                     _try_send(sock, wire.delivered(delivered))
                     return delivered
                 raise
-            self._in_message[conn_id] = True
-            sock.settimeout(timeout)
-            kind, length = wire.HEADER.unpack(header)
+            if kind == wire.MESSAGE and length <= wire.MAX_ENVELOPE_BYTES:
+                self._receive(reader, admission, reader.take(length), peer)
+                delivered += 1
+                first = False
+                continue
             if kind == wire.JOIN and first and length <= wire.MAX_REPLY_BYTES:
-                joined, index = self._join(wire.read_exact(sock, length), sock, peer)
-                self._stripe(sock, f"{peer}, stripe connection {index}", conn_id, joined, index)
+                joined, index = self._join(reader.take(length).tobytes(), sock, peer)
+                self._stripe(reader, f"{peer}, stripe connection {index}", joined, index)
                 return 0
             first = False
             if kind == wire.SYNC and length == 0:
@@ -278,16 +279,13 @@ class DataServer:
                 raise _Refusal("INVALID_ARGUMENT",
                                f"{self._tag} refused a message from {peer}: an envelope of "
                                f"{length} bytes (at most {wire.MAX_ENVELOPE_BYTES})")
-            body = memoryview(wire.read_exact(sock, length))
-            if kind == wire.MESSAGE:
-                self._receive(sock, admission, body, peer)
-            else:
-                parts = body[0] if length else 0
-                if not 2 <= parts <= wire.MAX_STRIPES:
-                    raise _Refusal("INVALID_ARGUMENT",
-                                   f"{self._tag} refused a message from {peer}: split in "
-                                   f"{parts} parts (2 to {wire.MAX_STRIPES})")
-                self._receive(sock, admission, body[1:], peer, (group, delivered, parts))
+            body = reader.take(length)
+            parts = body[0] if length else 0
+            if not 2 <= parts <= wire.MAX_STRIPES:
+                raise _Refusal("INVALID_ARGUMENT",
+                               f"{self._tag} refused a message from {peer}: split in "
+                               f"{parts} parts (2 to {wire.MAX_STRIPES})")
+            self._receive(reader, admission, body[1:], peer, (group, delivered, parts))
             delivered += 1
 
     def _join(self, body: bytes, sock: socket.socket, peer: str) -> tuple[StripeGroup, int]:
@@ -308,50 +306,42 @@ class DataServer:
         sock.sendall(wire.frame(wire.ACCEPTED))
         return group, index
 
-    def _stripe(self, sock: socket.socket, peer: str, conn_id: int, group: StripeGroup,
-                index: int) -> None:
+    def _stripe(self, reader: FrameReader, peer: str, group: StripeGroup, index: int) -> None:
         """A stripe connection's frames: PART (its bytes go where the main
         connection posted them, once it admitted the message) until BYE."""
-        header = bytearray(wire.HEADER.size)
-        header_view = memoryview(header)
         timeout = self.settings.message_timeout_s
         try:
             while True:
-                sock.settimeout(None)
-                self._in_message[conn_id] = False
                 try:
-                    wire.read_into(sock, header_view)
+                    kind, length = reader.header()
                 except (wire.PeerClosed, ssl.SSLError, OSError):
                     if self._closing.is_set():
                         return
                     raise
-                self._in_message[conn_id] = True
-                sock.settimeout(timeout)
-                kind, length = wire.HEADER.unpack(header)
                 if kind == wire.BYE and length == 0:
                     return
                 if kind != wire.PART or length != 8:
                     raise _Refusal("INVALID_ARGUMENT",
                                    f"{self._tag} refused a frame from {peer}: kind {kind} "
                                    f"with {length} bytes; expected a part or a bye")
-                seq = wire.seq_of(wire.read_exact(sock, length))
+                seq = wire.seq_of(reader.take(length))
                 try:
                     views = group.take(seq, index, timeout)
                 except StripeFailed:
                     return  # the main connection ended, and says why
                 for view in views:
-                    wire.read_into(sock, view)
+                    reader.read_into(view)
                 group.done(seq, index)
         except BaseException as exc:
             group.fail(f"{self._tag}: the data connection from {peer} failed: "
                        f"{type(exc).__name__}: {exc}")
             raise
 
-    def _receive(self, sock: socket.socket, admission: Admission, envelope: memoryview,
+    def _receive(self, reader: FrameReader, admission: Admission, envelope: memoryview,
                  peer: str, split: tuple[StripeGroup, int, int] | None = None) -> None:
         """Admit one message, then read its data into its buffer: all from
-        `sock`, or (`split`: the group, the message's index, its parts) part 0
-        from `sock` and the others by the group's stripe connections."""
+        `reader`, or (`split`: the group, the message's index, its parts) part 0
+        from `reader` and the others by the group's stripe connections."""
         try:
             admitted = admission.admit(envelope, peer)
         except MessageRejected as exc:
@@ -369,7 +359,7 @@ class DataServer:
                            f"{admitted.layout.buffer_bytes} bytes: {exc}",
                            admitted.src) from None
         if split is None:
-            buffer.fill(lambda view: wire.read_into(sock, view))
+            buffer.fill(reader.read_into)
         else:
             group, seq, parts = split
             views: list[memoryview] = []
@@ -383,7 +373,7 @@ class DataServer:
                                f"{admitted.src.describe()} ({peer}): {exc}",
                                admitted.src) from None
             for view in views_between(views, *cuts[0]):
-                wire.read_into(sock, view)
+                reader.read_into(view)
             group.wait(seq, self.settings.message_timeout_s)
         try:
             mailbox.put(key, admitted.src, buffer.tensors())
