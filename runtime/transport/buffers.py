@@ -26,6 +26,8 @@ __all__ = [
     "MessageBuffer",
     "BufferPool",
     "decode",
+    "SMALL_TENSOR_BYTES",
+    "tensor_over",
 ]
 
 # Tensors inside a receive buffer start at multiples of this, so every dtype
@@ -94,6 +96,18 @@ def encode(tensors: Sequence[torch.Tensor]) -> EncodedTensors:
 
 
 # -- receiving ----------------------------------------------------------------------
+
+# A message of one tensor up to this size may be received as its own copy of
+# the wire bytes, viewed as the tensor (`tensor_over`), without a MessageBuffer.
+SMALL_TENSOR_BYTES = 64 << 10
+
+
+def tensor_over(spec: TensorSpec, data: bytearray) -> torch.Tensor:
+    """`spec`'s tensor over `data`, its bytes (non-empty; the tensor keeps
+    them): a small message's tensor in one allocation and one copy, at about
+    half the cost of filling a `MessageBuffer` (measured on a 4 KiB message)."""
+    flat = torch.frombuffer(data, dtype=spec.dtype)
+    return flat if len(spec.shape) == 1 else flat.view(spec.shape)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

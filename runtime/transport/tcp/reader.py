@@ -70,6 +70,16 @@ class FrameReader:
         self._start = start + size
         return self._view[start:start + size]
 
+    def copy(self, size: int) -> bytearray:
+        """The frame's next `size` bytes, in a bytearray of their own."""
+        if self._end - self._start >= size:
+            start = self._start
+            self._start = start + size
+            return bytearray(self._view[start:start + size])
+        out = bytearray(size)
+        self.read_into(memoryview(out))
+        return out
+
     def read_into(self, view: memoryview) -> None:
         """Fill `view` (flat bytes) with the frame's next bytes: those buffered,
         then the rest straight from the socket."""

@@ -26,12 +26,14 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
+
 from splitrun.splitter.labels import Label
 
 from ...errors import MessageRejected, UnknownChannel, WrongSender
 from ...rpc.auth import one_line
-from ..admission import Admission, NotAdmitted
-from ..buffers import MessageBuffer
+from ..admission import Admission, Admitted, NotAdmitted
+from ..buffers import SMALL_TENSOR_BYTES, MessageBuffer, tensor_over
 from ..endpoint import Endpoint
 from ..framing import parse_envelope
 from ..keys import MessageKey
@@ -348,8 +350,25 @@ class DataServer:
             raise _Refusal(status_of(exc), str(exc), _sender_of(exc, envelope)) from None
         key = admitted.key
         mailbox = admitted.receiver.mailbox
-        if admitted.layout.total_bytes > _EARLY_DUPLICATE_CHECK_BYTES and mailbox.holds(key):
-            raise self._duplicate(admitted.receiver.tag, key, admitted.src, peer)
+        layout = admitted.layout
+        single = layout.single
+        if split is None and single is not None and 0 < layout.total_bytes <= SMALL_TENSOR_BYTES:
+            tensors = [tensor_over(single, reader.copy(layout.total_bytes))]
+        else:
+            if layout.total_bytes > _EARLY_DUPLICATE_CHECK_BYTES and mailbox.holds(key):
+                raise self._duplicate(admitted.receiver.tag, key, admitted.src, peer)
+            tensors = self._read_data(reader, admitted, peer, split)
+        logger.debug("%s received %s from %s over tcp", admitted.receiver.tag, key,
+                     admitted.src)
+        try:
+            mailbox.put(key, admitted.src, tensors)
+        except MessageRejected as exc:  # a duplicate that came meanwhile
+            raise _Refusal("ALREADY_EXISTS", f"{exc} ({peer})", admitted.src) from None
+
+    def _read_data(self, reader: FrameReader, admitted: Admitted, peer: str,
+                   split: tuple[StripeGroup, int, int] | None) -> list[torch.Tensor]:
+        """The message's data read into its buffer (see `_receive`); its tensors."""
+        key = admitted.key
         try:
             buffer = MessageBuffer(admitted.layout, self.endpoint.pool)
         except (MemoryError, RuntimeError) as exc:
@@ -375,12 +394,7 @@ class DataServer:
             for view in views_between(views, *cuts[0]):
                 reader.read_into(view)
             group.wait(seq, self.settings.message_timeout_s)
-        try:
-            mailbox.put(key, admitted.src, buffer.tensors())
-        except MessageRejected as exc:  # a duplicate that came meanwhile
-            raise _Refusal("ALREADY_EXISTS", f"{exc} ({peer})", admitted.src) from None
-        logger.debug("%s received %s from %s over tcp", admitted.receiver.tag, key,
-                     admitted.src)
+        return buffer.tensors()
 
     @staticmethod
     def _duplicate(tag: str, key: MessageKey, src: Label, peer: str) -> _Refusal:
