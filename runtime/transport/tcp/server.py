@@ -4,10 +4,13 @@ thread per incoming connection.
 A connection must open with the job's token (`wire.hello`, read within
 `hello_timeout_s`, over TLS when the job has TLS) before any frame of it is
 read; a wrong or missing token is refused with UNAUTHENTICATED and the
-connection closed. Then each message is admitted (`admission`, the check
-the gRPC server and the shared-memory rings run) from its envelope alone,
-before a byte of its data is read; its data is read by the kernel straight
-into the pooled buffer its tensors will view (`MessageBuffer.fill`). A
+connection closed. Then frames are read through the connection's fixed
+read-ahead buffer (`reader`: one recv for a small message), and each message
+is admitted (`admission`, the check the gRPC server and the shared-memory
+rings run) from its envelope alone, before its data is given a place: a small
+one-tensor message becomes its own copy of the bytes (`tensor_over`), a
+larger message's data goes (beyond what the read-ahead holds) straight from
+the kernel into the pooled buffer its tensors will view (`MessageBuffer`). A
 refused message ends the connection: its refusal (a gRPC status name and
 the admission's text) goes back on the connection, and by `refuse` (the
 gRPC control plane) so that the sender fails at once, as a gRPC refusal

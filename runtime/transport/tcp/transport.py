@@ -11,7 +11,8 @@ receive buffer costs the kernel's copies only.
 What stays the same as over gRPC: the job's token is checked before any
 frame of a connection is read (`server`), TLS off loopback (the TLS files of
 the gRPC server, `ssl_contexts`), every message admitted by `admission`
-before a byte of its data is buffered, refusals with the same gRPC status
+before its data is given a buffer (what a connection reads ahead is bounded
+and never grows: `reader`), refusals with the same gRPC status
 names and texts, no traceback to a caller.
 
 Finding a peer's data port: its gRPC server answers `DataPlane/Address`
