@@ -227,6 +227,57 @@ def test_a_sender_stalled_mid_message_is_dropped(pair_factory):
     assert pair.receiver_endpoint.pending() == []
 
 
+def _message_frame(step: int, tensor: torch.Tensor) -> bytes:
+    """One MESSAGE frame from W0 on channel w0->w1#0, as a DataLink writes it."""
+    from splitrun.runtime.transport.buffers import encode
+    from splitrun.runtime.transport.framing import EnvelopeWriter
+    encoded = encode([tensor])
+    envelope = EnvelopeWriter(str(W0)).serialize(key(step), encoded)
+    return wire.frame(wire.MESSAGE, envelope) + b"".join(bytes(v) for v in encoded.views)
+
+
+def test_frames_cut_anywhere_or_packed_together_arrive_exactly(pair_factory):
+    """The receiver reads through a read-ahead buffer: a frame that comes a
+    byte at a time (its header cut too), several frames in one write, and a
+    frame cut in the middle of the next one's header all arrive exactly."""
+    contract = {"w0->w1#0": ChannelContract(W0, ((torch.float32, (3, 5)),))}
+    pair = pair_factory(contract)
+    values = [torch.randn(3, 5) for _ in range(6)]
+    frames = [_message_frame(step, value) for step, value in enumerate(values)]
+    with raw_connection(pair.port) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(wire.hello(TOKEN))
+        assert read_reply(sock)[0] == wire.ACCEPTED
+        for byte in frames[0]:  # one byte per write
+            sock.sendall(bytes((byte,)))
+        assert torch.equal(pair.recv(key(0))[0], values[0])
+        sock.sendall(frames[1] + frames[2] + frames[3])  # three in one write
+        together = frames[4] + frames[5]
+        cut = len(frames[4]) + 2  # inside the sixth frame's header
+        sock.sendall(together[:cut])
+        assert torch.equal(pair.recv(key(4))[0], values[4])
+        sock.sendall(together[cut:] + wire.frame(wire.SYNC))
+        assert read_reply(sock) == (wire.DELIVERED, (6).to_bytes(8, "little"))
+    for step in (1, 2, 3, 5):
+        assert torch.equal(pair.recv(key(step))[0], values[step])
+    assert pair.refusals == []
+
+
+def test_a_sender_stalled_mid_header_is_dropped(pair_factory):
+    """Only the wait for a frame's first byte has no deadline: a header cut
+    short and never finished is a stall like any other."""
+    pair = pair_factory({}, settings=TcpSettings(message_timeout_s=0.5))
+    with raw_connection(pair.port) as sock:
+        sock.sendall(wire.hello(TOKEN))
+        assert read_reply(sock)[0] == wire.ACCEPTED
+        sock.sendall(wire.frame(wire.SYNC)[:2])  # 2 of a header's 5 bytes
+        kind, body = read_reply(sock)
+        assert kind == wire.REFUSED
+        _, status, details = wire.parse_refusal(body)
+        assert status == "DEADLINE_EXCEEDED", details
+        assert "stalled" in details
+
+
 def test_refused_message_fails_the_sender_with_the_receivers_reason(pair_factory):
     pair = pair_factory({"w0->w1#0": ChannelContract(W0, ((torch.float32, (2, 3)),))})
     pair.connect()

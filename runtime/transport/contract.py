@@ -161,7 +161,8 @@ class ReceiveContracts:
 
     def wait(self, timeout_s: float) -> Mapping[str, ChannelContract] | None:
         """`table`, waiting up to `timeout_s` for `expect` (or `stop_waiting`)."""
-        self._opened.wait(timeout_s)
+        if not self._opened.is_set():  # an Event's wait takes its lock even when set
+            self._opened.wait(timeout_s)
         return self._table
 
     def stop_waiting(self) -> None:

@@ -100,6 +100,10 @@ class EnvelopeWriter:
 
 def _step_field(step: int) -> bytes:
     """The envelope's step field alone (int64: a negative step takes 10 bytes)."""
+    if 0 <= step < 0x80:  # the usual steps without the loop (every message pays it)
+        return bytes((_TAG_STEP, step))
+    if 0 <= step < 0x4000:
+        return bytes((_TAG_STEP, (step & 0x7F) | 0x80, step >> 7))
     return bytes((_TAG_STEP,)) + _varint(step & 0xFFFF_FFFF_FFFF_FFFF)
 
 
@@ -138,6 +142,11 @@ def split_step(envelope: memoryview) -> tuple[int, memoryview] | None:
     `rest` differ in their step only, if `rest` itself holds no step."""
     if len(envelope) < 2 or envelope[0] != _TAG_STEP:
         return None
+    first = envelope[1]
+    if first < 0x80:  # steps below 128 and 16384 without the loop (every message pays it)
+        return first, envelope[2:]
+    if len(envelope) > 2 and envelope[2] < 0x80:
+        return (first & 0x7F) | (envelope[2] << 7), envelope[3:]
     try:
         value, pos = _read_varint(envelope, 1)
     except ValueError:

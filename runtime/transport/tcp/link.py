@@ -157,16 +157,17 @@ class DataLink:
         return 1 + len(self._stripes)
 
     def send(self, key: MessageKey, envelope: bytes, encoded: EncodedTensors) -> None:
-        header = wire.HEADER.pack(wire.MESSAGE, len(envelope)) + envelope
+        header = wire.HEADER.pack(wire.MESSAGE, len(envelope))
         with self._lock:
-            self._check(key)
+            if self._error is not None or self._is_closed:
+                self._check(key)
             try:
                 if encoded.total_bytes <= self._settings.coalesce_bytes:
-                    self._sock.sendall(b"".join((header, *encoded.views)))
+                    self._sock.sendall(b"".join((header, envelope, *encoded.views)))
                 elif self._stripes and encoded.total_bytes >= self._settings.stripe_min_bytes:
                     self._send_striped(envelope, encoded)
                 else:
-                    self._sock.sendall(header)
+                    self._sock.sendall(header + envelope)
                     for view in encoded.views:
                         if view.nbytes:
                             self._sock.sendall(view)

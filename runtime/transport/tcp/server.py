@@ -4,10 +4,13 @@ thread per incoming connection.
 A connection must open with the job's token (`wire.hello`, read within
 `hello_timeout_s`, over TLS when the job has TLS) before any frame of it is
 read; a wrong or missing token is refused with UNAUTHENTICATED and the
-connection closed. Then each message is admitted (`admission`, the check
-the gRPC server and the shared-memory rings run) from its envelope alone,
-before a byte of its data is read; its data is read by the kernel straight
-into the pooled buffer its tensors will view (`MessageBuffer.fill`). A
+connection closed. Then frames are read through the connection's fixed
+read-ahead buffer (`reader`: one recv for a small message), and each message
+is admitted (`admission`, the check the gRPC server and the shared-memory
+rings run) from its envelope alone, before its data is given a place: a small
+one-tensor message becomes its own copy of the bytes (`tensor_over`), a
+larger message's data goes (beyond what the read-ahead holds) straight from
+the kernel into the pooled buffer its tensors will view (`MessageBuffer`). A
 refused message ends the connection: its refusal (a gRPC status name and
 the admission's text) goes back on the connection, and by `refuse` (the
 gRPC control plane) so that the sender fails at once, as a gRPC refusal
@@ -26,16 +29,19 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
+
 from splitrun.splitter.labels import Label
 
 from ...errors import MessageRejected, UnknownChannel, WrongSender
 from ...rpc.auth import one_line
-from ..admission import Admission, NotAdmitted
-from ..buffers import MessageBuffer
+from ..admission import Admission, Admitted, NotAdmitted
+from ..buffers import SMALL_TENSOR_BYTES, MessageBuffer, tensor_over
 from ..endpoint import Endpoint
 from ..framing import parse_envelope
 from ..keys import MessageKey
 from . import wire
+from .reader import FrameReader
 from .settings import TcpSettings
 from .stripes import StripeFailed, StripeGroup, bounds, views_between
 
@@ -86,9 +92,10 @@ class DataServer:
         self._listener: socket.socket | None = None
         self._accepting: threading.Thread | None = None
         self._connections: dict[int, socket.socket] = {}
-        # Per connection: True while a frame is being read (a stall there is
-        # the sender's fault, not an idle connection).
-        self._in_message: dict[int, bool] = {}
+        # Per connection: True once its hello passed. From then on only a frame
+        # begun is read with a deadline: a timeout is the sender's stall, not an
+        # idle connection (see `reader`).
+        self._past_hello: dict[int, bool] = {}
         self._threads: list[threading.Thread] = []
         # Per main connection, by the link id its ACCEPTED told: where its
         # stripe connections join (`stripes`).
@@ -175,7 +182,7 @@ class DataServer:
         except _Refusal as refusal:
             self._tell(sock, refusal, delivered, peer)
         except TimeoutError:
-            if self._closing.is_set() or not self._in_message.get(id(conn)):
+            if self._closing.is_set() or not self._past_hello.get(id(conn)):
                 # A caller that said nothing within hello_timeout_s: dropped.
                 logger.warning("%s dropped a data connection from %s: no hello within "
                                "hello_timeout_s=%g s", self._tag, peer,
@@ -201,7 +208,7 @@ class DataServer:
         finally:
             with self._lock:
                 self._connections.pop(id(conn), None)
-                self._in_message.pop(id(conn), None)
+                self._past_hello.pop(id(conn), None)
                 self._groups.pop(group.link_id, None)
             group.fail(f"the main connection from {peer} ended")
             sock.close()
@@ -241,28 +248,27 @@ class DataServer:
         """Frames until BYE or the end of the connection; messages delivered.
         A connection whose first frame is JOIN is a stripe (`_stripe`)."""
         admission = Admission(self.endpoint)
-        header = bytearray(wire.HEADER.size)
-        header_view = memoryview(header)
+        reader = FrameReader(sock, self.settings.message_timeout_s)
+        self._past_hello[conn_id] = True  # from now on a timeout is a stall mid-frame
         delivered = 0
         first = True
-        timeout = self.settings.message_timeout_s
         while True:
-            sock.settimeout(None)  # a connection may idle between messages
-            self._in_message[conn_id] = False
             try:
-                wire.read_into(sock, header_view)
+                kind, length = reader.header()
             except (wire.PeerClosed, ssl.SSLError, OSError):
                 if self._closing.is_set():
                     # This process closes: the sender's flush learns what arrived.
                     _try_send(sock, wire.delivered(delivered))
                     return delivered
                 raise
-            self._in_message[conn_id] = True
-            sock.settimeout(timeout)
-            kind, length = wire.HEADER.unpack(header)
+            if kind == wire.MESSAGE and length <= wire.MAX_ENVELOPE_BYTES:
+                self._receive(reader, admission, reader.take(length), peer)
+                delivered += 1
+                first = False
+                continue
             if kind == wire.JOIN and first and length <= wire.MAX_REPLY_BYTES:
-                joined, index = self._join(wire.read_exact(sock, length), sock, peer)
-                self._stripe(sock, f"{peer}, stripe connection {index}", conn_id, joined, index)
+                joined, index = self._join(reader.take(length).tobytes(), sock, peer)
+                self._stripe(reader, f"{peer}, stripe connection {index}", joined, index)
                 return 0
             first = False
             if kind == wire.SYNC and length == 0:
@@ -278,16 +284,13 @@ class DataServer:
                 raise _Refusal("INVALID_ARGUMENT",
                                f"{self._tag} refused a message from {peer}: an envelope of "
                                f"{length} bytes (at most {wire.MAX_ENVELOPE_BYTES})")
-            body = memoryview(wire.read_exact(sock, length))
-            if kind == wire.MESSAGE:
-                self._receive(sock, admission, body, peer)
-            else:
-                parts = body[0] if length else 0
-                if not 2 <= parts <= wire.MAX_STRIPES:
-                    raise _Refusal("INVALID_ARGUMENT",
-                                   f"{self._tag} refused a message from {peer}: split in "
-                                   f"{parts} parts (2 to {wire.MAX_STRIPES})")
-                self._receive(sock, admission, body[1:], peer, (group, delivered, parts))
+            body = reader.take(length)
+            parts = body[0] if length else 0
+            if not 2 <= parts <= wire.MAX_STRIPES:
+                raise _Refusal("INVALID_ARGUMENT",
+                               f"{self._tag} refused a message from {peer}: split in "
+                               f"{parts} parts (2 to {wire.MAX_STRIPES})")
+            self._receive(reader, admission, body[1:], peer, (group, delivered, parts))
             delivered += 1
 
     def _join(self, body: bytes, sock: socket.socket, peer: str) -> tuple[StripeGroup, int]:
@@ -308,58 +311,67 @@ class DataServer:
         sock.sendall(wire.frame(wire.ACCEPTED))
         return group, index
 
-    def _stripe(self, sock: socket.socket, peer: str, conn_id: int, group: StripeGroup,
-                index: int) -> None:
+    def _stripe(self, reader: FrameReader, peer: str, group: StripeGroup, index: int) -> None:
         """A stripe connection's frames: PART (its bytes go where the main
         connection posted them, once it admitted the message) until BYE."""
-        header = bytearray(wire.HEADER.size)
-        header_view = memoryview(header)
         timeout = self.settings.message_timeout_s
         try:
             while True:
-                sock.settimeout(None)
-                self._in_message[conn_id] = False
                 try:
-                    wire.read_into(sock, header_view)
+                    kind, length = reader.header()
                 except (wire.PeerClosed, ssl.SSLError, OSError):
                     if self._closing.is_set():
                         return
                     raise
-                self._in_message[conn_id] = True
-                sock.settimeout(timeout)
-                kind, length = wire.HEADER.unpack(header)
                 if kind == wire.BYE and length == 0:
                     return
                 if kind != wire.PART or length != 8:
                     raise _Refusal("INVALID_ARGUMENT",
                                    f"{self._tag} refused a frame from {peer}: kind {kind} "
                                    f"with {length} bytes; expected a part or a bye")
-                seq = wire.seq_of(wire.read_exact(sock, length))
+                seq = wire.seq_of(reader.take(length))
                 try:
                     views = group.take(seq, index, timeout)
                 except StripeFailed:
                     return  # the main connection ended, and says why
                 for view in views:
-                    wire.read_into(sock, view)
+                    reader.read_into(view)
                 group.done(seq, index)
         except BaseException as exc:
             group.fail(f"{self._tag}: the data connection from {peer} failed: "
                        f"{type(exc).__name__}: {exc}")
             raise
 
-    def _receive(self, sock: socket.socket, admission: Admission, envelope: memoryview,
+    def _receive(self, reader: FrameReader, admission: Admission, envelope: memoryview,
                  peer: str, split: tuple[StripeGroup, int, int] | None = None) -> None:
         """Admit one message, then read its data into its buffer: all from
-        `sock`, or (`split`: the group, the message's index, its parts) part 0
-        from `sock` and the others by the group's stripe connections."""
+        `reader`, or (`split`: the group, the message's index, its parts) part 0
+        from `reader` and the others by the group's stripe connections."""
         try:
             admitted = admission.admit(envelope, peer)
         except MessageRejected as exc:
             raise _Refusal(status_of(exc), str(exc), _sender_of(exc, envelope)) from None
         key = admitted.key
         mailbox = admitted.receiver.mailbox
-        if admitted.layout.total_bytes > _EARLY_DUPLICATE_CHECK_BYTES and mailbox.holds(key):
-            raise self._duplicate(admitted.receiver.tag, key, admitted.src, peer)
+        layout = admitted.layout
+        single = layout.single
+        if split is None and single is not None and 0 < layout.total_bytes <= SMALL_TENSOR_BYTES:
+            tensors = [tensor_over(single, reader.copy(layout.total_bytes))]
+        else:
+            if layout.total_bytes > _EARLY_DUPLICATE_CHECK_BYTES and mailbox.holds(key):
+                raise self._duplicate(admitted.receiver.tag, key, admitted.src, peer)
+            tensors = self._read_data(reader, admitted, peer, split)
+        logger.debug("%s received %s from %s over tcp", admitted.receiver.tag, key,
+                     admitted.src)
+        try:
+            mailbox.put(key, admitted.src, tensors)
+        except MessageRejected as exc:  # a duplicate that came meanwhile
+            raise _Refusal("ALREADY_EXISTS", f"{exc} ({peer})", admitted.src) from None
+
+    def _read_data(self, reader: FrameReader, admitted: Admitted, peer: str,
+                   split: tuple[StripeGroup, int, int] | None) -> list[torch.Tensor]:
+        """The message's data read into its buffer (see `_receive`); its tensors."""
+        key = admitted.key
         try:
             buffer = MessageBuffer(admitted.layout, self.endpoint.pool)
         except (MemoryError, RuntimeError) as exc:
@@ -369,7 +381,7 @@ class DataServer:
                            f"{admitted.layout.buffer_bytes} bytes: {exc}",
                            admitted.src) from None
         if split is None:
-            buffer.fill(lambda view: wire.read_into(sock, view))
+            buffer.fill(reader.read_into)
         else:
             group, seq, parts = split
             views: list[memoryview] = []
@@ -383,14 +395,9 @@ class DataServer:
                                f"{admitted.src.describe()} ({peer}): {exc}",
                                admitted.src) from None
             for view in views_between(views, *cuts[0]):
-                wire.read_into(sock, view)
+                reader.read_into(view)
             group.wait(seq, self.settings.message_timeout_s)
-        try:
-            mailbox.put(key, admitted.src, buffer.tensors())
-        except MessageRejected as exc:  # a duplicate that came meanwhile
-            raise _Refusal("ALREADY_EXISTS", f"{exc} ({peer})", admitted.src) from None
-        logger.debug("%s received %s from %s over tcp", admitted.receiver.tag, key,
-                     admitted.src)
+        return buffer.tensors()
 
     @staticmethod
     def _duplicate(tag: str, key: MessageKey, src: Label, peer: str) -> _Refusal:

@@ -11,7 +11,8 @@ receive buffer costs the kernel's copies only.
 What stays the same as over gRPC: the job's token is checked before any
 frame of a connection is read (`server`), TLS off loopback (the TLS files of
 the gRPC server, `ssl_contexts`), every message admitted by `admission`
-before a byte of its data is buffered, refusals with the same gRPC status
+before its data is given a buffer (what a connection reads ahead is bounded
+and never grows: `reader`), refusals with the same gRPC status
 names and texts, no traceback to a caller.
 
 Finding a peer's data port: its gRPC server answers `DataPlane/Address`
@@ -40,7 +41,7 @@ from ...errors import TransportError
 from ...rpc.tls import TlsFiles
 from ..buffers import encode
 from ..contract import ChannelContract
-from ..endpoint import Endpoint
+from ..endpoint import Endpoint, Identity
 from ..framing import EnvelopeWriter
 from ..keys import MessageKey
 from .link import DataLink, connect
@@ -89,6 +90,7 @@ class TcpTransport:
         endpoint.route(REFUSED_CHANNEL, self._on_refused)
         self._links: dict[Label, DataLink] = {}
         self._envelopes: EnvelopeWriter | None = None
+        self._envelopes_of: Identity | None = None  # whose label they name
         self._lock = threading.Lock()
         self._is_closed = False
 
@@ -138,9 +140,11 @@ class TcpTransport:
                                  f"{dst.describe()}")
         staged = [t if t.is_cpu else t.detach().to("cpu") for t in tensors]
         encoded = encode(staged)
+        identity = self.endpoint.identity
         envelopes = self._envelopes
-        if envelopes is None or envelopes.src != str(self.endpoint.label):
-            envelopes = self._envelopes = EnvelopeWriter(str(self.endpoint.label))
+        if envelopes is None or self._envelopes_of is not identity:  # a new label
+            envelopes = self._envelopes = EnvelopeWriter(str(identity.label))
+            self._envelopes_of = identity
         try:
             link.send(key, envelopes.serialize(key, encoded), encoded)
         except TransportError as exc:
