@@ -66,9 +66,18 @@ def attach_cache(split: SplitProgram, label: Label, transport: Transport, incarn
 
 def _receive_contracts(plan: SplitPlan, label: Label) -> dict[str, ChannelContract]:
     """Workers receive the servers' replies, servers the workers' requests; their
-    sizes change every message, so only the sender is checked."""
+    sizes change every message, so only the sender is checked.
+
+    Lendable (`later_bytes` 0): a shared-memory ring may hand a large request
+    or reply over in place, no copy out of the ring (`row_copy` moves rows
+    from any address at its speed). Both ends drop a message's tensors once
+    its rows are copied (a server's write-back into its shard, a worker's
+    pulled rows into cache slots), and a ring lends at most half of itself:
+    what is held longer (gradients waiting for the other workers', a
+    prefetch's reply waiting for its step) only makes later messages copied
+    again."""
     if label.role is Role.WORKER:
-        return {reply_channel(server): ChannelContract(server, None)
+        return {reply_channel(server): ChannelContract(server, None, later_bytes=0)
                 for server in plan.labels if server.role is Role.SERVER}
-    return {request_channel(worker): ChannelContract(worker, None)
+    return {request_channel(worker): ChannelContract(worker, None, later_bytes=0)
             for worker in plan.labels if worker.role is Role.WORKER}

@@ -205,9 +205,8 @@ class EmbeddingClient:
         """(server, positions in `ids` of the ids it holds) for each server
         holding some of `ids` (`every_server`: each one), in rank order.
         Positions, not masks: `index_select` gathers faster than a mask."""
-        owner = self.sharding[table].server_of(ids)
-        for server in self.servers:
-            positions = (owner == server.rank).nonzero().reshape(-1)
+        by_server = self.sharding[table].positions_by_server(ids)
+        for server, positions in zip(self.servers, by_server):
             if every_server or positions.numel():
                 yield server, positions
 

@@ -277,8 +277,9 @@ class RowCache:
         id_of_slot[new_slots] = miss_ids
         slot_of_id[miss_ids] = new_slots
         dirty[new_slots] = False
-        if miss_ids.size:
-            slots = slot_of_id.take(lookups)
+        if miss_ids.size:  # the missed lookups' new slots (the hits' did not move)
+            missed = np.flatnonzero(~cached)
+            slots[missed] = slot_of_id.take(lookups.take(missed))
         last_used[slots] = step
         self._order_used(step, order_end, marks, new_slots)
         marks[:] = False

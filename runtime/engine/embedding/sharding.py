@@ -3,12 +3,18 @@
 Ids are first hashed by an affine bijection of [0, V) (hot ids, often the
 small ones, spread over all servers instead of piling onto the first), then
 the hash space is cut into S contiguous slices, one per server.
+
+The hash runs on numpy views of the ids (int64 CPU tensors, as every caller
+has them): a step's few thousand ids per table and server cost ~3x less
+than through torch's ops and dispatch (the worker splits every table's
+write-backs and pulls by server each step, each server maps them to its rows).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from ...errors import CacheError
@@ -38,14 +44,40 @@ class RowSharding:
         self._inner_bounds = torch.tensor(self.bounds[1:-1], dtype=torch.int64)
 
     def hashed(self, ids: torch.Tensor) -> torch.Tensor:
-        # ids < 2^31 and a < 2^31: the product fits in int64.
-        return (ids.to(torch.int64) * self._a + self._b) % self.num_rows
+        if ids.device.type != "cpu":
+            # ids < 2^31 and a < 2^31: the product fits in int64.
+            return (ids.to(torch.int64) * self._a + self._b) % self.num_rows
+        return torch.from_numpy(self._hashed(ids))
+
+    def _hashed(self, ids: torch.Tensor) -> np.ndarray:
+        """The hash of CPU `ids`, a new int64 array (computed in place in it)."""
+        hashed = ids.reshape(-1).to(torch.int64).numpy() * self._a
+        hashed += self._b
+        hashed %= self.num_rows
+        return hashed.reshape(ids.shape)
 
     def server_of(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.bucketize(self.hashed(ids), self._inner_bounds, right=True)
 
+    def positions_by_server(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """For each server in rank order, the positions in `ids` (flat, CPU)
+        of the ids it holds, ascending."""
+        if self.num_servers == 1:
+            return [torch.arange(ids.numel())]
+        hashed = self._hashed(ids.reshape(-1))
+        if self.num_servers == 2:
+            second = hashed >= self.bounds[1]
+            return [torch.from_numpy(np.flatnonzero(~second)),
+                    torch.from_numpy(np.flatnonzero(second))]
+        owner = np.searchsorted(self._inner_bounds.numpy(), hashed, side="right")
+        order = np.argsort(owner, kind="stable")  # by server, ascending within each
+        ends = np.cumsum(np.bincount(owner, minlength=self.num_servers))
+        return [torch.from_numpy(part) for part in np.split(order, ends[:-1])]
+
     def local_index(self, ids: torch.Tensor, server: int) -> torch.Tensor:
-        return self.hashed(ids) - self.bounds[server]
+        local = self.hashed(ids)
+        local -= self.bounds[server]
+        return local
 
     def shard_size(self, server: int) -> int:
         return self.bounds[server + 1] - self.bounds[server]
