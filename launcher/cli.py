@@ -291,7 +291,8 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--preload", action="append", default=[], metavar="MODULE",
                         help="forkserver: also import MODULE in the template (the script's "
                              "folder first on the path), e.g. your model's heavy imports; "
-                             "repeatable")
+                             "repeatable (the installed modules the script imports first "
+                             "are imported there anyway)")
     _add_ray_args(launch)
     _add_script_args(launch)
 

@@ -121,8 +121,8 @@ class Template:
             # the kind of stream Python set up at its start).
             process = subprocess.Popen(
                 [sys.executable, "-m", "splitrun.launcher.template", "--parent-pid",
-                 str(os.getpid()), "--socket", str(theirs.fileno()), "--script-dir",
-                 os.path.dirname(os.path.abspath(script)),
+                 str(os.getpid()), "--socket", str(theirs.fileno()), "--script",
+                 os.path.abspath(script),
                  *(f"--preload={module}" for module in preload)],
                 env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, pass_fds=(theirs.fileno(),), start_new_session=True)

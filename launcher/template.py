@@ -1,11 +1,12 @@
 """The template process: the processes of a local job are forked from it.
 
-    python -m splitrun.launcher.template --parent-pid PID --socket FD
+    python -m splitrun.launcher.template --parent-pid PID --socket FD --script PATH
 
 Importing torch and splitrun's job machinery (capture, the job runtime) is
 most of a process's start-up: seconds of CPU in every process, all at once.
-The template imports them once (`PRELOAD`), then forks one process for each
-request of the launcher (`forked.Template`); the forked process runs the
+The template imports them once (`PRELOAD`, --preload, and the installed
+modules the script imports first: script_imports.py), then forks one process
+for each request of the launcher (`forked.Template`); the forked process runs the
 script through the bootstrap, as `python -m splitrun.launcher.bootstrap ...`
 would in a fresh interpreter. Like the bootstrap, this module imports only the
 standard library before its `main()` runs.
@@ -80,10 +81,13 @@ def main(argv: list[str] | None = None) -> None:
     control = socket.socket(fileno=args.socket)
     # The path the script's process will have (as the bootstrap sets it), for
     # --preload of the script's own modules.
-    sys.path[0] = args.script_dir
+    sys.path[0] = os.path.dirname(args.script)
     preload = (*PRELOAD, *args.preload)
     started = time.monotonic()
-    problem = _preload(preload) or _probe_fork() or fork_problem()
+    problem = _preload(preload)
+    if problem is None:
+        preload += tuple(_preload_script_imports(args.script))
+    problem = problem or _probe_fork() or fork_problem()
     if problem is not None:
         _send(control, {"unusable": problem})
         _exit_now()
@@ -167,8 +171,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--parent-pid", type=int, required=True, help="the launcher's pid")
     parser.add_argument("--socket", type=int, required=True,
                         help="the file descriptor of the launcher's control socket")
-    parser.add_argument("--script-dir", required=True,
-                        help="the folder of the script the processes run")
+    parser.add_argument("--script", required=True,
+                        help="the absolute path of the script the processes run")
     parser.add_argument("--preload", action="append", default=[],
                         help="also import this module")
     return parser.parse_args(argv)
@@ -185,6 +189,29 @@ def _preload(preload: tuple[str, ...]) -> str | None:
             traceback.print_exc()
             return f"the template could not import {spec}: {type(exc).__name__}: {exc}"
     return None
+
+
+def _preload_script_imports(script: str) -> list[str]:
+    """Import the installed modules the script imports first (script_imports.py);
+    the ones this imported. A module that fails to import is left to the
+    script's own processes, which report it as usual."""
+    from .script_imports import installed, leading_imports  # the standard library only
+
+    try:
+        with open(script, encoding="utf-8") as file:
+            modules = leading_imports(file.read())
+    except (OSError, UnicodeDecodeError):
+        return []
+    imported = []
+    for module in modules:
+        if module in sys.modules or not installed(module):
+            continue
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001, S112 - not a module, or broken: the script's to report
+            continue
+        imported.append(module)
+    return imported
 
 
 def _probe_fork() -> None:

@@ -42,7 +42,9 @@ class SparseNet(nn.Module):
 
 
 def make(kind: str, optimizer: str, num_workers: int, num_steps: int, width: int = 24):
-    """(program for one worker's shard, program on the full batch, global batches)."""
+    """(program for one worker's shard, global batches). With num_workers=1 the
+    program takes the whole batch: the unsplit reference. One capture only:
+    every process of a launched job calls this."""
     torch.manual_seed(0)
     model = DenseNet(width) if kind == "dense" else SparseNet()
     place(model, role="server")
@@ -59,8 +61,7 @@ def make(kind: str, optimizer: str, num_workers: int, num_steps: int, width: int
     shard = GLOBAL_BATCH // num_workers
     program = capture(model, loss_fn, OPTIMIZERS[optimizer](),
                       (batches[0][0][:shard], batches[0][1][:shard]))
-    full = capture(model, loss_fn, OPTIMIZERS[optimizer](), batches[0])
-    return program, full, batches
+    return program, batches
 
 
 def feeds(batches):
@@ -165,7 +166,8 @@ def bag_loss(model, ids, weights, labels):
 
 
 def make_bag(optimizer: str, num_workers: int, num_steps: int):
-    """(program for one worker's shard, program on the full batch, global batches)."""
+    """(program for one worker's shard, global batches); with num_workers=1 the
+    program takes the whole batch."""
     torch.manual_seed(0)
     model = BagNet()
     place(model, role="server")
@@ -173,8 +175,7 @@ def make_bag(optimizer: str, num_workers: int, num_steps: int):
     shard = GLOBAL_BATCH // num_workers
     program = capture(model, bag_loss, OPTIMIZERS[optimizer](),
                       tuple(t[:shard] for t in batches[0]))
-    full = capture(model, bag_loss, OPTIMIZERS[optimizer](), batches[0])
-    return program, full, batches
+    return program, batches
 
 
 def all_feeds(batches):

@@ -62,7 +62,7 @@ def test_parameter_server_on_cuda_equals_one_process(local_cluster, tmp_path, ki
                    optimizer, "--steps", 20, "--out", out, workers=2, servers=2)
     result = torch.load(out, map_location="cpu")
     assert result["device"].startswith("cuda")
-    _, full, batches = make_ps(kind, optimizer, 1, 20)
+    full, batches = make_ps(kind, optimizer, 1, 20)
     assert_state_close(result["state"], full.train_unsplit(20, ps_feeds(batches))[1])
 
 

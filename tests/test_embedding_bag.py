@@ -51,7 +51,7 @@ def eager_training(optimizer: str, batches):
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
 def test_captured_bags_train_as_eager_torch(optimizer):
-    _, full, batches = make_bag(optimizer, 1, NUM_STEPS)
+    full, batches = make_bag(optimizer, 1, NUM_STEPS)
     _, state = full.train_unsplit(NUM_STEPS, all_feeds(batches))
     expected = eager_training(optimizer, batches)
     for key, value in expected.items():
@@ -159,7 +159,8 @@ def test_id_groups_are_torch_unique_and_a_stable_order():
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
 def test_parameter_server_mode_equals_one_process(optimizer):
-    program, full, batches = make_bag(optimizer, 2, NUM_STEPS)
+    program, batches = make_bag(optimizer, 2, NUM_STEPS)
+    full, _ = make_bag(optimizer, 1, NUM_STEPS)  # the whole batch
     split_prog = split_program(program, Cluster(2, 2), ParameterServerMode())
     split_prog.lint()
     run = run_threaded(split_prog, NUM_STEPS, all_feeds(batches), recv_timeout_s=30)

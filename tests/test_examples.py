@@ -19,6 +19,8 @@ def test_ps_train_reaches_its_accuracy(local_cluster):
                              workers=2, servers=2)
     accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)", proc.output()).group(1))
     assert accuracy >= 0.9
+    # scikit-learn, which the script imports first, imported once for every process
+    assert re.search(r"template \(pid \d+\) imported .*sklearn\.datasets", proc.output())
 
 
 def test_pipeline_split_equals_the_unsplit_step(local_cluster):

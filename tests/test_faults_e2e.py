@@ -167,7 +167,7 @@ def bad_checkpoint(tmp_path, problem: str):
 
     from splitrun.runtime.checkpoints.plain import to_checkpoint, write_checkpoint
 
-    program, _, _ = make("dense", "adam", 2, 5)
+    program, _ = make("dense", "adam", 2, 5)
     checkpoint = to_checkpoint(program, program.initial_state, 3)
     if problem == "float64":
         checkpoint["model"]["body.0.weight"] = checkpoint["model"]["body.0.weight"].double()

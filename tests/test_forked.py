@@ -30,3 +30,24 @@ def test_a_process_is_forked_where_it_differs_in_splitruns_variables_only():
 def test_a_command_other_than_the_bootstrap_starts_with_exec():
     for argv in ([sys.executable, "-c", "pass"], ["python3", *BOOTSTRAP[1:]]):
         assert exec_reason(argv, {}, {}).startswith("its command is not the bootstrap's")
+
+
+def test_the_template_preloads_the_installed_modules_a_script_imports_first():
+    from splitrun.launcher.script_imports import installed, leading_imports
+
+    script = '"""A job."""\n' \
+        "from __future__ import annotations\n" \
+        "import json, numpy.linalg\n" \
+        "from sklearn.datasets import load_digits\n" \
+        "from . import sibling\n" \
+        "import os\n" \
+        "os.environ['OMP_NUM_THREADS'] = '1'\n" \
+        "import scipy  # after the script's first statement: left to the script\n"
+    assert leading_imports(script) == ["json", "numpy.linalg", "sklearn.datasets",
+                                       "sklearn.datasets.load_digits", "os"]
+    assert leading_imports("def broken(:\n") == []
+    assert installed("json") and installed("numpy.linalg") and installed("sklearn.datasets")
+    # the user's own modules (here the tests' helpers and splitrun's worktree) and
+    # what is not there at all
+    assert not installed("ps_models") and not installed("splitrun.splitter")
+    assert not installed("no_such_module_anywhere")

@@ -47,7 +47,7 @@ def small_tiles(monkeypatch):
 
 def _train(name, monkeypatch, *, tiled, state=None):
     monkeypatch.setitem(ps_models.OPTIMIZERS, name, OPTIMIZERS[name])
-    program, _, batches = make("dense", name, 2, STEPS, width=WIDTH)
+    program, batches = make("dense", name, 2, STEPS, width=WIDTH)
     if not tiled:
         monkeypatch.setattr(pointwise_tiles, "MIN_TILED_ELEMENTS", 1 << 62)
     split = split_program(program, Cluster(2, 1), ParameterServerMode())
@@ -75,7 +75,7 @@ def test_tiled_updates_equal_op_by_op_bit_for_bit(name, small_tiles, monkeypatch
 
 
 def test_a_non_contiguous_input_runs_op_by_op_with_the_same_bits(small_tiles, monkeypatch):
-    program, _, _ = make("dense", "sgd_momentum", 2, 1, width=WIDTH)
+    program, _ = make("dense", "sgd_momentum", 2, 1, width=WIDTH)
     state = dict(program.initial_state)
     weight = state["body.2.weight"]
     state["body.2.weight"] = weight.t().contiguous().t()  # same values, other strides

@@ -30,7 +30,7 @@ def launch(local_cluster, tmp_path):
 
 
 def single_process(kind, optimizer, steps):
-    _, full, batches = make(kind, optimizer, 1, steps)
+    full, batches = make(kind, optimizer, 1, steps)
     return full.train_unsplit(steps, feeds(batches))[1]
 
 

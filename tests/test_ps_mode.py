@@ -34,7 +34,8 @@ TOLERANCE = 1e-5
 
 
 def train_both(kind, optimizer, num_workers, num_servers, num_steps=NUM_STEPS):
-    program, full, batches = make(kind, optimizer, num_workers, num_steps)
+    program, batches = make(kind, optimizer, num_workers, num_steps)
+    full, _ = make(kind, optimizer, 1, num_steps)  # the whole batch
     split_prog = split_program(program, Cluster(num_workers, num_servers),
                                ParameterServerMode())
     split_prog.lint()
@@ -74,7 +75,7 @@ def test_one_worker_needs_no_accumulation():
 
 def test_server_has_a_slot_per_worker_and_an_accumulation_per_gradient():
     num_workers, num_servers = 3, 2
-    program, _, _ = make("dense", "adam", num_workers, 1)
+    program, _ = make("dense", "adam", num_workers, 1)
     split_prog = split_program(program, Cluster(num_workers, num_servers),
                                ParameterServerMode())
     plan, servers = split_prog.plan, split_prog.artifacts
@@ -134,7 +135,7 @@ def test_parameters_are_balanced_by_bytes_or_pinned():
 
 
 def test_bad_parameter_server_setups_name_the_problem():
-    program, _, _ = make("dense", "adam", 2, 1)
+    program, _ = make("dense", "adam", 2, 1)
     with pytest.raises(PlanError, match=r"needs at least one server; launch with --servers"):
         split_program(program, Cluster(2, 0), ParameterServerMode())
 
@@ -165,7 +166,7 @@ def test_bad_parameter_server_setups_name_the_problem():
 def test_gradient_buckets_overlap_the_update_and_train_exactly_as_one_message(
         kind, optimizer, num_workers, num_servers):
     steps = 4
-    program, _, batches = make(kind, optimizer, num_workers, steps)
+    program, batches = make(kind, optimizer, num_workers, steps)
     cluster = Cluster(num_workers, num_servers)
     whole = split_program(program, cluster, ParameterServerMode())
     bucketed = split_program(program, cluster, ParameterServerMode(gradient_bucket_bytes=1))

@@ -35,7 +35,7 @@ STEPS = 24
 
 
 def _split(staleness=None, workers=2, servers=2, kind="dense", optimizer="adam"):
-    program, _, batches = make(kind, optimizer, workers, STEPS)
+    program, batches = make(kind, optimizer, workers, STEPS)
     mode = ParameterServerMode() if staleness is None else ParameterServerMode(
         staleness=staleness)
     return split_program(program, Cluster(workers, servers), mode), batches
@@ -159,7 +159,7 @@ def test_launched_bounded_job_equals_the_rule_run_eagerly_step_by_step(local_clu
                for rank in range(2)]
     versions = [{int(step): keys for step, keys in record["keys"].items()}
                 for record in records]
-    program, _, batches = make("dense", "adam", 2, STEPS)
+    program, batches = make("dense", "adam", 2, STEPS)
     losses, expected = stale_reference(program, "adam", batches, versions)
     for rank, record in enumerate(records):
         for step, (loss, reference) in enumerate(zip(record["losses"], losses[rank],

@@ -99,7 +99,7 @@ def test_ps_saved_with_two_servers_resumes_with_one_and_three(launch, ps_saved_a
     model = DenseNet()
     model.load_state_dict(plain["model"])  # strict: every key, every shape
     torch.optim.Adam(model.parameters(), lr=0.01).load_state_dict(plain["optimizer"])
-    _, full, batches = make_ps("dense", "adam", 1, 10)
+    full, batches = make_ps("dense", "adam", 1, 10)
     at_ten = full.train_unsplit(10, ps_feeds(batches))[1]
     for key, param in model.named_parameters():
         torch.testing.assert_close(param.detach(), at_ten[key], rtol=0, atol=1e-5, msg=key)

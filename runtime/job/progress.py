@@ -1,7 +1,9 @@
 """Progress on the driver (worker 0): step, loss and steps/s.
 
 A tqdm bar on a terminal; under `splitrun launch` (output is a pipe whose lines
-get prefixed) a plain log line every few seconds instead of carriage returns.
+get prefixed) a plain log line instead of carriage returns: at the first step
+this process runs (the job is past its start-up: tests wait for this line),
+then every few seconds and at the last step.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class Progress:
         self.total = total
         self.enabled = enabled
         self._started = time.perf_counter()
-        self._last_line = self._started
+        self._last_line: float | None = None  # no line yet: the first step shows one
         self._bar = None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
@@ -40,7 +42,8 @@ class Progress:
             self._bar.set_postfix_str(" ".join(x for x in (loss_text, extra) if x))
             return
         now = time.perf_counter()
-        if now - self._last_line >= _LINE_EVERY_S or (self.total and done == self.total):
+        if (self._last_line is None or now - self._last_line >= _LINE_EVERY_S
+                or (self.total and done == self.total)):
             self._last_line = now
             of = f"/{self.total}" if self.total else ""
             logger.info("%s", " ".join(part for part in (f"step {done}{of}", loss_text,

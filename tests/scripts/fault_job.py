@@ -67,7 +67,7 @@ def main() -> int:
 
     job = Job.from_env()
     if args.mode == "ps":
-        program, _, batches = make("dense", "adam", job.cluster.num_workers, NUM_BATCHES)
+        program, batches = make("dense", "adam", job.cluster.num_workers, NUM_BATCHES)
         mode = ParameterServerMode()
     else:
         program, batches = build("mlp", "adam", job.cluster.num_workers, NUM_BATCHES)

@@ -46,7 +46,7 @@ def main() -> int:
     args = parser.parse_args()
 
     job = Job.from_env()
-    program, _, batches = make(args.kind, args.optimizer, job.cluster.num_workers, args.steps,
+    program, batches = make(args.kind, args.optimizer, job.cluster.num_workers, args.steps,
                                width=args.width)
     mode = ParameterServerMode(gradient_bucket_bytes=args.gradient_bucket_bytes,
                                staleness=args.staleness)
