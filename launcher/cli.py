@@ -20,13 +20,13 @@ from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
 from splitrun.runtime.cluster.step_file import read_step
 from splitrun.runtime.errors import ClusterError
 from splitrun.runtime.rpc.tls import TlsFiles, check_bind
+from splitrun.runtime.transport.shm.copy_tunables import glibc_tunables_for_copies
 from splitrun.runtime.transport.shm.job_files import (
     STEP_FILE_SUFFIX,
     job_file_path,
     new_job_prefix,
     remove_job_segments,
 )
-from splitrun.runtime.transport.shm.ring_segment import glibc_tunables_for_copies
 from splitrun.splitter.errors import SplitrunError
 from splitrun.splitter.labels import Label, Role
 

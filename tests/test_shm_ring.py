@@ -18,6 +18,11 @@ sys.path.insert(0, str(SCRIPTS))
 from ring_peer import ordered_message  # noqa: E402
 
 from splitrun.runtime.errors import RecvTimeout
+from splitrun.runtime.transport.shm.copy_tunables import (
+    NON_TEMPORAL_THRESHOLD_BYTES,
+    NON_TEMPORAL_TUNABLE,
+    glibc_tunables_for_copies,
+)
 from splitrun.runtime.transport.shm.job_files import STEP_FILE_SUFFIX, job_file_path
 from splitrun.runtime.transport.shm.ring import (
     SHM_DIR,
@@ -31,13 +36,7 @@ from splitrun.runtime.transport.shm.ring import (
     remove_job_segments,
     ring_paths,
 )
-from splitrun.runtime.transport.shm.ring_segment import (
-    GIL_FREE_COPY_BYTES,
-    NON_TEMPORAL_THRESHOLD_BYTES,
-    NON_TEMPORAL_TUNABLE,
-    copy_bytes,
-    glibc_tunables_for_copies,
-)
+from splitrun.runtime.transport.shm.ring_segment import GIL_FREE_COPY_BYTES, copy_bytes
 
 PEER = SCRIPTS / "ring_peer.py"
 # Bounds a child's start-up (an interpreter importing torch) and its sends.

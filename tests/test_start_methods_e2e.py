@@ -14,7 +14,7 @@ import re
 import pytest
 from cluster import JOB_TIMEOUT_S, SCRIPTS, pid_alive
 
-from splitrun.runtime.transport.shm.ring_segment import (
+from splitrun.runtime.transport.shm.copy_tunables import (
     NON_TEMPORAL_THRESHOLD_BYTES,
     NON_TEMPORAL_TUNABLE,
 )

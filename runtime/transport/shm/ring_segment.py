@@ -22,7 +22,7 @@ __all__ = ["HEADER_PAGE", "SEGMENT_MAGIC", "VERSION", "SEGMENT_HEADER", "FRAME_M
            "SKIP_MAGIC", "FRAME", "PAYLOAD_ALIGN", "LENDABLE_BYTES", "frame_header_field",
            "split_header_field", "payload_padding", "MAX_HEADER_BYTES", "GIL_FREE_COPY_BYTES",
            "Segment", "copy_bytes", "device_bytes", "host_bytes", "is_marked_closed",
-           "NON_TEMPORAL_THRESHOLD_BYTES", "NON_TEMPORAL_TUNABLE", "glibc_tunables_for_copies"]
+           ]
 
 HEADER_PAGE = 4096
 SEGMENT_MAGIC = 0x5350_4C49_5452_494E  # "SPLITRIN"
@@ -69,29 +69,6 @@ def payload_padding(position: int) -> int:
 GIL_FREE_COPY_BYTES = 256 << 10
 # ctypes' memmove is the C library's, called without the GIL.
 _memmove = ctypes.memmove
-# glibc's memmove writes a copy of at least this many bytes with
-# non-temporal stores (around the caches, without first reading each
-# destination line in): a message's copy into or out of a ring is read by
-# another process, later, not by this core. glibc's own threshold is 3/4 of
-# the shared cache per thread, which a VM that reports its host's cache
-# (300 MiB) puts above any message. Measured on the PS benchmark (27 MB
-# messages, 2-core VM): a copy into a ring 4.3 ms -> 2.3 ms alone; in the
-# job, its sends ~25-30 % less CPU.
-NON_TEMPORAL_THRESHOLD_BYTES = 4 << 20
-NON_TEMPORAL_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
-
-
-def glibc_tunables_for_copies(current: str | None) -> str:
-    """GLIBC_TUNABLES for a process started with `current` (None: unset):
-    `NON_TEMPORAL_THRESHOLD_BYTES` added, unless the user set that tunable.
-    Read by glibc at the process's start only; other C libraries and
-    machines ignore it."""
-    if current and NON_TEMPORAL_TUNABLE in current:
-        return current
-    ours = f"{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_THRESHOLD_BYTES:#x}"
-    return f"{current}:{ours}" if current else ours
-
-
 class Segment:
     """The mapped segment file: header page plus data."""
 
@@ -159,7 +136,7 @@ def is_marked_closed(fd: int) -> bool:
 def copy_bytes(dst: memoryview, src: memoryview) -> None:
     """`dst[:] = src` (byte views of one size); large copies without the GIL,
     by the C library's `memmove` (which streams a copy past the caches once
-    it is over glibc's non-temporal threshold, `NON_TEMPORAL_TUNABLE`)."""
+    it is over glibc's non-temporal threshold: copy_tunables.py)."""
     if dst.nbytes != src.nbytes:
         raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
     if dst.nbytes >= GIL_FREE_COPY_BYTES and not (dst.readonly or src.readonly):
