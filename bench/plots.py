@@ -394,7 +394,7 @@ DRAWINGS: dict[str, Callable[[dict, object], None]] = {
     "ps_staleness_tta": ps_staleness, "ps_staleness_tta_quiet": ps_staleness,
     "pipeline": pipeline, "pipeline_ceiling": pipeline_ceiling,
     "ps_staleness_copies": ps_phases, "ps_staleness_copies_tta": ps_staleness,
-    "ps_copies_cached": ps_phases, "ps_copies_streamed": ps_phases,
+    "ps_copies_cached": ps_phases, "ps_copies_streamed": ps_phases, "ps_copies_quiet": ps_phases,
 }
 
 
