@@ -21,8 +21,7 @@ from .ring_errors import RingError
 __all__ = ["HEADER_PAGE", "SEGMENT_MAGIC", "VERSION", "SEGMENT_HEADER", "FRAME_MAGIC",
            "SKIP_MAGIC", "FRAME", "PAYLOAD_ALIGN", "LENDABLE_BYTES", "frame_header_field",
            "split_header_field", "payload_padding", "MAX_HEADER_BYTES", "GIL_FREE_COPY_BYTES",
-           "Segment", "copy_bytes", "device_bytes", "host_bytes", "is_marked_closed",
-           ]
+           "Segment", "copy_bytes", "device_bytes", "host_bytes", "is_marked_closed"]
 
 HEADER_PAGE = 4096
 SEGMENT_MAGIC = 0x5350_4C49_5452_494E  # "SPLITRIN"

@@ -61,9 +61,7 @@ class FrameReader:
         """The frame's next `size` bytes, a view valid until the next read (a
         buffer of their own when they do not fit the read-ahead buffer)."""
         if size > len(self._buffer):
-            out = memoryview(bytearray(size))
-            self.read_into(out)
-            return out
+            return memoryview(self.copy(size))
         if self._end - self._start < size:
             self._fill(size)
         start = self._start
