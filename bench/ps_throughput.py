@@ -56,23 +56,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import cProfile
-import io
 import json
 import os
 import pathlib
-import pstats
-import resource
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+from ps_bench_model import (
+    RUN_TIMEOUT_S,
+    WARMUP_STEPS,
+    batches,
+    bench_line,
+    cpu_ms,
+    free_port,
+    loss_fn,
+    model,
+    page_faults,
+)
+from ps_rpc_baselines import rpc_two_hosts, run_rpc
+from ps_step_profiler import StepProfiler, profile_served_steps
 
 HERE = pathlib.Path(__file__).resolve()
 GOAL_RATIO = 2.0
@@ -84,36 +89,6 @@ GOAL_SHM_RATIO = 1.5
 GOAL_OVER_CEILING = 0.85
 GOAL_OVER_DDP = 1.5
 GOAL_TTA_SPEEDUP = 1.3
-# Bounds one whole measured run (start, warm-up, steps, shutdown) on 2 cores.
-RUN_TIMEOUT_S = 900
-WARMUP_STEPS = 3
-# The RPC rendezvous port on host a: its namespace is fresh and private to
-# this run, so no other program can hold the port.
-RPC_RENDEZVOUS_PORT = 29500
-# --profile-dir: rows of each table kept.
-PROFILE_ROWS = 30
-
-
-def model(width: int) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(512, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                         nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
-
-
-def batches(steps: int, batch_size: int):
-    generator = torch.Generator().manual_seed(0)
-    return [(torch.randn(batch_size, 512, generator=generator),
-             torch.randint(0, 10, (batch_size,), generator=generator)) for _ in range(steps)]
-
-
-def loss_fn(m, x, y):
-    return F.cross_entropy(m(x), y)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- (a) one process ------------------------------------------------------
@@ -131,18 +106,7 @@ def run_single(args) -> dict:
         loss_fn(net, x, y).backward()
         optimizer.step()
     return {"steps_per_s": args.steps / (time.perf_counter() - started),
-            "cpu_ms_per_step": {"process": _cpu_ms(cpu_started, args.steps)}}
-
-
-def _cpu_ms(cpu_started: float, steps: int) -> float:
-    """CPU time of this process (all its threads) per step since `cpu_started`."""
-    return (time.process_time() - cpu_started) * 1000 / steps
-
-
-def _page_faults() -> int:
-    """This process's minor page faults so far: each first touch of a page
-    (memory newly allocated from the system) costs one, in kernel time."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            "cpu_ms_per_step": {"process": cpu_ms(cpu_started, args.steps)}}
 
 
 def make_task(args, name: str):
@@ -206,7 +170,7 @@ def _ddp_process(rank: int, world: int, init_method: str, args, results,
                 clock.step_done(task, net, None, loss.item(), index + 1)
         if task is None:  # every rank: its speed and CPU time
             results.put((rank, args.steps / (time.perf_counter() - started),
-                         _cpu_ms(cpu_started, args.steps)))
+                         cpu_ms(cpu_started, args.steps)))
         elif rank == 0:
             results.put(clock.result())
     finally:
@@ -219,7 +183,7 @@ def run_ddp(args, task_name: str | None = None) -> dict:
     context = mp.get_context("spawn")
     results = context.Queue()
     world = 2
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     processes = [context.Process(target=_ddp_process,
                                  args=(rank, world, init, args, results, task_name))
                  for rank in range(world)]
@@ -237,191 +201,6 @@ def run_ddp(args, task_name: str | None = None) -> dict:
             if process.is_alive():
                 process.kill()
                 process.join(timeout=10)
-
-
-# -- (b) torch.distributed.rpc parameter server ---------------------------
-
-class _BatchUpdateServer:
-    """Holds the model; `update_and_fetch` waits for every trainer's gradients,
-    averages them, steps the optimizer and returns the new parameters."""
-
-    def __init__(self, width: int, num_trainers: int) -> None:
-        self.net = model(width)
-        self.optimizer = torch.optim.SGD(self.net.parameters(), lr=0.01, momentum=0.9)
-        self.num_trainers = num_trainers
-        self.lock = threading.Lock()
-        self.pending = 0
-        self.future = torch.futures.Future()
-        for p in self.net.parameters():
-            p.grad = torch.zeros_like(p)
-
-    def params(self):
-        return [p.detach() for p in self.net.parameters()]
-
-    @staticmethod
-    @torch.distributed.rpc.functions.async_execution
-    def update_and_fetch(server_rref, grads):
-        self = server_rref.local_value()
-        with self.lock:
-            for p, g in zip(self.net.parameters(), grads):
-                p.grad += g
-            self.pending += 1
-            future = self.future
-            if self.pending == self.num_trainers:
-                for p in self.net.parameters():
-                    p.grad /= self.num_trainers
-                self.optimizer.step()
-                for p in self.net.parameters():
-                    p.grad.zero_()
-                self.pending = 0
-                self.future = torch.futures.Future()
-                future.set_result(self.params())
-        return future
-
-
-_SERVER: _BatchUpdateServer | None = None
-_SERVER_LOCK = threading.Lock()
-
-
-def _the_server(width: int, num_trainers: int) -> _BatchUpdateServer:
-    """Runs on the PS process: every trainer's RRef points at one server object."""
-    global _SERVER
-    with _SERVER_LOCK:
-        if _SERVER is None:
-            _SERVER = _BatchUpdateServer(width, num_trainers)
-        return _SERVER
-
-
-class _TutorialServer(nn.Module):
-    """PyTorch's parameter-server tutorial: the server holds the model and runs
-    its forward for every trainer; trainers backpropagate through distributed
-    autograd and a DistributedOptimizer steps the server's parameters
-    (asynchronously: each trainer's step updates them)."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.net = model(width)
-
-    def forward(self, x):
-        # Each trainer's DistributedOptimizer steps these parameters in place
-        # while another trainer's backward may still need them (the tutorial's
-        # asynchronous updates): autograd then refuses the modified saved
-        # tensors. Running the forward on copies keeps the tutorial's design
-        # (gradients still reach the parameters through the copies) and costs
-        # one copy of the parameters per forward.
-        copies = {name: p.clone() for name, p in self.net.named_parameters()}
-        return torch.func.functional_call(self.net, copies, (x,))
-
-    def param_rrefs(self):
-        from torch.distributed import rpc
-        return [rpc.RRef(p) for p in self.net.parameters()]
-
-
-_TUTORIAL: _TutorialServer | None = None
-
-
-def _the_tutorial_server(width: int) -> _TutorialServer:
-    global _TUTORIAL
-    with _SERVER_LOCK:
-        if _TUTORIAL is None:
-            _TUTORIAL = _TutorialServer(width)
-        return _TUTORIAL
-
-
-def _report(results, steps_per_s: float) -> None:
-    """Hand trainer 1's speed to the parent: its queue, or stdout when it was
-    started as a command (on a simulated host)."""
-    if results is None:
-        print("BENCH " + json.dumps({"steps_per_s": steps_per_s}), flush=True)
-    else:
-        results.put(steps_per_s)
-
-
-def _call(method, rref, *args):
-    return method(rref.local_value(), *args)
-
-
-def _tutorial_trainer(rank: int, world: int, args, results) -> None:
-    import torch.distributed.autograd as dist_autograd
-    from torch.distributed import rpc
-    from torch.distributed.optim import DistributedOptimizer
-
-    server = rpc.remote("ps", _the_tutorial_server, args=(args.width,))
-    param_rrefs = rpc.rpc_sync("ps", _call, args=(_TutorialServer.param_rrefs, server))
-    optimizer = DistributedOptimizer(torch.optim.SGD, param_rrefs, lr=0.01, momentum=0.9)
-    shard = args.batch_size // (world - 1)
-    lo = (rank - 1) * shard
-    started = None
-    for index, (x, y) in enumerate(batches(args.steps + WARMUP_STEPS, args.batch_size)):
-        if index == WARMUP_STEPS:
-            started = time.perf_counter()
-        with dist_autograd.context() as context:
-            out = rpc.rpc_sync("ps", _call, args=(_TutorialServer.forward, server,
-                                                   x[lo:lo + shard]))
-            loss = F.cross_entropy(out, y[lo:lo + shard])
-            dist_autograd.backward(context, [loss])
-            optimizer.step(context)
-    if rank == 1:
-        _report(results, args.steps / (time.perf_counter() - started))
-
-
-def _rpc_process(rank: int, world: int, init_method: str, args, results, tutorial: bool,
-                 tcp_only: bool = False) -> None:
-    from torch.distributed import rpc
-    torch.set_num_threads(1)
-    # Across the simulated hosts TensorPipe must use TCP ("uv", "basic"): its
-    # shared-memory and cross-memory-attach channels see one machine through
-    # the namespaces and would carry the tensors around the shaped link.
-    extra = {"_transports": ["uv"], "_channels": ["basic"]} if tcp_only else {}
-    options = rpc.TensorPipeRpcBackendOptions(init_method=init_method,
-                                              rpc_timeout=RUN_TIMEOUT_S, **extra)
-    name = "ps" if rank == 0 else f"trainer{rank}"
-    rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=options)
-    if rank != 0 and tutorial:
-        _tutorial_trainer(rank, world, args, results)
-    elif rank != 0:
-        server = rpc.remote("ps", _the_server, args=(args.width, world - 1))
-        net = model(args.width)
-        shard = args.batch_size // (world - 1)
-        data = batches(args.steps + WARMUP_STEPS, args.batch_size)
-        started = None
-        for index, (x, y) in enumerate(data):
-            if index == WARMUP_STEPS:
-                started = time.perf_counter()
-            lo = (rank - 1) * shard
-            net.zero_grad()
-            loss_fn(net, x[lo:lo + shard], y[lo:lo + shard]).backward()
-            new = rpc.rpc_sync("ps", _BatchUpdateServer.update_and_fetch,
-                               args=(server, [p.grad for p in net.parameters()]))
-            with torch.no_grad():
-                for p, value in zip(net.parameters(), new):
-                    p.copy_(value)
-        if rank == 1:
-            _report(results, args.steps / (time.perf_counter() - started))
-    rpc.shutdown()
-
-
-def run_rpc(args, tutorial: bool) -> float:
-    import torch.multiprocessing as mp
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    world = 3  # one server, two trainers
-    port = _free_port()
-    processes = [context.Process(target=_rpc_process,
-                                 args=(rank, world, f"tcp://127.0.0.1:{port}", args, results,
-                                       tutorial))
-                 for rank in range(world)]
-    for process in processes:
-        process.start()
-    try:
-        steps_per_s = results.get(timeout=RUN_TIMEOUT_S)
-    finally:
-        for process in processes:
-            process.join(timeout=60)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
-    return steps_per_s
 
 
 # -- (c) splitrun -----------------------------------------------------------
@@ -451,10 +230,10 @@ def run_splitrun_job(args) -> None:
     trainer.process.executor.tile_pointwise = not args.op_by_op
     profiler = None
     if args.profile_dir and job.label.rank == 0:  # worker 0 and server 0
-        profiler = _StepProfiler(pathlib.Path(args.profile_dir), job.label.describe(),
+        profiler = StepProfiler(pathlib.Path(args.profile_dir), job.label.describe(),
                                  trainer.process.executor.stats)
         if job.is_server:
-            _profile_served_steps(trainer.process, profiler)
+            profile_served_steps(trainer.process, profiler)
     from ps_phases import PhaseClock
     started = cpu_started = faults_started = None
     phases = PhaseClock(trainer.process.executor)
@@ -463,7 +242,7 @@ def run_splitrun_job(args) -> None:
     for index, batch in enumerate(trainer.shard(data)):
         if index == WARMUP_STEPS:
             started, cpu_started = time.perf_counter(), time.process_time()
-            faults_started = _page_faults()
+            faults_started = page_faults()
             phases.start()
             if profiler is not None:
                 profiler.start()
@@ -484,16 +263,16 @@ def run_splitrun_job(args) -> None:
         print("BENCH " + json.dumps({"steps_per_s": args.steps / (stepped - started),
                                      "finish_s": time.perf_counter() - stepped,
                                      "process": job.label.describe(),
-                                     "cpu_ms_per_step": _cpu_ms(cpu_started, args.steps),
+                                     "cpu_ms_per_step": cpu_ms(cpu_started, args.steps),
                                      "page_faults_per_step":
-                                         (_page_faults() - faults_started) / args.steps,
+                                         (page_faults() - faults_started) / args.steps,
                                      "phases_ms_per_step": phases.per_step(args.steps)}),
               flush=True)
     elif served:  # a server's steps ran inside finish(), the leaving barrier with them
         print("CPU " + json.dumps({"process": job.label.describe(),
-                                   "cpu_ms_per_step": _cpu_ms(served[0][0], args.steps),
+                                   "cpu_ms_per_step": cpu_ms(served[0][0], args.steps),
                                    "page_faults_per_step":
-                                       (_page_faults() - served[0][1]) / args.steps,
+                                       (page_faults() - served[0][1]) / args.steps,
                                    "phases_ms_per_step": phases.per_step(args.steps)}),
               flush=True)
 
@@ -508,7 +287,7 @@ def _cpu_from_served_step(process, phases) -> list[tuple[float, int]]:
 
     def serve_and_clock(step: int, **kwargs):
         if step == WARMUP_STEPS:
-            started.append((time.process_time(), _page_faults()))
+            started.append((time.process_time(), page_faults()))
             phases.start()
         try:
             return serve_step(step, **kwargs)
@@ -549,84 +328,6 @@ def run_splitrun_to_target(args, job) -> None:
     trainer.finish()
     if clock is not None:
         print("TTA " + json.dumps(clock.result()), flush=True)
-
-
-def _profile_served_steps(process, profiler: _StepProfiler) -> None:
-    """A server's steps run inside `trainer.finish()`: start the profiler as
-    the first step after the warm-up begins."""
-    serve_step = process.serve_step
-
-    def serve_and_profile(step: int, **kwargs):
-        if step == WARMUP_STEPS:
-            profiler.start()
-        return serve_step(step, **kwargs)
-
-    process.serve_step = serve_and_profile
-
-
-class _StepProfiler:
-    """One process's steps under torch.profiler and cProfile, and the
-    executor's counters over the same steps; writes `<process>-ops.txt`,
-    `<process>-python.txt` and `<process>-step.json` to `directory`."""
-
-    def __init__(self, directory: pathlib.Path, name: str, stats) -> None:
-        self.directory = directory
-        self.name = name.replace(" ", "")
-        self.stats = stats
-        self.torch_profile = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU])
-        self.python_profile = cProfile.Profile()
-        self._start = None
-
-    def _counters(self) -> dict:
-        stats = self.stats
-        return {"steps": stats.steps, "step_s": stats.step_s, "recv_wait_s": stats.recv_wait_s,
-                "wait_s": {name: c.wait_s for name, c in stats.received.items()}}
-
-    def start(self) -> None:
-        self._start = self._counters()
-        self.torch_profile.start()
-        self.python_profile.enable()
-
-    def stop(self) -> None:
-        if self._start is None:
-            return
-        self.python_profile.disable()
-        self.torch_profile.stop()
-        end = self._counters()
-        steps = end["steps"] - self._start["steps"]
-        if steps == 0:
-            return
-        self.directory.mkdir(parents=True, exist_ok=True)
-        table = self.torch_profile.key_averages().table(sort_by="self_cpu_time_total",
-                                                       row_limit=PROFILE_ROWS)
-        (self.directory / f"{self.name}-ops.txt").write_text(f"{steps} steps\n{table}\n")
-        text = io.StringIO()
-        stats = pstats.Stats(self.python_profile, stream=text)
-        stats.sort_stats("tottime").print_stats(PROFILE_ROWS)
-        (self.directory / f"{self.name}-python.txt").write_text(f"{steps} steps\n"
-                                                                f"{text.getvalue()}")
-        ms = lambda seconds: round(seconds * 1000 / steps, 2)  # noqa: E731
-        # Main-thread time per step in the transport's send and in aten ops
-        # (cProfile's cumulative times).
-        cumulative = {(pathlib.Path(path).name, function): row[3]
-                      for (path, _, function), row in stats.stats.items()}
-        send = cumulative.get(("shm_transport.py", "send"),
-                              cumulative.get(("transport.py", "send"), 0.0))
-        ops = cumulative.get(("_ops.py", "__call__"), 0.0)
-        breakdown = {
-            "process": self.name, "steps": steps,
-            "step_ms": ms(end["step_s"] - self._start["step_s"]),
-            "recv_wait_ms": ms(end["recv_wait_s"] - self._start["recv_wait_s"]),
-            "recv_wait_ms_by_channel": {
-                name: ms(wait - self._start["wait_s"].get(name, 0.0))
-                for name, wait in sorted(end["wait_s"].items())},
-            "send_ms": ms(send),
-            "ops_ms": ms(ops),
-        }
-        breakdown["rest_ms"] = round(breakdown["step_ms"] - breakdown["recv_wait_ms"]
-                                     - breakdown["send_ms"] - breakdown["ops_ms"], 2)
-        (self.directory / f"{self.name}-step.json").write_text(json.dumps(breakdown, indent=2))
 
 
 def _job_args(args, profile_dir: str | None = None, op_by_op: bool = False,
@@ -671,40 +372,12 @@ def run_splitrun(args, transport: str = "grpc", profile_dir: str | None = None,
 
 # -- across two simulated hosts ----------------------------------------------
 
-def _bench_line(path: pathlib.Path) -> float:
-    for line in path.read_text(errors="replace").splitlines():
-        if "BENCH " in line:
-            return json.loads(line.split("BENCH ", 1)[1])["steps_per_s"]
-    raise RuntimeError(f"no BENCH line in {path}:\n{path.read_text(errors='replace')[-4000:]}")
-
-
 def _splitrun_two_hosts(args, hosts, workdir: pathlib.Path) -> float:
     """Scheduler and server on host a, the two workers on host b."""
     from joined_job import run_joined_job
     logs = run_joined_job(hosts, workdir, workers=2, servers=1, job_command=_job_args(args),
                           what="splitrun across two hosts", timeout_s=RUN_TIMEOUT_S)
-    return _bench_line(logs[1])
-
-
-def _rpc_two_hosts(args, hosts, workdir: pathlib.Path, tutorial: bool) -> float:
-    """The RPC server (rank 0, the rendezvous) on host a, trainers 1 and 2 on b."""
-    from joined_job import wait_all
-    processes, logs = [], []
-    for host, rank in ((hosts.a, 0), (hosts.b, 1), (hosts.b, 2)):
-        env = dict(os.environ, TP_SOCKET_IFNAME=host.device, GLOO_SOCKET_IFNAME=host.device,
-                   OMP_NUM_THREADS="1")
-        log = workdir / f"rpc{rank}.log"
-        with open(log, "w") as out:
-            processes.append(host.popen(
-                [sys.executable, str(HERE), "--rpc-rank", str(rank),
-                 "--rpc-init", f"tcp://{hosts.a.address}:{RPC_RENDEZVOUS_PORT}",
-                 *(["--rpc-tutorial"] if tutorial else []), "--steps", str(args.steps),
-                 "--width", str(args.width), "--batch-size", str(args.batch_size)],
-                stdout=out, stderr=subprocess.STDOUT, env=env))
-        logs.append(log)
-    wait_all(processes, logs, f"torch.rpc ({'tutorial' if tutorial else 'batch update'}) "
-                              f"across two hosts", RUN_TIMEOUT_S)
-    return _bench_line(logs[1])
+    return bench_line(logs[1])
 
 
 def run_two_hosts(args, rate_mbit: float) -> dict[str, float]:
@@ -718,8 +391,8 @@ def run_two_hosts(args, rate_mbit: float) -> dict[str, float]:
             tempfile.TemporaryDirectory(prefix="splitrun-bench-hosts-")))
         hosts = stack.enter_context(two_hosts(rate_mbit))
         return {
-            "torch_rpc_tutorial_ps": _rpc_two_hosts(args, hosts, workdir, tutorial=True),
-            "torch_rpc_batch_update_ps": _rpc_two_hosts(args, hosts, workdir, tutorial=False),
+            "torch_rpc_tutorial_ps": rpc_two_hosts(args, hosts, workdir, tutorial=True),
+            "torch_rpc_batch_update_ps": rpc_two_hosts(args, hosts, workdir, tutorial=False),
             "splitrun_ps": _splitrun_two_hosts(args, hosts, workdir),
         }
 
@@ -787,16 +460,9 @@ def main() -> None:
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--staleness", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--tta", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--rpc-rank", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--rpc-init", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--rpc-tutorial", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
         run_splitrun_job(args)
-        return
-    if args.rpc_rank is not None:  # one process of an RPC run on a simulated host
-        _rpc_process(args.rpc_rank, 3, args.rpc_init, args, None, args.rpc_tutorial,
-                     tcp_only=True)
         return
     if args.quick:
         args.steps = 10
