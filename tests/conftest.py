@@ -27,7 +27,8 @@ UNITS_DIR = pytest.StashKey[tempfile.TemporaryDirectory]()
 # --dist loadgroup, tests/scheduling.py's longest-first scheduler). A fixture that
 # launches a job once for several tests (session or module scope) would be
 # launched once per worker its tests land in; the tests that use it share a
-# group, so one worker runs them all and it is launched once. Tests that must not
+# group, so one worker runs them all and it is launched once (so too a folder
+# one test's launch fills for the others: recsys_data). Tests that must not
 # overlap (a Ray cluster each, a gigabyte each) say so with their own xdist_group
 # mark. Every other in-process test is grouped with its file (module fixtures
 # made once), every other end-to-end test is a unit of its own.
@@ -39,6 +40,8 @@ SHARED_LAUNCH_GROUPS = {
     "slow_worker_run": "staleness",
     "launched_reference": "identity",
     "main_job_one_epoch": "identity",
+    "main_job_three_epochs": "ray",
+    "recsys_data": "recsys",
 }
 
 
@@ -225,3 +228,20 @@ def main_job_one_epoch(tmp_path_factory) -> MainJobRun:
     finally:
         cluster.close()
     return replace(run, output=proc.output())
+
+
+@pytest.fixture(scope="session")
+def main_job_three_epochs(tmp_path_factory) -> str:
+    """The launcher's output of examples/ps_train.py for three epochs on 2
+    workers and 1 server (`splitrun -v launch`, --min-accuracy 0.9): launched
+    once per test session, for the example's test (tests/test_examples.py) and
+    as the local run the Ray backend's must equal (tests/test_ray_backend.py;
+    in its xdist group, so one worker launches it)."""
+    directory = tmp_path_factory.mktemp("main_job_three_epochs")
+    cluster = LocalCluster(cwd=directory)
+    try:
+        proc = cluster.run(REPO / "examples" / "ps_train.py", "--epochs", 3, "--min-accuracy",
+                           0.9, workers=2, servers=1)
+    finally:
+        cluster.close()
+    return proc.output()
