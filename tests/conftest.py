@@ -12,10 +12,11 @@ launcher's default device) also where a GPU is; the tests of the CUDA path
 
 import os
 import tempfile
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from cluster import SCRIPTS, LocalCluster
+from cluster import REPO, SCRIPTS, LocalCluster
 from scheduling import LongestFirstScheduling, UnitsFile, recorder_from_env, unit_of
 
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
@@ -26,7 +27,8 @@ UNITS_DIR = pytest.StashKey[tempfile.TemporaryDirectory]()
 # --dist loadgroup, tests/scheduling.py's longest-first scheduler). A fixture that
 # launches a job once for several tests (session or module scope) would be
 # launched once per worker its tests land in; the tests that use it share a
-# group, so one worker runs them all and it is launched once. Tests that must not
+# group, so one worker runs them all and it is launched once (so too a folder
+# one test's launch fills for the others: recsys_data). Tests that must not
 # overlap (a Ray cluster each, a gigabyte each) say so with their own xdist_group
 # mark. Every other in-process test is grouped with its file (module fixtures
 # made once), every other end-to-end test is a unit of its own.
@@ -34,7 +36,12 @@ SHARED_LAUNCH_GROUPS = {
     "uninterrupted_ps_job": "ps_checkpoints",
     "parallel_saved_at_five": "ps_checkpoints",
     "ps_saved_at_ten": "ps_checkpoints",
+    "cache_saved_at_ten": "cache_checkpoints",
+    "slow_worker_run": "staleness",
     "launched_reference": "identity",
+    "main_job_one_epoch": "identity",
+    "main_job_three_epochs": "ray",
+    "recsys_data": "recsys",
 }
 
 
@@ -91,29 +98,60 @@ def local_cluster(tmp_path):
         cluster.close()
 
 
+class UninterruptedPsJobs:
+    """`jobs(kind, optimizer, steps, workers, servers)`: what worker 0 of
+    tests/scripts/ps_job.py, launched (real launcher, real processes) and run
+    without interruption, wrote to --out. Each set of arguments is launched once
+    per test session: several tests compare with the same uninterrupted job.
+    Each run also writes a checkpoint after half its steps, in both formats,
+    and trains on (`saved_at_half`): the tests that resume one compare with the
+    same run's end."""
+
+    def __init__(self, directory) -> None:
+        self.directory = directory
+        self.cluster = LocalCluster(cwd=directory)
+        self.runs: dict[tuple, dict[str, object]] = {}
+
+    def _run(self, kind, optimizer, steps, workers, servers) -> dict[str, object]:
+        key = (kind, optimizer, steps, workers, servers)
+        if key not in self.runs:
+            name = self.directory / f"run{len(self.runs)}"
+            paths = {"out": name.with_suffix(".pt"),
+                     "plain": name.parent / f"{name.name}-step{steps // 2}.pt",
+                     "sharded": name.parent / f"{name.name}-step{steps // 2}"}
+            self.cluster.run(SCRIPTS / "ps_job.py", "--kind", kind, "--optimizer", optimizer,
+                             "--steps", steps, "--out", paths["out"], "--save-at", steps // 2,
+                             "--save", paths["plain"], "--save", paths["sharded"],
+                             workers=workers, servers=servers)
+            self.runs[key] = paths
+        return self.runs[key]
+
+    def __call__(self, kind="dense", optimizer="adam", steps=20, workers=2, servers=2):
+        return torch.load(self._run(kind, optimizer, steps, workers, servers)["out"])  # a copy
+
+    def saved_at_half(self, kind="dense", optimizer="adam", steps=20, workers=2, servers=2):
+        """(a .pt file, a sharded directory): the checkpoints the run wrote
+        after step steps // 2 (and trained on to its end)."""
+        paths = self._run(kind, optimizer, steps, workers, servers)
+        return paths["plain"], paths["sharded"]
+
+
 @pytest.fixture(scope="session")
 def uninterrupted_ps_job(tmp_path_factory):
-    """`uninterrupted_ps_job(kind, optimizer, steps, workers, servers)`: what worker 0
-    of tests/scripts/ps_job.py, launched (real launcher, real processes) and run
-    without interruption, wrote to --out. Each set of arguments is launched once
-    per test session: several tests compare with the same uninterrupted job."""
-    directory = tmp_path_factory.mktemp("uninterrupted_ps_job")
-    cluster = LocalCluster(cwd=directory)
-    outs = {}
-
-    def run(kind="dense", optimizer="adam", steps=20, workers=2, servers=2):
-        key = (kind, optimizer, steps, workers, servers)
-        if key not in outs:
-            out = directory / f"run{len(outs)}.pt"
-            cluster.run(SCRIPTS / "ps_job.py", "--kind", kind, "--optimizer", optimizer,
-                        "--steps", steps, "--out", out, workers=workers, servers=servers)
-            outs[key] = out
-        return torch.load(outs[key])  # a fresh copy for each test
-
+    """See UninterruptedPsJobs."""
+    jobs = UninterruptedPsJobs(tmp_path_factory.mktemp("uninterrupted_ps_job"))
     try:
-        yield run
+        yield jobs
     finally:
-        cluster.close()
+        jobs.cluster.close()
+
+
+@pytest.fixture(scope="session")
+def ps_saved_at_ten(uninterrupted_ps_job):
+    """(a .pt file, a sharded directory): the dense job (Adam, 2 workers, 2
+    servers, 20 steps) saved after step 10 in both formats, by the launch the
+    tests compare with as the uninterrupted job (it trains on to step 20)."""
+    return uninterrupted_ps_job.saved_at_half("dense", "adam", steps=20, workers=2, servers=2)
 
 
 @pytest.fixture(scope="session")
@@ -130,3 +168,80 @@ def parallel_saved_at_five(tmp_path_factory):
     finally:
         cluster.close()
     return plain, sharded
+
+
+@dataclass(frozen=True)
+class SavedRun:
+    """A launched run that saved checkpoints midway and trained on: what worker 0
+    wrote to --out, the launcher's output, the checkpoints (a .pt file, a
+    sharded directory)."""
+    out: os.PathLike
+    output: str
+    plain: os.PathLike
+    sharded: os.PathLike
+
+
+@pytest.fixture(scope="session")
+def cache_saved_at_ten(tmp_path_factory) -> SavedRun:
+    """tests/scripts/cache_job.py (Adagrad) on 1 worker and 2 servers with a
+    40-row cache for 20 steps, saved after step 10 in both formats; launched
+    once per test session, for the tests of its end and of resuming its
+    checkpoints (tests/test_cache_e2e.py, tests/test_sharded_checkpoint_e2e.py)."""
+    directory = tmp_path_factory.mktemp("cache_saved_at_ten")
+    run = SavedRun(directory / "run.pt", "", directory / "step10.pt", directory / "step10")
+    cluster = LocalCluster(cwd=directory)
+    try:
+        proc = cluster.run(SCRIPTS / "cache_job.py", "--steps", 20, "--cache-rows", 40,
+                           "--save-at", 10, "--save", run.plain, "--save", run.sharded,
+                           "--out", run.out, workers=1, servers=2)
+    finally:
+        cluster.close()
+    return replace(run, output=proc.output())
+
+
+@dataclass(frozen=True)
+class MainJobRun:
+    """The main job launched with --log-dir and --metrics-dir: the launcher's
+    output, those folders and the checkpoint it saved at its end."""
+    output: str
+    logs: os.PathLike
+    metrics: os.PathLike
+    checkpoint: os.PathLike
+
+
+@pytest.fixture(scope="session")
+def main_job_one_epoch(tmp_path_factory) -> MainJobRun:
+    """examples/ps_train.py for one epoch on 2 workers and 1 server, through
+    `splitrun -v --log-dir DIR launch --metrics-dir DIR` (the global option
+    before the subcommand, the other after it), saving a checkpoint at the end:
+    launched once per test session, for the tests of the log and metrics files
+    (tests/test_launcher_logs.py) and as the reference the jobs started the
+    srun and torchrun ways must equal (tests/test_identity.py)."""
+    directory = tmp_path_factory.mktemp("main_job_one_epoch")
+    run = MainJobRun("", directory / "logs", directory / "metrics", directory / "launch.pt")
+    cluster = LocalCluster(cwd=directory)
+    try:
+        proc = cluster.start("--log-dir", run.logs, "launch", "--metrics-dir", run.metrics,
+                             "--workers", 2, "--servers", 1, REPO / "examples" / "ps_train.py",
+                             "--epochs", 1, "--save", run.checkpoint)
+        assert proc.wait() == 0, proc.output()
+    finally:
+        cluster.close()
+    return replace(run, output=proc.output())
+
+
+@pytest.fixture(scope="session")
+def main_job_three_epochs(tmp_path_factory) -> str:
+    """The launcher's output of examples/ps_train.py for three epochs on 2
+    workers and 1 server (`splitrun -v launch`, --min-accuracy 0.9): launched
+    once per test session, for the example's test (tests/test_examples.py) and
+    as the local run the Ray backend's must equal (tests/test_ray_backend.py;
+    in its xdist group, so one worker launches it)."""
+    directory = tmp_path_factory.mktemp("main_job_three_epochs")
+    cluster = LocalCluster(cwd=directory)
+    try:
+        proc = cluster.run(REPO / "examples" / "ps_train.py", "--epochs", 3, "--min-accuracy",
+                           0.9, workers=2, servers=1)
+    finally:
+        cluster.close()
+    return proc.output()

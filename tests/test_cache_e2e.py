@@ -24,8 +24,9 @@ def launch(local_cluster, tmp_path):
     return launch
 
 
-def test_one_worker_two_servers_equal_whole_tables(launch):
-    result, output = launch("run", 1, 2, "--steps", 20, "--cache-rows", 40)
+def test_one_worker_two_servers_equal_whole_tables(cache_saved_at_ten):
+    # 20 steps with a 40-row cache, saved after step 10 (the tests below resume it).
+    result, output = torch.load(cache_saved_at_ten.out), cache_saved_at_ten.output
     program, batches = make("adagrad", 1, 20, cache_rows=None, sparse_tables=True)
     expected = program.train_unsplit(20, feeds(batches))[1]
     assert result["state"].keys() == expected.keys()
@@ -45,17 +46,16 @@ def test_two_workers_equal_parameter_server_mode(launch):
         assert torch.equal(result["state"][key], value), key
 
 
-def test_save_writes_dirty_rows_back_and_resumes_with_other_servers(launch, tmp_path):
-    checkpoint = tmp_path / "step10.pt"
-    launch("first", 1, 1, "--steps", 20, "--stop-after", 10, "--save", checkpoint)
+def test_save_writes_dirty_rows_back_and_resumes_with_other_servers(launch, cache_saved_at_ten):
+    checkpoint = cache_saved_at_ten.plain  # 1 worker, 2 servers, after step 10 of 20
     saved = torch.load(checkpoint, weights_only=True)
     program, batches = make("adagrad", 1, 10, cache_rows=None, sparse_tables=True)
     at_ten = program.train_unsplit(10, feeds(batches))[1]
     # The checkpoint holds the whole, current tables: every dirty row came back.
     for key in ("tables.0.weight", "tables.1.weight"):
         assert torch.equal(saved["model"][key], at_ten[key])
-    resumed, _ = launch("resumed", 1, 2, "--steps", 20, "--resume", checkpoint)
-    straight, _ = launch("straight", 1, 1, "--steps", 20)
+    resumed, _ = launch("resumed", 1, 1, "--steps", 20, "--resume", checkpoint)
+    straight = torch.load(cache_saved_at_ten.out)  # the run that saved it, on to step 20
     for key, value in straight["state"].items():
         assert torch.equal(resumed["state"][key], value), key
 
@@ -73,14 +73,15 @@ def test_dense_on_workers_and_fused_bags_through_the_launcher(launch, tmp_path):
     assert result["state"].keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(result["state"][key], value), key
-    two, _ = launch("two", 2, 2, "--steps", 20, *sum_bags)
+    checkpoint = tmp_path / "step10"
+    two, _ = launch("two", 2, 2, "--steps", 20, "--save-at", 10, "--save", checkpoint,
+                    *sum_bags)
     program, batches = make_sum_bags("sgd", 2, 20, cache_rows=48, dense_on_servers=False)
     split_prog = split_program(program, Cluster(2, 2), EmbeddingCacheMode(dense="worker"))
     threaded = run_threaded(split_prog, 20, feeds(batches)).state
     for key, value in threaded.items():
         assert torch.equal(two["state"][key], value), key
-    checkpoint = tmp_path / "step10"
-    launch("first", 2, 2, "--steps", 20, "--stop-after", 10, "--save", checkpoint, *sum_bags)
+    # Saved after step 10 by the run above, which trained on to step 20.
     resumed, _ = launch("resumed", 2, 1, "--steps", 20, "--resume", checkpoint, *sum_bags)
     for key, value in two["state"].items():
         assert torch.equal(resumed["state"][key], value), key

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from cluster import JOB_TIMEOUT_S, REPO, SCRIPTS, LocalCluster, Proc, child_env
+from cluster import JOB_TIMEOUT_S, REPO, SCRIPTS, Proc, child_env
 
 from splitrun.runtime.cluster.env import ENV, ProcessEnvironment
 from splitrun.runtime.cluster.identity import (
@@ -180,16 +180,11 @@ def accuracy_line(output: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def launched_reference(tmp_path_factory):
-    """examples/ps_train.py for one epoch through `splitrun launch`, 2 workers + 1 server."""
-    directory = tmp_path_factory.mktemp("launch")
-    reference = directory / "launch.pt"
-    cluster = LocalCluster(cwd=directory)
-    try:
-        proc = cluster.run(PS_TRAIN, "--epochs", 1, "--save", reference, workers=2, servers=1)
-    finally:
-        cluster.close()
-    return reference, accuracy_line(proc.output())
+def launched_reference(main_job_one_epoch):
+    """examples/ps_train.py for one epoch through `splitrun launch`, 2 workers + 1
+    server (conftest.py's run, shared with tests/test_launcher_logs.py): its
+    checkpoint and held-out accuracy line."""
+    return main_job_one_epoch.checkpoint, accuracy_line(main_job_one_epoch.output)
 
 
 def start_tasks(tmp_path, argv_of_task, env_of_task, num_tasks) -> list[Proc]:

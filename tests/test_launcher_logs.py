@@ -6,14 +6,12 @@ from __future__ import annotations
 import math
 
 import pytest
-from cluster import REPO
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from splitrun.runtime.engine.executor import ExecutorStats
 from splitrun.runtime.job.metrics import StepMetrics, channel_tag
 from splitrun.splitter.labels import Label
 
-PS_TRAIN = REPO / "examples" / "ps_train.py"
 # examples/ps_train.py, one epoch: 1437 training digits in global batches of 64.
 NUM_STEPS = 1437 // 64
 PROCESSES = ("worker0", "worker1", "server0")
@@ -50,12 +48,11 @@ def test_step_metrics_are_per_step_differences_and_cache_hit_rates(tmp_path):
 
 
 @pytest.mark.slow
-def test_log_dir_and_metrics_dir_write_one_file_per_process(local_cluster, tmp_path):
-    logs, metrics = tmp_path / "logs", tmp_path / "metrics"
-    # Global options before the subcommand and after it.
-    proc = local_cluster.start("--log-dir", logs, "launch", "--metrics-dir", metrics,
-                               "--workers", 2, "--servers", 1, PS_TRAIN, "--epochs", 1)
-    assert proc.wait() == 0, proc.output()
+def test_log_dir_and_metrics_dir_write_one_file_per_process(main_job_one_epoch):
+    # The main job, one epoch, `splitrun --log-dir DIR launch --metrics-dir DIR`:
+    # the global options before the subcommand and after it (conftest.py).
+    logs, metrics = main_job_one_epoch.logs, main_job_one_epoch.metrics
+    output = main_job_one_epoch.output
 
     assert sorted(p.name for p in logs.iterdir()) == sorted(
         [f"{name}.log" for name in PROCESSES] + ["launcher.log"])
@@ -63,7 +60,7 @@ def test_log_dir_and_metrics_dir_write_one_file_per_process(local_cluster, tmp_p
         text = (logs / f"{name}.log").read_text()
         assert f"joined as {label} " in text, text  # its own lines, without the prefix
         assert not any(line.startswith(f"[{label}] ") for line in text.splitlines())
-        assert f"[{label}] " in proc.output()  # the console keeps the prefixed lines
+        assert f"[{label}] " in output  # the console keeps the prefixed lines
     assert "held-out accuracy" in (logs / "worker0.log").read_text()
     assert "held-out accuracy" not in (logs / "worker1.log").read_text()
     assert "all 3 processes finished" in (logs / "launcher.log").read_text()

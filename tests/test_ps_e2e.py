@@ -45,13 +45,13 @@ def test_two_workers_two_servers_equal_one_process(uninterrupted_ps_job, kind, o
 
 
 def test_checkpoint_resumes_with_another_number_of_servers(launch, uninterrupted_ps_job,
-                                                           tmp_path):
-    checkpoint = tmp_path / "step10.pt"
-    launch("first", 2, 1, "--steps", 20, "--stop-after", 10, "--save", checkpoint)
+                                                           ps_saved_at_ten):
+    # Saved after step 10 by the uninterrupted job (2 servers, launched once for
+    # this test and the one above), which trained on to step 20.
+    checkpoint, _ = ps_saved_at_ten
     saved = torch.load(checkpoint, weights_only=True)
     assert saved["step"] == 10 and "body.0.weight" in saved["model"]
-    resumed = launch("resumed", 2, 2, "--steps", 20, "--resume", checkpoint)
-    # The uninterrupted job, launched once for this test and the one above.
+    resumed = launch("resumed", 2, 1, "--steps", 20, "--resume", checkpoint)
     straight = uninterrupted_ps_job("dense", "adam", steps=20, workers=2, servers=2)
     assert resumed["steps"] == straight["steps"] == 20
     for key, value in straight["state"].items():

@@ -16,7 +16,7 @@ import json
 
 import pytest
 import torch
-from cluster import SCRIPTS
+from cluster import SCRIPTS, LocalCluster
 from ps_models import feeds, keys_read, make, stale_reference
 
 from splitrun.runtime import run_threaded
@@ -126,15 +126,38 @@ def _versions(directory, workers):
         (directory / f"worker{rank}.json").read_text()).items()} for rank in range(workers)]
 
 
+@pytest.fixture(scope="module")
+def slow_worker_run(tmp_path_factory):
+    """`slow_worker_run(staleness)`: the folder where PS_JOB, launched with that
+    bound on 2 workers and 2 servers for STEPS steps, worker 1 slow by 0.1 s a
+    step, wrote each worker's versions read and losses (--versions-out) and
+    worker 0 its result (r.pt). Each bound is launched once per module: the
+    tests of the bound and of the rule read the same run."""
+    directory = tmp_path_factory.mktemp("slow_worker_run")
+    cluster = LocalCluster(cwd=directory)
+    runs = {}
+
+    def run(staleness):
+        if staleness not in runs:
+            out = directory / f"s{staleness}"
+            out.mkdir()
+            cluster.run(PS_JOB, "--steps", STEPS, "--staleness", staleness, "--slow-worker", 1,
+                        "--slow-step-s", 0.1, "--versions-out", out, "--out", out / "r.pt",
+                        workers=2, servers=2)
+            runs[staleness] = out
+        return runs[staleness]
+
+    try:
+        yield run
+    finally:
+        cluster.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("staleness", [1, 3])
-def test_launched_slow_worker_bound_holds_and_the_fast_worker_runs_up_to_it(
-        local_cluster, tmp_path, staleness):
-    out = tmp_path / f"s{staleness}"
-    out.mkdir()
-    local_cluster.run(PS_JOB, "--steps", STEPS, "--staleness", staleness, "--slow-worker", 1,
-                      "--slow-step-s", 0.1, "--versions-out", out, "--out", out / "r.pt",
-                      workers=2, servers=2)
+def test_launched_slow_worker_bound_holds_and_the_fast_worker_runs_up_to_it(slow_worker_run,
+                                                                           staleness):
+    out = slow_worker_run(staleness)
     fast, slow = _versions(out, 2)
     for rank, versions in enumerate((fast, slow)):
         assert sorted(versions) == list(range(STEPS)), rank
@@ -148,14 +171,12 @@ def test_launched_slow_worker_bound_holds_and_the_fast_worker_runs_up_to_it(
 
 
 @pytest.mark.slow
-def test_launched_bounded_job_equals_the_rule_run_eagerly_step_by_step(local_cluster, tmp_path):
+def test_launched_bounded_job_equals_the_rule_run_eagerly_step_by_step(slow_worker_run):
     """Real processes over shared memory, a slow worker, two servers: every
     worker's loss at every step is the loss of the versions it recorded
     reading, and the final parameters those of the rule's updates."""
-    local_cluster.run(PS_JOB, "--steps", STEPS, "--staleness", 1, "--slow-worker", 1,
-                      "--slow-step-s", 0.05, "--versions-out", tmp_path, "--out",
-                      tmp_path / "r.pt", workers=2, servers=2)
-    records = [json.loads((tmp_path / f"worker{rank}-read.json").read_text())
+    out = slow_worker_run(1)  # the run of the bound test above, with bound 1
+    records = [json.loads((out / f"worker{rank}-read.json").read_text())
                for rank in range(2)]
     versions = [{int(step): keys for step, keys in record["keys"].items()}
                 for record in records]
@@ -165,7 +186,7 @@ def test_launched_bounded_job_equals_the_rule_run_eagerly_step_by_step(local_clu
         for step, (loss, reference) in enumerate(zip(record["losses"], losses[rank],
                                                      strict=True)):
             assert loss == pytest.approx(reference, abs=REFERENCE_TOLERANCE), (rank, step)
-    state = torch.load(tmp_path / "r.pt")["state"]
+    state = torch.load(out / "r.pt")["state"]
     for key, value in expected.items():
         torch.testing.assert_close(state[key], value, rtol=0, atol=REFERENCE_TOLERANCE)
     assert any(v < step for read in versions for step, keys in read.items()

@@ -101,18 +101,18 @@ def test_restarts_are_refused_saying_why_and_what_to_use(capsys):
 
 
 @pytest.mark.slow
-def test_ps_train_on_ray_matches_the_local_backend(ray_head, local_cluster, tmp_path):
-    """Same results as the local backend; with --log-dir, one log file per
-    process and launcher.log, as the local backend writes them."""
-    args = (EXAMPLES / "ps_train.py", "--epochs", 3)
-    local = local_cluster.run(*args, workers=2, servers=1)
+def test_ps_train_on_ray_matches_the_local_backend(ray_head, local_cluster, main_job_three_epochs,
+                                                   tmp_path):
+    """Same results as the local backend (conftest.py's run of the same job:
+    2 workers, 1 server, 3 epochs); with --log-dir, one log file per process and
+    launcher.log, as the local backend writes them."""
     logs = tmp_path / "logs"
-    proc = _launch_ray(local_cluster, ray_head, *args, workers=2, servers=1,
-                       options=("--log-dir", logs))
+    proc = _launch_ray(local_cluster, ray_head, EXAMPLES / "ps_train.py", "--epochs", 3,
+                       workers=2, servers=1, options=("--log-dir", logs))
     code = proc.wait(JOB_TIMEOUT_S)
     output = proc.output()
     assert code == 0, output
-    assert _result(output) == _result(local.output())
+    assert _result(output) == _result(main_job_three_epochs)
     placements = _placements(output)
     assert set(placements) == {"worker 0", "worker 1", "server 0"}
     assert "all 3 processes finished" in output

@@ -10,7 +10,7 @@ import torch
 from cache_models import TinyRecommender
 from cache_models import feeds as cache_feeds
 from cache_models import make as make_cache
-from cluster import JOB_TIMEOUT_S, SCRIPTS, LocalCluster, splitrun
+from cluster import JOB_TIMEOUT_S, SCRIPTS, splitrun
 from parallel_models import capture_mlp, mlp_batches
 from ps_models import DenseNet
 from ps_models import feeds as ps_feeds
@@ -49,21 +49,6 @@ def export(capsys):
     return export
 
 
-@pytest.fixture(scope="module")
-def ps_saved_at_ten(tmp_path_factory):
-    """PS_JOB on 2 workers and 2 servers, stopped after step 10 of 20 with a
-    sharded checkpoint there (launched once: one test resumes and exports it,
-    another corrupts a copy)."""
-    directory = tmp_path_factory.mktemp("ps_saved_at_ten") / "step10"
-    cluster = LocalCluster(cwd=directory.parent)
-    try:
-        cluster.run(PS_JOB, "--steps", 20, "--stop-after", 10, "--save", directory,
-                    workers=2, servers=2)
-    finally:
-        cluster.close()
-    return directory
-
-
 def written_by(directory) -> set[str]:
     """The processes whose data files the checkpoint lists."""
     lines = (directory / CHECKSUMS).read_text().split("\n")
@@ -80,9 +65,9 @@ def assert_equal_states(got, expected, atol):
 def test_ps_saved_with_two_servers_resumes_with_one_and_three(launch, ps_saved_at_ten,
                                                                uninterrupted_ps_job, export,
                                                                tmp_path):
-    directory = ps_saved_at_ten
+    _, directory = ps_saved_at_ten  # 2 workers, 2 servers, after step 10 of 20
     assert written_by(directory) == {"w0", "s0", "s1"}, "each server wrote its own file"
-    # Launched once for this test and tests/test_ps_e2e.py's.
+    # The run that saved it, launched once for this test and tests/test_ps_e2e.py's.
     straight = uninterrupted_ps_job("dense", "adam", steps=20, workers=2, servers=2)
     for servers in (1, 3):
         resumed = launch(PS_JOB, f"resumed{servers}", 2, servers, "--steps", 20,
@@ -105,9 +90,9 @@ def test_ps_saved_with_two_servers_resumes_with_one_and_three(launch, ps_saved_a
         torch.testing.assert_close(param.detach(), at_ten[key], rtol=0, atol=1e-5, msg=key)
 
 
-def test_cache_saved_with_two_servers_resumes_with_one_and_three(launch, export, tmp_path):
-    directory = tmp_path / "step10"
-    launch(CACHE_JOB, "first", 1, 2, "--steps", 20, "--stop-after", 10, "--save", directory)
+def test_cache_saved_with_two_servers_resumes_with_one_and_three(launch, export,
+                                                                  cache_saved_at_ten, tmp_path):
+    directory = cache_saved_at_ten.sharded  # 1 worker, 2 servers, after step 10 of 20
     assert written_by(directory) == {"w0", "s0", "s1", "s0-rows", "s1-rows"}
     # One worker: the uninterrupted job equals whole-table training bit for bit
     # (test_cache_e2e), so the resumed ones are compared with that.
@@ -135,7 +120,7 @@ def test_cache_saved_with_two_servers_resumes_with_one_and_three(launch, export,
 def test_a_corrupt_directory_is_refused_by_resume_and_export(local_cluster, ps_saved_at_ten,
                                                              export, tmp_path):
     directory = tmp_path / "ckpt"
-    shutil.copytree(ps_saved_at_ten, directory)  # the shared one stays intact
+    shutil.copytree(ps_saved_at_ten[1], directory)  # the shared one stays intact
     shard = directory / "__s1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x10
@@ -199,20 +184,23 @@ def test_each_machine_writes_locally_and_the_files_are_gathered_later(local_clus
 
 
 @pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
-def test_dcps_own_reader_takes_an_embedding_cache_checkpoint(launch, export, tmp_path,
-                                                             optimizer):
+def test_dcps_own_reader_takes_an_embedding_cache_checkpoint(launch, export, cache_saved_at_ten,
+                                                             tmp_path, optimizer):
     # torch.distributed.checkpoint's dcp_to_torch_save on a job with cached
     # tables whose rows carry optimizer state: it reads every tensor, equal to
     # `splitrun export`'s (which puts the tables' rows back in id order).
-    directory = tmp_path / "ckpt"
-    launch(CACHE_JOB, optimizer, 1, 2, "--optimizer", optimizer, "--steps", 4, "--save",
-           directory)
+    if optimizer == "adagrad":  # the shared run's (1 worker, 2 servers, after step 10)
+        directory, step = cache_saved_at_ten.sharded, 10
+    else:
+        directory, step = tmp_path / "ckpt", 4
+        launch(CACHE_JOB, optimizer, 1, 2, "--optimizer", optimizer, "--steps", step, "--save",
+               directory)
     dcp_to_torch_save(directory, tmp_path / "dcp.pt")
     converted = torch.load(tmp_path / "dcp.pt", weights_only=True)
     code, stderr = export(directory, tmp_path / "plain.pt")
     assert code == 0, stderr
     plain = torch.load(tmp_path / "plain.pt", weights_only=True)
-    assert converted["step"] == plain["step"] == 4
+    assert converted["step"] == plain["step"] == step
     # Every tensor of the plain checkpoint is in DCP's, where DCP nests it: the
     # tables and their rows' state under hashed_rows in hash order (with the
     # ids), the optimizer state by the parameter's index as a string.
@@ -240,7 +228,8 @@ def test_dcps_own_reader_takes_an_embedding_cache_checkpoint(launch, export, tmp
 def test_dcps_own_reader_takes_the_ps_and_parallel_checkpoints(ps_saved_at_ten,
                                                                parallel_saved_at_five, export,
                                                                tmp_path):
-    for name, directory in (("ps", ps_saved_at_ten), ("parallel", parallel_saved_at_five[1])):
+    for name, directory in (("ps", ps_saved_at_ten[1]),
+                            ("parallel", parallel_saved_at_five[1])):
         dcp_to_torch_save(directory, tmp_path / f"{name}.dcp.pt")
         converted = torch.load(tmp_path / f"{name}.dcp.pt", weights_only=True)
         code, stderr = export(directory, tmp_path / f"{name}.pt")

@@ -2,6 +2,10 @@
 
     PYTHONPATH=tests splitrun launch --workers 1 --servers 2 tests/scripts/cache_job.py \
         --steps 20 --out r.pt
+
+--stop-after N trains only up to step N (and --save writes a checkpoint there);
+--save-at N writes the checkpoint after step N instead and trains on (each
+--save one: a .pt file, or else a sharded directory); --resume continues one.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ def main() -> int:
     parser.add_argument("--policy", default="lru")
     parser.add_argument("--max-staleness", type=int, default=0)
     parser.add_argument("--stop-after", type=int)
-    parser.add_argument("--save")
+    parser.add_argument("--save", action="append", default=[])
+    parser.add_argument("--save-at", type=int)
     parser.add_argument("--resume")
     parser.add_argument("--out")
     parser.add_argument("--model", choices=["embeddings", "sum_bags"], default="embeddings")
@@ -40,9 +45,12 @@ def main() -> int:
                         resume=args.resume)
     stop = args.stop_after or args.steps
     for _ in trainer.run(trainer.shard(batches[trainer.steps_done:stop])):
-        pass
-    if args.save and job.is_worker:
-        trainer.save(args.save)
+        if trainer.steps_done == args.save_at and job.is_worker:
+            for path in args.save:
+                trainer.save(path)
+    if args.save_at is None and job.is_worker:
+        for path in args.save:
+            trainer.save(path)
     final_state = trainer.finish()
     if job.is_driver and args.out:
         torch.save({"state": final_state, "counters": trainer.cache_counters,

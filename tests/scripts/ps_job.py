@@ -5,7 +5,9 @@
 
 Worker 0 saves the final state gathered from every process to --out. With
 --stop-after N it trains only up to step N (and --save writes a checkpoint
-there); --resume continues from a checkpoint. --staleness S runs
+there); --save-at N writes the checkpoint after step N instead and trains on
+(each --save one: a .pt file, or else a sharded directory); --resume
+continues from a checkpoint. --staleness S runs
 ParameterServerMode(staleness=S); --slow-worker R makes worker R take
 --slow-step-s longer over each step (a deliberately slow worker), and
 --versions-out DIR has every worker write, per step, the parameter version
@@ -35,7 +37,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--stop-after", type=int)
     parser.add_argument("--width", type=int, default=24)
-    parser.add_argument("--save")
+    parser.add_argument("--save", action="append", default=[])
+    parser.add_argument("--save-at", type=int)
     parser.add_argument("--resume")
     parser.add_argument("--out")
     parser.add_argument("--gradient-bucket-bytes", type=int)
@@ -59,6 +62,9 @@ def main() -> int:
             time.sleep(args.slow_step_s)  # the slowness under test, not a synchronisation
         loss = trainer.step(batch).get("loss")
         losses.append(None if loss is None else loss.item())
+        if trainer.steps_done == args.save_at and job.is_worker:
+            for path in args.save:
+                trainer.save(path)
     if args.versions_out and job.is_worker:
         versions = trainer.stats.versions_read
         path = pathlib.Path(args.versions_out) / f"worker{job.rank}.json"
@@ -67,8 +73,9 @@ def main() -> int:
         (path.parent / f"worker{job.rank}-read.json").write_text(json.dumps(
             {"keys": {str(step): keys for step, keys in sorted(read.items())},
              "losses": losses}))
-    if args.save and job.is_worker:
-        trainer.save(args.save)
+    if args.save_at is None and job.is_worker:
+        for path in args.save:
+            trainer.save(path)
     final_state = trainer.finish()
     if job.is_driver and args.out:
         torch.save({"state": final_state, "steps": trainer.steps_done,
