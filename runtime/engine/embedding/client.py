@@ -70,7 +70,16 @@ from ...errors import CacheError
 from ...transport.dtypes import nbytes_of
 from ...transport.protocol import MessageKey, Transport
 from .fused_bags import FusedBags
-from .protocol import Op, reply_channel, request, request_channel
+from .protocol import (
+    Gather,
+    Item,
+    Op,
+    nbytes_of_items,
+    reply_channel,
+    request,
+    request_channel,
+    send_message,
+)
 from .row_cache import BatchPlan, RowCache
 from .sharding import RowSharding
 from .step_ids import StepIds
@@ -130,7 +139,7 @@ class EmbeddingClient:
         self._prefetched: dict[str, list[tuple[torch.Tensor, list[torch.Tensor], int]]] = {}
         # Write-through: this step's gradients per server, sent once every
         # such table's are in.
-        self._gradients: dict[Label, list[tuple[str, list[torch.Tensor]]]] = {}
+        self._gradients: dict[Label, list[tuple[str, list[Item]]]] = {}
         self._num_write_through = sum(not w for w in self.write_back.values())
         # Seconds blocked for rows: for replies to prefetches (what the
         # prefetch did not hide) and to pulls made in the step itself.
@@ -165,14 +174,15 @@ class EmbeddingClient:
     # -- messages --
 
     def _request(self, server: Label, op: Op, step: int,
-                 parts: list[tuple[str, list[torch.Tensor]]], extra=()) -> int:
+                 parts: list[tuple[str, list[Item]]], extra=()) -> int:
         """One request to `server` about the tables of `parts` (each table's
-        tensors); its sequence number, which keys the reply."""
+        tensors, rows `Gather`ed into the message as it is sent); its
+        sequence number, which keys the reply."""
         seq = next(self._seq)
         message = request(op, step, [self.index[table] for table, _ in parts],
                           [tensors for _, tensors in parts], extra)
-        self.transport.send(server, MessageKey(self.incarnation, seq,
-                                               request_channel(self.label)), message)
+        send_message(self.transport, server,
+                     MessageKey(self.incarnation, seq, request_channel(self.label)), message)
         return seq
 
     def _reply(self, server: Label, seq: int, waited: str | None = None) -> list[torch.Tensor]:
@@ -524,10 +534,10 @@ class EmbeddingClient:
         pushed = 0
         # Every server hears from every worker each step.
         for server, positions in self._by_server(table, ids, every_server=True):
-            tensors = [ids.index_select(0, positions), values.index_select(0, positions),
-                       lr.cpu(), step.cpu()]
-            self._gradients.setdefault(server, []).append((table, tensors))
-            pushed += nbytes_of(tensors[:2])
+            items = [ids.index_select(0, positions), Gather(values, positions),
+                     lr.cpu(), step.cpu()]
+            self._gradients.setdefault(server, []).append((table, items))
+            pushed += nbytes_of_items(items[:2])
         cache.counters.bytes_pushed += pushed
         cache.counters.last_step["bytes_pushed"] = pushed
         if sum(len(parts) for parts in self._gradients.values()) == (
@@ -639,7 +649,7 @@ class EmbeddingClient:
         """Push the rows of each table's `ids` (in cache `slots`, not yet
         overwritten) to their servers, one message per server for every
         table; bytes pushed per table."""
-        by_server: dict[Label, list[tuple[str, list[torch.Tensor]]]] = {}
+        by_server: dict[Label, list[tuple[str, list[Item]]]] = {}
         pushed = {}
         for table, ids, slots in evicted:
             if not self.write_back[table] or ids.numel() == 0:
@@ -647,11 +657,13 @@ class EmbeddingClient:
             cache = self.caches[table]
             pushed[table] = 0
             for server, positions in self._by_server(table, ids):
-                rows, state = cache.rows_at(slots.index_select(0, positions))
-                tensors = [ids.index_select(0, positions), rows.cpu(),
-                           *(state[n].cpu() for n in cache.table.state_names)]
-                by_server.setdefault(server, []).append((table, tensors))
-                pushed[table] += nbytes_of(tensors)
+                # Gathered from the cache straight into the message as it is sent
+                # (below, before any slot is written over).
+                where = slots.index_select(0, positions)
+                items = [ids.index_select(0, positions), Gather(cache.rows, where),
+                         *(Gather(cache.state[n], where) for n in cache.table.state_names)]
+                by_server.setdefault(server, []).append((table, items))
+                pushed[table] += nbytes_of_items(items)
         for server, parts in by_server.items():
             self._request(server, Op.PUSH, self._step if step is None else step, parts)
         return pushed

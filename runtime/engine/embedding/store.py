@@ -25,8 +25,8 @@ from splitrun.splitter.sparse_optim import IN_PLACE
 from ...errors import MessageRejected, SplitrunError
 from ...transport.protocol import MessageKey, Transport
 from .huge_pages import empty_rows
-from .protocol import Op, read_request, reply_channel
-from .row_copy import copy_rows_, gather_rows
+from .protocol import Gather, Item, Op, read_request, reply_channel, send_message
+from .row_copy import copy_rows_
 from .sharding import RowSharding
 
 __all__ = ["EmbeddingStore", "ShardSnapshot"]
@@ -239,19 +239,20 @@ class EmbeddingStore:
             self._handle(key, src, tensors)
 
     def _answer(self, key, src, op, shards: list[_Shard], tensors) -> None:
-        reply = []
+        reply: list[Item] = []
         if op is Op.PULL:
+            # Gathered straight into the reply's memory (a ring's slot) as it is sent.
             for shard, (ids,) in zip(shards, self._parts(tensors, shards, op)):
                 local = shard.sharding.local_index(ids, self.label.rank)
-                reply.append(gather_rows(shard.rows, local))
+                reply.append(Gather(shard.rows, local))
                 if shard.write_back:  # the row's optimizer state travels with it
-                    reply += [gather_rows(shard.state[n], local) for n in shard.table.state_names]
+                    reply += [Gather(shard.state[n], local) for n in shard.table.state_names]
         else:
             for shard in shards:
                 reply += [shard.rows.clone(),
                           *(shard.state[n].clone() for n in shard.table.state_names)]
-        self.transport.send(src, MessageKey(self.incarnation, key.step, reply_channel(self.label)),
-                            reply)
+        send_message(self.transport, src,
+                     MessageKey(self.incarnation, key.step, reply_channel(self.label)), reply)
 
     def _save(self, key: MessageKey, src: Label, step: int, directory: torch.Tensor) -> None:
         if self._save_handler is None:
