@@ -12,6 +12,9 @@ about, so one message per server carries every table's part of a step:
     PULL   per table: ids                       -> per table: rows, *state
                                                    (state: write-back tables)
     PUSH   per table: ids, rows, *state         (write-back: evicted or flushed dirty rows)
+    PUSH_PULL per table: ids, rows, *state, ids -> per table: rows, *state
+                                                (write-back tables: one plan's evicted rows
+                                                and misses, one message; the reply first)
     GRADS  per table: ids, grads, lr, step      (several workers: this worker's gradients)
     DUMP   one table, nothing else              -> rows, *state of the whole shard
     SAVE   no table; the directory (uint8, utf-8) -> [report (uint8)]: the server
@@ -51,6 +54,7 @@ class Op(IntEnum):
     GRADS = 3
     DUMP = 4
     SAVE = 5
+    PUSH_PULL = 6
 
 
 PREFIX = f"{OUT_OF_PLAN}emb:"
