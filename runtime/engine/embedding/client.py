@@ -3,7 +3,8 @@
 It binds the graph's marker ops: `cached_bags` plans every table of the step
 against its cache at once (evicting, writing dirty rows back, pulling
 misses), with one message per server for all of the tables (one write-back,
-one pull, one prefetch of the next step's misses), then sums each bag
+one pull, one prefetch of the next step's misses; a plan made ahead sends
+its write-back and pull as one PUSH_PULL), then sums each bag
 straight from the cached rows' slots (no row per lookup): the fused group's
 tables in one FBGEMM call (`fused_bags.py`); `cached_bags_update` runs that
 group's backward with SGD fused into it. `cached_lookup` and `cached_bag`
