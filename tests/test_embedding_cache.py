@@ -6,6 +6,8 @@ workers with max_staleness 0 equal parameter-server mode exactly; with
 staleness, the held-out log-loss stays within 1% of it.
 """
 
+import collections
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -324,3 +326,33 @@ def test_uncached_policy_pulls_every_row_every_step():
         assert counters["hits"] == 0 and counters["misses"] == counters["unique_ids"]
     for key, value in whole_table_run("sgd").items():
         torch.testing.assert_close(run.state[key], value, rtol=0, atol=1e-6)
+
+
+
+def test_a_plans_write_back_and_pull_share_one_message_per_server(monkeypatch):
+    """The plans made while a step computes write back their victims and pull
+    their misses in one PUSH_PULL per server (the server answers, then writes
+    back): still the unsplit step's training bit for bit."""
+    from cache_models import make_sum_bags
+
+    from splitrun.runtime.engine.embedding import store as store_module
+    from splitrun.runtime.engine.embedding.protocol import Op
+
+    read_request = store_module.read_request
+    ops = collections.Counter()
+
+    def recording(tensors):
+        read = read_request(tensors)
+        ops[read[0]] += 1
+        return read
+    monkeypatch.setattr(store_module, "read_request", recording)
+    steps = 12
+    program, batches = make_sum_bags("sgd", 1, steps, cache_rows=200)
+    split_prog = split_program(program, Cluster(1, 2), EmbeddingCacheMode())
+    run = run_threaded(split_prog, steps, feeds(batches), recv_timeout_s=30)
+    whole, _ = make_sum_bags("sgd", 1, steps, cache_rows=None)
+    for key, value in whole.train_unsplit(steps, feeds(batches))[1].items():
+        assert torch.equal(run.state[key], value), f"{key} differs"
+    # Once the caches are full, each step's rows move in one message per server
+    # (the last PUSHes: the final flush of dirty rows).
+    assert ops[Op.PUSH_PULL] >= 8 and ops[Op.PUSH] <= 2, ops

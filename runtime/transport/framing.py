@@ -84,13 +84,20 @@ class EnvelopeWriter:
         self._cache: dict[tuple, bytes] = {}
 
     def serialize(self, key: MessageKey, encoded: EncodedTensors) -> bytes:
-        signature = (key.channel, key.incarnation,
-                     tuple([(t.dtype, t.shape) for t in encoded.tensors]))
+        return self._serialize(key, tuple([(t.dtype, t.shape) for t in encoded.tensors]),
+                               lambda: encoded.specs)
+
+    def serialize_specs(self, key: MessageKey, specs: Sequence[TensorSpec]) -> bytes:
+        """The envelope of a message of tensors `specs` (one filled in place)."""
+        return self._serialize(key, tuple([(s.dtype, s.shape) for s in specs]), lambda: specs)
+
+    def _serialize(self, key: MessageKey, tensors: tuple, specs) -> bytes:
+        signature = (key.channel, key.incarnation, tensors)
         prefix = self._cache.get(signature)
         if prefix is None:
             envelope = splitrun_pb2.Envelope(incarnation=key.incarnation, channel=key.channel,
                                              src=self.src)
-            fill_envelope(envelope, encoded.specs)
+            fill_envelope(envelope, specs())
             prefix = envelope.SerializeToString()
             if len(self._cache) >= _MAX_CACHED_ENVELOPES:
                 self._cache.clear()

@@ -17,6 +17,8 @@ from splitrun.splitter.labels import Label
 
 from ..errors import TransportError
 from .contract import ChannelContract, ReceiveContracts, check_message, find_contract
+from .dtypes import TensorSpec
+from .filled import Fill, fill_then_send
 from .keys import MessageKey
 from .mailbox import Mailbox
 
@@ -72,6 +74,10 @@ class LoopbackTransport:
         # The split program is functional (no op writes its inputs), so the
         # receiver may share the sender's tensors.
         self.hub.mailboxes[dst].put(key, self.label, tensors)
+
+    def send_filled(self, dst: Label, key: MessageKey, specs: Sequence[TensorSpec],
+                    fill: Fill) -> None:
+        fill_then_send(self.send, dst, key, specs, fill)
 
     def recv(self, src: Label, key: MessageKey, timeout_s: float,
              control=None) -> list[torch.Tensor]:

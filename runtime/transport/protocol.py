@@ -23,6 +23,8 @@ import torch
 from splitrun.splitter.labels import Label
 
 from .contract import ChannelContract
+from .dtypes import TensorSpec
+from .filled import Fill
 from .keys import OUT_OF_PLAN, MessageKey
 
 __all__ = ["MessageKey", "Transport", "OUT_OF_PLAN"]
@@ -46,6 +48,13 @@ class Transport(Protocol):
 
     def send(self, dst: Label, key: MessageKey, tensors: Sequence[torch.Tensor]) -> None:
         """Queue `tensors` for `dst`; returns without waiting for the receiver."""
+
+    def send_filled(self, dst: Label, key: MessageKey, specs: Sequence[TensorSpec],
+                    fill: Fill) -> None:
+        """Send a message of tensors shaped as `specs` that `fill(tensors)`
+        writes: into the transport's own memory where it can lend it (a
+        shared-memory ring's slot: no copy), else into new tensors, then sent
+        as `send` would (see `filled`). Nothing is sent if `fill` raises."""
 
     def recv(self, src: Label, key: MessageKey, timeout_s: float,
              control: tuple[MessageKey, Callable[[Label, list[torch.Tensor]], None]] | None = None,

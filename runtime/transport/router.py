@@ -32,6 +32,8 @@ from splitrun.splitter.labels import Label
 
 from ..errors import TransportError
 from .contract import ChannelContract
+from .dtypes import TensorSpec
+from .filled import Fill
 from .grpc import GrpcTransport
 from .keys import MessageKey
 from .shm.job_files import SHM_DIR, remove_job_segments
@@ -231,6 +233,17 @@ class RoutedTransport:
             self.tcp.send(dst, key, tensors)
         else:
             self.grpc.send(dst, key, tensors)
+
+    def send_filled(self, dst: Label, key: MessageKey, specs: Sequence[TensorSpec],
+                    fill: Fill) -> None:
+        """To a same-host peer: `fill` writes straight into its ring; to
+        others: into new tensors, sent as `send` sends them."""
+        if self.shm is not None and self.shm.carries(dst):
+            self.shm.send_filled(dst, key, specs, fill)
+        elif self.tcp is not None and self.tcp.carries(dst):
+            self.tcp.send_filled(dst, key, specs, fill)
+        else:
+            self.grpc.send_filled(dst, key, specs, fill)
 
     def recv(self, src: Label, key: MessageKey, timeout_s: float,
              control=None) -> list[torch.Tensor]:

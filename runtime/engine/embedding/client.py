@@ -3,7 +3,8 @@
 It binds the graph's marker ops: `cached_bags` plans every table of the step
 against its cache at once (evicting, writing dirty rows back, pulling
 misses), with one message per server for all of the tables (one write-back,
-one pull, one prefetch of the next step's misses), then sums each bag
+one pull, one prefetch of the next step's misses; a plan made ahead sends
+its write-back and pull as one PUSH_PULL), then sums each bag
 straight from the cached rows' slots (no row per lookup): the fused group's
 tables in one FBGEMM call (`fused_bags.py`); `cached_bags_update` runs that
 group's backward with SGD fused into it. `cached_lookup` and `cached_bag`
@@ -70,7 +71,16 @@ from ...errors import CacheError
 from ...transport.dtypes import nbytes_of
 from ...transport.protocol import MessageKey, Transport
 from .fused_bags import FusedBags
-from .protocol import Op, reply_channel, request, request_channel
+from .protocol import (
+    Gather,
+    Item,
+    Op,
+    nbytes_of_items,
+    reply_channel,
+    request,
+    request_channel,
+    send_message,
+)
 from .row_cache import BatchPlan, RowCache
 from .sharding import RowSharding
 from .step_ids import StepIds
@@ -78,6 +88,9 @@ from .step_ids import StepIds
 __all__ = ["EmbeddingClient"]
 
 logger = logging.getLogger(__name__)
+
+# No ids: a table's empty part of a message.
+_NO_ROWS = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass
@@ -130,7 +143,7 @@ class EmbeddingClient:
         self._prefetched: dict[str, list[tuple[torch.Tensor, list[torch.Tensor], int]]] = {}
         # Write-through: this step's gradients per server, sent once every
         # such table's are in.
-        self._gradients: dict[Label, list[tuple[str, list[torch.Tensor]]]] = {}
+        self._gradients: dict[Label, list[tuple[str, list[Item]]]] = {}
         self._num_write_through = sum(not w for w in self.write_back.values())
         # Seconds blocked for rows: for replies to prefetches (what the
         # prefetch did not hide) and to pulls made in the step itself.
@@ -165,14 +178,15 @@ class EmbeddingClient:
     # -- messages --
 
     def _request(self, server: Label, op: Op, step: int,
-                 parts: list[tuple[str, list[torch.Tensor]]], extra=()) -> int:
+                 parts: list[tuple[str, list[Item]]], extra=()) -> int:
         """One request to `server` about the tables of `parts` (each table's
-        tensors); its sequence number, which keys the reply."""
+        tensors, rows `Gather`ed into the message as it is sent); its
+        sequence number, which keys the reply."""
         seq = next(self._seq)
         message = request(op, step, [self.index[table] for table, _ in parts],
                           [tensors for _, tensors in parts], extra)
-        self.transport.send(server, MessageKey(self.incarnation, seq,
-                                               request_channel(self.label)), message)
+        send_message(self.transport, server,
+                     MessageKey(self.incarnation, seq, request_channel(self.label)), message)
         return seq
 
     def _reply(self, server: Label, seq: int, waited: str | None = None) -> list[torch.Tensor]:
@@ -413,10 +427,7 @@ class EmbeddingClient:
                 ahead.planned = {t: (p, 0, 0) for t, p in plans}
                 ahead.moved = False
                 return
-            pushed = self._write_back([(t, p.evicted_ids, p.evicted_slots) for t, p in plans],
-                                      ahead.step)
-            pulled = self._fetch({t: (p.pull_ids, p.pull_slots) for t, p in plans},
-                                 ahead.step, waited=None)
+            pulled, pushed = self._exchange(plans, ahead.step, waited=None)
             ahead.planned = {t: (p, pulled.get(t, 0), pushed.get(t, 0)) for t, p in plans}
         except BaseException as exc:  # noqa: BLE001 - raised in the step that waits for it
             ahead.error = exc
@@ -484,10 +495,7 @@ class EmbeddingClient:
             return
         keys = {id(plan): table for table, (plan, _, _) in ahead.planned.items()}
         tables = [keys[id(plan)] for plan in plans]
-        self._write_back([(t, p.evicted_ids, p.evicted_slots) for t, p in zip(tables, plans)],
-                         ahead.step)
-        self._fetch({t: (p.pull_ids, p.pull_slots) for t, p in zip(tables, plans)}, ahead.step,
-                    waited="pulled")
+        self._exchange(list(zip(tables, plans)), ahead.step, waited="pulled")
 
     def update(self, indices: torch.Tensor, values: torch.Tensor, lr: torch.Tensor,
                step: torch.Tensor, *, table: str, coalesced: bool = False) -> None:
@@ -524,10 +532,10 @@ class EmbeddingClient:
         pushed = 0
         # Every server hears from every worker each step.
         for server, positions in self._by_server(table, ids, every_server=True):
-            tensors = [ids.index_select(0, positions), values.index_select(0, positions),
-                       lr.cpu(), step.cpu()]
-            self._gradients.setdefault(server, []).append((table, tensors))
-            pushed += nbytes_of(tensors[:2])
+            items = [ids.index_select(0, positions), Gather(values, positions),
+                     lr.cpu(), step.cpu()]
+            self._gradients.setdefault(server, []).append((table, items))
+            pushed += nbytes_of_items(items[:2])
         cache.counters.bytes_pushed += pushed
         cache.counters.last_step["bytes_pushed"] = pushed
         if sum(len(parts) for parts in self._gradients.values()) == (
@@ -584,28 +592,69 @@ class EmbeddingClient:
             pulled[table] += count
         return pulled
 
+    def _exchange(self, plans: list[tuple[str, BatchPlan]], step: int, waited: str | None
+                  ) -> tuple[dict[str, int], dict[str, int]]:
+        """Write back the plans' evicted rows and pull their misses, fresh for
+        `step`: one message per server for both (`_fetch`); (bytes pulled,
+        bytes pushed) per table. Nothing may write the evicted slots before:
+        their rows are gathered into the messages as they are sent."""
+        pushes, pushed = self._push_parts([(t, p.evicted_ids, p.evicted_slots)
+                                           for t, p in plans])
+        pulled = self._fetch({t: (p.pull_ids, p.pull_slots) for t, p in plans}, step, waited,
+                             pushes)
+        return pulled, pushed
+
     def _fetch(self, needed: dict[str, tuple[torch.Tensor, torch.Tensor]], step: int,
-               waited: str | None) -> dict[str, int]:
+               waited: str | None,
+               pushes: dict[Label, list[tuple[str, list[Item]]]] | None = None
+               ) -> dict[str, int]:
         """Pull each table's ids (sorted) from the servers into its cache's
         slots, one request per server for every table, fresh for `step`;
-        bytes pulled per table."""
+        bytes pulled per table. `pushes` (`_push_parts`), rows to write back
+        first, ride in the same message (PUSH_PULL) where every table pulled
+        from that server is written back; else in a PUSH before it."""
         pulled = dict.fromkeys(needed, 0)
         by_server: dict[Label, list[tuple[str, torch.Tensor]]] = {}
         for table, (ids, _) in needed.items():
             for server, positions in self._by_server(table, ids):
                 by_server.setdefault(server, []).append((table, positions))
-        requests = [(server, parts, self._request(
-            server, Op.PULL, step,
-            [(table, [needed[table][0].index_select(0, positions)]) for table, positions in parts]))
-            for server, parts in by_server.items()]
+        pushes = pushes or {}
+        requests = []
+        for server in self.servers:
+            parts, push = by_server.get(server, []), dict(pushes.get(server, ()))
+            if push and not (parts and all(self.write_back[table] for table, _ in parts)):
+                self._request(server, Op.PUSH, step, list(push.items()))
+                push = {}
+            if not parts:
+                continue
+            if not push:
+                requests.append((server, parts, self._request(
+                    server, Op.PULL, step,
+                    [(table, [needed[table][0].index_select(0, positions)])
+                     for table, positions in parts])))
+                continue
+            # Tables pushed to this server and pulled from it, then pushed only.
+            parts += [(table, _NO_ROWS) for table in push if table not in dict(parts)]
+            requests.append((server, parts, self._request(server, Op.PUSH_PULL, step, [
+                (table, [*(push.get(table) or self._no_push(table)),
+                         needed[table][0].index_select(0, positions) if table in needed
+                         else _NO_ROWS])
+                for table, positions in parts])))
         for server, parts, seq in requests:
             replies = self._reply_parts(server, seq, [table for table, _ in parts], waited)
             for (table, positions), reply in zip(parts, replies):
                 cache = self.caches[table]
-                pulled[table] += nbytes_of(reply)
-                cache.install(needed[table][1].index_select(0, positions), reply[0],
-                              dict(zip(cache.table.state_names, reply[1:])), fresh_for=step)
+                pulled[table] = pulled.get(table, 0) + nbytes_of(reply)
+                if positions.numel():
+                    cache.install(needed[table][1].index_select(0, positions), reply[0],
+                                  dict(zip(cache.table.state_names, reply[1:])), fresh_for=step)
         return pulled
+
+    def _no_push(self, table: str) -> list[torch.Tensor]:
+        """A PUSH_PULL's part for a table with no rows to write back."""
+        cache = self.caches[table]
+        rows = torch.empty(0, cache.table.dim, dtype=cache.table.dtype)
+        return [_NO_ROWS, rows, *(rows for _ in cache.table.state_names)]
 
     def _prefetch(self, tables: list[str]) -> None:
         """Ask now for the next batch's missing rows of `tables`, in one
@@ -639,7 +688,17 @@ class EmbeddingClient:
         """Push the rows of each table's `ids` (in cache `slots`, not yet
         overwritten) to their servers, one message per server for every
         table; bytes pushed per table."""
-        by_server: dict[Label, list[tuple[str, list[torch.Tensor]]]] = {}
+        by_server, pushed = self._push_parts(evicted)
+        for server, parts in by_server.items():
+            self._request(server, Op.PUSH, self._step if step is None else step, parts)
+        return pushed
+
+    def _push_parts(self, evicted: list[tuple[str, torch.Tensor, torch.Tensor]]
+                    ) -> tuple[dict[Label, list[tuple[str, list[Item]]]], dict[str, int]]:
+        """The parts of the write-back of each table's `ids` (in cache
+        `slots`) by server, the rows to be gathered as their message is sent;
+        bytes pushed per table."""
+        by_server: dict[Label, list[tuple[str, list[Item]]]] = {}
         pushed = {}
         for table, ids, slots in evicted:
             if not self.write_back[table] or ids.numel() == 0:
@@ -647,14 +706,14 @@ class EmbeddingClient:
             cache = self.caches[table]
             pushed[table] = 0
             for server, positions in self._by_server(table, ids):
-                rows, state = cache.rows_at(slots.index_select(0, positions))
-                tensors = [ids.index_select(0, positions), rows.cpu(),
-                           *(state[n].cpu() for n in cache.table.state_names)]
-                by_server.setdefault(server, []).append((table, tensors))
-                pushed[table] += nbytes_of(tensors)
-        for server, parts in by_server.items():
-            self._request(server, Op.PUSH, self._step if step is None else step, parts)
-        return pushed
+                # Gathered from the cache straight into the message as it is sent
+                # (below, before any slot is written over).
+                where = slots.index_select(0, positions)
+                items = [ids.index_select(0, positions), Gather(cache.rows, where),
+                         *(Gather(cache.state[n], where) for n in cache.table.state_names)]
+                by_server.setdefault(server, []).append((table, items))
+                pushed[table] += nbytes_of_items(items)
+        return by_server, pushed
 
     # -- end of training, checkpoints --
 

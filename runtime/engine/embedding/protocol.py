@@ -12,6 +12,9 @@ about, so one message per server carries every table's part of a step:
     PULL   per table: ids                       -> per table: rows, *state
                                                    (state: write-back tables)
     PUSH   per table: ids, rows, *state         (write-back: evicted or flushed dirty rows)
+    PUSH_PULL per table: ids, rows, *state, ids -> per table: rows, *state
+                                                (write-back tables: one plan's evicted rows
+                                                and misses, one message; the reply first)
     GRADS  per table: ids, grads, lr, step      (several workers: this worker's gradients)
     DUMP   one table, nothing else              -> rows, *state of the whole shard
     SAVE   no table; the directory (uint8, utf-8) -> [report (uint8)]: the server
@@ -19,10 +22,17 @@ about, so one message per server carries every table's part of a step:
 
 `step` in a PULL's header is the step the rows must be fresh for: with several
 workers the server answers once the updates of every earlier step are applied.
+
+Rows gathered from a table or cache for a message (a reply's, a write-back's,
+gradients by server) are `Gather`s in the message: `send_message` gathers them
+straight into the message's memory where the transport lends it (a shared-
+memory ring's slot, `Transport.send_filled`), one copy instead of two.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import IntEnum
 
 import torch
@@ -30,9 +40,12 @@ import torch
 from splitrun.splitter.labels import Label
 
 from ...errors import MessageRejected
-from ...transport.protocol import OUT_OF_PLAN
+from ...transport.dtypes import TensorSpec
+from ...transport.protocol import OUT_OF_PLAN, MessageKey, Transport
+from .row_copy import gather_rows_into
 
-__all__ = ["Op", "request_channel", "reply_channel", "request", "read_request"]
+__all__ = ["Op", "Gather", "Item", "request_channel", "reply_channel", "request", "read_request",
+           "send_message", "nbytes_of_items"]
 
 
 class Op(IntEnum):
@@ -41,6 +54,7 @@ class Op(IntEnum):
     GRADS = 3
     DUMP = 4
     SAVE = 5
+    PUSH_PULL = 6
 
 
 PREFIX = f"{OUT_OF_PLAN}emb:"
@@ -54,8 +68,51 @@ def reply_channel(server: Label) -> str:
     return f"{PREFIX}{server}"
 
 
-def request(op: Op, step: int, tables: list[int], parts: list[list[torch.Tensor]] | None = None,
-            extra: list[torch.Tensor] = ()) -> list[torch.Tensor]:
+@dataclass(frozen=True, slots=True)
+class Gather:
+    """A tensor of a message: `rows[index]` (whole rows), gathered when the
+    message is written, into its memory."""
+
+    rows: torch.Tensor
+    index: torch.Tensor
+
+    @property
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.rows.dtype, (self.index.numel(), *self.rows.shape[1:]))
+
+    def write(self, out: torch.Tensor) -> None:
+        gather_rows_into(out, self.rows, self.index.reshape(-1))
+
+
+# A tensor of a message, as it is or gathered.
+Item = torch.Tensor | Gather
+
+
+def nbytes_of_items(items: Sequence[Item]) -> int:
+    return sum(item.spec.nbytes if isinstance(item, Gather) else item.nbytes for item in items)
+
+
+def send_message(transport: Transport, dst: Label, key: MessageKey, items: Sequence[Item]
+                 ) -> None:
+    """Send `items`, each `Gather` gathered straight into the message (its
+    rows as they are now: before this returns), the tensors copied in."""
+    if not any(isinstance(item, Gather) for item in items):
+        transport.send(dst, key, list(items))
+        return
+    specs = [item.spec if isinstance(item, Gather) else
+             TensorSpec(item.dtype, tuple(item.shape)) for item in items]
+
+    def fill(tensors: list[torch.Tensor]) -> None:
+        for item, out in zip(items, tensors):
+            if isinstance(item, Gather):
+                item.write(out)
+            elif out.numel():
+                out.copy_(item)
+    transport.send_filled(dst, key, specs, fill)
+
+
+def request(op: Op, step: int, tables: list[int], parts: list[list[Item]] | None = None,
+            extra: list[Item] = ()) -> list[Item]:
     """The tensors of one request: header, table indices, each table's part
     (`parts`, in the order of `tables`), then `extra`."""
     tensors = [torch.tensor([int(op), step, len(tables)], dtype=torch.int64),

@@ -25,8 +25,8 @@ from splitrun.splitter.sparse_optim import IN_PLACE
 from ...errors import MessageRejected, SplitrunError
 from ...transport.protocol import MessageKey, Transport
 from .huge_pages import empty_rows
-from .protocol import Op, read_request, reply_channel
-from .row_copy import copy_rows_, gather_rows
+from .protocol import Gather, Item, Op, read_request, reply_channel, send_message
+from .row_copy import copy_rows_
 from .sharding import RowSharding
 
 __all__ = ["EmbeddingStore", "ShardSnapshot"]
@@ -85,6 +85,8 @@ def _part_size(op: Op, shard: _Shard) -> int:
     """Tensors per table in a request (see protocol.py)."""
     if op is Op.PUSH:
         return 2 + len(shard.table.state_names)
+    if op is Op.PUSH_PULL:
+        return 3 + len(shard.table.state_names)
     return 4 if op is Op.GRADS else 1
 
 
@@ -187,11 +189,17 @@ class EmbeddingStore:
                                       f"{len(self.shards)} tables")
         shards = [self.shards[i] for i in indices]
         if op is Op.PUSH:
-            for shard, (ids, rows, *state) in zip(shards, self._parts(rest, shards, op)):
-                local = shard.sharding.local_index(ids, self.label.rank)
-                copy_rows_(shard.rows, local, rows)
-                for name, value in zip(shard.table.state_names, state):
-                    copy_rows_(shard.state[name], local, value)
+            self._push(shards, self._parts(rest, shards, op))
+        elif op is Op.PUSH_PULL:
+            others = [shard.table.key for shard in shards if not shard.write_back]
+            if others:
+                raise MessageRejected(f"{self._tag} embedding PUSH_PULL from {src.describe()} "
+                                      f"names tables the workers do not write back: {others}")
+            parts = self._parts(rest, shards, op)
+            # One plan's misses (rows the worker does not cache) and victims
+            # (rows it did) are distinct: the reply it waits for goes first.
+            self._answer(key, src, Op.PULL, shards, [part[-1] for part in parts])
+            self._push(shards, [part[:-1] for part in parts])
         elif op is Op.GRADS:
             complete = []
             for shard, part in zip(shards, self._parts(rest, shards, op)):
@@ -214,9 +222,17 @@ class EmbeddingStore:
         else:
             raise MessageRejected(f"unknown embedding request {op}")
 
+    def _push(self, shards: list[_Shard], parts: list[list[torch.Tensor]]) -> None:
+        """Write rows (and their state) the worker wrote back into the shards."""
+        for shard, (ids, rows, *state) in zip(shards, parts):
+            local = shard.sharding.local_index(ids, self.label.rank)
+            copy_rows_(shard.rows, local, rows)
+            for name, value in zip(shard.table.state_names, state):
+                copy_rows_(shard.state[name], local, value)
+
     def _parts(self, tensors: list[torch.Tensor], shards: list[_Shard], op: Op
                ) -> list[list[torch.Tensor]]:
-        """Each table's tensors of a PUSH, GRADS or PULL request."""
+        """Each table's tensors of a PUSH, PUSH_PULL, GRADS or PULL request."""
         sizes = [_part_size(op, shard) for shard in shards]
         if sum(sizes) != len(tensors):
             raise MessageRejected(f"{self._tag} embedding {op.name} for {len(shards)} tables "
@@ -239,19 +255,20 @@ class EmbeddingStore:
             self._handle(key, src, tensors)
 
     def _answer(self, key, src, op, shards: list[_Shard], tensors) -> None:
-        reply = []
+        reply: list[Item] = []
         if op is Op.PULL:
+            # Gathered straight into the reply's memory (a ring's slot) as it is sent.
             for shard, (ids,) in zip(shards, self._parts(tensors, shards, op)):
                 local = shard.sharding.local_index(ids, self.label.rank)
-                reply.append(gather_rows(shard.rows, local))
+                reply.append(Gather(shard.rows, local))
                 if shard.write_back:  # the row's optimizer state travels with it
-                    reply += [gather_rows(shard.state[n], local) for n in shard.table.state_names]
+                    reply += [Gather(shard.state[n], local) for n in shard.table.state_names]
         else:
             for shard in shards:
                 reply += [shard.rows.clone(),
                           *(shard.state[n].clone() for n in shard.table.state_names)]
-        self.transport.send(src, MessageKey(self.incarnation, key.step, reply_channel(self.label)),
-                            reply)
+        send_message(self.transport, src,
+                     MessageKey(self.incarnation, key.step, reply_channel(self.label)), reply)
 
     def _save(self, key: MessageKey, src: Label, step: int, directory: torch.Tensor) -> None:
         if self._save_handler is None:

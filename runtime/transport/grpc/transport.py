@@ -29,7 +29,9 @@ from ...rpc.tls import TlsFiles
 from ...rpc.wire import splitrun_pb2
 from ..buffers import BufferPool
 from ..contract import ChannelContract
+from ..dtypes import TensorSpec
 from ..endpoint import Endpoint
+from ..filled import Fill, fill_then_send
 from ..framing import CHUNK_OVERHEAD, EnvelopeWriter
 from ..keys import MessageKey
 from .outgoing import outgoing
@@ -200,6 +202,11 @@ class GrpcTransport:
                 f"{self._tag} send {key} to {dst.describe()}: the transport is closed")
         self._sender(dst).put(outgoing(self.settings, self._tag, self._envelopes, dst, key,
                                        tensors))
+
+    def send_filled(self, dst: Label, key: MessageKey, specs: Sequence[TensorSpec],
+                    fill: Fill) -> None:
+        """`send` of new tensors `fill` wrote (gRPC lends no memory to fill)."""
+        fill_then_send(self.send, dst, key, specs, fill)
 
     def recv(self, src: Label, key: MessageKey, timeout_s: float,
              control=None) -> list[torch.Tensor]:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -192,6 +193,74 @@ class RingWriter:
         memory, CUDA tensors straight from the device into the pinned ring."""
         self.send(header, [device_bytes(t) if t.is_cuda else host_bytes(t) for t in tensors],
                   timeout_s)
+
+    def send_filled(self, header: bytes, payload_bytes: int,
+                    fill: Callable[[torch.Tensor], None], timeout_s: float) -> bool:
+        """Send one message whose payload `fill(payload)` writes straight into
+        the ring (no copy of its own): `payload` is a flat uint8 tensor of
+        `payload_bytes` over the ring's memory, reserved for this message and
+        valid only during the call (keep no view of it). The frame lies in one
+        piece (a skip frame fills the ring's end if needed), so this waits for
+        that much room. False, with nothing sent and `fill` not called, when
+        the message takes more than half the ring (or the ring's end is too
+        short for a skip frame): `send` it instead. If `fill` raises, nothing
+        is sent, the ring stays usable, and the error propagates."""
+        if len(header) > MAX_HEADER_BYTES:
+            raise RingError(f"{self._tag}: a header of {len(header)} bytes is over the "
+                            f"{MAX_HEADER_BYTES}-byte limit")
+        capacity = self.capacity
+        if FRAME.size + len(header) + PAYLOAD_ALIGN + payload_bytes > capacity // 2:
+            return False
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            if self._is_closed:
+                raise RingError(f"{self._tag}: send after close")
+            if self._broken is not None:
+                raise RingError(f"{self._tag}: the ring is unusable after an earlier "
+                                f"failure: {self._broken}")
+            if self._conn is None:
+                self.wait_attached(max(deadline - time.monotonic(), 0.0))
+            start = self._head % capacity
+            padding = payload_padding(start + FRAME.size + len(header))
+            total = FRAME.size + len(header) + padding + payload_bytes
+            try:
+                if start + total > capacity:
+                    if capacity - start < FRAME.size:
+                        return False  # rare: no room for a skip frame at the end
+                    self._skip_to_ring_start(deadline)
+                    start = 0
+                    padding = payload_padding(FRAME.size + len(header))
+                    total = FRAME.size + len(header) + padding + payload_bytes
+                self._wait_for_room(deadline, total)
+            except BaseException as exc:
+                # The consumer is gone or stuck: the ring is no more use (a
+                # skip frame written is whole, and the stream still readable).
+                self._broken = exc
+                raise
+            data = self._segment.data
+            at = start + FRAME.size
+            data[start:at] = FRAME.pack(FRAME_MAGIC, frame_header_field(len(header), padding),
+                                        payload_bytes)
+            data[at:at + len(header)] = header
+            at += len(header) + padding
+            if payload_bytes:
+                # Over the mapping's address, not an export of it: close() needs none.
+                memory = (ctypes.c_char * payload_bytes).from_address(self._segment.address + at)
+                payload = torch.frombuffer(memory, dtype=torch.uint8)
+                try:
+                    fill(payload)  # nothing is published yet: a failure sends nothing
+                finally:
+                    del payload, memory
+            else:
+                fill(torch.empty(0, dtype=torch.uint8))
+            self._head += total
+            try:
+                self._publish(deadline)
+            except BaseException as exc:
+                self._broken = exc
+                raise
+            self._num_sent += 1
+            return True
 
     def _send_frame(self, header: bytes, views: Sequence[memoryview | torch.Tensor],
                     deadline: float) -> None:

@@ -52,9 +52,11 @@ from splitrun.splitter.labels import Label
 
 from ...errors import MessageRejected, RecvTimeout, TransportError
 from ..admission import Admission
-from ..buffers import EncodedTensors, MessageBuffer, encode
+from ..buffers import EncodedTensors, MessageBuffer, MessageLayout, encode
 from ..contract import ChannelContract
+from ..dtypes import TensorSpec
 from ..endpoint import Endpoint
+from ..filled import Fill, fill_then_send
 from ..framing import EnvelopeWriter
 from ..keys import MessageKey
 from .ring import (
@@ -422,6 +424,35 @@ class ShmTransport:
                                    f"memory failed: {exc}")
             self.endpoint.fail(error)
             raise error from None
+
+    def send_filled(self, dst: Label, key: MessageKey, specs: Sequence[TensorSpec],
+                    fill: Fill) -> None:
+        """`fill` writes the message straight into its slot in `dst`'s ring
+        (`RingWriter.send_filled`), where it fits in half the ring and its
+        tensors can be viewed there (each at a multiple of its item size);
+        else into new tensors, then `send`."""
+        writer = self._writers[dst]
+        self.endpoint.raise_if_failed()
+        if self._is_closed:
+            raise TransportError(
+                f"{self.tag} send {key} to {dst.describe()}: the transport is closed")
+        layout = MessageLayout(specs)
+        sent = False
+        if layout.is_viewable_on_wire:
+            try:
+                if not writer.is_attached:
+                    self._await_attach(dst)
+                header = self._envelopes.serialize_specs(key, layout.specs)
+                sent = writer.send_filled(header, layout.total_bytes,
+                                          lambda payload: fill(layout.views_on_wire(payload)),
+                                          self.settings.send_timeout_s)
+            except RingError as exc:
+                error = TransportError(f"{self.tag} sending {key} to {dst.describe()} over "
+                                       f"shared memory failed: {exc}")
+                self.endpoint.fail(error)
+                raise error from None
+        if not sent:
+            fill_then_send(self.send, dst, key, specs, fill)
 
     def is_lent(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` views an incoming ring (a payload lent in place).

@@ -41,7 +41,9 @@ from ...errors import TransportError
 from ...rpc.tls import TlsFiles
 from ..buffers import encode
 from ..contract import ChannelContract
+from ..dtypes import TensorSpec
 from ..endpoint import Endpoint, Identity
+from ..filled import Fill, fill_then_send
 from ..framing import EnvelopeWriter
 from ..keys import MessageKey
 from .link import DataLink, connect
@@ -153,6 +155,11 @@ class TcpTransport:
             raise
         logger.debug("%s sent %s to %s over tcp (%d bytes)", self.endpoint.tag, key, dst,
                      encoded.total_bytes)
+
+    def send_filled(self, dst: Label, key: MessageKey, specs: Sequence[TensorSpec],
+                    fill: Fill) -> None:
+        """`send` of new tensors `fill` wrote (the socket takes them from there)."""
+        fill_then_send(self.send, dst, key, specs, fill)
 
     def flush(self, deadline: float) -> None:
         """Wait until every peer put every message sent so far in its mailbox."""
