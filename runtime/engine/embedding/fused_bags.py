@@ -122,8 +122,40 @@ class FusedBags:
             return
         indices, offsets = self._lookups
         self._lookups = None
-        grad_output = torch.cat(grads, 1).contiguous()
+        grad_output, d_offsets = self._grad_rows(grads)
         self._ops.split_embedding_backward_codegen_sgd_cpu(
             grad_output, self.weights, self._placements, self._weights_offsets,
-            self._d_offsets, max(self.dims), self._hash_size_cumsum, self._hash_bits, indices,
+            d_offsets, max(self.dims), self._hash_size_cumsum, self._hash_bits, indices,
             offsets, _SUM_POOLING, None, False, torch.tensor(rate, dtype=torch.float32), 0)
+
+    def _grad_rows(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bags' gradients as the kernel reads them: one [bags, width]
+        row-major tensor, each table's columns at its `D_offsets` entry.
+
+        Where the gradients are side by side in the rows of one buffer (the
+        backward of a `stack` or `cat` of the bags, as DLRM's interaction
+        gives them), that buffer itself, columns shifted: no copy. Otherwise
+        they are concatenated. Reading the buffer in place is also faster
+        (measured on the bench's 8 tables: 9.8 against 12.9 ms with the
+        concatenation): a concatenation of 8 x 128 floats is 4 KiB a row, and
+        rows 4 KiB apart share cache sets (the kernel reads one table's column
+        block of every row at once)."""
+        first = grads[0]
+        stride = first.stride(0)
+        start = first.storage_offset() - first.storage_offset() % stride if stride else 0
+        shift = first.storage_offset() - start
+        num_bags = first.shape[0]
+        column = shift
+        in_place = stride > 0 and first.dtype == self.weights.dtype
+        for grad, dim in zip(grads, self.dims):
+            in_place = (in_place and grad.dim() == 2 and grad.shape == (num_bags, dim)
+                        and grad.dtype == first.dtype and grad.device == first.device
+                        and grad.stride() == (stride, 1) and grad.untyped_storage().data_ptr()
+                        == first.untyped_storage().data_ptr()
+                        and grad.storage_offset() == start + column)
+            column += dim
+        size = first.untyped_storage().nbytes() // first.element_size()
+        if in_place and column <= stride and start + num_bags * stride <= size:
+            rows = first.as_strided((num_bags, stride), (stride, 1), start)
+            return rows, self._d_offsets + shift
+        return torch.cat(grads, 1).contiguous(), self._d_offsets
