@@ -448,6 +448,9 @@ def _threads_ms_per_step(before: dict[int, int], after: dict[int, int], process_
     import threading
 
     names = {t.native_id: t.name for t in threading.enumerate()}
+    # Called in the step's thread (a forked process's main thread keeps its
+    # parent's native id in `threading`).
+    names[threading.get_native_id()] = "step thread"
     result: dict[str, float] = {}
     for tid, ns in after.items():
         name = names.get(tid, f"native-{tid}")

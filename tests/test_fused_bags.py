@@ -262,3 +262,20 @@ def test_the_backward_reads_gradients_in_place_where_they_share_rows(monkeypatch
     assert bool(concatenated) is not in_place
     assert torch.equal(fused.weights, expected.weights)
     assert not torch.equal(fused.weights, _fused_group(dims).weights), "nothing was updated"
+
+
+@pytest.mark.parametrize("before, after", [(0.005, 0.0005), (0.0001, 0.0001)])
+def test_a_cache_worker_shortens_the_gil_switch_interval(before, after):
+    """A worker's step and its planning thread share the GIL: a cache worker
+    hands it over every 0.5 ms at most (Python's default is 5 ms); a shorter
+    interval the user set stays."""
+    import sys
+
+    saved = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(before)
+        program, batches = make_sum_bags("sgd", 1, 2, cache_rows=48)
+        run_threaded(_split(program), 2, feeds(batches), recv_timeout_s=30)
+        assert sys.getswitchinterval() == pytest.approx(after, rel=0.05)  # kept in whole us
+    finally:
+        sys.setswitchinterval(saved)
