@@ -36,9 +36,9 @@ recommendation job. Prints JSON.
 
 (c) Profile (only with --part profile): the three jobs of (b) on one host,
     the steps after the warm-up: worker 0's under torch.profiler (aten ops
-    by self CPU time) and cProfile, with the CPU time of its step's thread
-    and of its whole process (the plan made ahead and the transport's threads
-    too) a step; server 0's table store (the requests of those steps, in its
+    by self CPU time) and cProfile, with the CPU time a step of its step's
+    thread, of its whole process and of each of its threads (the plan made
+    ahead, the transport's threads); server 0's table store (the requests of those steps, in its
     serving thread) the same way; the tables go to
     --profile-dir/<job>/{worker0,server0}/ (--variants: only those jobs).
 
