@@ -36,9 +36,9 @@ recommendation job. Prints JSON.
 
 (c) Profile (only with --part profile): the three jobs of (b) on one host,
     the steps after the warm-up: worker 0's under torch.profiler (aten ops
-    by self CPU time) and cProfile, with the CPU time of its step's thread
-    and of its whole process (the plan made ahead and the transport's threads
-    too) a step; server 0's table store (the requests of those steps, in its
+    by self CPU time) and cProfile, with the CPU time a step of its step's
+    thread, of its whole process and of each of its threads (the plan made
+    ahead, the transport's threads); server 0's table store (the requests of those steps, in its
     serving thread) the same way; the tables go to
     --profile-dir/<job>/{worker0,server0}/ (--variants: only those jobs).
 
@@ -351,11 +351,13 @@ class _StepProfiler:
         self.python_profile = cProfile.Profile()
         self.steps = 0
         self.started_cpu_s = self.started_process_s = 0.0
+        self.started_threads: dict[int, int] = {}
 
     def after_step(self, step: int) -> None:
         if step + 1 == self.after:
             self.torch_profile.start()
             self.python_profile.enable()
+            self.started_threads = _threads_cpu_ns()
             self.started_cpu_s = time.thread_time()
             self.started_process_s = _process_cpu_s()
         elif step + 1 > self.after:
@@ -366,6 +368,8 @@ class _StepProfiler:
             return
         cpu_ms = 1e3 * (time.thread_time() - self.started_cpu_s) / self.steps
         process_ms = 1e3 * (_process_cpu_s() - self.started_process_s) / self.steps
+        threads = _threads_ms_per_step(self.started_threads, _threads_cpu_ns(), process_ms,
+                                       self.steps)
         self.python_profile.disable()
         self.torch_profile.stop()
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -374,7 +378,8 @@ class _StepProfiler:
         (self.directory / "ops.txt").write_text(
             f"{self.steps} steps; the step's thread's CPU time: {cpu_ms:.1f} ms a step; the "
             f"whole worker process (the plan made ahead, the transport's threads too): "
-            f"{process_ms:.1f} ms a step\n{table}\n")
+            f"{process_ms:.1f} ms a step\nCPU ms a step by thread: {json.dumps(threads)}\n"
+            f"{table}\n")
         text = io.StringIO()
         stats = pstats.Stats(self.python_profile, stream=text)
         stats.sort_stats("tottime").print_stats(PROFILE_ROWS)
@@ -422,6 +427,36 @@ class _StoreProfiler:
             pstats.Stats(self.python_profile, stream=text).sort_stats("tottime").print_stats(
                 PROFILE_ROWS)
             (self.directory / "python.txt").write_text(f"{PROFILED_STEPS} steps\n{text.getvalue()}")
+
+
+def _threads_cpu_ns() -> dict[int, int]:
+    """CPU time (ns, the scheduler's count) of each live thread of this process."""
+    times = {}
+    for task in pathlib.Path("/proc/self/task").iterdir():
+        try:
+            times[int(task.name)] = int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile
+    return times
+
+
+def _threads_ms_per_step(before: dict[int, int], after: dict[int, int], process_ms: float,
+                         steps: int) -> dict[str, float]:
+    """CPU ms a step of each thread alive at the end (by its Python name, or
+    its native id), and of the threads that ended meanwhile (the rest of the
+    process's time)."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    # Called in the step's thread (a forked process's main thread keeps its
+    # parent's native id in `threading`).
+    names[threading.get_native_id()] = "step thread"
+    result: dict[str, float] = {}
+    for tid, ns in after.items():
+        name = names.get(tid, f"native-{tid}")
+        result[name] = round(result.get(name, 0.0) + (ns - before.get(tid, 0)) / 1e6 / steps, 2)
+    result["threads ended meanwhile"] = round(process_ms - sum(result.values()), 2)
+    return dict(sorted(result.items(), key=lambda item: -item[1]))
 
 
 def _process_cpu_s() -> float:

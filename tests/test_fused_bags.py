@@ -200,3 +200,82 @@ def test_servers_update_a_group_of_tables_in_one_call_per_step(monkeypatch):
                             recv_timeout_s=30).state
     for key, value in expected.items():
         assert torch.equal(run.state[key], value), f"{key} differs"
+
+
+def _fused_group(dims, capacity=10):
+    from splitrun.runtime.engine.embedding.row_cache import RowCache
+    from splitrun.splitter.cache_mode import CachedTable, CacheSettings
+
+    caches = [RowCache(CachedTable(f"t{i}.weight", 40, dim, torch.float32,
+                                   CacheSettings(capacity), "sgd", {}, (), f"ids.{i}"))
+              for i, dim in enumerate(dims)]
+    fused = FusedBags(caches)
+    generator = torch.Generator().manual_seed(3)
+    fused.weights.copy_(torch.randn(fused.weights.shape, generator=generator))
+    return fused
+
+
+@pytest.mark.parametrize("layout", ["stacked", "stacked_last", "cat", "out_of_order",
+                                    "separate"])
+def test_the_backward_reads_gradients_in_place_where_they_share_rows(monkeypatch, layout):
+    """The kernel reads the bags' gradients where they lie when they are side
+    by side in the rows of one buffer (the backward of DLRM's `stack`), any
+    columns before or after them; otherwise they are concatenated. Either
+    way the rows are those of the concatenated gradients' update, bit for bit."""
+    dims, num_bags = (4, 4, 8), 6
+    generator = torch.Generator().manual_seed(0)
+    slots = [torch.randint(0, 10, (num_bags * 3,), generator=generator) for _ in dims]
+    offsets = [torch.arange(0, num_bags * 3, 3) for _ in dims]
+    width = sum(dims)
+    if layout == "stacked":      # other columns before and after the tables'
+        base = torch.randn(num_bags, 3 + width + 2, generator=generator)
+        starts = [3, 7, 11]
+    elif layout == "stacked_last":  # the tables' columns end the buffer
+        base = torch.randn(num_bags, 5 + width, generator=generator)
+        starts = [5, 9, 13]
+    elif layout == "cat":
+        base = torch.randn(num_bags, width, generator=generator)
+        starts = [0, 4, 8]
+    elif layout == "out_of_order":
+        base = torch.randn(num_bags, width, generator=generator)
+        starts = [4, 0, 8]
+    else:
+        base = None
+    grads = ([base[:, s:s + d] for s, d in zip(starts, dims)] if base is not None else
+             [torch.randn(num_bags, d, generator=generator) for d in dims])
+    in_place = layout in ("stacked", "stacked_last", "cat")
+
+    expected = _fused_group(dims)
+    expected.forward(slots, offsets)
+    expected.backward_update([g.clone() for g in grads], torch.tensor(0.5))
+    fused = _fused_group(dims)
+    fused.forward(slots, offsets)
+    concatenated = []
+    original_cat = torch.cat
+
+    def counted_cat(*args, **kwargs):
+        concatenated.append(1)
+        return original_cat(*args, **kwargs)
+    monkeypatch.setattr(torch, "cat", counted_cat)
+    fused.backward_update(grads, torch.tensor(0.5))
+    monkeypatch.setattr(torch, "cat", original_cat)
+    assert bool(concatenated) is not in_place
+    assert torch.equal(fused.weights, expected.weights)
+    assert not torch.equal(fused.weights, _fused_group(dims).weights), "nothing was updated"
+
+
+@pytest.mark.parametrize("before, after", [(0.005, 0.0005), (0.0001, 0.0001)])
+def test_a_cache_worker_shortens_the_gil_switch_interval(before, after):
+    """A worker's step and its planning thread share the GIL: a cache worker
+    hands it over every 0.5 ms at most (Python's default is 5 ms); a shorter
+    interval the user set stays."""
+    import sys
+
+    saved = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(before)
+        program, batches = make_sum_bags("sgd", 1, 2, cache_rows=48)
+        run_threaded(_split(program), 2, feeds(batches), recv_timeout_s=30)
+        assert sys.getswitchinterval() == pytest.approx(after, rel=0.05)  # kept in whole us
+    finally:
+        sys.setswitchinterval(saved)

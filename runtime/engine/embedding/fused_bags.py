@@ -38,6 +38,11 @@ __all__ = ["FusedBags"]
 # FBGEMM's placement code for weights in host memory (EmbeddingLocation.HOST).
 _HOST = 3
 _SUM_POOLING = 0
+# The forward's output rows are padded by this many bytes when their width
+# is a multiple of 1 KiB: rows 4 KiB apart share cache sets (measured on the
+# bench's 8 x 128 floats, 4 KiB a row: the forward and the `stack` reading
+# its bags ~1 ms, ~20 %, cheaper at 4 KiB + 64 B).
+_ROW_PAD_BYTES = 64
 
 
 def _fbgemm_ops():
@@ -75,6 +80,9 @@ class FusedBags:
                                                   dtype=torch.int64)
             self._hash_bits = int(math.log2(max(1, sum(capacities)))) + 1
             self._placements = torch.full((len(caches),), _HOST, dtype=torch.int32)
+            row_bytes = sum(self.dims) * self.weights.element_size()
+            self._out_width = sum(self.dims) + (
+                _ROW_PAD_BYTES // self.weights.element_size() if row_bytes % 1024 == 0 else 0)
         self._lookups: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, slots: list[torch.Tensor], offsets: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -99,9 +107,9 @@ class FusedBags:
         all_offsets = torch.cat(starts)
         self._lookups = (indices, all_offsets)
         out = self._ops.split_embedding_codegen_forward_cpu(
-            self.weights, self._weights_offsets, self._d_offsets, sum(self.dims),
+            self.weights, self._weights_offsets, self._d_offsets, self._out_width,
             self._hash_size_cumsum, indices, all_offsets, _SUM_POOLING, None, 0)
-        return list(out.split(self.dims, 1))
+        return list(out[:, :sum(self.dims)].split(self.dims, 1))
 
     def backward_update(self, grads: list[torch.Tensor], lr: torch.Tensor, *,
                         maximize: bool = False) -> None:
@@ -122,8 +130,40 @@ class FusedBags:
             return
         indices, offsets = self._lookups
         self._lookups = None
-        grad_output = torch.cat(grads, 1).contiguous()
+        grad_output, d_offsets = self._grad_rows(grads)
         self._ops.split_embedding_backward_codegen_sgd_cpu(
             grad_output, self.weights, self._placements, self._weights_offsets,
-            self._d_offsets, max(self.dims), self._hash_size_cumsum, self._hash_bits, indices,
+            d_offsets, max(self.dims), self._hash_size_cumsum, self._hash_bits, indices,
             offsets, _SUM_POOLING, None, False, torch.tensor(rate, dtype=torch.float32), 0)
+
+    def _grad_rows(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bags' gradients as the kernel reads them: one [bags, width]
+        row-major tensor, each table's columns at its `D_offsets` entry.
+
+        Where the gradients are side by side in the rows of one buffer (the
+        backward of a `stack` or `cat` of the bags, as DLRM's interaction
+        gives them), that buffer itself, columns shifted: no copy. Otherwise
+        they are concatenated. Reading the buffer in place is also faster
+        (measured on the bench's 8 tables: 9.8 against 12.9 ms with the
+        concatenation): a concatenation of 8 x 128 floats is 4 KiB a row, and
+        rows 4 KiB apart share cache sets (the kernel reads one table's column
+        block of every row at once)."""
+        first = grads[0]
+        stride = first.stride(0)
+        start = first.storage_offset() - first.storage_offset() % stride if stride else 0
+        shift = first.storage_offset() - start
+        num_bags = first.shape[0]
+        column = shift
+        in_place = stride > 0 and first.dtype == self.weights.dtype
+        for grad, dim in zip(grads, self.dims):
+            in_place = (in_place and grad.dim() == 2 and grad.shape == (num_bags, dim)
+                        and grad.dtype == first.dtype and grad.device == first.device
+                        and grad.stride() == (stride, 1) and grad.untyped_storage().data_ptr()
+                        == first.untyped_storage().data_ptr()
+                        and grad.storage_offset() == start + column)
+            column += dim
+        size = first.untyped_storage().nbytes() // first.element_size()
+        if in_place and column <= stride and start + num_bags * stride <= size:
+            rows = first.as_strided((num_bags, stride), (stride, 1), start)
+            return rows, self._d_offsets + shift
+        return torch.cat(grads, 1).contiguous(), self._d_offsets
