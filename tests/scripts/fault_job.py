@@ -30,11 +30,8 @@ import sys
 import time
 
 import torch
-from ps_models import make
-from train_job import build
 
 from splitrun.runtime.job import Job
-from splitrun.splitter import ParameterServerMode, capture
 
 NUM_BATCHES = 8
 
@@ -66,6 +63,13 @@ def main() -> int:
     args = parser.parse_args()
 
     job = Job.from_env()
+    # Joined first, then the model code: a refused join (tests/test_register_e2e.py
+    # has four) exits without importing the splitter (~1 CPU-s each).
+    from ps_models import make
+    from train_job import build
+
+    from splitrun.splitter import ParameterServerMode, capture
+
     if args.mode == "ps":
         program, batches = make("dense", "adam", job.cluster.num_workers, NUM_BATCHES)
         mode = ParameterServerMode()
