@@ -72,8 +72,9 @@ _memmove = ctypes.memmove
 # The producer has the data pages filled at least this many bytes ahead of
 # its writes (`populate_through`).
 POPULATE_AHEAD_BYTES = 1 << 20
-# madvise(2)'s MADV_POPULATE_WRITE (Linux 5.14), which Python 3.11's mmap
-# does not name.
+# madvise(2)'s MADV_POPULATE_READ and _WRITE (Linux 5.14), which Python
+# 3.11's mmap does not name.
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
@@ -86,8 +87,9 @@ class Segment:
         # zeroing its pages) costs 25-30 ms of CPU per ring and mapping, 0.4 s
         # at the start of a job of 4 processes, for pages a job of small
         # messages never touches. The producer fills them ahead of its
-        # writes instead (`populate_through`); the consumer's first read of a
-        # page filled by then is a cheap fault.
+        # writes instead (`populate_through`), and the whole ring at its first
+        # large payload, when the consumer fills its own mapping too; before
+        # that, the consumer's first read of a page is a cheap fault.
         self._map = mmap.mmap(fd, HEADER_PAGE + capacity, mmap.MAP_SHARED,
                               mmap.PROT_READ | mmap.PROT_WRITE)
         self._populated = 0  # data[:_populated] has its page tables filled
@@ -99,19 +101,20 @@ class Segment:
         self._tensor: torch.Tensor | None = None
         self._is_pinned = False
 
-    def populate_through(self, end: int) -> None:
+    def populate_through(self, end: int, *, is_reader: bool = False) -> None:
         """Fill the page tables of data[:end] now, in one call for at least
-        POPULATE_AHEAD_BYTES: the producer's copies then run over mapped pages,
-        not through a fault on each fresh page (measured: a 1 MiB message
-        walking through fresh pages of a 64 MiB ring ran 4x slower). Where
-        the kernel cannot (before 5.14), pages fault in on first write."""
+        POPULATE_AHEAD_BYTES: the copies then run over mapped pages, not
+        through a fault on each fresh page (measured: a 1 MiB message walking
+        through fresh pages of a 64 MiB ring ran 4x slower). The producer's
+        call allocates the pages; a reader's (`is_reader`) maps those. Where
+        the kernel cannot (before 5.14), pages fault in on first use."""
         if end <= self._populated:
             return
         stop = max(end, self._populated + POPULATE_AHEAD_BYTES)
         stop = min(self.capacity, -(-stop // mmap.PAGESIZE) * mmap.PAGESIZE)
+        advice = _MADV_POPULATE_READ if is_reader else _MADV_POPULATE_WRITE
         try:
-            self._map.madvise(_MADV_POPULATE_WRITE, HEADER_PAGE + self._populated,
-                              stop - self._populated)
+            self._map.madvise(advice, HEADER_PAGE + self._populated, stop - self._populated)
         except (OSError, ValueError):
             stop = self.capacity  # not supported: first writes fault instead
         self._populated = stop
