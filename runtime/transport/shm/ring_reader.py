@@ -22,6 +22,7 @@ from .ring_segment import (
     HEADER_PAGE,
     MAX_HEADER_BYTES,
     PAYLOAD_ALIGN,
+    POPULATE_AHEAD_BYTES,
     SEGMENT_HEADER,
     SEGMENT_MAGIC,
     SKIP_MAGIC,
@@ -189,6 +190,10 @@ class RingReader:
                 header = bytes(buffer)
             self._skip(padding, deadline)
             self._payload_left = payload_bytes
+            if payload_bytes >= POPULATE_AHEAD_BYTES:
+                # Its producer had the whole ring's pages filled for it: this
+                # end's page tables too, at once, not a fault per piece copied.
+                self._segment.populate_through(self.capacity, is_reader=True)
             if not payload_bytes:
                 self._num_received += 1
             return header, payload_bytes

@@ -23,6 +23,7 @@ from .ring_segment import (
     LENDABLE_BYTES,
     MAX_HEADER_BYTES,
     PAYLOAD_ALIGN,
+    POPULATE_AHEAD_BYTES,
     SKIP_MAGIC,
     Segment,
     copy_bytes,
@@ -282,6 +283,11 @@ class RingWriter:
             start = 0
             padding = payload_padding(FRAME.size + len(header))
             total = FRAME.size + len(header) + padding + payload_bytes
+        # The frame's pages are filled before the copies (on the ring's first
+        # pass): for a large payload the whole ring's at once (a stream of them
+        # soon walks all of it), else those up to the frame's end.
+        self._segment.populate_through(capacity if payload_bytes >= POPULATE_AHEAD_BYTES
+                                       else min(self._head + total, capacity))
         prefix = FRAME.pack(FRAME_MAGIC, frame_header_field(len(header), padding),
                             payload_bytes)
         has_device = any(isinstance(view, torch.Tensor) for view in views)
