@@ -238,6 +238,9 @@ class RingWriter:
                 # skip frame written is whole, and the stream still readable).
                 self._broken = exc
                 raise
+            # The frame's pages filled before `fill` writes them, as `_send_frame` does.
+            self._segment.populate_through(capacity if payload_bytes >= POPULATE_AHEAD_BYTES
+                                           else min(self._head + total, capacity))
             data = self._segment.data
             at = start + FRAME.size
             data[start:at] = FRAME.pack(FRAME_MAGIC, frame_header_field(len(header), padding),
