@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["RUN_TIMEOUT_S", "WARMUP_STEPS", "batches", "bench_line", "cpu_ms", "free_port",
-           "loss_fn", "model", "page_faults"]
+           "join_or_kill", "loss_fn", "model", "page_faults"]
 
 # Bounds one whole measured run (start, warm-up, steps, shutdown) on 2 cores.
 RUN_TIMEOUT_S = 900
@@ -61,3 +61,12 @@ def bench_line(path: pathlib.Path) -> float:
         if "BENCH " in line:
             return json.loads(line.split("BENCH ", 1)[1])["steps_per_s"]
     raise RuntimeError(f"no BENCH line in {path}:\n{path.read_text(errors='replace')[-4000:]}")
+
+
+def join_or_kill(processes) -> None:
+    """Wait for the run's processes to end; kill one still running after a minute."""
+    for process in processes:
+        process.join(timeout=60)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=10)

@@ -26,6 +26,7 @@ from ps_bench_model import (
     batches,
     bench_line,
     free_port,
+    join_or_kill,
     loss_fn,
     model,
 )
@@ -214,11 +215,7 @@ def run_rpc(args, tutorial: bool) -> float:
     try:
         steps_per_s = results.get(timeout=RUN_TIMEOUT_S)
     finally:
-        for process in processes:
-            process.join(timeout=60)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
+        join_or_kill(processes)
     return steps_per_s
 
 

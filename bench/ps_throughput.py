@@ -72,6 +72,7 @@ from ps_bench_model import (
     bench_line,
     cpu_ms,
     free_port,
+    join_or_kill,
     loss_fn,
     model,
     page_faults,
@@ -196,11 +197,7 @@ def run_ddp(args, task_name: str | None = None) -> dict:
         return {"steps_per_s": min(speed for _, speed, _ in ranks),
                 "cpu_ms_per_step": {f"rank{rank}": cpu for rank, _, cpu in ranks}}
     finally:
-        for process in processes:
-            process.join(timeout=60)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
+        join_or_kill(processes)
 
 
 # -- (c) splitrun -----------------------------------------------------------

@@ -164,6 +164,17 @@ class RingWriter:
         unlink_quietly(self.socket_path)
         logger.debug("%s: %s attached", self._tag, self.peer)
 
+    def _check_sendable(self, deadline: float) -> None:
+        """Under the lock, before a send: the ring is open, unbroken and its
+        consumer attached (waited for until `deadline`)."""
+        if self._is_closed:
+            raise RingError(f"{self._tag}: send after close")
+        if self._broken is not None:
+            raise RingError(f"{self._tag}: the ring is unusable after an earlier "
+                            f"failure: {self._broken}")
+        if self._conn is None:
+            self.wait_attached(max(deadline - time.monotonic(), 0.0))
+
     def send(self, header: bytes, views: Sequence[memoryview], timeout_s: float) -> None:
         """Copy one message (header plus the bytes of `views`, in order) into the
         ring, streaming it when it is larger; returns once all of it is in the
@@ -173,13 +184,7 @@ class RingWriter:
                             f"{MAX_HEADER_BYTES}-byte limit")
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            if self._is_closed:
-                raise RingError(f"{self._tag}: send after close")
-            if self._broken is not None:
-                raise RingError(f"{self._tag}: the ring is unusable after an earlier "
-                                f"failure: {self._broken}")
-            if self._conn is None:
-                self.wait_attached(max(deadline - time.monotonic(), 0.0))
+            self._check_sendable(deadline)
             try:
                 self._send_frame(header, views, deadline)
             except BaseException as exc:
@@ -214,13 +219,7 @@ class RingWriter:
             return False
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            if self._is_closed:
-                raise RingError(f"{self._tag}: send after close")
-            if self._broken is not None:
-                raise RingError(f"{self._tag}: the ring is unusable after an earlier "
-                                f"failure: {self._broken}")
-            if self._conn is None:
-                self.wait_attached(max(deadline - time.monotonic(), 0.0))
+            self._check_sendable(deadline)
             start = self._head % capacity
             padding = payload_padding(start + FRAME.size + len(header))
             total = FRAME.size + len(header) + padding + payload_bytes
