@@ -403,14 +403,8 @@ class ShmTransport:
     def send(self, dst: Label, key: MessageKey, tensors: Sequence[torch.Tensor]) -> None:
         """Copied into `dst`'s ring before this returns (blocks only while the
         ring is full); `dst` must be connected."""
-        writer = self._writers[dst]
-        self.endpoint.raise_if_failed()
-        if self._is_closed:
-            raise TransportError(
-                f"{self.tag} send {key} to {dst.describe()}: the transport is closed")
+        writer = self._attached_writer(dst, key)
         try:
-            if not writer.is_attached:
-                self._await_attach(dst)
             if any(tensor.is_cuda for tensor in tensors):
                 ready = tuple(tensor.detach().contiguous() for tensor in tensors)
                 header = self._envelopes.serialize(key, EncodedTensors(ready, (), 0))
@@ -420,10 +414,28 @@ class ShmTransport:
                 header = self._envelopes.serialize(key, encoded)
                 writer.send(header, encoded.views, self.settings.send_timeout_s)
         except RingError as exc:
-            error = TransportError(f"{self.tag} sending {key} to {dst.describe()} over shared "
-                                   f"memory failed: {exc}")
-            self.endpoint.fail(error)
-            raise error from None
+            raise self._send_failed(key, dst, exc) from None
+
+    def _attached_writer(self, dst: Label, key: MessageKey) -> RingWriter:
+        """The ring to `dst`, its consumer attached, for one send of `key`."""
+        writer = self._writers[dst]
+        self.endpoint.raise_if_failed()
+        if self._is_closed:
+            raise TransportError(
+                f"{self.tag} send {key} to {dst.describe()}: the transport is closed")
+        if not writer.is_attached:
+            try:
+                self._await_attach(dst)
+            except RingError as exc:
+                raise self._send_failed(key, dst, exc) from None
+        return writer
+
+    def _send_failed(self, key: MessageKey, dst: Label, exc: RingError) -> TransportError:
+        """A ring's failure in a send: the endpoint fails with it, named."""
+        error = TransportError(f"{self.tag} sending {key} to {dst.describe()} over shared "
+                               f"memory failed: {exc}")
+        self.endpoint.fail(error)
+        return error
 
     def send_filled(self, dst: Label, key: MessageKey, specs: Sequence[TensorSpec],
                     fill: Fill) -> None:
@@ -431,26 +443,17 @@ class ShmTransport:
         (`RingWriter.send_filled`), where it fits in half the ring and its
         tensors can be viewed there (each at a multiple of its item size);
         else into new tensors, then `send`."""
-        writer = self._writers[dst]
-        self.endpoint.raise_if_failed()
-        if self._is_closed:
-            raise TransportError(
-                f"{self.tag} send {key} to {dst.describe()}: the transport is closed")
+        writer = self._attached_writer(dst, key)
         layout = MessageLayout(specs)
         sent = False
         if layout.is_viewable_on_wire:
             try:
-                if not writer.is_attached:
-                    self._await_attach(dst)
                 header = self._envelopes.serialize_specs(key, layout.specs)
                 sent = writer.send_filled(header, layout.total_bytes,
                                           lambda payload: fill(layout.views_on_wire(payload)),
                                           self.settings.send_timeout_s)
             except RingError as exc:
-                error = TransportError(f"{self.tag} sending {key} to {dst.describe()} over "
-                                       f"shared memory failed: {exc}")
-                self.endpoint.fail(error)
-                raise error from None
+                raise self._send_failed(key, dst, exc) from None
         if not sent:
             fill_then_send(self.send, dst, key, specs, fill)
 
