@@ -33,6 +33,8 @@ from splitrun.splitter.labels import Label, Role
 from .forked import Template
 from .process_logs import ProcessLogs, Tee
 from .render import read_module_map, render_plan
+from .standing_client import StandingTemplate
+from .standing_template import SOCKET_VARIABLE
 from .supervisor import Supervisor
 
 # A silent process is named within this long (plus a poll): fast, and still
@@ -293,6 +295,11 @@ def _parser() -> argparse.ArgumentParser:
                              "folder first on the path), e.g. your model's heavy imports; "
                              "repeatable (the installed modules the script imports first "
                              "are imported there anyway)")
+    launch.add_argument("--template", default=None, metavar="SOCKET",
+                        help="forkserver: fork the processes from the standing template "
+                             "listening at SOCKET (python -m splitrun.launcher."
+                             "standing_template --serve SOCKET), shared by many launches; "
+                             "default: $SPLITRUN_TEMPLATE, else a template of this launch's own")
     _add_ray_args(launch)
     _add_script_args(launch)
 
@@ -381,7 +388,7 @@ def _export(args) -> int:
     return 0
 
 
-def new_supervisor(args, template: Template | None = None) -> Supervisor:
+def new_supervisor(args, template: Template | StandingTemplate | None = None) -> Supervisor:
     """A supervisor for the processes of one start of the job: their lines on
     the console, prefixed, and with --log-dir in one file per process too;
     forked from `template` where given."""
@@ -532,15 +539,32 @@ def _launch(args) -> int:
     return outcome.exit_code
 
 
-def _start_template(args) -> Template | None:
+def _start_template(args) -> Template | StandingTemplate | None:
     """The template process the job's processes are forked from, started with
     their environment but their own variables (--start-method forkserver)."""
     if args.start_method != "forkserver":
         return None
+    env = template_env(thread_budget(args.threads_per_process, args.workers + args.servers))
+
+    def own_template() -> Template | None:
+        return Template.start(env, args.script, args.preload)
+    standing = args.template or os.environ.get(SOCKET_VARIABLE)
+    if not standing:
+        return own_template()
+    if args.preload:
+        logger.info("--preload: this launch starts its own template, not the standing one")
+        return own_template()
+    return StandingTemplate.connect(standing, {**env, "PYTHONUNBUFFERED": "1"}, args.script,
+                                    own_template)
+
+
+def template_env(threads: int) -> dict[str, str]:
+    """The environment a template of processes with `threads` intra-op threads
+    starts with: theirs but their own variables (SPLITRUN_*)."""
     env = dict(os.environ)
-    env.update(_thread_env(thread_budget(args.threads_per_process, args.workers + args.servers)))
+    env.update(_thread_env(threads))
     env.update(_copy_env())
-    return Template.start(env, args.script, args.preload)
+    return env
 
 
 def _run_once(args, token: str, tls: TlsFiles | None, supervisor: Supervisor,

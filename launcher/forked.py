@@ -43,6 +43,9 @@ _POLL_S = 0.1
 # The variables the processes of one job may differ in from the template:
 # splitrun's own, which `Job.from_env()` reads once the script runs.
 _PER_PROCESS_PREFIX = "SPLITRUN_"
+# What a shell sets for each command it starts (a standing template and the
+# launches it serves start from different shells): nothing imports them.
+_SHELL_BOOKKEEPING = ("_", "SHLVL", "PWD", "OLDPWD")
 
 
 def exec_reason(argv: Sequence[str], env: dict[str, str],
@@ -53,7 +56,8 @@ def exec_reason(argv: Sequence[str], env: dict[str, str],
         return f"its command is not the bootstrap's ({' '.join(argv[:3])})"
 
     def general(variables: dict[str, str]) -> dict[str, str]:
-        return {k: v for k, v in variables.items() if not k.startswith(_PER_PROCESS_PREFIX)}
+        return {k: v for k, v in variables.items()
+                if not k.startswith(_PER_PROCESS_PREFIX) and k not in _SHELL_BOOKKEEPING}
     differ = sorted(set(general(env).items()) ^ set(general(template_env).items()))
     if differ:
         names = sorted({name for name, _ in differ})

@@ -8,6 +8,9 @@ Only processes this supervisor started are ever signalled, by id. Given a
 `Template`, it forks them from that process, which has imported torch once
 (template.py says why that is safe and when a process starts with exec
 instead); the launcher adopts them, so they are its children like the others.
+Given a `StandingTemplate`, a template many launches share forks them: they
+stay its children, it reports their exit codes and reaps each only once this
+supervisor has signalled its group (standing_template.py).
 
 Shared memory: a child whose environment names the job's shared-memory prefix
 is watched by a `Janitor`, a small process that removes the prefix's files
@@ -46,6 +49,7 @@ from .bootstrap import ERROR_MARK
 from .forked import ForkedProcess, Template
 from .janitor import Janitor
 from .process_logs import ProcessLogs
+from .standing_client import StandingProcess, StandingTemplate
 
 __all__ = ["Child", "Supervisor", "Outcome", "FailureKind", "FailureSign", "error_kind",
            "parse_label", "stopped_clause", "ERROR_KINDS"]
@@ -74,7 +78,7 @@ _TIMEOUTS = ("RecvTimeout",)
 @dataclass
 class Child:
     label: Label
-    process: subprocess.Popen | ForkedProcess
+    process: subprocess.Popen | ForkedProcess | StandingProcess
     reader: threading.Thread | None = None
     exit_code: int | None = None
     # The last line of the last traceback it printed ("ValueError: boom"), and when.
@@ -166,7 +170,7 @@ class Supervisor:
     after the first failure has stopped the rest."""
 
     def __init__(self, out=None, logs: ProcessLogs | None = None, verbose: bool = True,
-                 template: Template | None = None) -> None:
+                 template: Template | StandingTemplate | None = None) -> None:
         self.children: list[Child] = []
         self._out = out or sys.stdout
         # Lifecycle lines (`note`) are shown only when asked (-v).
@@ -418,6 +422,8 @@ def parse_label(text: str) -> Label | None:
 def _exit_code(child: Child) -> int | None:
     """The child's exit code if it exited, without reaping it (it stays a
     zombie, so its pid, the id of its process group, is not reused)."""
+    if isinstance(child.process, StandingProcess):  # a standing template's child
+        return child.process.peek()
     info = os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     if info is None:
         return None

@@ -30,7 +30,7 @@ sent, its stdin is /dev/null, its environment and working directory are the
 request's, and numpy's global random state is reseeded (Python's `random`
 reseeds itself after a fork). Then the bootstrap sets PR_SET_PDEATHSIG once the
 launcher is its parent, as in a process the launcher started with exec. It
-ends as multiprocessing's forked processes do (`_run_forked`): with the status
+ends as multiprocessing's forked processes do (`run_forked`): with the status
 the interpreter would give, without the interpreter's teardown.
 
 A forked process differs from a fresh one in what was decided at import time,
@@ -60,7 +60,9 @@ import time
 import traceback
 from collections.abc import Iterator
 
-__all__ = ["BOOTSTRAP_MODULE", "PRELOAD", "MAX_MESSAGE_BYTES", "collected_once", "main"]
+__all__ = ["BOOTSTRAP_MODULE", "PRELOAD", "MAX_MESSAGE_BYTES", "collected_once", "fork_problem",
+           "main", "preload_modules", "preload_script_imports", "probe_fork", "run_forked",
+           "set_up_process"]
 
 # The command a forked process stands in for: [sys.executable, "-m", BOOTSTRAP_MODULE, ...].
 BOOTSTRAP_MODULE = "splitrun.launcher.bootstrap"
@@ -87,10 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     preload = (*PRELOAD, *args.preload)
     started = time.monotonic()
     with collected_once():
-        problem = _preload(preload)
+        problem = preload_modules(preload)
         if problem is None:
-            preload += tuple(_preload_script_imports(args.script))
-        problem = problem or _probe_fork() or fork_problem()
+            preload += tuple(preload_script_imports(args.script))
+        problem = problem or probe_fork() or fork_problem()
         if problem is not None:
             _send(control, {"unusable": problem})
             _exit_now()
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     bootstrap_args = _serve(control)
     if bootstrap_args is None:
         _exit_now()  # the launcher closed the socket: its job is done
-    _run_forked(bootstrap_args)
+    run_forked(bootstrap_args)
 
 
 @contextlib.contextmanager
@@ -123,7 +125,7 @@ def collected_once() -> Iterator[None]:
         gc.enable()
 
 
-def _run_forked(bootstrap_args: list[str]) -> None:
+def run_forked(bootstrap_args: list[str]) -> None:
     """In a forked process: run the script as the bootstrap's own process
     does, and exit with the status the interpreter would give, as
     multiprocessing's forked processes do: non-daemon threads joined, exit
@@ -197,7 +199,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _preload(preload: tuple[str, ...]) -> str | None:
+def preload_modules(preload: tuple[str, ...]) -> str | None:
     for spec in preload:
         module, _, name = spec.partition(":")
         try:
@@ -210,7 +212,7 @@ def _preload(preload: tuple[str, ...]) -> str | None:
     return None
 
 
-def _preload_script_imports(script: str) -> list[str]:
+def preload_script_imports(script: str) -> list[str]:
     """Import the installed modules the script imports first (script_imports.py);
     the ones this imported. A module that fails to import is left to the
     script's own processes, which report it as usual."""
@@ -233,7 +235,7 @@ def _preload_script_imports(script: str) -> list[str]:
     return imported
 
 
-def _probe_fork() -> None:
+def probe_fork() -> None:
     """Fork a child that exits at once: libraries that stop their threads
     before a fork (numpy's OpenBLAS) leave this process with one."""
     pid = os.fork()
@@ -313,24 +315,31 @@ def _become_process(request: dict, out_fd: int, control: socket.socket,
         os.close(first_gone)
         if not ready:
             raise RuntimeError(f"its first parent did not exit within {ADOPTION_TIMEOUT_S} s")
-        os.setsid()
-        stdin = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(stdin, 0)
-        os.close(stdin)
-        os.dup2(out_fd, 1)
-        os.dup2(out_fd, 2)
-        os.close(out_fd)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        numpy_random = sys.modules.get("numpy.random")
-        if numpy_random is not None:
-            numpy_random.seed()  # a fresh process seeds it from the OS too
+        set_up_process(request, out_fd)
         return list(request["argv"][3:])
     except BaseException:  # noqa: BLE001 - never return into the template's loop
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
+
+
+def set_up_process(request: dict, out_fd: int) -> None:
+    """In a forked process: lead a session of its own, stdin /dev/null, stdout
+    and stderr `out_fd`, and the working directory, environment and numpy
+    random state a fresh process of `request` would have."""
+    os.setsid()
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(stdin, 0)
+    os.close(stdin)
+    os.dup2(out_fd, 1)
+    os.dup2(out_fd, 2)
+    os.close(out_fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()  # a fresh process seeds it from the OS too
 
 
 if __name__ == "__main__":

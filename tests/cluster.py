@@ -93,8 +93,11 @@ class Proc:
 
 
 def child_env(env_extra=None) -> dict[str, str]:
-    """This process's environment, with IMPORT_PATH in front of PYTHONPATH."""
+    """This process's environment, with IMPORT_PATH in front of PYTHONPATH,
+    without pytest's name of the running test (it would differ between the
+    standing template, conftest.py's, and every launch it serves)."""
     env = dict(os.environ)
+    env.pop("PYTEST_CURRENT_TEST", None)
     paths = [str(path) for path in IMPORT_PATH]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
@@ -110,6 +113,26 @@ def splitrun(*args, env_extra=None, cwd=REPO, verbose: bool = True) -> Proc:
     options = ["-v"] if verbose else []
     return Proc([sys.executable, "-m", "splitrun.launcher", *options, *args],
                 env=child_env(env_extra), cwd=cwd)
+
+
+class StandingTemplateProc:
+    """A standing template (launcher/standing_template.py) serving the launches
+    of this test process: started with the environment they have (`child_env`),
+    listening on `socket` once its constructor returns; it dies with this
+    process, and `close()` ends it (and what it still runs) by its process group."""
+
+    VARIABLE = "SPLITRUN_TEMPLATE"  # standing_template.SOCKET_VARIABLE
+
+    def __init__(self, folder: pathlib.Path) -> None:
+        self.socket = str(folder / "template.sock")
+        self.proc = Proc([sys.executable, "-m", "splitrun.launcher.standing_template",
+                          "--serve", self.socket, "--parent-pid", os.getpid()],
+                         env=child_env(), cwd=folder)
+        self.pid = int(self.proc.wait_for(r"standing template serving .* \(pid (\d+)\)$",
+                                          60).group(1))
+
+    def close(self) -> None:
+        self.proc.kill()
 
 
 class LocalCluster:

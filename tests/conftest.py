@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from cluster import REPO, SCRIPTS, LocalCluster
+from cluster import REPO, SCRIPTS, LocalCluster, StandingTemplateProc
 from scheduling import LongestFirstScheduling, UnitsFile, recorder_from_env, unit_of
 
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
@@ -85,6 +85,27 @@ def pytest_collection_modifyitems(config, items):
     worker = getattr(config, "workerinput", {})
     if UnitsFile.KEY in worker:
         UnitsFile(worker[UnitsFile.KEY]).write(worker["workerid"], units)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def standing_template(tmp_path_factory):
+    """One standing template per test process (each pytest-xdist worker): every
+    job the tests launch forks its processes from it (SPLITRUN_TEMPLATE), instead
+    of importing torch in a template of its own (seconds of CPU per launch). The
+    tests of a launch's own template unset the variable (`own_template`)."""
+    template = StandingTemplateProc(tmp_path_factory.mktemp("standing-template"))
+    os.environ[StandingTemplateProc.VARIABLE] = template.socket
+    try:
+        yield template
+    finally:
+        del os.environ[StandingTemplateProc.VARIABLE]
+        template.close()
+
+
+@pytest.fixture
+def own_template(monkeypatch):
+    """The launches of this test start their own template, as without a standing one."""
+    monkeypatch.delenv(StandingTemplateProc.VARIABLE)
 
 
 @pytest.fixture

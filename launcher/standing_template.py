@@ -1,0 +1,294 @@
+"""A standing template: one template process that many launches share.
+
+    python -m splitrun.launcher.standing_template --serve SOCKET [--threads N]
+        [--preload MODULE]... [--parent-pid PID]
+
+A launch's own template (template.py) imports torch and splitrun's job
+machinery once per launch: seconds of CPU before the job's first process is
+forked. A standing template imports them once for every launch that names its
+socket (`splitrun launch --template SOCKET`, or SPLITRUN_TEMPLATE=SOCKET):
+each launcher connects (a unix socket, one connection per launcher), says
+hello with a pidfd of itself, and asks for its processes; the template forks
+them and answers each with the process's pid and a pidfd of it (SCM_RIGHTS: no
+pid-reuse race). It serves any number of launchers at once from one thread (a
+fork needs that: template.py says why the fork is safe).
+
+Its processes are its children, not the launcher's, so it supervises them for
+the launcher (standing_client.py is the launcher's side):
+
+- When one exits, the template tells its launcher the exit code and leaves it
+  a zombie until the launcher says `reap`: the launcher signals the process's
+  group after it exited (its data-loader workers), and the group id cannot
+  have been reused before then.
+- When the launcher is gone (its pidfd becomes readable, or its connection
+  closes), the template SIGKILLs the process group of each of its processes,
+  then reaps them. A process dies with its template too (PR_SET_PDEATHSIG).
+
+The environment: it starts with the one a launch would give its own template
+(cli.template_env: the thread budget, glibc's copy tunables, unbuffered
+output), by executing itself once more with it, since some of it is read when
+a process starts. A launch whose environment differs beyond splitrun's own
+variables uses its own template instead (the launcher compares them). The
+installed modules a launched script imports first are imported here too when
+its launcher says hello, as a launch's own template does; the user's own
+modules are not (another launch's script may have a module of the same name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import traceback
+from dataclasses import dataclass, field
+
+from .template import (
+    MAX_MESSAGE_BYTES,
+    PRELOAD,
+    collected_once,
+    fork_problem,
+    preload_modules,
+    preload_script_imports,
+    probe_fork,
+    run_forked,
+    set_up_process,
+)
+
+__all__ = ["SOCKET_VARIABLE", "main"]
+
+# The variable a launcher finds a standing template's socket in.
+SOCKET_VARIABLE = "SPLITRUN_TEMPLATE"
+# Set in the environment the template executes itself with (cli.template_env):
+# splitrun's own, so the launchers' comparison ignores it.
+_IN_LAUNCH_ENV = "SPLITRUN_STANDING_TEMPLATE_ENV"
+# Bounds a message to a launcher that does not read (stopped): it is dropped.
+SEND_TIMEOUT_S = 10.0
+# The line the template prints once it listens (its starter may wait for it).
+SERVING = "standing template serving"
+
+
+@dataclass
+class _Launcher:
+    """One connected launcher and the processes forked for it (pid -> pidfd),
+    those of them that exited but are not reaped yet."""
+    connection: socket.socket | None
+    pidfd: int | None = None
+    children: dict[int, int] = field(default_factory=dict)
+    exited: set[int] = field(default_factory=set)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parse(argv)
+    if os.environ.get(_IN_LAUNCH_ENV) != "1":
+        _execute_in_launch_env(args, argv)
+    if args.parent_pid is not None:
+        from .bootstrap import die_with_parent  # the standard library only
+
+        die_with_parent(args.parent_pid)
+    env = dict(os.environ)  # before the imports (torch's set variables of their own)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(args.serve)
+    listener.listen(64)
+    # Neither the folder this started in nor a script's: the user's own modules
+    # are not imported here (a forked process's bootstrap sets its own path[0]).
+    sys.path[0] = os.path.dirname(os.path.abspath(args.serve))
+    # Launchers may connect from now on; their hellos are answered after the imports.
+    print(f"{SERVING} {args.serve} (pid {os.getpid()})", flush=True)
+    preload = [*PRELOAD, *args.preload]
+    with collected_once():
+        problem = preload_modules(tuple(preload)) or probe_fork() or fork_problem()
+    print(f"unusable: {problem}" if problem else f"imported {', '.join(preload)}", flush=True)
+    bootstrap_args = _Server(listener, problem, env, preload).serve()
+    run_forked(bootstrap_args)  # in a forked process only: the server loop never returns
+
+
+def _execute_in_launch_env(args: argparse.Namespace, argv: list[str]) -> None:
+    """Run this command again with the environment a launch's own template
+    would have (read in part when a process starts: glibc's tunables)."""
+    from .cli import template_env, thread_budget
+
+    env = {**template_env(thread_budget(args.threads, 1)), "PYTHONUNBUFFERED": "1",
+           _IN_LAUNCH_ENV: "1"}
+    os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *argv], env)
+
+
+class _Server:
+    def __init__(self, listener: socket.socket, problem: str | None,
+                 env: dict[str, str], preloaded: list[str]) -> None:
+        self._listener = listener
+        self._env = env
+        self._preloaded = preloaded  # what it imported so far
+        self._problem = problem
+        self._launchers: list[_Launcher] = []
+        self._pid = os.getpid()  # a forked process's parent
+
+    def serve(self) -> list[str]:
+        """Serve until killed; returns in a forked process only: its
+        bootstrap's arguments."""
+        while True:
+            handlers = {self._listener.fileno(): self._accept}
+            for launcher in self._launchers:
+                if launcher.connection is not None:
+                    handlers[launcher.connection.fileno()] = \
+                        lambda launcher=launcher: self._receive(launcher)
+                if launcher.pidfd is not None:
+                    handlers[launcher.pidfd] = lambda launcher=launcher: self._drop(launcher)
+                for pid, pidfd in launcher.children.items():
+                    if pid not in launcher.exited:
+                        handlers[pidfd] = lambda launcher=launcher, pid=pid: \
+                            self._exited(launcher, pid)
+            # Waits for the next event however long: the template serves until killed.
+            ready, _, _ = select.select(list(handlers), [], [])
+            for fd in ready:
+                forked = handlers[fd]()
+                if forked is not None:
+                    return forked
+            self._launchers = [launcher for launcher in self._launchers
+                               if launcher.connection is not None or launcher.children]
+
+    def _accept(self) -> None:
+        connection, _ = self._listener.accept()
+        connection.settimeout(SEND_TIMEOUT_S)
+        self._launchers.append(_Launcher(connection))
+
+    def _receive(self, launcher: _Launcher) -> list[str] | None:
+        try:
+            message, fds, _, _ = socket.recv_fds(launcher.connection, MAX_MESSAGE_BYTES, 1)
+            request = json.loads(message) if message else None
+        except (OSError, ValueError):
+            request, fds = None, []
+        if not isinstance(request, dict):  # closed, or not ours
+            for fd in fds:
+                os.close(fd)
+            self._drop(launcher)
+            return None
+        if "hello" in request:
+            self._hello(launcher, request["hello"], fds)
+        elif "fork" in request:
+            return self._fork(launcher, request["fork"], fds)
+        elif "reap" in request:
+            self._reap(launcher, request["reap"])
+        return None
+
+    def _hello(self, launcher: _Launcher, hello: dict, fds: list[int]) -> None:
+        if len(fds) != 1:
+            self._send(launcher, {"unusable": "the launcher's hello came without its pidfd"})
+            return
+        launcher.pidfd = fds[0]
+        if self._problem is None and hello.get("script"):
+            with collected_once():
+                self._preloaded += preload_script_imports(hello["script"])
+                # A module imported now may have started a thread.
+                self._problem = probe_fork() or fork_problem()
+        if self._problem is not None:
+            self._send(launcher, {"unusable": self._problem})
+        else:
+            self._send(launcher, {"ready": {"pid": os.getpid(), "env": self._env,
+                                            "preloaded": self._preloaded}})
+
+    def _fork(self, launcher: _Launcher, request: dict, fds: list[int]) -> list[str] | None:
+        problem = ("the request came without an output pipe" if len(fds) != 1
+                   else self._problem or fork_problem())
+        if problem is not None or launcher.pidfd is None:
+            for fd in fds:
+                os.close(fd)
+            self._send(launcher, {"exec": problem or "the launcher did not say hello"})
+            return None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            return self._become_process(request, fds[0])
+        os.close(fds[0])
+        pidfd = os.pidfd_open(pid)  # not reaped before the launcher says so: no reuse
+        launcher.children[pid] = pidfd
+        self._send(launcher, {"pid": pid}, [pidfd])
+        return None
+
+    def _become_process(self, request: dict, out_fd: int) -> list[str]:
+        """In the forked process: die with the template, close what the
+        template holds, set up as a process the launcher started."""
+        try:
+            from .bootstrap import die_with_parent
+
+            die_with_parent(self._pid)
+            self._listener.close()
+            for launcher in self._launchers:
+                if launcher.connection is not None:
+                    launcher.connection.close()
+                for fd in (launcher.pidfd, *launcher.children.values()):
+                    if fd is not None:
+                        os.close(fd)
+            set_up_process(request, out_fd)
+            args = list(request["argv"][3:])
+            if args[:1] == ["--parent-pid"]:
+                args = args[2:]  # its parent is this template: it watches the launcher
+            return args
+        except BaseException:  # noqa: BLE001 - never return into the template's loop
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+
+    def _exited(self, launcher: _Launcher, pid: int) -> None:
+        """Tell the launcher its process exited; reap it once the launcher says
+        so (or now, where no launcher is left to say it)."""
+        launcher.exited.add(pid)
+        if launcher.connection is None:
+            self._reap(launcher, pid)
+            return
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        self._send(launcher, {"exited": pid, "code": code})
+
+    def _reap(self, launcher: _Launcher, pid: object) -> None:
+        if pid not in launcher.exited:  # not ours, or not exited yet: reaping would block
+            return
+        os.waitpid(pid, 0)
+        os.close(launcher.children.pop(pid))
+        launcher.exited.discard(pid)
+
+    def _drop(self, launcher: _Launcher) -> None:
+        """The launcher is gone or closed its connection: its processes go
+        (their groups SIGKILLed), and are reaped as they exit."""
+        if launcher.connection is not None:
+            launcher.connection.close()
+            launcher.connection = None
+        if launcher.pidfd is not None:
+            os.close(launcher.pidfd)
+            launcher.pidfd = None
+        for pid in list(launcher.children):
+            try:
+                os.killpg(pid, signal.SIGKILL)  # unreaped: the group is still its
+            except (ProcessLookupError, PermissionError):
+                pass
+            if pid in launcher.exited:
+                self._reap(launcher, pid)
+
+    def _send(self, launcher: _Launcher, message: dict, fds: list[int] = ()) -> None:
+        try:
+            socket.send_fds(launcher.connection, [json.dumps(message).encode()], list(fds))
+        except OSError:  # gone, or not reading: it gets no more answers
+            self._drop(launcher)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m splitrun.launcher.standing_template")
+    parser.add_argument("--serve", required=True, metavar="SOCKET",
+                        help="the path of the unix socket to listen on (must not exist)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="the intra-op threads of the launches it serves (default as "
+                             "`splitrun launch`: OMP_NUM_THREADS, else this machine's cores)")
+    parser.add_argument("--preload", action="append", default=[], metavar="MODULE",
+                        help="also import this installed module")
+    parser.add_argument("--parent-pid", type=int, default=None, metavar="PID",
+                        help="exit with this process (its parent)")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main()
