@@ -132,12 +132,16 @@ def test_a_signal_to_a_standalone_scheduler_exits_as_the_launcher_does(local_clu
     assert f"splitrun scheduler: interrupted by {sig.name}" in scheduler.output()
 
 
-@pytest.mark.parametrize("method, watched", [
-    ("exec", ["worker 0", "worker 1"]),      # the processes, importing torch
-    ("forkserver", ["template"]),            # the template, importing torch
-    ("forkserver", ["worker 0", "worker 1"]),  # the processes, just forked
+@pytest.mark.parametrize("method, watched, own", [
+    ("exec", ["worker 0", "worker 1"], False),      # the processes, importing torch
+    ("forkserver", ["template"], True),             # the template, importing torch
+    ("forkserver", ["worker 0", "worker 1"], True),  # the processes, just forked
+    # ... from the standing template (conftest.py's), which kills them
+    ("forkserver", ["worker 0", "worker 1"], False),
 ])
-def test_children_die_with_a_killed_launcher(local_cluster, method, watched):
+def test_children_die_with_a_killed_launcher(local_cluster, method, watched, own, request):
+    if own:  # the launch's own template, not the standing one
+        request.getfixturevalue("own_template")
     started = time.monotonic()
     proc = local_cluster.start("launch", "--start-method", method, "--workers", 2, FAULT_JOB)
     pids = {}

@@ -33,11 +33,18 @@ CAUSES = [
     "worker 0 (pid N) exited with code 1",
 ]
 TEMPLATE = r"template \(pid (\d+)\) imported torch"
+STANDING = r"standing template \(pid (\d+)\) at \S+ imported torch"
 
 
-@pytest.mark.parametrize("method", ["forkserver", "exec"])
-def test_each_start_and_ending_is_the_same_either_way(local_cluster, tmp_path, method):
-    proc = local_cluster.start("launch", "--start-method", method, "--workers", 1,
+@pytest.mark.parametrize("method", ["forkserver", "exec", "standing"])
+def test_each_start_and_ending_is_the_same_either_way(local_cluster, tmp_path, method, request,
+                                                      standing_template):
+    """forkserver: the launch's own template; standing: the standing template
+    conftest.py started for this test process, which many launches share."""
+    if method != "standing":
+        request.getfixturevalue("own_template")
+    proc = local_cluster.start("launch", "--start-method", method.replace("standing", "forkserver"),
+                               "--workers", 1,
                                "--max-restarts", len(CAUSES), ENDINGS_JOB, "--dir", tmp_path)
     assert proc.wait(2 * JOB_TIMEOUT_S) == 0, proc.output()
     output = proc.output()
@@ -51,8 +58,9 @@ def test_each_start_and_ending_is_the_same_either_way(local_cluster, tmp_path, m
     assert (tmp_path / "thread-done").exists() and (tmp_path / "atexit-done").exists()
     starts = [json.loads((tmp_path / f"facts-{k}.json").read_text())
               for k in range(len(CAUSES) + 1)]
+    parent = standing_template.pid if method == "standing" else proc.process.pid
     for facts in starts:
-        assert facts["ppid"] == proc.process.pid, "the launcher's own child"
+        assert facts["ppid"] == parent, "the launcher's own child, or the standing template's"
         assert facts["pgid"] == facts["sid"] == facts["pid"], "its own session and group"
         assert facts["stdin"] == ""
         assert facts["cwd"] == str(tmp_path)
@@ -65,7 +73,8 @@ def test_each_start_and_ending_is_the_same_either_way(local_cluster, tmp_path, m
             facts["glibc_tunables"].split(":"), facts["glibc_tunables"]
         assert not pid_alive(facts["pid"])
         # What `ps` shows: the template's command line for a forked process.
-        module = {"forkserver": "template", "exec": "bootstrap"}[method]
+        module = {"forkserver": "template", "exec": "bootstrap",
+                  "standing": "standing_template"}[method]
         assert facts["cmdline"][1:3] == ["-m", f"splitrun.launcher.{module}"], facts
     for generator in ("numpy", "random"):
         assert len({facts[generator] for facts in starts}) == len(starts), \
@@ -74,6 +83,10 @@ def test_each_start_and_ending_is_the_same_either_way(local_cluster, tmp_path, m
     assert (template is not None) == (method == "forkserver"), output
     if template is not None:
         assert not pid_alive(int(template.group(1))), "the template outlived the launcher"
+    standing = re.search(STANDING, output)
+    assert (standing is not None) == (method == "standing"), output
+    if standing is not None:
+        assert int(standing.group(1)) == standing_template.pid
 
 
 @pytest.mark.parametrize("preload, why", [

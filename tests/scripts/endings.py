@@ -6,7 +6,8 @@ tests of the launcher's start methods (tests/test_start_methods_e2e.py):
 Each start (one process) writes what it sees of itself to DIR/facts-K.json (K:
 the starts before it, counted by those files), then ends as ENDINGS[K] says.
 With --ending E, every process of the job ends as E says, after writing
-DIR/facts-<role><rank>.json.
+DIR/facts-<role><rank>.json; `wait` starts a process of its own (in its
+group, as a data loader's worker is), says so, and waits to be stopped.
 The last ending is a clean one: the script returns while a non-daemon thread
 still has to write DIR/thread-done, an exit handler writes DIR/atexit-done,
 and the last line printed has no newline.
@@ -21,6 +22,7 @@ import os
 import pathlib
 import random
 import signal
+import subprocess
 import sys
 import threading
 
@@ -30,6 +32,8 @@ from splitrun.splitter.errors import LabelError
 
 ENDINGS = ("exit-code", "exception", "splitrun-error", "sigkill", "keyboard-interrupt",
            "exit-message", "clean")
+# Bounds the `wait` ending: the tests stop it long before.
+WAIT_S = 300
 
 
 def facts() -> dict:
@@ -55,7 +59,7 @@ def end_cleanly(directory: pathlib.Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", type=pathlib.Path, required=True)
-    parser.add_argument("--ending", choices=ENDINGS, default=None)
+    parser.add_argument("--ending", choices=(*ENDINGS, "wait"), default=None)
     args = parser.parse_args()
     if args.ending is None:
         start = len(list(args.dir.glob("facts-*.json")))
@@ -76,6 +80,11 @@ def main() -> None:
         raise KeyboardInterrupt
     if ending == "exit-message":
         sys.exit("bye")
+    if ending == "wait":
+        helper = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({WAIT_S})"])
+        print(f"waiting, with a helper (pid {helper.pid})", flush=True)
+        helper.wait(WAIT_S)
+        sys.exit(4)
     end_cleanly(args.dir)
 
 
