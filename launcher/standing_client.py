@@ -222,9 +222,9 @@ class StandingTemplate:
                             f"launch: {reason}")
             return False
         self._template_env = answer["ready"]["env"]
-        logger.info("standing template (pid %d) at %s imported %s; the processes are forked "
-                    "from it", answer["ready"]["pid"], self._path,
-                    ", ".join(answer["ready"]["preloaded"]))
+        logger.info("standing template (pid %d) imported %s; the processes are forked from "
+                    "it (%s)", answer["ready"]["pid"], ", ".join(answer["ready"]["preloaded"]),
+                    self._path)
         return True
 
     def _start_own(self, why: str) -> None:

@@ -157,6 +157,8 @@ class _Server:
         self._launchers.append(_Launcher(connection))
 
     def _receive(self, launcher: _Launcher) -> list[str] | None:
+        if launcher.connection is None:  # dropped earlier in this round
+            return None
         try:
             message, fds, _, _ = socket.recv_fds(launcher.connection, MAX_MESSAGE_BYTES, 1)
             request = json.loads(message) if message else None
@@ -237,6 +239,8 @@ class _Server:
     def _exited(self, launcher: _Launcher, pid: int) -> None:
         """Tell the launcher its process exited; reap it once the launcher says
         so (or now, where no launcher is left to say it)."""
+        if pid not in launcher.children or pid in launcher.exited:  # handled this round
+            return
         launcher.exited.add(pid)
         if launcher.connection is None:
             self._reap(launcher, pid)

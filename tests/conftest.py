@@ -87,25 +87,38 @@ def pytest_collection_modifyitems(config, items):
         UnitsFile(worker[UnitsFile.KEY]).write(worker["workerid"], units)
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def standing_template(tmp_path_factory):
-    """One standing template per test process (each pytest-xdist worker): every
-    job the tests launch forks its processes from it (SPLITRUN_TEMPLATE), instead
-    of importing torch in a template of its own (seconds of CPU per launch). The
-    tests of a launch's own template unset the variable (`own_template`)."""
+    """A standing template for this test process (each pytest-xdist worker)."""
     template = StandingTemplateProc(tmp_path_factory.mktemp("standing-template"))
-    os.environ[StandingTemplateProc.VARIABLE] = template.socket
     try:
         yield template
     finally:
-        del os.environ[StandingTemplateProc.VARIABLE]
         template.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def launches_use_a_standing_template(request):
+    """Every job the tests launch forks its processes from `standing_template`
+    (SPLITRUN_TEMPLATE) instead of importing torch in a template of its own
+    (seconds of CPU per launch). The tests of a launch's own template unset the
+    variable (`own_template`). With SPLITRUN_TESTS_OWN_TEMPLATES=1, each launch
+    starts its own (to compare)."""
+    if os.environ.get("SPLITRUN_TESTS_OWN_TEMPLATES") == "1":
+        yield
+        return
+    template = request.getfixturevalue("standing_template")
+    os.environ[StandingTemplateProc.VARIABLE] = template.socket
+    try:
+        yield
+    finally:
+        del os.environ[StandingTemplateProc.VARIABLE]
 
 
 @pytest.fixture
 def own_template(monkeypatch):
     """The launches of this test start their own template, as without a standing one."""
-    monkeypatch.delenv(StandingTemplateProc.VARIABLE)
+    monkeypatch.delenv(StandingTemplateProc.VARIABLE, raising=False)
 
 
 @pytest.fixture

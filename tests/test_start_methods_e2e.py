@@ -32,8 +32,8 @@ CAUSES = [
     "worker 0 (pid N) was killed by SIGINT: KeyboardInterrupt",
     "worker 0 (pid N) exited with code 1",
 ]
-TEMPLATE = r"template \(pid (\d+)\) imported torch"
-STANDING = r"standing template \(pid (\d+)\) at \S+ imported torch"
+TEMPLATE = r"(?<!standing )template \(pid (\d+)\) imported torch"
+STANDING = r"standing template \(pid (\d+)\) imported torch"
 
 
 @pytest.mark.parametrize("method", ["forkserver", "exec", "standing"])
@@ -43,9 +43,11 @@ def test_each_start_and_ending_is_the_same_either_way(local_cluster, tmp_path, m
     conftest.py started for this test process, which many launches share."""
     if method != "standing":
         request.getfixturevalue("own_template")
+    served = {standing_template.VARIABLE: standing_template.socket} if method == "standing" \
+        else {}
     proc = local_cluster.start("launch", "--start-method", method.replace("standing", "forkserver"),
-                               "--workers", 1,
-                               "--max-restarts", len(CAUSES), ENDINGS_JOB, "--dir", tmp_path)
+                               "--workers", 1, "--max-restarts", len(CAUSES), ENDINGS_JOB,
+                               "--dir", tmp_path, env_extra=served)
     assert proc.wait(2 * JOB_TIMEOUT_S) == 0, proc.output()
     output = proc.output()
     causes = re.findall(r"restart \d of \d from the start \(no checkpoint yet\); cause: (.*)",
