@@ -53,6 +53,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 600.0
 _READY = re.compile(r"^\[worker 0\] .*\bplan [0-9a-f]+:")
 _ACTORS = re.compile(r"every actor started ([0-9.]+) s after start")
+_SERVED = re.compile(r"standing template \(pid \d+\) imported .*; the processes are forked")
 _PLACED = re.compile(r"\(placement group \S+, ([0-9.]+) s after start\)")
 BACKENDS = ("local", "local_exec", "local_standing", "ray", "ray_two_hosts")
 # The backends --backends may name (the two-host one comes with --two-hosts).
@@ -110,6 +111,8 @@ def _one_run(backend: str, address: str | None, epochs: int, host=None) -> dict:
     result["cpu_s"] = _children_cpu_s() + (standing.cpu_s() if standing else 0.0) - cpu_before
     if code != 0:
         raise RuntimeError(f"{backend} run exited with {code}:\n{''.join(lines[-40:])}")
+    if standing and not any(_SERVED.search(line) for line in lines):
+        raise RuntimeError(f"the standing template did not serve the run:\n{''.join(lines)}")
     return result
 
 
@@ -127,6 +130,7 @@ class _StandingTemplate:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "splitrun.launcher.standing_template", "--serve",
              self.socket, "--parent-pid", str(os.getpid())],
+            env={**os.environ, **RAY_ENV},  # the launches' (`_one_run`)
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, start_new_session=True)
         for line in self.process.stdout:  # ends if it exits (then it said why)

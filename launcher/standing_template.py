@@ -24,6 +24,11 @@ the launcher (standing_client.py is the launcher's side):
   closes), the template SIGKILLs the process group of each of its processes,
   then reaps them. A process dies with its template too (PR_SET_PDEATHSIG).
 
+It runs what a launcher asks for, so only its own user may connect: the
+socket is mode 0600 and a peer of another uid (SO_PEERCRED) is refused. A
+launcher whose hello is not answered in time (the template is busy importing
+another launcher's modules, or hung) starts its own template.
+
 The environment: it starts with the one a launch would give its own template
 (cli.template_env: the thread budget, glibc's copy tunables, unbuffered
 output), by executing itself once more with it, since some of it is read when
@@ -42,6 +47,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -92,7 +98,11 @@ def main(argv: list[str] | None = None) -> None:
         die_with_parent(args.parent_pid)
     env = dict(os.environ)  # before the imports (torch's set variables of their own)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(args.serve)
+    previous = os.umask(0o177)  # the socket is its user's only (connect needs write)
+    try:
+        listener.bind(args.serve)
+    finally:
+        os.umask(previous)
     listener.listen(64)
     # Neither the folder this started in nor a script's: the user's own modules
     # are not imported here (a forked process's bootstrap sets its own path[0]).
@@ -153,6 +163,11 @@ class _Server:
 
     def _accept(self) -> None:
         connection, _ = self._listener.accept()
+        credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                            struct.calcsize("3i"))
+        if struct.unpack("3i", credentials)[1] != os.getuid():
+            connection.close()  # it runs what it is asked to: its own user's launches only
+            return
         connection.settimeout(SEND_TIMEOUT_S)
         self._launchers.append(_Launcher(connection))
 
