@@ -17,6 +17,10 @@ def test_a_process_is_forked_where_it_differs_in_splitruns_variables_only():
     own = {**template, "SPLITRUN_ROLE": "worker", "SPLITRUN_RANK": "1",
            "SPLITRUN_DEVICE": "cuda"}
     assert exec_reason(BOOTSTRAP, own, template) is None
+    # What a shell sets for each command (a standing template and the launches it
+    # serves start from different shells): nothing imports it.
+    assert exec_reason(BOOTSTRAP, {**own, "_": "/usr/bin/timeout", "SHLVL": "3",
+                                   "PWD": "/tmp", "OLDPWD": "/"}, template) is None
     # Read when torch is imported (the template's imports): must be the template's.
     assert exec_reason(BOOTSTRAP, {**own, "OMP_NUM_THREADS": "2"}, template) == \
         "its environment differs from the template's in OMP_NUM_THREADS"
