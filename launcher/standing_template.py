@@ -152,9 +152,11 @@ class _Server:
                     if pid not in launcher.exited:
                         handlers[pidfd] = lambda launcher=launcher, pid=pid: \
                             self._exited(launcher, pid)
+            poller = select.poll()  # not select(): a busy template may hold fds past 1024
+            for fd in handlers:
+                poller.register(fd, select.POLLIN)
             # Waits for the next event however long: the template serves until killed.
-            ready, _, _ = select.select(list(handlers), [], [])
-            for fd in ready:
+            for fd, _ in poller.poll():
                 forked = handlers[fd]()
                 if forked is not None:
                     return forked
