@@ -163,10 +163,11 @@ class StandingTemplate:
     def exit_code(self, pid: int, pidfd: int, timeout: float | None) -> int | None:
         """`pid`'s exit code, waiting up to `timeout` s for it; None past that."""
         with self._changed:
-            if self._changed.wait_for(lambda: pid in self._codes or self._gone, timeout):
-                if pid in self._codes:
-                    return self._codes[pid]
-            elif pid not in self._codes:
+            answered = self._changed.wait_for(lambda: pid in self._codes or self._gone,
+                                              timeout)
+            if pid in self._codes:
+                return self._codes[pid]
+            if not answered:
                 return None
         # The template is gone: its processes died with it (SIGKILL), and
         # nobody is left to say how; the pidfd says when.
