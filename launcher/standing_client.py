@@ -5,8 +5,9 @@ ask it for the job's processes, follow them to their exit codes.
 (`StandingProcess`), or None where that process must start with exec (its
 command or environment is not one a forked process stands in for, or the
 template said why not). Where the standing template cannot serve this launch
-at all (it is gone, unusable, not ready in time, or its environment differs
-from this launch's beyond splitrun's own variables) the launch starts its own
+at all (it is gone, unusable, not ready in time, its environment differs from
+this launch's beyond splitrun's own variables, or what else a process inherits
+does: standing_template.process_context) the launch starts its own
 template (`fallback`), said once; a standing template lost in the middle of a
 job leaves the rest of its processes to exec, said once. Every wait has a
 deadline.
@@ -27,6 +28,7 @@ import threading
 from collections.abc import Callable
 
 from .forked import REPLY_TIMEOUT_S, ForkedProcess, Template, exec_reason
+from .standing_template import context_difference, process_context, umask
 from .template import BOOTSTRAP_MODULE, MAX_MESSAGE_BYTES
 
 __all__ = ["StandingProcess", "StandingTemplate"]
@@ -136,7 +138,7 @@ class StandingTemplate:
             logger.info("a process starts with exec: %s", reason)
             return None
         read_end, write_end = os.pipe()
-        request = {"fork": {"argv": argv, "env": env, "cwd": os.getcwd()}}
+        request = {"fork": {"argv": argv, "env": env, "cwd": os.getcwd(), "umask": umask()}}
         lost = None
         try:
             socket.send_fds(self._control, [json.dumps(request).encode()], [write_end])
@@ -218,6 +220,9 @@ class StandingTemplate:
         else:
             reason = exec_reason([sys.executable, "-m", BOOTSTRAP_MODULE], self._env,
                                  answer["ready"]["env"])
+            differ = context_difference(process_context(), answer["ready"]["context"])
+            if reason is None and differ:
+                reason = f"it runs with another {', '.join(differ)}"
         if reason is not None:
             self._start_own(f"the standing template at {self._path} cannot serve this "
                             f"launch: {reason}")

@@ -29,6 +29,12 @@ socket is mode 0600 and a peer of another uid (SO_PEERCRED) is refused. A
 launcher whose hello is not answered in time (the template is busy importing
 another launcher's modules, or hung) starts its own template.
 
+What a forked process inherits from its parent beyond the environment must
+match too: the launcher compares `process_context()` (namespaces, cgroup,
+resource limits, CPU affinity, nice value) with the template's, and starts
+its own template where they differ (a launch under `ip netns exec`, `taskset`,
+`nice`, `prlimit`, in another cgroup); the umask comes with each request.
+
 The environment: it starts with the one a launch would give its own template
 (cli.template_env: the thread budget, glibc's copy tunables, unbuffered
 output), by executing itself once more with it, since some of it is read when
@@ -44,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import select
 import signal
 import socket
@@ -64,7 +71,7 @@ from .template import (
     set_up_process,
 )
 
-__all__ = ["SOCKET_VARIABLE", "main"]
+__all__ = ["SOCKET_VARIABLE", "context_difference", "main", "process_context", "umask"]
 
 # The variable a launcher finds a standing template's socket in.
 SOCKET_VARIABLE = "SPLITRUN_TEMPLATE"
@@ -115,6 +122,44 @@ def main(argv: list[str] | None = None) -> None:
     print(f"unusable: {problem}" if problem else f"imported {', '.join(preload)}", flush=True)
     bootstrap_args = _Server(listener, problem, env, preload).serve()
     run_forked(bootstrap_args)  # in a forked process only: the server loop never returns
+
+
+_NAMESPACES = ("cgroup", "ipc", "mnt", "net", "pid", "time", "user", "uts")
+
+
+def process_context() -> dict[str, object]:
+    """What a process passes to the processes it forks beyond its environment
+    and working directory (the umask aside: it comes with each request)."""
+    context: dict[str, object] = {}
+    for name in _NAMESPACES:
+        try:
+            context[f"{name} namespace"] = os.stat(f"/proc/self/ns/{name}").st_ino
+        except OSError:
+            pass  # a kernel without it
+    with open("/proc/self/cgroup") as cgroup:
+        context["cgroup"] = cgroup.read()
+    context["resource limits"] = {name: list(resource.getrlimit(getattr(resource, name)))
+                                  for name in sorted(dir(resource))
+                                  if name.startswith("RLIMIT_")}
+    context["CPU affinity"] = sorted(os.sched_getaffinity(0))
+    context["nice value"] = os.getpriority(os.PRIO_PROCESS, 0)
+    return context
+
+
+def context_difference(ours: dict[str, object], theirs: dict[str, object]) -> list[str]:
+    """What differs between two `process_context()`s, by name."""
+    return sorted(name for name in ours.keys() | theirs.keys()
+                  if ours.get(name) != theirs.get(name))
+
+
+def umask() -> int:
+    """This process's umask, read without setting it (os.umask would, for
+    every thread)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    return 0o022
 
 
 def _execute_in_launch_env(args: argparse.Namespace, argv: list[str]) -> None:
@@ -208,6 +253,7 @@ class _Server:
             self._send(launcher, {"unusable": self._problem})
         else:
             self._send(launcher, {"ready": {"pid": os.getpid(), "env": self._env,
+                                            "context": process_context(),
                                             "preloaded": self._preloaded}})
 
     def _fork(self, launcher: _Launcher, request: dict, fds: list[int]) -> list[str] | None:
@@ -244,6 +290,7 @@ class _Server:
                     if fd is not None:
                         os.close(fd)
             set_up_process(request, out_fd)
+            os.umask(request["umask"])
             args = list(request["argv"][3:])
             if args[:1] == ["--parent-pid"]:
                 args = args[2:]  # its parent is this template: it watches the launcher

@@ -2,7 +2,8 @@
 through the real launcher: its processes are the template's children, yet the
 launcher stops them, reads how they ended and leaves none behind when it is
 SIGKILLed; two launchers use it at once; where it cannot serve a launch (gone,
-another environment) the launch starts its own template and says why. (How
+another environment, another nice value) the launch starts its own template and
+says why. (How
 each way of ending is reported: tests/test_start_methods_e2e.py, "standing".
 conftest.py starts the standing template every launch of the suite uses.)"""
 
@@ -13,9 +14,18 @@ import os
 import re
 import signal
 import socket
+import sys
 
 import pytest
-from cluster import JOB_TIMEOUT_S, SCRIPTS, StandingTemplateProc, pid_alive, wait_exited
+from cluster import (
+    JOB_TIMEOUT_S,
+    SCRIPTS,
+    Proc,
+    StandingTemplateProc,
+    child_env,
+    pid_alive,
+    wait_exited,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -88,9 +98,10 @@ def test_two_launchers_share_one_template_at_once(local_cluster, tmp_path, stand
     assert not wait_exited(pids.values(), GONE_S)
 
 
-@pytest.mark.parametrize("why", ["gone", "environment"])
+@pytest.mark.parametrize("why", ["gone", "environment", "nice"])
 def test_where_the_standing_template_cannot_serve_the_launch_starts_its_own(
         local_cluster, tmp_path, why, standing_template):
+    prefix = []
     if why == "gone":
         # What a killed template leaves: its socket file, nobody listening.
         path = str(tmp_path / "gone.sock")
@@ -99,14 +110,20 @@ def test_where_the_standing_template_cannot_serve_the_launch_starts_its_own(
         env = {StandingTemplateProc.VARIABLE: path}
         said = rf"the standing template at {re.escape(path)} is gone \(.*refused.*\); this " \
                r"launch starts its own template"
-    else:
+    elif why == "environment":
         # torch reads OMP_NUM_THREADS at import; splitrun's own variables may differ
         env = {**served_by(standing_template), "SPLITRUN_TEST_ONLY": "1", "OMP_NUM_THREADS": "1"}
         said = rf"the standing template at {re.escape(standing_template.socket)} cannot serve " \
                r"this launch: its environment differs from the template's in " \
                r"MKL_NUM_THREADS, OMP_NUM_THREADS; this launch starts its own template"
-    proc = local_cluster.start("launch", "--workers", 2, ENDINGS_JOB, "--dir", tmp_path,
-                               "--ending", "clean", env_extra=env)
+    else:  # what a process inherits beyond its environment
+        prefix, env = ["nice", "-n", "3"], served_by(standing_template)
+        said = rf"the standing template at {re.escape(standing_template.socket)} cannot serve " \
+               r"this launch: it runs with another nice value; this launch starts its own"
+    proc = Proc([*prefix, sys.executable, "-m", "splitrun.launcher", "-v", "launch",
+                 "--workers", 2, ENDINGS_JOB, "--dir", tmp_path, "--ending", "clean"],
+                env=child_env(env), cwd=tmp_path)
+    local_cluster.procs.append(proc)  # ended with the test
     assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
     assert len(re.findall(said, proc.output())) == 1, proc.output()
     assert re.search(r"(?<!standing )template \(pid \d+\) imported torch", proc.output()), \
