@@ -108,6 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     previous = os.umask(0o177)  # the socket is its user's only (connect needs write)
     try:
         listener.bind(args.serve)
+    except OSError as exc:
+        raise SystemExit(f"splitrun: cannot listen on {args.serve}: {exc.strerror} (a path "
+                         f"left by a killed template: remove it; one in use: another "
+                         f"template serves there)") from None
     finally:
         os.umask(previous)
     listener.listen(64)
