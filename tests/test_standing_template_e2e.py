@@ -148,3 +148,13 @@ def test_processes_die_with_their_standing_template_and_the_launcher_says_so(loc
     assert f"worker 0 (pid {pids['worker 0']}) was killed by SIGKILL" in proc.output()
     assert "ended with the standing template (its exit code is lost" in proc.output()
     assert not wait_exited(pids.values(), GONE_S)
+
+
+def test_a_socket_path_in_use_is_refused_with_what_to_do(tmp_path):
+    taken = tmp_path / "taken.sock"
+    taken.touch()
+    proc = Proc([sys.executable, "-m", "splitrun.launcher.standing_template", "--serve", taken],
+                env=child_env(), cwd=tmp_path)
+    assert proc.wait(60) == 1, proc.output()
+    assert f"splitrun: cannot listen on {taken}: Address already in use (a path left by a " \
+           "killed template: remove it" in proc.output()
