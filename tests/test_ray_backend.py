@@ -168,7 +168,9 @@ def test_two_ray_nodes_servers_on_one_workers_on_the_other(tmp_path):
     """A Ray head in host a of the two-host harness (bench/hosts.py) offering
     `sr_server`, a second Ray node in host b offering `sr_worker`: the server
     runs on a, both workers on b, over the harness's 1 Gbit/s link, and the
-    job trains to its accuracy."""
+    job trains to its accuracy: 3 epochs reach 0.9389 (tests/test_examples.py's
+    run, checked at 0.9 there too; 1 epoch reaches 0.875). The main job's 0.95
+    across two hosts is tests/test_hosts.py's."""
     from hosts import require_root, two_hosts
 
     require_root()
@@ -180,7 +182,7 @@ def test_two_ray_nodes_servers_on_one_workers_on_the_other(tmp_path):
             sys.executable, "-m", "splitrun.launcher", "-v", "launch", "--backend", "ray",
             "--address", gcs, "--host", "0.0.0.0", "--insecure", "--workers", 2,
             "--servers", 1, "--worker-resources", WORKER, "--server-resources", SERVER,
-            EXAMPLES / "ps_train.py", "--epochs", 8, "--min-accuracy", 0.95]),
+            EXAMPLES / "ps_train.py", "--epochs", 3, "--min-accuracy", 0.9]),
             env=child_env(RAY_ENV), cwd=tmp_path)
         a.adopt(launcher.process)
         code = launcher.wait(JOB_TIMEOUT_S * 2)
@@ -190,7 +192,8 @@ def test_two_ray_nodes_servers_on_one_workers_on_the_other(tmp_path):
         assert nodes == {"server 0": a.address, "worker 0": b.address,
                          "worker 1": b.address}, output
         accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)", output).group(1))
-        assert accuracy >= 0.95, output
+        assert accuracy >= 0.9, output
+        assert "trained 66 steps" in output, output  # 3 x 1437 digits in batches of 64
         assert f"advertising {b.address} " in output  # workers bound 0.0.0.0 on b
         placements = _placements(output)
     pids = [pid for pair in placements.values() for pid in pair if pid_alive(pid)]
