@@ -144,7 +144,10 @@ def test_pipeline_split_on_ray_equals_the_unsplit_step(ray_head, local_cluster):
 
 @pytest.mark.slow
 def test_a_killed_actor_stops_the_job_naming_it(ray_head, local_cluster):
-    proc = _launch_ray(local_cluster, ray_head, EXAMPLES / "ps_train.py", "--epochs", 500,
+    # 100 epochs, 2200 steps (about a minute here): training when the actor is
+    # killed at its first step line. Every process lists every epoch's batches
+    # first (0.6 CPU-s for 100 epochs, 3 for 500).
+    proc = _launch_ray(local_cluster, ray_head, EXAMPLES / "ps_train.py", "--epochs", 100,
                        workers=2, servers=1)
     proc.wait_for(r"\[worker 0\] .*step \d+/\d+", JOB_TIMEOUT_S)  # training
     placements = _placements(proc.output())
