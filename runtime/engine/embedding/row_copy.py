@@ -14,7 +14,10 @@ write-backs and pulls and the workers' installs and write-backs spend their
 time on. `gather_rows_into` gathers into memory the caller has (a message's
 slot in a shared-memory ring, `Transport.send_filled`): one copy, not a
 gather and a copy. Rows that cannot be viewed so (another device, a row not
-contiguous) take torch's ops.
+contiguous) take torch's ops. `RowArray` views a buffer that lives long (a
+server's shard) once, for many copies indexed by numpy arrays: a server's
+request moves a few hundred rows per table, where setting up the views each
+time cost as much as the copies.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["copy_rows_", "gather_rows", "gather_rows_into"]
+__all__ = ["RowArray", "copy_rows_", "gather_rows", "gather_rows_into"]
 
 
 def _row_elements(rows: torch.Tensor) -> np.ndarray | None:
@@ -76,3 +79,36 @@ def gather_rows_into(out: torch.Tensor, rows: torch.Tensor, index: torch.Tensor)
     # temporary first); the bounds are checked above, negatives count from
     # the end as in fancy indexing.
     np.take(from_rows, where, axis=0, out=to_rows, mode="wrap")
+
+
+class RowArray:
+    """The rows of a CPU [n, dim] buffer (each row contiguous), viewed once
+    as whole-row elements for `put` and `take_into` by numpy index. The
+    caller checks its indices lie in [0, n): numpy counts negatives from the
+    end (see `gather_rows_into`)."""
+
+    __slots__ = ("rows", "dtype", "shape", "_elements")
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        elements = _row_elements(rows)
+        if elements is None:
+            raise ValueError(f"RowArray needs CPU rows, each contiguous, got "
+                             f"{rows.device.type} {list(rows.shape)} strides {rows.stride()}")
+        self.rows, self.dtype, self.shape = rows, rows.dtype, tuple(rows.shape)
+        self._elements = elements
+
+    def put(self, index: np.ndarray, src: torch.Tensor) -> None:
+        """`rows[index[i]] = src[i]` (`index` distinct, `src` [len(index), dim])."""
+        from_rows = _row_elements(src) if src.dtype == self.dtype else None
+        if from_rows is None:
+            from_rows = _row_elements(src.to("cpu", self.dtype).contiguous())
+        self._elements[index] = from_rows
+
+    def take_into(self, out: torch.Tensor, index: np.ndarray) -> None:
+        """`out[i] = rows[index[i]]` (`out` [len(index), dim])."""
+        to_rows = _row_elements(out) if out.dtype == self.dtype else None
+        if to_rows is None:
+            out.copy_(self.rows.index_select(0, torch.from_numpy(index)))
+            return
+        # 'wrap': unbuffered into `out` (the caller checked the bounds).
+        np.take(self._elements, index, axis=0, out=to_rows, mode="wrap")

@@ -51,7 +51,9 @@ class RowSharding:
 
     def _hashed(self, ids: torch.Tensor) -> np.ndarray:
         """The hash of CPU `ids`, a new int64 array (computed in place in it)."""
-        hashed = ids.reshape(-1).to(torch.int64).numpy() * self._a
+        flat = ids if ids.dtype == torch.int64 and ids.dim() == 1 else ids.reshape(-1).to(
+            torch.int64)
+        hashed = flat.numpy() * self._a
         hashed += self._b
         hashed %= self.num_rows
         return hashed.reshape(ids.shape)
@@ -75,8 +77,16 @@ class RowSharding:
         return [torch.from_numpy(part) for part in np.split(order, ends[:-1])]
 
     def local_index(self, ids: torch.Tensor, server: int) -> torch.Tensor:
-        local = self.hashed(ids)
-        local -= self.bounds[server]
+        if ids.device.type != "cpu":
+            return self.hashed(ids) - self.bounds[server]
+        return torch.from_numpy(self.local_rows(ids, server))
+
+    def local_rows(self, ids: torch.Tensor, server: int, offset: int = 0) -> np.ndarray:
+        """`local_index` of CPU `ids` plus `offset` (where the shard starts in
+        a buffer it shares), as a new int64 array: a server's copies index
+        with it."""
+        local = self._hashed(ids)
+        local += offset - self.bounds[server]
         return local
 
     def shard_size(self, server: int) -> int:
