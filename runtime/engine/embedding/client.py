@@ -51,6 +51,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from splitrun.splitter.cached_tables import (
@@ -91,6 +92,7 @@ logger = logging.getLogger(__name__)
 
 # No ids: a table's empty part of a message.
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
+_NO_IDS = _NO_ROWS.numpy()
 
 
 @dataclass
@@ -614,15 +616,20 @@ class EmbeddingClient:
         first, ride in the same message (PUSH_PULL) where every table pulled
         from that server is written back; else in a PUSH before it."""
         pulled = dict.fromkeys(needed, 0)
-        by_server: dict[Label, list[tuple[str, torch.Tensor]]] = {}
-        for table, (ids, _) in needed.items():
-            for server, positions in self._by_server(table, ids):
-                by_server.setdefault(server, []).append((table, positions))
+        # Per server: (table, the ids it holds, their slots).
+        by_server: dict[Label, list[tuple[str, np.ndarray, np.ndarray]]] = {}
+        for table, (ids, slots) in needed.items():
+            if ids.numel() == 0:
+                continue
+            parts = self.sharding[table].split_by_server(ids.numpy(), slots.numpy())
+            for server, (server_ids, server_slots) in zip(self.servers, parts):
+                if server_ids.size:
+                    by_server.setdefault(server, []).append((table, server_ids, server_slots))
         pushes = pushes or {}
         requests = []
         for server in self.servers:
             parts, push = by_server.get(server, []), dict(pushes.get(server, ()))
-            if push and not (parts and all(self.write_back[table] for table, _ in parts)):
+            if push and not (parts and all(self.write_back[table] for table, _, _ in parts)):
                 self._request(server, Op.PUSH, step, list(push.items()))
                 push = {}
             if not parts:
@@ -630,24 +637,23 @@ class EmbeddingClient:
             if not push:
                 requests.append((server, parts, self._request(
                     server, Op.PULL, step,
-                    [(table, [needed[table][0].index_select(0, positions)])
-                     for table, positions in parts])))
+                    [(table, [torch.from_numpy(ids)]) for table, ids, _ in parts])))
                 continue
             # Tables pushed to this server and pulled from it, then pushed only.
-            parts += [(table, _NO_ROWS) for table in push if table not in dict(parts)]
+            pulled_here = {table for table, _, _ in parts}
+            parts += [(table, _NO_IDS, _NO_IDS) for table in push if table not in pulled_here]
             requests.append((server, parts, self._request(server, Op.PUSH_PULL, step, [
-                (table, [*(push.get(table) or self._no_push(table)),
-                         needed[table][0].index_select(0, positions) if table in needed
-                         else _NO_ROWS])
-                for table, positions in parts])))
+                (table, [*(push.get(table) or self._no_push(table)), torch.from_numpy(ids)])
+                for table, ids, _ in parts])))
         for server, parts, seq in requests:
-            replies = self._reply_parts(server, seq, [table for table, _ in parts], waited)
-            for (table, positions), reply in zip(parts, replies):
+            replies = self._reply_parts(server, seq, [table for table, _, _ in parts], waited)
+            for (table, _, slots), reply in zip(parts, replies):
                 cache = self.caches[table]
                 pulled[table] = pulled.get(table, 0) + nbytes_of(reply)
-                if positions.numel():
-                    cache.install(needed[table][1].index_select(0, positions), reply[0],
-                                  dict(zip(cache.table.state_names, reply[1:])), fresh_for=step)
+                if slots.size:
+                    cache.install(torch.from_numpy(slots), reply[0],
+                                  dict(zip(cache.table.state_names, reply[1:])),
+                                  fresh_for=None if self.write_back[table] else step)
         return pulled
 
     def _no_push(self, table: str) -> list[torch.Tensor]:
@@ -705,11 +711,14 @@ class EmbeddingClient:
                 continue
             cache = self.caches[table]
             pushed[table] = 0
-            for server, positions in self._by_server(table, ids):
+            parts = self.sharding[table].split_by_server(ids.numpy(), slots.numpy())
+            for server, (server_ids, server_slots) in zip(self.servers, parts):
+                if not server_ids.size:
+                    continue
                 # Gathered from the cache straight into the message as it is sent
                 # (below, before any slot is written over).
-                where = slots.index_select(0, positions)
-                items = [ids.index_select(0, positions), Gather(cache.rows, where),
+                where = torch.from_numpy(server_slots)
+                items = [torch.from_numpy(server_ids), Gather(cache.rows, where),
                          *(Gather(cache.state[n], where) for n in cache.table.state_names)]
                 by_server.setdefault(server, []).append((table, items))
                 pushed[table] += nbytes_of_items(items)

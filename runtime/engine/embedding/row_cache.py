@@ -206,8 +206,9 @@ class RowCache:
         if ids.numel() == 0:
             return
         values = ids.numpy()
-        low, high = int(values.min()), int(values.max())
-        if low < 0 or high >= self.table.num_rows:
+        # One pass: a negative id, seen as unsigned, is past every table's end.
+        if bool((values.view(np.uint64) >= self.table.num_rows).any()):
+            low, high = int(values.min()), int(values.max())
             bad = low if low < 0 else high
             raise CacheError(
                 f"table {self.table.key!r} has {self.table.num_rows} rows (ids 0-"
@@ -280,9 +281,13 @@ class RowCache:
         if miss_ids.size:  # the missed lookups' new slots (the hits' did not move)
             missed = np.flatnonzero(~cached)
             slots[missed] = slot_of_id.take(lookups.take(missed))
-        last_used[slots] = step
-        self._order_used(step, order_end, marks, new_slots)
+        # Every slot the batch uses, once each, in slot order: its hits' and
+        # its new ones (a few thousand writes instead of one per lookup).
+        marks[new_slots] = True
+        used = np.flatnonzero(marks)
         marks[:] = False
+        last_used[used] = step
+        self._order_used(step, order_end, used)
         self._clock = max(self._clock, step)
         if self.frequency is not None:
             self.frequency.index_add_(0, flat, torch.ones_like(flat))
@@ -342,19 +347,17 @@ class RowCache:
             self._use_order = UseOrder(self.last_used.numpy(), self.filled)
         return self._use_order
 
-    def _order_used(self, step: int, end: tuple[int, int] | None, marks: np.ndarray,
-                    new_slots: np.ndarray) -> None:
+    def _order_used(self, step: int, end: tuple[int, int] | None, used: np.ndarray) -> None:
         """Keep the LRU order after a plan for `step`: its victims' entries
-        and the skipped ones are dropped, and the slots it uses (`marks`: its
-        hits; `new_slots`) go to the back."""
+        and the skipped ones are dropped, and the slots it uses (`used`:
+        distinct, sorted) go to the back."""
         order = self._use_order
         if order is None or step <= self._clock:
             self._use_order = None
             return
         if end is not None:
             order.drop(end)
-        marks[new_slots] = True
-        order.append(step, np.flatnonzero(marks))
+        order.append(step, used)
         if order.num_entries > _ORDER_ENTRIES_PER_SLOT * self.capacity:
             # Few evictions leave stale entries piling up: built again when next needed.
             self._use_order = None
@@ -372,12 +375,15 @@ class RowCache:
     # -- rows --
 
     def install(self, slots: torch.Tensor, rows: torch.Tensor,
-                state: dict[str, torch.Tensor], fresh_for: int) -> None:
+                state: dict[str, torch.Tensor], fresh_for: int | None) -> None:
+        """Rows (and their state) into `slots`, fresh for step `fresh_for`
+        (None: a write-back cache, which never asks how fresh a row is)."""
         on_device = slots.to(self.device)
         copy_rows_(self.rows, on_device, rows.to(self.device, self.rows.dtype))
         for name, value in state.items():
             copy_rows_(self.state[name], on_device, value.to(self.device, self.rows.dtype))
-        self.fresh_for.index_fill_(0, slots.cpu(), fresh_for)
+        if fresh_for is not None:
+            self.fresh_for.index_fill_(0, slots.cpu(), fresh_for)
 
     def gather(self, plan: BatchPlan, shape: torch.Size) -> torch.Tensor:
         """The rows of the batch, shaped like the ids plus the row dimension."""
