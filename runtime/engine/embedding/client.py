@@ -718,8 +718,10 @@ class EmbeddingClient:
                 # Gathered from the cache straight into the message as it is sent
                 # (below, before any slot is written over).
                 where = torch.from_numpy(server_slots)
-                items = [torch.from_numpy(server_ids), Gather(cache.rows, where),
-                         *(Gather(cache.state[n], where) for n in cache.table.state_names)]
+                items = [torch.from_numpy(server_ids),
+                         Gather(cache.rows, where, cache.row_elements),
+                         *(Gather(cache.state[n], where, cache.state_elements[n])
+                           for n in cache.table.state_names)]
                 by_server.setdefault(server, []).append((table, items))
                 pushed[table] += nbytes_of_items(items)
         return by_server, pushed

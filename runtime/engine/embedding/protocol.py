@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
+import numpy as np
 import torch
 
 from splitrun.splitter.labels import Label
@@ -75,13 +76,15 @@ class Gather:
 
     rows: torch.Tensor
     index: torch.Tensor
+    # `row_elements(rows)` where the sender keeps it (a cache's slots).
+    elements: np.ndarray | None = None
 
     @property
     def spec(self) -> TensorSpec:
         return TensorSpec(self.rows.dtype, (self.index.numel(), *self.rows.shape[1:]))
 
     def write(self, out: torch.Tensor) -> None:
-        gather_rows_into(out, self.rows, self.index.reshape(-1))
+        gather_rows_into(out, self.rows, self.index.reshape(-1), rows_elements=self.elements)
 
 
 # A tensor of a message, as it is or gathered.

@@ -27,7 +27,7 @@ from splitrun.splitter.cached_tables import CachedTable, EvictionPolicy
 
 from ...errors import CacheError
 from .huge_pages import zeros_rows
-from .row_copy import copy_rows_, gather_rows
+from .row_copy import copy_rows_, gather_rows, row_elements
 from .step_ids import StepIds
 from .use_order import UseOrder
 
@@ -159,6 +159,7 @@ class RowCache:
         self.rows = zeros_rows(shape, table.dtype, self.device)
         self.state = {name: zeros_rows(shape, table.dtype, self.device)
                       for name in table.state_names}
+        self._keep_row_elements()
         self.slot_of_id = torch.full((table.num_rows,), -1, dtype=torch.int64)
         self.id_of_slot = torch.full((self.capacity,), -1, dtype=torch.int64)
         self.last_used = torch.full((self.capacity,), -1, dtype=torch.int64)
@@ -189,6 +190,13 @@ class RowCache:
                              f"{self.rows.dtype} cannot move into {list(rows.shape)} {rows.dtype}")
         rows.copy_(self.rows)
         self.rows = rows
+        self._keep_row_elements()
+
+    def _keep_row_elements(self) -> None:
+        """The slots' (and their state's) whole-row views, made once:
+        installs and write-backs copy rows in and out every step."""
+        self.row_elements = row_elements(self.rows)
+        self.state_elements = {name: row_elements(value) for name, value in self.state.items()}
 
     def make_resident(self) -> None:
         """Every row of the table is installed at slot = id (the client pulled
@@ -379,9 +387,11 @@ class RowCache:
         """Rows (and their state) into `slots`, fresh for step `fresh_for`
         (None: a write-back cache, which never asks how fresh a row is)."""
         on_device = slots.to(self.device)
-        copy_rows_(self.rows, on_device, rows.to(self.device, self.rows.dtype))
+        copy_rows_(self.rows, on_device, rows.to(self.device, self.rows.dtype),
+                   dst_elements=self.row_elements)
         for name, value in state.items():
-            copy_rows_(self.state[name], on_device, value.to(self.device, self.rows.dtype))
+            copy_rows_(self.state[name], on_device, value.to(self.device, self.rows.dtype),
+                       dst_elements=self.state_elements[name])
         if fresh_for is not None:
             self.fresh_for.index_fill_(0, slots.cpu(), fresh_for)
 

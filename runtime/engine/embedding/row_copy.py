@@ -22,12 +22,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["copy_rows_", "gather_rows", "gather_rows_into"]
+__all__ = ["copy_rows_", "gather_rows", "gather_rows_into", "row_elements"]
 
 
-def _row_elements(rows: torch.Tensor) -> np.ndarray | None:
+def row_elements(rows: torch.Tensor) -> np.ndarray | None:
     """`rows` ([n, dim], CPU, each row contiguous) as a 1-d numpy array of n
-    whole-row elements viewing the same memory, or None if it cannot be."""
+    whole-row elements viewing the same memory, or None if it cannot be.
+    Making the view costs ~5-15 us of torch calls: a buffer copied into or
+    out of often (a cache's slots) keeps its view and passes it in."""
     if (rows.device.type != "cpu" or rows.dim() != 2 or rows.shape[1] == 0
             or rows.stride(1) != 1 or rows.is_conj() or rows.is_neg()):
         return None
@@ -36,13 +38,15 @@ def _row_elements(rows: torch.Tensor) -> np.ndarray | None:
     return as_bytes.view(np.dtype((np.void, row_bytes))).reshape(rows.shape[0])
 
 
-def copy_rows_(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+def copy_rows_(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor, *,
+               dst_elements: np.ndarray | None = None) -> None:
     """`dst.index_copy_(0, index, src)` for rows: `dst[index[i]] = src[i]`
-    (`index` distinct, on the CPU for the fast path)."""
+    (`index` distinct, on the CPU for the fast path). `dst_elements`:
+    `row_elements(dst)`, where the caller keeps it."""
     if src.dtype != dst.dtype:
         src = src.to(dst.dtype)
-    to_rows = _row_elements(dst)
-    from_rows = _row_elements(src) if to_rows is not None else None
+    to_rows = dst_elements if dst_elements is not None else row_elements(dst)
+    from_rows = row_elements(src) if to_rows is not None else None
     if from_rows is None or index.device.type != "cpu":
         dst.index_copy_(0, index.to(dst.device), src.to(dst.device))
         return
@@ -51,7 +55,7 @@ def copy_rows_(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> Non
 
 def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`rows.index_select(0, index)`, a new [len(index), dim] tensor."""
-    elements = _row_elements(rows)
+    elements = row_elements(rows)
     if elements is None or index.device.type != "cpu":
         return rows.index_select(0, index.to(rows.device))
     gathered = elements[index.numpy()]  # a new array of whole rows
@@ -59,12 +63,17 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return as_bytes.view(rows.dtype)
 
 
-def gather_rows_into(out: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> None:
+def gather_rows_into(out: torch.Tensor, rows: torch.Tensor, index: torch.Tensor, *,
+                     rows_elements: np.ndarray | None = None) -> None:
     """`out[i] = rows[index[i]]`: `torch.index_select(rows, 0, index, out=out)`
     for rows, straight into `out` ([len(index), dim], `rows`' dtype, CPU).
-    An index outside `rows` is an `IndexError`, as fancy indexing's."""
-    to_rows = _row_elements(out)
-    from_rows = _row_elements(rows) if to_rows is not None else None
+    An index outside `rows` is an `IndexError`, as fancy indexing's.
+    `rows_elements`: `row_elements(rows)`, where the caller keeps it."""
+    to_rows = row_elements(out)
+    if to_rows is not None:
+        from_rows = rows_elements if rows_elements is not None else row_elements(rows)
+    else:
+        from_rows = None
     if from_rows is None or index.device.type != "cpu" or out.dtype != rows.dtype:
         out.copy_(rows.index_select(0, index.to(rows.device)))
         return
