@@ -132,6 +132,7 @@ def measure(steps: int, warmup: int, batches: list[list[torch.Tensor]]) -> dict:
             unique += sum(client.caches[k].counters.last_step["unique_ids"] for k in keys)
         client.settle_ahead()
         started = time.thread_time()
+    client.close()
     ahead_cpu.sort()
     return {"ahead_thread_ms": round(1e3 * sum(ahead_cpu) / len(ahead_cpu), 2),
             # Load from other processes only adds: the fastest steps say the

@@ -233,12 +233,19 @@ def test_evictions_at_scale_pick_exactly_the_policys_victims(policy):
     assert partial_steps >= 10, "eviction picked few victims of many slots"
 
 
-def test_lru_order_kept_step_by_step_plans_exactly_as_sorting_every_slot(monkeypatch):
+@pytest.mark.parametrize("min_chunk", [1, 256], ids=["one-slot-chunks", "default-chunks"])
+def test_lru_order_kept_step_by_step_plans_exactly_as_sorting_every_slot(monkeypatch, min_chunk):
     """LRU reads its victims off an order it keeps as plans are made
-    (`use_order.py`); a cache that sorts every slot's last use each plan
+    (`use_order.py`, an entry a chunk at a time: chunks of one slot per slot
+    wanted too); a cache that sorts every slot's last use each plan
     instead makes the same plans: the same victims in the same order, so the
     same slots for the same ids. Also across a plan refused for keeping the
     running step's rows, and a table planned twice in one step."""
+    from splitrun.runtime.engine.embedding import use_order
+
+    monkeypatch.setattr(use_order, "_MIN_CHUNK", min_chunk)
+    if min_chunk == 1:
+        monkeypatch.setattr(use_order, "_CHUNK_PER_WANTED", 1)
     rows, capacity = 5_000, 600
     kept = RowCache(_table(rows=rows, cache_rows=capacity))
     sorting = RowCache(_table(rows=rows, cache_rows=capacity))

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import threading
 import time
 from collections.abc import Mapping
@@ -105,7 +106,9 @@ class _Ahead:
 
     step: int
     tables: tuple[str, ...]
-    thread: threading.Thread | None = None
+    # Set by the planning thread once the plans are made (or failed).
+    done: threading.Event = field(default_factory=threading.Event)
+    is_settled: bool = False
     planned: dict[str, tuple[BatchPlan, int, int]] = field(default_factory=dict)
     moved: bool = True
     error: BaseException | None = None
@@ -156,6 +159,8 @@ class EmbeddingClient:
         # out not to be their feed are planned in the step only.
         self._ahead: dict[tuple[str, ...], _Ahead] = {}
         self._no_ahead: set[str] = set()
+        self._planner: threading.Thread | None = None
+        self._planner_jobs: queue.SimpleQueue = queue.SimpleQueue()
 
     def begin_step(self, step: int, next_feeds: Mapping[str, torch.Tensor] | None) -> None:
         """The step about to run, and the next step's feeds if known: the
@@ -406,11 +411,32 @@ class EmbeddingClient:
         ahead = _Ahead(self._step + 1, tuple(wanted))
         lookups = [(table, self._next_feeds[self.caches[table].table.ids_feed])
                    for table in wanted]
-        ahead.thread = threading.Thread(target=self._run_ahead, args=(ahead, lookups),
-                                        name=f"splitrun-cache-ahead-{self.label}", daemon=True)
         self._ahead[ahead.tables] = ahead
-        ahead.thread.start()
+        if self._planner is None:
+            # One thread for the job's plans ahead, started with the first:
+            # no thread to start (and warm up) each step.
+            self._planner = threading.Thread(target=self._plan_ahead_loop,
+                                             name=f"splitrun-cache-ahead-{self.label}",
+                                             daemon=True)
+            self._planner.start()
+        self._planner_jobs.put((ahead, lookups))
         return set(ahead.tables)
+
+    def _plan_ahead_loop(self) -> None:
+        """The planning thread: the plans ahead, one after another, until
+        `close` (None)."""
+        while (job := self._planner_jobs.get()) is not None:
+            ahead, lookups = job
+            try:
+                self._run_ahead(ahead, lookups)
+            finally:
+                ahead.done.set()
+
+    def close(self) -> None:
+        """End the planning thread (once its plan in progress is made)."""
+        if self._planner is not None:
+            self._planner_jobs.put(None)
+            self._planner = None
 
     def _run_ahead(self, ahead: _Ahead, wanted: list[tuple[str, torch.Tensor]]) -> None:
         """The thread of `_plan_ahead`: touches only these tables' caches
@@ -435,17 +461,17 @@ class EmbeddingClient:
             ahead.error = exc
 
     def _settle(self, ahead: _Ahead) -> None:
-        """Wait for `ahead`'s thread (the time blocked counts as waiting for
+        """Wait for `ahead`'s plans (the time blocked counts as waiting for
         prefetched rows: what planning ahead did not hide); raise its error."""
-        if ahead.thread is not None:
+        if not ahead.is_settled:
             started = time.perf_counter()
-            ahead.thread.join(timeout=2 * self.timeout_s)
+            is_done = ahead.done.wait(timeout=2 * self.timeout_s)
             self.waits["prefetched"] += time.perf_counter() - started
-            if ahead.thread.is_alive():
+            if not is_done:
                 raise CacheError(f"[{self.label.describe()}] planning step {ahead.step}'s rows "
                                  f"of {list(ahead.tables)} ahead took over "
                                  f"{2 * self.timeout_s:.0f} s")
-            ahead.thread = None
+            ahead.is_settled = True
         if ahead.error is not None:
             raise ahead.error
 
