@@ -125,7 +125,7 @@ def measure(steps: int, warmup: int, batches: list[list[torch.Tensor]]) -> dict:
         client._lookup_slots(list(zip(keys, batches[step])))
         for key in keys:  # as the fused update marks the rows it updated
             cache = client.caches[key]
-            cache.dirty.index_fill_(0, client._plans.pop(key).lookup_slots, True)
+            cache.mark_dirty(client._plans.pop(key).used_slots)
         if step >= warmup:
             step_cpu += time.thread_time() - started
             hits += sum(client.caches[k].counters.last_step["hits"] for k in keys)

@@ -129,6 +129,8 @@ class BatchPlan:
     # the write-back gathers each server's share from the cache in one copy.
     evicted_slots: torch.Tensor
     evictions: int
+    # The slots the batch uses, each once, ascending (what its update dirties).
+    used_slots: torch.Tensor | None = None
     _step_ids: StepIds | None = None
 
     @property
@@ -307,7 +309,8 @@ class RowCache:
         pull_slots = slot_of_id.take(pull_ids)
         tensor = torch.from_numpy
         return BatchPlan(flat, tensor(slots), num_unique, tensor(pull_ids), tensor(pull_slots),
-                         tensor(dirty_ids), tensor(dirty_slots), evicted.size, step_ids)
+                         tensor(dirty_ids), tensor(dirty_slots), evicted.size, tensor(used),
+                         step_ids)
 
     def uncached_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """The distinct ids of `ids` (flat, int64) not cached now, sorted."""
@@ -406,6 +409,10 @@ class RowCache:
             raise CacheError(f"table {self.table.key!r}: a gradient for rows that are not "
                                 f"cached (the lookup and the update disagree)")
         return slots
+
+    def mark_dirty(self, slots: torch.Tensor) -> None:
+        """The rows in `slots` (CPU) were updated here: written back when they leave."""
+        self.dirty.numpy()[slots.numpy()] = True
 
     def dirty_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, slots) of every dirty row, marked clean."""
