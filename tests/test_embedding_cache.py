@@ -363,3 +363,28 @@ def test_a_plans_write_back_and_pull_share_one_message_per_server(monkeypatch):
     # Once the caches are full, each step's rows move in one message per server
     # (the last PUSHes: the final flush of dirty rows).
     assert ops[Op.PUSH_PULL] >= 8 and ops[Op.PUSH] <= 2, ops
+
+
+def test_one_planning_thread_plans_ahead_and_ends_with_the_job(monkeypatch):
+    """The next steps' plans are made by one thread for the whole job (not
+    one a step), which ends when the job's processes close."""
+    import threading
+
+    from cache_models import make_sum_bags
+
+    started = []
+    original = threading.Thread.start
+
+    def counting(thread):
+        if thread.name.startswith("splitrun-cache-ahead"):
+            started.append(thread)
+        return original(thread)
+    monkeypatch.setattr(threading.Thread, "start", counting)
+    steps = 10
+    program, batches = make_sum_bags("sgd", 1, steps, cache_rows=200)
+    split_prog = split_program(program, Cluster(1, 2), EmbeddingCacheMode())
+    run = run_threaded(split_prog, steps, feeds(batches), recv_timeout_s=30)
+    planned = sum(c["planned_ahead"] for c in run.cache_counters[Label.worker(0)].values())
+    assert planned >= steps - 2, planned
+    assert len(started) == 1, started
+    assert not started[0].is_alive()

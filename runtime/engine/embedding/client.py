@@ -435,9 +435,10 @@ class EmbeddingClient:
 
     def close(self) -> None:
         """End the planning thread (once its plan in progress is made)."""
-        if self._planner is not None:
+        planner, self._planner = self._planner, None
+        if planner is not None:
             self._planner_jobs.put(None)
-            self._planner = None
+            planner.join(timeout=2 * self.timeout_s)  # bounded: a plan's own deadline
 
     def _run_ahead(self, ahead: _Ahead, wanted: list[tuple[str, torch.Tensor]]) -> None:
         """The thread of `_plan_ahead`: touches only these tables' caches
