@@ -94,6 +94,9 @@ logger = logging.getLogger(__name__)
 # No ids: a table's empty part of a message.
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
 _NO_IDS = _NO_ROWS.numpy()
+# Bounds `close`'s wait for the planning thread: idle, it ends at once; one
+# blocked on a server that is gone is a daemon and does not hold the process.
+_PLANNER_CLOSE_S = 5.0
 
 
 @dataclass
@@ -438,7 +441,7 @@ class EmbeddingClient:
         planner, self._planner = self._planner, None
         if planner is not None:
             self._planner_jobs.put(None)
-            planner.join(timeout=2 * self.timeout_s)  # bounded: a plan's own deadline
+            planner.join(timeout=_PLANNER_CLOSE_S)
 
     def _run_ahead(self, ahead: _Ahead, wanted: list[tuple[str, torch.Tensor]]) -> None:
         """The thread of `_plan_ahead`: touches only these tables' caches
