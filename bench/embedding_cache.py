@@ -397,6 +397,7 @@ class _StoreProfiler:
         self.torch_profile = None
         self.python_profile = cProfile.Profile()
         self.started_cpu_s = self.started_process_s = 0.0
+        self.started_threads: dict[int, int] = {}
         self.done = False
 
     def on_request(self, step: int) -> None:
@@ -407,11 +408,15 @@ class _StoreProfiler:
                 activities=[torch.profiler.ProfilerActivity.CPU])
             self.torch_profile.start()
             self.python_profile.enable()
+            self.started_threads = _threads_cpu_ns()
             self.started_cpu_s = time.thread_time()
             self.started_process_s = _process_cpu_s()
         elif step >= self.after + PROFILED_STEPS:
             cpu_s = time.thread_time() - self.started_cpu_s
             process_s = _process_cpu_s() - self.started_process_s
+            threads = _threads_ms_per_step(self.started_threads, _threads_cpu_ns(),
+                                           1e3 * process_s / PROFILED_STEPS, PROFILED_STEPS,
+                                           this_thread="serving thread")
             self.python_profile.disable()
             self.torch_profile.stop()
             self.done = True
@@ -422,7 +427,7 @@ class _StoreProfiler:
                 f"{PROFILED_STEPS} steps; the serving thread's CPU time: {cpu_s:.3f} s "
                 f"({1e3 * cpu_s / PROFILED_STEPS:.1f} ms a step); the whole server process "
                 f"(its plan step too): {1e3 * process_s / PROFILED_STEPS:.1f} ms a step"
-                f"\n{table}\n")
+                f"\nCPU ms a step by thread: {json.dumps(threads)}\n{table}\n")
             text = io.StringIO()
             pstats.Stats(self.python_profile, stream=text).sort_stats("tottime").print_stats(
                 PROFILE_ROWS)
@@ -441,16 +446,16 @@ def _threads_cpu_ns() -> dict[int, int]:
 
 
 def _threads_ms_per_step(before: dict[int, int], after: dict[int, int], process_ms: float,
-                         steps: int) -> dict[str, float]:
+                         steps: int, this_thread: str = "step thread") -> dict[str, float]:
     """CPU ms a step of each thread alive at the end (by its Python name, or
     its native id), and of the threads that ended meanwhile (the rest of the
     process's time)."""
     import threading
 
     names = {t.native_id: t.name for t in threading.enumerate()}
-    # Called in the step's thread (a forked process's main thread keeps its
-    # parent's native id in `threading`).
-    names[threading.get_native_id()] = "step thread"
+    # Called in the step's (or serving) thread (a forked process's main
+    # thread keeps its parent's native id in `threading`).
+    names[threading.get_native_id()] = this_thread
     result: dict[str, float] = {}
     for tid, ns in after.items():
         name = names.get(tid, f"native-{tid}")

@@ -32,7 +32,7 @@ from splitrun.splitter.labels import Label, Role
 
 from .forked import Template
 from .process_logs import ProcessLogs, Tee
-from .render import read_module_map, render_plan
+from .render import check_plan_out, read_module_map, render_plan
 from .supervisor import Supervisor
 
 # A silent process is named within this long (plus a poll): fast, and still
@@ -69,7 +69,8 @@ example:
   dot -Tsvg plan.dot -o plan.svg     # or --out plan.svg where graphviz is installed
 
 Runs SCRIPT once in plan mode: its Job.start() writes the plan instead of
-training. .dot (the default), .svg (needs graphviz) or .txt (the text form).
+training. .dot (the default; or .gv), .svg (needs graphviz) or .txt (the text
+form); repeat --out for several from the one run (--out plan.txt --out plan.dot).
 """
 
 _EPILOG_JOIN = """\
@@ -301,7 +302,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Show how SCRIPT's step would be split.",
         epilog=_EPILOG_PLAN, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_cluster_args(plan)
-    plan.add_argument("--out", default="plan.dot", help="plan.dot, plan.svg or plan.txt")
+    plan.add_argument("--out", action="append", default=None, metavar="PATH",
+                      help="plan.dot, plan.svg or plan.txt, the form by the suffix; "
+                           "repeatable, all written from one run (default plan.dot)")
     _add_script_args(plan)
 
     join = commands.add_parser(
@@ -593,7 +596,14 @@ def _labels(args) -> list[Label]:
 
 def _plan(args) -> int:
     """Run the script once as worker 0 in plan mode: it writes the plan's text
-    form and stops at `job.start()`; then render it as `--out` asks."""
+    form and stops at `job.start()`; then render it as each `--out` asks."""
+    outs = args.out or ["plan.dot"]
+    try:
+        for out in outs:  # refused before the script runs
+            check_plan_out(out)
+    except SplitrunError as exc:
+        print(f"splitrun: {exc}", file=sys.stderr)
+        return 2
     supervisor = new_supervisor(args)
     with tempfile.TemporaryDirectory(prefix="splitrun-plan-") as scratch:
         text_path = os.path.join(scratch, "plan.txt")
@@ -614,12 +624,15 @@ def _plan(args) -> int:
                            f"Job.from_env() and job.start(program)?")
             return 1
         with open(text_path) as text:
-            try:
-                plan = render_plan(text.read(), args.out, read_module_map(modules_path))
-            except SplitrunError as exc:
-                supervisor.say(str(exc))
-                return 1
-    supervisor.say(f"plan written to {args.out}\n{plan.summary()}")
+            plan_text = text.read()
+        try:
+            names = read_module_map(modules_path)
+            for out in outs:
+                plan = render_plan(plan_text, out, names)
+        except SplitrunError as exc:
+            supervisor.say(str(exc))
+            return 1
+    supervisor.say(f"plan written to {', '.join(outs)}\n{plan.summary()}")
     return 0
 
 

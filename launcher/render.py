@@ -1,6 +1,7 @@
 """Plan pictures for `splitrun plan`: the script writes the plan's text form
-and the module of each node; the launcher turns them into what `--out` asks
-for (DOT, SVG through graphviz's `dot`, or the text itself).
+and the module of each node; the launcher turns them into what each `--out`
+asks for by its suffix (DOT, SVG through graphviz's `dot`, or the text itself),
+all from one run of the script.
 
 In the picture a block of ops is named by the modules its ops come from (the
 capture records each node's module path, as `nn_module_stack` would, plus
@@ -24,7 +25,8 @@ from splitrun.splitter.errors import SplitrunError
 from splitrun.splitter.plan import SplitPlan
 from splitrun.splitter.plan_dot import count_of, plan_to_dot
 
-__all__ = ["render_plan", "read_module_map", "ModuleNames", "PlanNames", "LEGEND"]
+__all__ = ["render_plan", "check_plan_out", "read_module_map", "ModuleNames", "PlanNames",
+           "LEGEND"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,8 @@ logger = logging.getLogger(__name__)
 _DOT_TIMEOUT_S = 120.0
 # Module groups shown per block or channel before "+N more".
 _MAX_SHOWN = 4
+# What each suffix of `--out` writes.
+_FORMATS = {".dot": "dot", ".gv": "dot", ".svg": "svg", ".txt": "text"}
 # Annotations of nodes that belong to a parameter rather than a module: shown
 # as one group per block, with the parameters named.
 _PARAMETER_GROUPS = (("optimizer.", "optimizer"), ("accumulate.", "gradient sum"))
@@ -170,20 +174,36 @@ def plan_picture(plan: SplitPlan, names: PlanNames | None = None) -> str:
     return body + legend + "}" + closing + "\n"
 
 
+def check_plan_out(out: str | pathlib.Path) -> str:
+    """The form `out`'s suffix asks for ("dot", "svg" or "text"); a clear
+    error for a suffix we do not write, or an .svg without graphviz, so the
+    launcher refuses before it runs the script."""
+    path = pathlib.Path(out)
+    form = _FORMATS.get(path.suffix.lower())
+    if form is None:
+        raise SplitrunError(
+            f"cannot write the plan to {path}: its suffix {path.suffix or '(none)'!r} is not "
+            f"one splitrun plan writes; use .dot or .gv (DOT), .svg (a picture, needs "
+            f"graphviz) or .txt (the text form), e.g. --out {path.with_suffix('.dot').name}; "
+            f"repeat --out for several")
+    if form == "svg" and shutil.which("dot") is None:
+        raise SplitrunError(_graphviz_missing(path))
+    return form
+
+
 def render_plan(text: str, out: str | pathlib.Path,
                 names: PlanNames | None = None) -> SplitPlan:
     """Write the plan whose text form is `text` to `out`, by its suffix:
-    .txt (the text form), .svg (needs graphviz's `dot`), else DOT."""
+    .txt (the text form), .svg (needs graphviz's `dot`), .dot or .gv (DOT)."""
+    form = check_plan_out(out)
     plan = SplitPlan.from_text(text)
     path = pathlib.Path(out)
-    if path.suffix == ".txt":
+    if form == "text":
         path.write_text(text)
-    elif path.suffix == ".svg":
-        dot = shutil.which("dot")
-        if dot is None:
-            raise SplitrunError(_graphviz_missing(path))
-        subprocess.run([dot, "-Tsvg", "-o", str(path)], input=plan_picture(plan, names),
-                       text=True, check=True, timeout=_DOT_TIMEOUT_S)
+    elif form == "svg":
+        subprocess.run([shutil.which("dot") or "dot", "-Tsvg", "-o", str(path)],
+                       input=plan_picture(plan, names), text=True, check=True,
+                       timeout=_DOT_TIMEOUT_S)
     else:
         path.write_text(plan_picture(plan, names))
     return plan

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,27 +44,37 @@ class SparseNet(nn.Module):
         return self.head(self.emb(ids).sum(1))
 
 
-def make(kind: str, optimizer: str, num_workers: int, num_steps: int, width: int = 24):
+def global_batches(kind: str, num_steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches, drawn one at a time in step order from one seeded
+    generator: the same values whether listed or drawn as a job reaches them."""
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(num_steps):
+        if kind == "dense":
+            yield (torch.randn(GLOBAL_BATCH, 10, generator=generator),
+                   torch.randint(0, 4, (GLOBAL_BATCH,), generator=generator))
+        else:
+            yield (torch.randint(0, 40, (GLOBAL_BATCH, 5), generator=generator),
+                   torch.randint(0, 4, (GLOBAL_BATCH,), generator=generator))
+
+
+def make(kind: str, optimizer: str, num_workers: int, num_steps: int, width: int = 24, *,
+         lazy: bool = False):
     """(program for one worker's shard, global batches). With num_workers=1 the
     program takes the whole batch: the unsplit reference. One capture only:
-    every process of a launched job calls this."""
+    every process of a launched job calls this. `lazy`: the batches as an
+    iterator that draws each when reached (a job killed long before its last
+    step, as the fault tests' 200000-step jobs are, draws only those it ran)."""
     torch.manual_seed(0)
     model = DenseNet(width) if kind == "dense" else SparseNet()
     place(model, role="server")
-    generator = torch.Generator().manual_seed(1)
-    if kind == "dense":
-        batches = [(torch.randn(GLOBAL_BATCH, 10, generator=generator),
-                    torch.randint(0, 4, (GLOBAL_BATCH,), generator=generator))
-                   for _ in range(num_steps)]
-    else:
-        batches = [(torch.randint(0, 40, (GLOBAL_BATCH, 5), generator=generator),
-                    torch.randint(0, 4, (GLOBAL_BATCH,), generator=generator))
-                   for _ in range(num_steps)]
+    batches = global_batches(kind, num_steps)
+    first = next(batches)
     loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
     shard = GLOBAL_BATCH // num_workers
     program = capture(model, loss_fn, OPTIMIZERS[optimizer](),
-                      (batches[0][0][:shard], batches[0][1][:shard]))
-    return program, batches
+                      (first[0][:shard], first[1][:shard]))
+    batches = itertools.chain([first], batches)
+    return program, (batches if lazy else list(batches))
 
 
 def feeds(batches):

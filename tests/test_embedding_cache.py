@@ -155,6 +155,34 @@ def test_eviction_never_drops_an_update():
             store.stop()
 
 
+def test_a_server_refuses_rows_it_does_not_hold_and_says_which_table():
+    """A write-back or pull naming ids of another server's slice (a worker
+    sharding the table otherwise) is refused, not written into or read from
+    some other row of the server's buffer."""
+    from splitrun.runtime.engine.embedding.protocol import Op, request, request_channel
+    from splitrun.runtime.engine.embedding.sharding import RowSharding
+    from splitrun.runtime.transport.protocol import MessageKey
+
+    table = _table(rows=20, cache_rows=4)
+    cluster = Cluster(1, 2)
+    worker, _, server = cluster.labels()
+    # Server 0's rows, sent to server 1 (they would count back from its end).
+    others = RowSharding(20, 2).ids_of(0)[:3]
+    for op, part in [(Op.PULL, [others]), (Op.PUSH, [others, torch.zeros(3, 2)])]:
+        hub = LoopbackHub(cluster.labels())
+        store = EmbeddingStore([table], server, cluster, hub.transport(server), 0,
+                               {table.key: torch.zeros(20, 2)})
+        store.start()
+        try:
+            store.on_message(MessageKey(0, 0, request_channel(worker)), worker,
+                             request(op, 0, [0], [part]))
+            with pytest.raises(SplitrunError, match="emb.weight this server does not hold"):
+                hub.transport(server).recv(worker, MessageKey(0, 0, "never"), 10)
+            assert bool((store.shards[0].rows == 0).all())
+        finally:
+            store.stop()
+
+
 def test_lru_and_lfu_evict_different_rows_and_never_a_pinned_one():
     lru, lfu = RowCache(_table(policy=EvictionPolicy.LRU)), RowCache(_table(
         policy=EvictionPolicy.LFU))

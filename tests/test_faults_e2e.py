@@ -219,9 +219,11 @@ def test_a_stall_wins_over_the_receive_timeout_it_causes(local_cluster):
     # The receive timeout equals the stall timeout: worker 0's receive times
     # out when worker 1's stall is due. The scheduler knows worker 1 stalled
     # (alive, its step not advancing, waiting on no one), so worker 1 is named.
+    # Worker 1 blocks rather than spins (the test above spins): the same stall,
+    # without a core spent for the stall timeout.
     proc = local_cluster.start("launch", "--workers", 2, "--stall-timeout", STALL_TIMEOUT_S,
                                "--recv-timeout", STALL_TIMEOUT_S, FAULT_JOB, "--busy-rank", 1,
-                               "--busy-at", 5)
+                               "--busy-at", 5, "--busy-blocks")
     try:
         code = proc.wait(JOB_TIMEOUT_S)
     finally:

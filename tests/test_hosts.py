@@ -116,6 +116,14 @@ def test_stale_namespaces_of_dead_runs_are_removed():
         subprocess.run(["ip", "netns", "delete", stale], capture_output=True, timeout=30)
 
 
+# Epochs and the held-out accuracy each variant must reach. `address` trains the
+# main job to its 0.95 across the hosts (8 epochs, 176 steps: 0.9611 in one
+# process). `wildcard` differs only in what each process binds and advertises:
+# 3 epochs reach 0.9389 (tests/test_examples.py's run, checked at 0.9 there
+# too), while 1 epoch reaches 0.875, so the job must still train every step.
+TRAINING = {"address": (8, 0.95), "wildcard": (3, 0.9)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bind", ["address", "wildcard"])
 def test_main_job_across_two_hosts_reaches_its_accuracy(bind, tmp_path):
@@ -127,7 +135,8 @@ def test_main_job_across_two_hosts_reaches_its_accuracy(bind, tmp_path):
     env = dict(os.environ)
     env.pop("SPLITRUN_LAUNCHER_PID", None)
     launcher = [sys.executable, "-m", "splitrun.launcher", "-v"]  # -v: the lines checked below
-    job = [EXAMPLES / "ps_train.py", "--epochs", "8", "--min-accuracy", "0.95"]
+    epochs, min_accuracy = TRAINING[bind]
+    job = [EXAMPLES / "ps_train.py", "--epochs", epochs, "--min-accuracy", min_accuracy]
     with two_hosts(rate_mbit=1000) as hosts:
         a, b = hosts.a, hosts.b
         bind_host = {a: a.address, b: b.address} if bind == "address" else \
@@ -154,7 +163,8 @@ def test_main_job_across_two_hosts_reaches_its_accuracy(bind, tmp_path):
         assert "every process is done" in scheduler.output()
         driver = procs[1].output()
         accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)", driver).group(1))
-        assert accuracy >= 0.95, driver
+        assert accuracy >= min_accuracy, driver
+        assert f"trained {epochs * 22} steps" in driver, driver  # 1437 digits, batches of 64
         text = "\n".join(p.output() for p in procs)
         # Between the hosts the tensors take the tcp data plane, within host b
         # shared memory (docs/data-plane.md).

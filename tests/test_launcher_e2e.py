@@ -106,14 +106,27 @@ def test_plan_mismatch_is_refused_at_join(local_cluster):
 
 
 def test_plan_command_writes_the_plan(local_cluster, tmp_path):
-    out = tmp_path / "plan.txt"
-    proc = local_cluster.start("plan", "--workers", 3, "--out", out, TRAIN_JOB)
+    # Both forms from one run of the script, each by its suffix.
+    out, dot = tmp_path / "plan.txt", tmp_path / "plan.dot"
+    proc = local_cluster.start("plan", "--workers", 3, "--out", out, "--out", dot, TRAIN_JOB)
     assert proc.wait(120) == 0, proc.output()
     text = out.read_text()
     assert text.startswith("splitrun-plan 1") and "process w2" in text
-    dot = tmp_path / "plan.dot"
-    assert local_cluster.start("plan", "--workers", 3, "--out", dot, TRAIN_JOB).wait(120) == 0
-    assert dot.read_text().startswith("digraph")
+    assert dot.read_text().startswith("digraph") and "w2" in dot.read_text()
+    assert f"plan written to {out}, {dot}" in proc.output()
+    assert proc.output().count("started worker 0") == 1, "one run of the script"
+
+
+def test_plan_refuses_an_unknown_suffix_before_running_the_script(tmp_path, capsys):
+    script = tmp_path / "never_run.py"
+    script.write_text("import pathlib\npathlib.Path(__file__).with_name('ran').touch()\n")
+    png = tmp_path / "plan.png"
+    assert cli.main(["plan", "--out", str(tmp_path / "plan.txt"), "--out", str(png),
+                     str(script)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write the plan to {png}: its suffix '.png'" in err, err
+    assert "use .dot or .gv (DOT), .svg (a picture, needs graphviz) or .txt" in err, err
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "plan.txt").exists()
 
 
 def test_launch_help_shows_the_defaults_and_how_to_use_ray(capsys):

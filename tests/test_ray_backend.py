@@ -144,7 +144,10 @@ def test_pipeline_split_on_ray_equals_the_unsplit_step(ray_head, local_cluster):
 
 @pytest.mark.slow
 def test_a_killed_actor_stops_the_job_naming_it(ray_head, local_cluster):
-    proc = _launch_ray(local_cluster, ray_head, EXAMPLES / "ps_train.py", "--epochs", 500,
+    # 100 epochs, 2200 steps (about a minute here): training when the actor is
+    # killed at its first step line. Every process lists every epoch's batches
+    # first (0.6 CPU-s for 100 epochs, 3 for 500).
+    proc = _launch_ray(local_cluster, ray_head, EXAMPLES / "ps_train.py", "--epochs", 100,
                        workers=2, servers=1)
     proc.wait_for(r"\[worker 0\] .*step \d+/\d+", JOB_TIMEOUT_S)  # training
     placements = _placements(proc.output())
@@ -168,7 +171,9 @@ def test_two_ray_nodes_servers_on_one_workers_on_the_other(tmp_path):
     """A Ray head in host a of the two-host harness (bench/hosts.py) offering
     `sr_server`, a second Ray node in host b offering `sr_worker`: the server
     runs on a, both workers on b, over the harness's 1 Gbit/s link, and the
-    job trains to its accuracy."""
+    job trains to its accuracy: 3 epochs reach 0.9389 (tests/test_examples.py's
+    run, checked at 0.9 there too; 1 epoch reaches 0.875). The main job's 0.95
+    across two hosts is tests/test_hosts.py's."""
     from hosts import require_root, two_hosts
 
     require_root()
@@ -180,7 +185,7 @@ def test_two_ray_nodes_servers_on_one_workers_on_the_other(tmp_path):
             sys.executable, "-m", "splitrun.launcher", "-v", "launch", "--backend", "ray",
             "--address", gcs, "--host", "0.0.0.0", "--insecure", "--workers", 2,
             "--servers", 1, "--worker-resources", WORKER, "--server-resources", SERVER,
-            EXAMPLES / "ps_train.py", "--epochs", 8, "--min-accuracy", 0.95]),
+            EXAMPLES / "ps_train.py", "--epochs", 3, "--min-accuracy", 0.9]),
             env=child_env(RAY_ENV), cwd=tmp_path)
         a.adopt(launcher.process)
         code = launcher.wait(JOB_TIMEOUT_S * 2)
@@ -190,7 +195,8 @@ def test_two_ray_nodes_servers_on_one_workers_on_the_other(tmp_path):
         assert nodes == {"server 0": a.address, "worker 0": b.address,
                          "worker 1": b.address}, output
         accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)", output).group(1))
-        assert accuracy >= 0.95, output
+        assert accuracy >= 0.9, output
+        assert "trained 66 steps" in output, output  # 3 x 1437 digits in batches of 64
         assert f"advertising {b.address} " in output  # workers bound 0.0.0.0 on b
         placements = _placements(output)
     pids = [pid for pair in placements.values() for pid in pair if pid_alive(pid)]

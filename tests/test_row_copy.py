@@ -5,7 +5,7 @@ alignment or row stride."""
 import pytest
 import torch
 
-from splitrun.runtime.engine.embedding.row_copy import copy_rows_, gather_rows
+from splitrun.runtime.engine.embedding.row_copy import RowArray, copy_rows_, gather_rows
 from splitrun.runtime.engine.embedding.sharding import RowSharding
 
 
@@ -37,6 +37,31 @@ def test_rows_move_bit_for_bit_as_torchs_index_ops(dtype, dim):
     assert gather_rows(table, torch.empty(0, dtype=torch.int64)).shape == (0, dim)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_array_puts_and_takes_as_torchs_index_ops(dtype):
+    """A shard's rows viewed once (a server's copies): the same bits as
+    `index_copy_` and `index_select`, a source in another dtype converted
+    as theirs, an out of another dtype filled as `copy_` does."""
+    generator = torch.Generator().manual_seed(1)
+    table = torch.randn(50, 8, generator=generator).to(dtype)
+    table[2, 1], table[9, 0] = float("nan"), -0.0
+    rows, theirs = RowArray(table.clone()), table.clone()
+    index = torch.randperm(50, generator=generator)[:13]
+    for source in (torch.randn(13, 8, generator=generator).to(dtype),
+                   torch.randn(13, 8, generator=generator, dtype=torch.float64)):
+        rows.put(index.numpy(), source)
+        theirs.index_copy_(0, index, source.to(dtype))
+        assert torch.equal(_bits(rows.rows), _bits(theirs))
+    out = torch.empty(13, 8, dtype=dtype)
+    rows.take_into(out, index.numpy())
+    assert torch.equal(_bits(out), _bits(theirs.index_select(0, index)))
+    wider = torch.empty(13, 8, dtype=torch.float64)
+    rows.take_into(wider, index.numpy())
+    assert torch.equal(wider, theirs.index_select(0, index).double())
+    with pytest.raises(ValueError, match="each contiguous"):
+        RowArray(table.t())
+
+
 @pytest.mark.parametrize("num_rows, num_servers", [(250_000, 2), (1_000, 3), (17, 1), (5, 4)])
 def test_ids_split_by_server_as_the_hash_says(num_rows, num_servers):
     sharding = RowSharding(num_rows, num_servers)
@@ -47,6 +72,8 @@ def test_ids_split_by_server_as_the_hash_says(num_rows, num_servers):
     for server, positions in enumerate(parts):
         assert torch.equal(positions, (owner == server).nonzero().reshape(-1))
         local = sharding.local_index(ids[positions], server)
+        assert torch.equal(torch.from_numpy(sharding.local_rows(ids[positions], server, 7)),
+                           local + 7)
         assert bool((local >= 0).all()) and bool((local < sharding.shard_size(server)).all())
         # local index -> id: the server's ids in local order
         assert torch.equal(sharding.ids_of(server)[local], ids[positions])

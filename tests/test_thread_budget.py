@@ -38,6 +38,6 @@ def test_every_process_runs_with_its_budget(tmp_path, requested, expected):
     cores = os.cpu_count() or 1
     budget = expected if expected is not None else max(1, cores // 3)
     assert f"({budget} threads each)" in proc.output()
-    reported = dict(re.findall(r"\[(\w+ \d)\].*joined as .*, (\d+) threads\)", proc.output()))
+    reported = dict(re.findall(r"\[(\w+ \d)\].*joined as .*, (\d+) threads, ", proc.output()))
     assert reported == {"worker 0": str(budget), "worker 1": str(budget),
                         "server 0": str(budget)}, proc.output()

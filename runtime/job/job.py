@@ -138,9 +138,12 @@ class Job(JobMember):
         host = advertised_host(env)
         registration = client.register(env.role, env.rank, f"{host}:{port}")
         transport.set_identity(registration.label, registration.incarnation)
-        logger.info("joined as %s of %s (incarnation %d, device %s, %d threads)",
+        # Threads and the CPU kernels' instruction set decide how floats are
+        # summed: logged so a run that differs from another can be told apart.
+        logger.info("joined as %s of %s (incarnation %d, device %s, %d threads, CPU kernels %s)",
                     registration.label.describe(), registration.cluster,
-                    registration.incarnation, device, torch.get_num_threads())
+                    registration.incarnation, device, torch.get_num_threads(),
+                    torch.backends.cpu.get_cpu_capability())
         job = cls(registration.label, registration.cluster, device, settings,
                   client=client, transport=transport, incarnation=registration.incarnation,
                   heartbeat_interval_s=registration.heartbeat_interval_s, host=host,

@@ -5,7 +5,9 @@ small model over a few batches in a cycle, and can fail on purpose.
 
 --crash-rank R --crash-at N: worker R raises before its step N.
 --busy-rank R --busy-at N: worker R spins forever before its step N (its
-    heartbeat thread stays alive).
+    heartbeat thread stays alive); with --busy-blocks it blocks forever there
+    instead (a deadlock: to its peers and the scheduler the same stall, and
+    no CPU spent).
 --kill-rank R --kill-at N: worker R SIGKILLs itself before its step N, unless
     the job was resumed (a restart under --max-restarts).
 --pause-at N --pause-file F: every worker waits (up to 120 s) before its step N
@@ -27,6 +29,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -52,6 +55,7 @@ def main() -> int:
     parser.add_argument("--crash-at", type=int, default=-1)
     parser.add_argument("--busy-rank", type=int, default=-1)
     parser.add_argument("--busy-at", type=int, default=-1)
+    parser.add_argument("--busy-blocks", action="store_true")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--pause-at", type=int, default=-1)
@@ -98,6 +102,9 @@ def main() -> int:
             if job.rank == args.crash_rank and step == args.crash_at:
                 raise ValueError(f"injected failure at step {step}")
             if job.rank == args.busy_rank and step == args.busy_at:
+                if args.busy_blocks:
+                    logging.getLogger("fault_job").warning("blocked at step %d", step)
+                    threading.Event().wait()  # never set
                 logging.getLogger("fault_job").warning("spinning at step %d", step)
                 while True:
                     pass

@@ -18,6 +18,7 @@ read and its loss (DIR/worker<R>-read.json).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import pathlib
 import sys
@@ -50,14 +51,14 @@ def main() -> int:
 
     job = Job.from_env()
     program, batches = make(args.kind, args.optimizer, job.cluster.num_workers, args.steps,
-                               width=args.width)
+                            width=args.width, lazy=True)
     mode = ParameterServerMode(gradient_bucket_bytes=args.gradient_bucket_bytes,
                                staleness=args.staleness)
     trainer = job.start(program, mode, num_steps=args.steps, resume=args.resume)
     stop = args.stop_after or args.steps
     slow = job.is_worker and job.rank == args.slow_worker
     losses = []
-    for batch in trainer.shard(batches[trainer.steps_done:stop]):
+    for batch in trainer.shard(itertools.islice(batches, trainer.steps_done, stop)):
         if slow:
             time.sleep(args.slow_step_s)  # the slowness under test, not a synchronisation
         loss = trainer.step(batch).get("loss")

@@ -11,9 +11,11 @@ Worker 0 saves the losses and the final state gathered from every process to
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import pathlib
 import sys
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -69,22 +71,34 @@ def _loss_on_last_worker(num_workers: int):
     return loss_fn
 
 
-def build(model_name: str, optimizer: str, num_workers: int, steps: int, hidden: int = 32):
-    """The program and its batches; every process builds the same ones."""
+def mlp_batches(steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The batches of the models other than "lm", drawn one at a time in step
+    order from one seeded generator: the same values listed or drawn lazily."""
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        yield (torch.randn(16, 12, generator=generator),
+               torch.randint(0, 5, (16,), generator=generator))
+
+
+def build(model_name: str, optimizer: str, num_workers: int, steps: int, hidden: int = 32,
+          *, lazy: bool = False):
+    """The program and its batches; every process builds the same ones.
+    `lazy`: the batches as an iterator that draws each when reached (a job
+    killed long before its last step draws only those it ran)."""
     torch.manual_seed(0)
     if model_name == "lm":
         model, loss_fn = TiedBigramLM(num_workers=num_workers), lm_loss
-        batches = markov_batches(steps, batch=8)
+        batches = iter(markov_batches(steps, batch=8))
     else:
         model = (Chunks if model_name == "chunks" else Pipeline)(num_workers, hidden)
         loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
         if model_name in ("stages", "chunks"):  # the loss on the last worker, after the pipeline
             loss_fn = _loss_on_last_worker(num_workers)
-        generator = torch.Generator().manual_seed(1)
-        batches = [(torch.randn(16, 12, generator=generator),
-                    torch.randint(0, 5, (16,), generator=generator)) for _ in range(steps)]
-    program = capture(model, loss_fn, OPTIMIZERS[optimizer](), batches[0])
-    return program, batches
+        batches = mlp_batches(steps)
+    first = next(batches)
+    program = capture(model, loss_fn, OPTIMIZERS[optimizer](), first)
+    batches = itertools.chain([first], batches)
+    return program, (batches if lazy else list(batches))
 
 
 def main() -> int:
@@ -101,7 +115,7 @@ def main() -> int:
     from splitrun.runtime.job import Job
     job = Job.from_env()
     program, batches = build(args.model, args.optimizer, job.cluster.num_workers, args.steps,
-                             args.hidden)
+                             args.hidden, lazy=True)
     mode = GeneralMode(microbatches=args.microbatches, schedule=args.schedule)
     trainer = job.start(program, mode, num_steps=args.steps)
     logging.getLogger("train_job").warning("training started")

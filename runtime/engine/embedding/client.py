@@ -748,11 +748,14 @@ class EmbeddingClient:
                     continue
                 # Gathered from the cache straight into the message as it is sent
                 # (below, before any slot is written over).
-                where = torch.from_numpy(server_slots)
-                items = [torch.from_numpy(server_ids),
-                         Gather(cache.rows, where, cache.row_elements),
-                         *(Gather(cache.state[n], where, cache.state_elements[n])
-                           for n in cache.table.state_names)]
+                if cache.row_array is not None:  # the cache's views, a plan's slots
+                    rows = [cache.row_array, *(cache.state_arrays[n]
+                                               for n in cache.table.state_names)]
+                    where = server_slots
+                else:
+                    rows = [cache.rows, *(cache.state[n] for n in cache.table.state_names)]
+                    where = torch.from_numpy(server_slots)
+                items = [torch.from_numpy(server_ids), *(Gather(r, where) for r in rows)]
                 by_server.setdefault(server, []).append((table, items))
                 pushed[table] += nbytes_of_items(items)
         return by_server, pushed

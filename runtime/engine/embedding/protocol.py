@@ -43,7 +43,7 @@ from splitrun.splitter.labels import Label
 from ...errors import MessageRejected
 from ...transport.dtypes import TensorSpec
 from ...transport.protocol import OUT_OF_PLAN, MessageKey, Transport
-from .row_copy import gather_rows_into
+from .row_copy import RowArray, gather_rows_into
 
 __all__ = ["Op", "Gather", "Item", "request_channel", "reply_channel", "request", "read_request",
            "send_message", "nbytes_of_items"]
@@ -72,19 +72,22 @@ def reply_channel(server: Label) -> str:
 @dataclass(frozen=True, slots=True)
 class Gather:
     """A tensor of a message: `rows[index]` (whole rows), gathered when the
-    message is written, into its memory."""
+    message is written, into its memory. `rows` a tensor, or a `RowArray`
+    (a server's shard, viewed once) with a numpy `index` checked in range."""
 
-    rows: torch.Tensor
-    index: torch.Tensor
-    # `row_elements(rows)` where the sender keeps it (a cache's slots).
-    elements: np.ndarray | None = None
+    rows: torch.Tensor | RowArray
+    index: torch.Tensor | np.ndarray
 
     @property
     def spec(self) -> TensorSpec:
-        return TensorSpec(self.rows.dtype, (self.index.numel(), *self.rows.shape[1:]))
+        count = self.index.size if isinstance(self.index, np.ndarray) else self.index.numel()
+        return TensorSpec(self.rows.dtype, (count, *self.rows.shape[1:]))
 
     def write(self, out: torch.Tensor) -> None:
-        gather_rows_into(out, self.rows, self.index.reshape(-1), rows_elements=self.elements)
+        if isinstance(self.rows, RowArray):
+            self.rows.take_into(out, self.index)
+        else:
+            gather_rows_into(out, self.rows, self.index.reshape(-1))
 
 
 # A tensor of a message, as it is or gathered.
@@ -134,12 +137,12 @@ def read_request(tensors: list[torch.Tensor]) -> tuple[Op, int, list[int], list[
     if header.dtype != torch.int64 or header.shape != (3,):
         raise MessageRejected(f"an embedding request header is int64[3], got "
                               f"{str(header.dtype).removeprefix('torch.')}{list(header.shape)}")
-    op, step, count = (int(v) for v in header)
+    op, step, count = header.tolist()
     if tables.dtype != torch.int64 or tables.shape != (count,):
         raise MessageRejected(f"an embedding request's table indices are int64[{count}], got "
                               f"{str(tables.dtype).removeprefix('torch.')}{list(tables.shape)}")
     try:
-        return Op(op), step, [int(t) for t in tables], tensors[2:]
+        return Op(op), step, tables.tolist(), tensors[2:]
     except ValueError:
         raise MessageRejected(f"unknown embedding request op {op}; known: "
                               f"{', '.join(o.name for o in Op)}") from None

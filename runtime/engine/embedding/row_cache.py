@@ -27,7 +27,7 @@ from splitrun.splitter.cached_tables import CachedTable, EvictionPolicy
 
 from ...errors import CacheError
 from .huge_pages import zeros_rows
-from .row_copy import copy_rows_, gather_rows, row_elements
+from .row_copy import RowArray, copy_rows_, gather_rows
 from .step_ids import StepIds
 from .use_order import UseOrder
 
@@ -66,6 +66,13 @@ def _smallest(key: torch.Tensor, count: int) -> torch.Tensor:
     tied = (key == threshold).nonzero().reshape(-1)[:count - below.numel()]
     chosen = torch.cat([below, tied])  # each part in position order
     return chosen.index_select(0, torch.argsort(key.index_select(0, chosen), stable=True))
+
+
+def _row_array(rows: torch.Tensor) -> RowArray | None:
+    try:
+        return RowArray(rows)
+    except ValueError:  # not CPU rows
+        return None
 
 
 def _distinct(ids: np.ndarray) -> np.ndarray:
@@ -161,7 +168,7 @@ class RowCache:
         self.rows = zeros_rows(shape, table.dtype, self.device)
         self.state = {name: zeros_rows(shape, table.dtype, self.device)
                       for name in table.state_names}
-        self._keep_row_elements()
+        self._keep_row_arrays()
         self.slot_of_id = torch.full((table.num_rows,), -1, dtype=torch.int64)
         self.id_of_slot = torch.full((self.capacity,), -1, dtype=torch.int64)
         self.last_used = torch.full((self.capacity,), -1, dtype=torch.int64)
@@ -192,13 +199,14 @@ class RowCache:
                              f"{self.rows.dtype} cannot move into {list(rows.shape)} {rows.dtype}")
         rows.copy_(self.rows)
         self.rows = rows
-        self._keep_row_elements()
+        self._keep_row_arrays()
 
-    def _keep_row_elements(self) -> None:
+    def _keep_row_arrays(self) -> None:
         """The slots' (and their state's) whole-row views, made once:
-        installs and write-backs copy rows in and out every step."""
-        self.row_elements = row_elements(self.rows)
-        self.state_elements = {name: row_elements(value) for name, value in self.state.items()}
+        installs and write-backs copy rows in and out every step (None where
+        rows cannot be viewed so: another device)."""
+        self.row_array = _row_array(self.rows)
+        self.state_arrays = {name: _row_array(value) for name, value in self.state.items()}
 
     def make_resident(self) -> None:
         """Every row of the table is installed at slot = id (the client pulled
@@ -389,12 +397,16 @@ class RowCache:
                 state: dict[str, torch.Tensor], fresh_for: int | None) -> None:
         """Rows (and their state) into `slots`, fresh for step `fresh_for`
         (None: a write-back cache, which never asks how fresh a row is)."""
-        on_device = slots.to(self.device)
-        copy_rows_(self.rows, on_device, rows.to(self.device, self.rows.dtype),
-                   dst_elements=self.row_elements)
-        for name, value in state.items():
-            copy_rows_(self.state[name], on_device, value.to(self.device, self.rows.dtype),
-                       dst_elements=self.state_elements[name])
+        if self.row_array is not None and slots.device.type == "cpu":
+            index = slots.numpy()  # a plan's slots: in range
+            self.row_array.put(index, rows)
+            for name, value in state.items():
+                self.state_arrays[name].put(index, value)
+        else:
+            on_device = slots.to(self.device)
+            copy_rows_(self.rows, on_device, rows.to(self.device, self.rows.dtype))
+            for name, value in state.items():
+                copy_rows_(self.state[name], on_device, value.to(self.device, self.rows.dtype))
         if fresh_for is not None:
             self.fresh_for.index_fill_(0, slots.cpu(), fresh_for)
 

@@ -51,9 +51,12 @@ class RowSharding:
 
     def _hashed(self, ids: torch.Tensor) -> np.ndarray:
         """The hash of CPU `ids`, a new int64 array (computed in place in it)."""
-        return self._hashed_array(ids.reshape(-1).to(torch.int64).numpy()).reshape(ids.shape)
+        flat = ids if ids.dtype == torch.int64 and ids.dim() == 1 else ids.reshape(-1).to(
+            torch.int64)
+        return self._hashed_array(flat.numpy()).reshape(ids.shape)
 
     def _hashed_array(self, ids: np.ndarray) -> np.ndarray:
+        """The hash of int64 `ids` (flat), a new array (computed in place in it)."""
         hashed = ids * self._a
         hashed += self._b
         hashed %= self.num_rows
@@ -96,8 +99,16 @@ class RowSharding:
         return [[a.take(part) for a in arrays] for part in np.split(order, ends[:-1])]
 
     def local_index(self, ids: torch.Tensor, server: int) -> torch.Tensor:
-        local = self.hashed(ids)
-        local -= self.bounds[server]
+        if ids.device.type != "cpu":
+            return self.hashed(ids) - self.bounds[server]
+        return torch.from_numpy(self.local_rows(ids, server))
+
+    def local_rows(self, ids: torch.Tensor, server: int, offset: int = 0) -> np.ndarray:
+        """`local_index` of CPU `ids` plus `offset` (where the shard starts in
+        a buffer it shares), as a new int64 array: a server's copies index
+        with it."""
+        local = self._hashed(ids)
+        local += offset - self.bounds[server]
         return local
 
     def shard_size(self, server: int) -> int:

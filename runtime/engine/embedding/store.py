@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from splitrun.splitter.cached_tables import CachedTable
@@ -26,7 +27,7 @@ from ...errors import MessageRejected, SplitrunError
 from ...transport.protocol import MessageKey, Transport
 from .huge_pages import empty_rows
 from .protocol import Gather, Item, Op, read_request, reply_channel, send_message
-from .row_copy import copy_rows_
+from .row_copy import RowArray
 from .sharding import RowSharding
 
 __all__ = ["EmbeddingStore", "ShardSnapshot"]
@@ -57,10 +58,16 @@ SaveHandler = Callable[[str, int, list[ShardSnapshot]], bytes]
 class _Group:
     """Tables whose rows one row-wise update call can train together (same
     width, dtype, optimizer and settings): their shards are consecutive row
-    ranges of one buffer (and one per row state)."""
+    ranges of one buffer (and one per row state), viewed once for the
+    serving thread's row copies (`arrays`: "rows", then each state's name)."""
 
     rows: torch.Tensor
     state: dict[str, torch.Tensor]
+    arrays: dict[str, RowArray] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.arrays = {"rows": RowArray(self.rows),
+                       **{name: RowArray(value) for name, value in self.state.items()}}
 
 
 @dataclass
@@ -73,6 +80,7 @@ class _Shard:
     write_back: bool                        # the worker updates rows it caches
     group: _Group
     base: int                               # its first row in the group's buffer
+    size: int                               # its rows
     pending: dict[int, dict[int, tuple]] = field(default_factory=dict)  # step -> worker -> grads
 
 
@@ -122,7 +130,7 @@ class EmbeddingStore:
                     torch.index_select(initial[f"{table.key}.{name}"], 0, ids, out=state[name])
                 shard_of[table.key] = _Shard(table, sharding, rows, state, first_step - 1,
                                              table.settings.write_back(cluster.num_workers),
-                                             group, base)
+                                             group, base, size)
                 base += size
         self.shards = [shard_of[table.key] for table in tables]
         # Row-wise update calls run (one per group and step with several workers).
@@ -224,11 +232,27 @@ class EmbeddingStore:
 
     def _push(self, shards: list[_Shard], parts: list[list[torch.Tensor]]) -> None:
         """Write rows (and their state) the worker wrote back into the shards."""
-        for shard, (ids, rows, *state) in zip(shards, parts):
-            local = shard.sharding.local_index(ids, self.label.rank)
-            copy_rows_(shard.rows, local, rows)
-            for name, value in zip(shard.table.state_names, state):
-                copy_rows_(shard.state[name], local, value)
+        for shard, (ids, *values) in zip(shards, parts):
+            where = self._group_rows(shard, ids)
+            arrays = shard.group.arrays
+            for name, value in zip(("rows", *shard.table.state_names), values):
+                if value.shape != (where.size, shard.table.dim):
+                    raise MessageRejected(
+                        f"{self._tag} embedding write-back of {where.size} rows of "
+                        f"{shard.table.key} carries {name} of shape {list(value.shape)}; "
+                        f"expected [{where.size}, {shard.table.dim}]")
+                arrays[name].put(where, value)
+
+    def _group_rows(self, shard: _Shard, ids: torch.Tensor) -> np.ndarray:
+        """Where the rows of `ids` lie in their shard's group buffer, checked
+        to be this server's rows of the shard's table."""
+        where = shard.sharding.local_rows(ids, self.label.rank, shard.base)
+        if where.size and (where.min() < shard.base or where.max() >= shard.base + shard.size):
+            raise MessageRejected(
+                f"{self._tag} an embedding request names ids of {shard.table.key} this server "
+                f"does not hold (its {shard.size} rows of {shard.table.num_rows}); the "
+                f"worker's sharding of the table differs from this server's")
+        return where
 
     def _parts(self, tensors: list[torch.Tensor], shards: list[_Shard], op: Op
                ) -> list[list[torch.Tensor]]:
@@ -259,10 +283,10 @@ class EmbeddingStore:
         if op is Op.PULL:
             # Gathered straight into the reply's memory (a ring's slot) as it is sent.
             for shard, (ids,) in zip(shards, self._parts(tensors, shards, op)):
-                local = shard.sharding.local_index(ids, self.label.rank)
-                reply.append(Gather(shard.rows, local))
+                where, arrays = self._group_rows(shard, ids), shard.group.arrays
+                reply.append(Gather(arrays["rows"], where))
                 if shard.write_back:  # the row's optimizer state travels with it
-                    reply += [Gather(shard.state[n], local) for n in shard.table.state_names]
+                    reply += [Gather(arrays[n], where) for n in shard.table.state_names]
         else:
             for shard in shards:
                 reply += [shard.rows.clone(),
@@ -313,7 +337,7 @@ class EmbeddingStore:
         for shard, grads in members:
             ordered = [grads[rank] for rank in range(num_workers)]
             ids = torch.cat([g[0] for g in ordered])
-            local.append(shard.sharding.local_index(ids, self.label.rank) + shard.base)
+            local.append(torch.from_numpy(self._group_rows(shard, ids)))
             values.append(torch.cat([g[1] for g in ordered]))
         first, grads = members[0]
         lr, step_count = grads[0][2], grads[0][3]
