@@ -261,12 +261,19 @@ def test_evictions_at_scale_pick_exactly_the_policys_victims(policy):
     assert partial_steps >= 10, "eviction picked few victims of many slots"
 
 
-def test_lru_order_kept_step_by_step_plans_exactly_as_sorting_every_slot(monkeypatch):
+@pytest.mark.parametrize("min_chunk", [1, 256], ids=["one-slot-chunks", "default-chunks"])
+def test_lru_order_kept_step_by_step_plans_exactly_as_sorting_every_slot(monkeypatch, min_chunk):
     """LRU reads its victims off an order it keeps as plans are made
-    (`use_order.py`); a cache that sorts every slot's last use each plan
+    (`use_order.py`, an entry a chunk at a time: chunks of one slot per slot
+    wanted too); a cache that sorts every slot's last use each plan
     instead makes the same plans: the same victims in the same order, so the
     same slots for the same ids. Also across a plan refused for keeping the
     running step's rows, and a table planned twice in one step."""
+    from splitrun.runtime.engine.embedding import use_order
+
+    monkeypatch.setattr(use_order, "_MIN_CHUNK", min_chunk)
+    if min_chunk == 1:
+        monkeypatch.setattr(use_order, "_CHUNK_PER_WANTED", 1)
     rows, capacity = 5_000, 600
     kept = RowCache(_table(rows=rows, cache_rows=capacity))
     sorting = RowCache(_table(rows=rows, cache_rows=capacity))
@@ -384,3 +391,28 @@ def test_a_plans_write_back_and_pull_share_one_message_per_server(monkeypatch):
     # Once the caches are full, each step's rows move in one message per server
     # (the last PUSHes: the final flush of dirty rows).
     assert ops[Op.PUSH_PULL] >= 8 and ops[Op.PUSH] <= 2, ops
+
+
+def test_one_planning_thread_plans_ahead_and_ends_with_the_job(monkeypatch):
+    """The next steps' plans are made by one thread for the whole job (not
+    one a step), which ends when the job's processes close."""
+    import threading
+
+    from cache_models import make_sum_bags
+
+    started = []
+    original = threading.Thread.start
+
+    def counting(thread):
+        if thread.name.startswith("splitrun-cache-ahead"):
+            started.append(thread)
+        return original(thread)
+    monkeypatch.setattr(threading.Thread, "start", counting)
+    steps = 10
+    program, batches = make_sum_bags("sgd", 1, steps, cache_rows=200)
+    split_prog = split_program(program, Cluster(1, 2), EmbeddingCacheMode())
+    run = run_threaded(split_prog, steps, feeds(batches), recv_timeout_s=30)
+    planned = sum(c["planned_ahead"] for c in run.cache_counters[Label.worker(0)].values())
+    assert planned >= steps - 2, planned
+    assert len(started) == 1, started
+    assert not started[0].is_alive()

@@ -38,6 +38,8 @@ class CacheParts:
     bindings: dict = field(default_factory=dict)
 
     def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
         if self.store is not None:
             self.store.stop()
 

@@ -46,11 +46,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from splitrun.splitter.cached_tables import (
@@ -91,6 +93,10 @@ logger = logging.getLogger(__name__)
 
 # No ids: a table's empty part of a message.
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
+_NO_IDS = _NO_ROWS.numpy()
+# Bounds `close`'s wait for the planning thread: idle, it ends at once; one
+# blocked on a server that is gone is a daemon and does not hold the process.
+_PLANNER_CLOSE_S = 5.0
 
 
 @dataclass
@@ -103,7 +109,9 @@ class _Ahead:
 
     step: int
     tables: tuple[str, ...]
-    thread: threading.Thread | None = None
+    # Set by the planning thread once the plans are made (or failed).
+    done: threading.Event = field(default_factory=threading.Event)
+    is_settled: bool = False
     planned: dict[str, tuple[BatchPlan, int, int]] = field(default_factory=dict)
     moved: bool = True
     error: BaseException | None = None
@@ -154,6 +162,8 @@ class EmbeddingClient:
         # out not to be their feed are planned in the step only.
         self._ahead: dict[tuple[str, ...], _Ahead] = {}
         self._no_ahead: set[str] = set()
+        self._planner: threading.Thread | None = None
+        self._planner_jobs: queue.SimpleQueue = queue.SimpleQueue()
 
     def begin_step(self, step: int, next_feeds: Mapping[str, torch.Tensor] | None) -> None:
         """The step about to run, and the next step's feeds if known: the
@@ -270,8 +280,9 @@ class EmbeddingClient:
             self.caches[tables[0]].table.optimizer_settings.get("maximize", False)))
         for table in tables:
             plan = self._plans.pop(table, None)
-            slots = plan.lookup_slots if plan is not None else self._resident_slots.pop(table)
-            self.caches[table].dirty.index_fill_(0, slots, True)
+            # A plan's distinct slots (a third of its lookups on the bench), in numpy.
+            slots = plan.used_slots if plan is not None else self._resident_slots.pop(table)
+            self.caches[table].mark_dirty(slots)
 
     def bag_gradient(self, grad: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
                      weights: torch.Tensor | None, *, table: str, mean: bool,
@@ -404,11 +415,33 @@ class EmbeddingClient:
         ahead = _Ahead(self._step + 1, tuple(wanted))
         lookups = [(table, self._next_feeds[self.caches[table].table.ids_feed])
                    for table in wanted]
-        ahead.thread = threading.Thread(target=self._run_ahead, args=(ahead, lookups),
-                                        name=f"splitrun-cache-ahead-{self.label}", daemon=True)
         self._ahead[ahead.tables] = ahead
-        ahead.thread.start()
+        if self._planner is None:
+            # One thread for the job's plans ahead, started with the first:
+            # no thread to start (and warm up) each step.
+            self._planner = threading.Thread(target=self._plan_ahead_loop,
+                                             name=f"splitrun-cache-ahead-{self.label}",
+                                             daemon=True)
+            self._planner.start()
+        self._planner_jobs.put((ahead, lookups))
         return set(ahead.tables)
+
+    def _plan_ahead_loop(self) -> None:
+        """The planning thread: the plans ahead, one after another, until
+        `close` (None)."""
+        while (job := self._planner_jobs.get()) is not None:
+            ahead, lookups = job
+            try:
+                self._run_ahead(ahead, lookups)
+            finally:
+                ahead.done.set()
+
+    def close(self) -> None:
+        """End the planning thread (once its plan in progress is made)."""
+        planner, self._planner = self._planner, None
+        if planner is not None:
+            self._planner_jobs.put(None)
+            planner.join(timeout=_PLANNER_CLOSE_S)
 
     def _run_ahead(self, ahead: _Ahead, wanted: list[tuple[str, torch.Tensor]]) -> None:
         """The thread of `_plan_ahead`: touches only these tables' caches
@@ -433,17 +466,17 @@ class EmbeddingClient:
             ahead.error = exc
 
     def _settle(self, ahead: _Ahead) -> None:
-        """Wait for `ahead`'s thread (the time blocked counts as waiting for
+        """Wait for `ahead`'s plans (the time blocked counts as waiting for
         prefetched rows: what planning ahead did not hide); raise its error."""
-        if ahead.thread is not None:
+        if not ahead.is_settled:
             started = time.perf_counter()
-            ahead.thread.join(timeout=2 * self.timeout_s)
+            is_done = ahead.done.wait(timeout=2 * self.timeout_s)
             self.waits["prefetched"] += time.perf_counter() - started
-            if ahead.thread.is_alive():
+            if not is_done:
                 raise CacheError(f"[{self.label.describe()}] planning step {ahead.step}'s rows "
                                  f"of {list(ahead.tables)} ahead took over "
                                  f"{2 * self.timeout_s:.0f} s")
-            ahead.thread = None
+            ahead.is_settled = True
         if ahead.error is not None:
             raise ahead.error
 
@@ -614,15 +647,20 @@ class EmbeddingClient:
         first, ride in the same message (PUSH_PULL) where every table pulled
         from that server is written back; else in a PUSH before it."""
         pulled = dict.fromkeys(needed, 0)
-        by_server: dict[Label, list[tuple[str, torch.Tensor]]] = {}
-        for table, (ids, _) in needed.items():
-            for server, positions in self._by_server(table, ids):
-                by_server.setdefault(server, []).append((table, positions))
+        # Per server: (table, the ids it holds, their slots).
+        by_server: dict[Label, list[tuple[str, np.ndarray, np.ndarray]]] = {}
+        for table, (ids, slots) in needed.items():
+            if ids.numel() == 0:
+                continue
+            parts = self.sharding[table].split_by_server(ids.numpy(), slots.numpy())
+            for server, (server_ids, server_slots) in zip(self.servers, parts):
+                if server_ids.size:
+                    by_server.setdefault(server, []).append((table, server_ids, server_slots))
         pushes = pushes or {}
         requests = []
         for server in self.servers:
             parts, push = by_server.get(server, []), dict(pushes.get(server, ()))
-            if push and not (parts and all(self.write_back[table] for table, _ in parts)):
+            if push and not (parts and all(self.write_back[table] for table, _, _ in parts)):
                 self._request(server, Op.PUSH, step, list(push.items()))
                 push = {}
             if not parts:
@@ -630,24 +668,23 @@ class EmbeddingClient:
             if not push:
                 requests.append((server, parts, self._request(
                     server, Op.PULL, step,
-                    [(table, [needed[table][0].index_select(0, positions)])
-                     for table, positions in parts])))
+                    [(table, [torch.from_numpy(ids)]) for table, ids, _ in parts])))
                 continue
             # Tables pushed to this server and pulled from it, then pushed only.
-            parts += [(table, _NO_ROWS) for table in push if table not in dict(parts)]
+            pulled_here = {table for table, _, _ in parts}
+            parts += [(table, _NO_IDS, _NO_IDS) for table in push if table not in pulled_here]
             requests.append((server, parts, self._request(server, Op.PUSH_PULL, step, [
-                (table, [*(push.get(table) or self._no_push(table)),
-                         needed[table][0].index_select(0, positions) if table in needed
-                         else _NO_ROWS])
-                for table, positions in parts])))
+                (table, [*(push.get(table) or self._no_push(table)), torch.from_numpy(ids)])
+                for table, ids, _ in parts])))
         for server, parts, seq in requests:
-            replies = self._reply_parts(server, seq, [table for table, _ in parts], waited)
-            for (table, positions), reply in zip(parts, replies):
+            replies = self._reply_parts(server, seq, [table for table, _, _ in parts], waited)
+            for (table, _, slots), reply in zip(parts, replies):
                 cache = self.caches[table]
                 pulled[table] = pulled.get(table, 0) + nbytes_of(reply)
-                if positions.numel():
-                    cache.install(needed[table][1].index_select(0, positions), reply[0],
-                                  dict(zip(cache.table.state_names, reply[1:])), fresh_for=step)
+                if slots.size:
+                    cache.install(torch.from_numpy(slots), reply[0],
+                                  dict(zip(cache.table.state_names, reply[1:])),
+                                  fresh_for=None if self.write_back[table] else step)
         return pulled
 
     def _no_push(self, table: str) -> list[torch.Tensor]:
@@ -705,12 +742,20 @@ class EmbeddingClient:
                 continue
             cache = self.caches[table]
             pushed[table] = 0
-            for server, positions in self._by_server(table, ids):
+            parts = self.sharding[table].split_by_server(ids.numpy(), slots.numpy())
+            for server, (server_ids, server_slots) in zip(self.servers, parts):
+                if not server_ids.size:
+                    continue
                 # Gathered from the cache straight into the message as it is sent
                 # (below, before any slot is written over).
-                where = slots.index_select(0, positions)
-                items = [ids.index_select(0, positions), Gather(cache.rows, where),
-                         *(Gather(cache.state[n], where) for n in cache.table.state_names)]
+                if cache.row_array is not None:  # the cache's views, a plan's slots
+                    rows = [cache.row_array, *(cache.state_arrays[n]
+                                               for n in cache.table.state_names)]
+                    where = server_slots
+                else:
+                    rows = [cache.rows, *(cache.state[n] for n in cache.table.state_names)]
+                    where = torch.from_numpy(server_slots)
+                items = [torch.from_numpy(server_ids), *(Gather(r, where) for r in rows)]
                 by_server.setdefault(server, []).append((table, items))
                 pushed[table] += nbytes_of_items(items)
         return by_server, pushed

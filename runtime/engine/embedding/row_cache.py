@@ -27,7 +27,7 @@ from splitrun.splitter.cached_tables import CachedTable, EvictionPolicy
 
 from ...errors import CacheError
 from .huge_pages import zeros_rows
-from .row_copy import copy_rows_, gather_rows
+from .row_copy import RowArray, copy_rows_, gather_rows
 from .step_ids import StepIds
 from .use_order import UseOrder
 
@@ -66,6 +66,13 @@ def _smallest(key: torch.Tensor, count: int) -> torch.Tensor:
     tied = (key == threshold).nonzero().reshape(-1)[:count - below.numel()]
     chosen = torch.cat([below, tied])  # each part in position order
     return chosen.index_select(0, torch.argsort(key.index_select(0, chosen), stable=True))
+
+
+def _row_array(rows: torch.Tensor) -> RowArray | None:
+    try:
+        return RowArray(rows)
+    except ValueError:  # not CPU rows
+        return None
 
 
 def _distinct(ids: np.ndarray) -> np.ndarray:
@@ -129,6 +136,8 @@ class BatchPlan:
     # the write-back gathers each server's share from the cache in one copy.
     evicted_slots: torch.Tensor
     evictions: int
+    # The slots the batch uses, each once, ascending (what its update dirties).
+    used_slots: torch.Tensor | None = None
     _step_ids: StepIds | None = None
 
     @property
@@ -159,6 +168,7 @@ class RowCache:
         self.rows = zeros_rows(shape, table.dtype, self.device)
         self.state = {name: zeros_rows(shape, table.dtype, self.device)
                       for name in table.state_names}
+        self._keep_row_arrays()
         self.slot_of_id = torch.full((table.num_rows,), -1, dtype=torch.int64)
         self.id_of_slot = torch.full((self.capacity,), -1, dtype=torch.int64)
         self.last_used = torch.full((self.capacity,), -1, dtype=torch.int64)
@@ -189,6 +199,14 @@ class RowCache:
                              f"{self.rows.dtype} cannot move into {list(rows.shape)} {rows.dtype}")
         rows.copy_(self.rows)
         self.rows = rows
+        self._keep_row_arrays()
+
+    def _keep_row_arrays(self) -> None:
+        """The slots' (and their state's) whole-row views, made once:
+        installs and write-backs copy rows in and out every step (None where
+        rows cannot be viewed so: another device)."""
+        self.row_array = _row_array(self.rows)
+        self.state_arrays = {name: _row_array(value) for name, value in self.state.items()}
 
     def make_resident(self) -> None:
         """Every row of the table is installed at slot = id (the client pulled
@@ -206,8 +224,9 @@ class RowCache:
         if ids.numel() == 0:
             return
         values = ids.numpy()
-        low, high = int(values.min()), int(values.max())
-        if low < 0 or high >= self.table.num_rows:
+        # One pass: a negative id, seen as unsigned, is past every table's end.
+        if bool((values.view(np.uint64) >= self.table.num_rows).any()):
+            low, high = int(values.min()), int(values.max())
             bad = low if low < 0 else high
             raise CacheError(
                 f"table {self.table.key!r} has {self.table.num_rows} rows (ids 0-"
@@ -280,9 +299,13 @@ class RowCache:
         if miss_ids.size:  # the missed lookups' new slots (the hits' did not move)
             missed = np.flatnonzero(~cached)
             slots[missed] = slot_of_id.take(lookups.take(missed))
-        last_used[slots] = step
-        self._order_used(step, order_end, marks, new_slots)
+        # Every slot the batch uses, once each, in slot order: its hits' and
+        # its new ones (a few thousand writes instead of one per lookup).
+        marks[new_slots] = True
+        used = np.flatnonzero(marks)
         marks[:] = False
+        last_used[used] = step
+        self._order_used(step, order_end, used)
         self._clock = max(self._clock, step)
         if self.frequency is not None:
             self.frequency.index_add_(0, flat, torch.ones_like(flat))
@@ -294,7 +317,8 @@ class RowCache:
         pull_slots = slot_of_id.take(pull_ids)
         tensor = torch.from_numpy
         return BatchPlan(flat, tensor(slots), num_unique, tensor(pull_ids), tensor(pull_slots),
-                         tensor(dirty_ids), tensor(dirty_slots), evicted.size, step_ids)
+                         tensor(dirty_ids), tensor(dirty_slots), evicted.size, tensor(used),
+                         step_ids)
 
     def uncached_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """The distinct ids of `ids` (flat, int64) not cached now, sorted."""
@@ -342,19 +366,17 @@ class RowCache:
             self._use_order = UseOrder(self.last_used.numpy(), self.filled)
         return self._use_order
 
-    def _order_used(self, step: int, end: tuple[int, int] | None, marks: np.ndarray,
-                    new_slots: np.ndarray) -> None:
+    def _order_used(self, step: int, end: tuple[int, int] | None, used: np.ndarray) -> None:
         """Keep the LRU order after a plan for `step`: its victims' entries
-        and the skipped ones are dropped, and the slots it uses (`marks`: its
-        hits; `new_slots`) go to the back."""
+        and the skipped ones are dropped, and the slots it uses (`used`:
+        distinct, sorted) go to the back."""
         order = self._use_order
         if order is None or step <= self._clock:
             self._use_order = None
             return
         if end is not None:
             order.drop(end)
-        marks[new_slots] = True
-        order.append(step, np.flatnonzero(marks))
+        order.append(step, used)
         if order.num_entries > _ORDER_ENTRIES_PER_SLOT * self.capacity:
             # Few evictions leave stale entries piling up: built again when next needed.
             self._use_order = None
@@ -372,12 +394,21 @@ class RowCache:
     # -- rows --
 
     def install(self, slots: torch.Tensor, rows: torch.Tensor,
-                state: dict[str, torch.Tensor], fresh_for: int) -> None:
-        on_device = slots.to(self.device)
-        copy_rows_(self.rows, on_device, rows.to(self.device, self.rows.dtype))
-        for name, value in state.items():
-            copy_rows_(self.state[name], on_device, value.to(self.device, self.rows.dtype))
-        self.fresh_for.index_fill_(0, slots.cpu(), fresh_for)
+                state: dict[str, torch.Tensor], fresh_for: int | None) -> None:
+        """Rows (and their state) into `slots`, fresh for step `fresh_for`
+        (None: a write-back cache, which never asks how fresh a row is)."""
+        if self.row_array is not None and slots.device.type == "cpu":
+            index = slots.numpy()  # a plan's slots: in range
+            self.row_array.put(index, rows)
+            for name, value in state.items():
+                self.state_arrays[name].put(index, value)
+        else:
+            on_device = slots.to(self.device)
+            copy_rows_(self.rows, on_device, rows.to(self.device, self.rows.dtype))
+            for name, value in state.items():
+                copy_rows_(self.state[name], on_device, value.to(self.device, self.rows.dtype))
+        if fresh_for is not None:
+            self.fresh_for.index_fill_(0, slots.cpu(), fresh_for)
 
     def gather(self, plan: BatchPlan, shape: torch.Size) -> torch.Tensor:
         """The rows of the batch, shaped like the ids plus the row dimension."""
@@ -390,6 +421,10 @@ class RowCache:
             raise CacheError(f"table {self.table.key!r}: a gradient for rows that are not "
                                 f"cached (the lookup and the update disagree)")
         return slots
+
+    def mark_dirty(self, slots: torch.Tensor) -> None:
+        """The rows in `slots` (CPU) were updated here: written back when they leave."""
+        self.dirty.numpy()[slots.numpy()] = True
 
     def dirty_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, slots) of every dirty row, marked clean."""

@@ -53,10 +53,14 @@ class RowSharding:
         """The hash of CPU `ids`, a new int64 array (computed in place in it)."""
         flat = ids if ids.dtype == torch.int64 and ids.dim() == 1 else ids.reshape(-1).to(
             torch.int64)
-        hashed = flat.numpy() * self._a
+        return self._hashed_array(flat.numpy()).reshape(ids.shape)
+
+    def _hashed_array(self, ids: np.ndarray) -> np.ndarray:
+        """The hash of int64 `ids` (flat), a new array (computed in place in it)."""
+        hashed = ids * self._a
         hashed += self._b
         hashed %= self.num_rows
-        return hashed.reshape(ids.shape)
+        return hashed
 
     def server_of(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.bucketize(self.hashed(ids), self._inner_bounds, right=True)
@@ -75,6 +79,24 @@ class RowSharding:
         order = np.argsort(owner, kind="stable")  # by server, ascending within each
         ends = np.cumsum(np.bincount(owner, minlength=self.num_servers))
         return [torch.from_numpy(part) for part in np.split(order, ends[:-1])]
+
+    def split_by_server(self, ids: np.ndarray, *aligned: np.ndarray) -> list[list[np.ndarray]]:
+        """`ids` (flat, int64) and arrays `aligned` with them, each cut into
+        the parts each server holds, in rank order: per server, [its ids,
+        *their aligned values], in the order of `ids` (numpy arrays: a
+        step's parts cost a few microseconds each, not a torch call's ten)."""
+        arrays = (ids, *aligned)
+        if self.num_servers == 1:
+            return [list(arrays)]
+        hashed = self._hashed_array(ids)
+        if self.num_servers == 2:
+            second = hashed >= self.bounds[1]
+            first = ~second
+            return [[a.compress(first) for a in arrays], [a.compress(second) for a in arrays]]
+        owner = np.searchsorted(self._inner_bounds.numpy(), hashed, side="right")
+        order = np.argsort(owner, kind="stable")
+        ends = np.cumsum(np.bincount(owner, minlength=self.num_servers))
+        return [[a.take(part) for a in arrays] for part in np.split(order, ends[:-1])]
 
     def local_index(self, ids: torch.Tensor, server: int) -> torch.Tensor:
         if ids.device.type != "cpu":

@@ -21,6 +21,12 @@ import numpy as np
 
 __all__ = ["UseOrder"]
 
+# `oldest` reads an entry in chunks of this many slots per slot still
+# wanted (on the bench's 20 % caches about a third of an entry's slots are
+# current), and at least this many.
+_CHUNK_PER_WANTED = 4
+_MIN_CHUNK = 256
+
 
 class UseOrder:
     def __init__(self, last_used: np.ndarray, filled: int) -> None:
@@ -40,13 +46,21 @@ class UseOrder:
         if count == 0:
             return found[0], (0, 0)
         for index, (slots, steps) in enumerate(self._entries):
-            current = last_used.take(slots) == steps
-            current &= ~pinned.take(slots)
-            positions = np.flatnonzero(current)[:count - taken]
-            found.append(slots.take(positions))
-            taken += positions.size
-            if taken == count:
-                return np.concatenate(found), (index, int(positions[-1]) + 1)
+            # An entry (a step's used slots) is read a chunk at a time, each
+            # a few times what is still wanted: its end often goes unread.
+            start = 0
+            while start < slots.size:
+                wanted = count - taken
+                end = min(slots.size, start + max(_MIN_CHUNK, _CHUNK_PER_WANTED * wanted))
+                chunk = slots[start:end]
+                current = last_used.take(chunk) == steps[start:end]
+                current &= ~pinned.take(chunk)
+                positions = np.flatnonzero(current)[:wanted]
+                found.append(chunk.take(positions))
+                taken += positions.size
+                if taken == count:
+                    return np.concatenate(found), (index, start + int(positions[-1]) + 1)
+                start = end
         return None
 
     def drop(self, end: tuple[int, int]) -> None:
