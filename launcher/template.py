@@ -199,16 +199,38 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@contextlib.contextmanager
+def logging_left_unconfigured() -> Iterator[None]:
+    """Take off again the root logger's handlers that imports inside add.
+
+    A library that logs while it loads (fbgemm_gpu: "Successfully loaded")
+    makes `logging` give the root logger a default handler. In a fresh process
+    the bootstrap has configured logging before the script imports it, and
+    that call adds nothing; in a process forked from a template that imported
+    it, the bootstrap would find a handler, leave logging as it is
+    (configure_logging) and the process's log lines and the driver's progress
+    lines would be lost."""
+    import logging
+
+    before = list(logging.root.handlers)
+    try:
+        yield
+    finally:
+        for handler in [h for h in logging.root.handlers if h not in before]:
+            logging.root.removeHandler(handler)
+
+
 def preload_modules(preload: tuple[str, ...]) -> str | None:
-    for spec in preload:
-        module, _, name = spec.partition(":")
-        try:
-            loaded = importlib.import_module(module)
-            if name:
-                getattr(loaded, name)
-        except Exception as exc:  # noqa: BLE001 - any failure: the launcher execs instead
-            traceback.print_exc()
-            return f"the template could not import {spec}: {type(exc).__name__}: {exc}"
+    with logging_left_unconfigured():
+        for spec in preload:
+            module, _, name = spec.partition(":")
+            try:
+                loaded = importlib.import_module(module)
+                if name:
+                    getattr(loaded, name)
+            except Exception as exc:  # noqa: BLE001 - any failure: the launcher execs instead
+                traceback.print_exc()
+                return f"the template could not import {spec}: {type(exc).__name__}: {exc}"
     return None
 
 
@@ -224,14 +246,15 @@ def preload_script_imports(script: str) -> list[str]:
     except (OSError, UnicodeDecodeError):
         return []
     imported = []
-    for module in modules:
-        if module in sys.modules or not installed(module):
-            continue
-        try:
-            importlib.import_module(module)
-        except Exception:  # noqa: BLE001, S112 - not a module, or broken: the script's to report
-            continue
-        imported.append(module)
+    with logging_left_unconfigured():
+        for module in modules:
+            if module in sys.modules or not installed(module):
+                continue
+            try:
+                importlib.import_module(module)
+            except Exception:  # noqa: BLE001, S112 - not a module, or broken: the script's to report
+                continue
+            imported.append(module)
     return imported
 
 

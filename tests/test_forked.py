@@ -4,6 +4,7 @@ tests/test_start_methods_e2e.py's.)"""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 from splitrun.launcher.forked import exec_reason
@@ -55,3 +56,19 @@ def test_the_template_preloads_the_installed_modules_a_script_imports_first():
     # what is not there at all
     assert not installed("ps_models") and not installed("splitrun.splitter")
     assert not installed("no_such_module_anywhere")
+
+
+def test_the_templates_imports_leave_logging_as_a_fresh_process_has_it():
+    # fbgemm_gpu logs while it loads, and logging then gives the root logger a
+    # default handler; a forked process's bootstrap would take that logger for
+    # configured and its log and progress lines would be lost.
+    def root_handlers_after(code: str) -> int:
+        out = subprocess.run([sys.executable, "-c", code + "\nimport logging\n"
+                              "print(len(logging.root.handlers))"],
+                             capture_output=True, text=True, timeout=120, check=True)
+        return int(out.stdout.split()[-1])
+
+    assert root_handlers_after("import fbgemm_gpu") == 1  # what the template must undo
+    assert root_handlers_after("from splitrun.launcher.template import preload_modules, "
+                               "preload_script_imports\n"
+                               "assert preload_modules(('fbgemm_gpu',)) is None") == 0
