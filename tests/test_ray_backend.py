@@ -34,12 +34,21 @@ STARTED = re.compile(r"started (worker|server) (\d+) \(pid (\d+), actor pid (\d+
 
 @pytest.fixture(scope="module")
 def ray_head():
+    # The tests' in-process Ray client (`_assert_nothing_left`) sets variables in
+    # this process's environment (RAY_AUTH_MODE, PYTHONBREAKPOINT, ...): later
+    # launches from this test process would differ from the standing template's
+    # environment and each start a template of their own.
+    environ = dict(os.environ)
     head = RayHead(num_cpus=2, resources={"sr_worker": 3, "sr_server": 1}, env=child_env())
     try:
         head.wait_up()
         yield head
     finally:
+        if ray.is_initialized():
+            ray.shutdown()
         head.close()
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def _launch_ray(local_cluster, head: RayHead, script, *args, workers: int, servers: int,
