@@ -61,6 +61,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -318,18 +319,24 @@ def run_job(args: argparse.Namespace) -> None:
             pathlib.Path(args.profile_dir) / "server0", args.profile_after).on_request)
     stamps = [time.perf_counter()]
     waits = []  # seconds blocked for rows so far, after each step
+    # Each thread's scheduler times once the warm-up ends (either length) and
+    # at the end: what the timed steps cost the step's thread and the others.
+    threads = {"step_thread": threading.get_native_id(), "after_steps": {}}
     for step, _ in enumerate(trainer.run(trainer.shard(batches))):
         stamps.append(time.perf_counter())
         waits.append(trainer.process.cache_waits)
+        if job.is_driver and step + 1 in (QUICK_WARMUP_STEPS, WARMUP_STEPS):
+            threads["after_steps"][step + 1] = _threads_sched_ns()
         if profiler is not None:
             profiler.after_step(step)
     if profiler is not None:
         profiler.stop()
+    threads["after_steps"][len(stamps) - 1] = _threads_sched_ns()
     trainer.finish()
     if job.is_driver:
         counters = trainer.cache_counters.values()
         print(BENCH_PREFIX + json.dumps({
-            "stamps": stamps, "waits": waits,
+            "stamps": stamps, "waits": waits, "threads": threads,
             "hits": sum(c["hits"] for c in counters),
             "unique_ids": sum(c["unique_ids"] for c in counters),
             "bytes_pulled": sum(c["bytes_pulled"] for c in counters),
@@ -434,15 +441,22 @@ class _StoreProfiler:
             (self.directory / "python.txt").write_text(f"{PROFILED_STEPS} steps\n{text.getvalue()}")
 
 
-def _threads_cpu_ns() -> dict[int, int]:
-    """CPU time (ns, the scheduler's count) of each live thread of this process."""
+def _threads_sched_ns() -> dict[int, tuple[int, int]]:
+    """(CPU time, time runnable but waiting for a core) in ns, the
+    scheduler's counts, of each live thread of this process."""
     times = {}
     for task in pathlib.Path("/proc/self/task").iterdir():
         try:
-            times[int(task.name)] = int((task / "schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
+            ran, waited, _ = (task / "schedstat").read_text().split()
+            times[int(task.name)] = (int(ran), int(waited))
+        except (OSError, ValueError):
             continue  # ended meanwhile
     return times
+
+
+def _threads_cpu_ns() -> dict[int, int]:
+    """CPU time (ns, the scheduler's count) of each live thread of this process."""
+    return {tid: ran for tid, (ran, _) in _threads_sched_ns().items()}
 
 
 def _threads_ms_per_step(before: dict[int, int], after: dict[int, int], process_ms: float,
@@ -578,8 +592,29 @@ def summarize(measured: list[dict], warmup: int, steps: int, batch_size: int) ->
             "mb_pushed_per_step": round(median(r["bytes_pushed"] for r in measured)
                                         / steps / 1e6, 2),
             "ms_blocked_for_rows_per_step": _blocked(measured, warmup),
+            "worker_threads_ms_per_step": _thread_times(measured, warmup),
             "share_planned_ahead": round(median(r["table_steps_planned_ahead"] / r["table_steps"]
                                                 for r in measured), 4)}
+
+
+def _thread_times(measured: list[dict], warmup: int) -> dict:
+    """Medians over the runs, ms per timed step of the worker's threads: the
+    step's thread on a core and runnable but waiting for one (the cores
+    shared with the servers and the planning thread), and the worker's other
+    threads on a core (planning ahead, the transport)."""
+    per_run = []
+    for run in measured:
+        steps = len(run["stamps"]) - 1
+        start = {int(t): v for t, v in run["threads"]["after_steps"][str(warmup)].items()}
+        end = {int(t): v for t, v in run["threads"]["after_steps"][str(steps)].items()}
+        main = run["threads"]["step_thread"]
+        others = sum(end[t][0] - start[t][0] for t in end if t in start and t != main)
+        per_run.append([(end[main][0] - start[main][0]) / (steps - warmup),
+                        (end[main][1] - start[main][1]) / (steps - warmup),
+                        others / (steps - warmup)])
+    return {name: round(statistics.median(r[i] for r in per_run) / 1e6, 2)
+            for i, name in enumerate(("step_thread_cpu", "step_thread_waiting_for_a_core",
+                                      "other_threads_cpu"))}
 
 
 def _blocked(measured: list[dict], warmup: int) -> dict:

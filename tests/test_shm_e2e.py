@@ -56,7 +56,21 @@ def run(local_cluster, tmp_path, name, env_extra=None, job_args=()):
     assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
     assert_clean_output(proc)
     assert job_files(prefix) == [], "the job's shared-memory files outlived it"
-    return torch.load(out), chosen(proc.output()), lent_in_place(proc.output())
+    result = torch.load(out)
+    result["joined"] = re.findall(r"joined as .*", proc.output())
+    return result, chosen(proc.output()), lent_in_place(proc.output())
+
+
+def differences(run: dict, reference: dict) -> str:
+    """Each state entry of `run` not bit-identical to `reference`'s, with its
+    largest difference, and how each run's processes computed (a failure
+    report that says where to look)."""
+    differ = {key: (run["state"][key] - value).abs().max().item()
+              for key, value in reference["state"].items()
+              if not torch.equal(run["state"][key], value)}
+    return (f"{len(differ)} of {len(reference['state'])} entries differ (largest "
+            f"difference each): {differ}\nthis run's processes: {run['joined']}\n"
+            f"the reference's: {reference['joined']}")
 
 
 def test_a_same_host_job_uses_shared_memory_and_equals_the_grpc_run(local_cluster, tmp_path):
@@ -76,10 +90,11 @@ def test_a_same_host_job_uses_shared_memory_and_equals_the_grpc_run(local_cluste
                                    job_args=("--gradient-bucket-bytes", 1 << 20))
     assert buckets_lent == shm_lent
     assert shm["steps"] == grpc["steps"] == 8
-    assert shm["state"].keys() == grpc["state"].keys()
-    for key, value in grpc["state"].items():
-        assert torch.equal(shm["state"][key], value), f"{key} differs from the gRPC run"
-        assert torch.equal(buckets["state"][key], value), f"{key} differs with buckets"
+    assert shm["state"].keys() == grpc["state"].keys() == buckets["state"].keys()
+    assert all(torch.equal(shm["state"][k], v) for k, v in grpc["state"].items()), (
+        f"the shared-memory run differs from the gRPC run: {differences(shm, grpc)}")
+    assert all(torch.equal(buckets["state"][k], v) for k, v in grpc["state"].items()), (
+        f"the run with buckets differs from the gRPC run: {differences(buckets, grpc)}")
 
 
 @pytest.mark.parametrize("victim", ["worker 1", "server 0"])
