@@ -331,7 +331,8 @@ def run_job(args: argparse.Namespace) -> None:
             profiler.after_step(step)
     if profiler is not None:
         profiler.stop()
-    threads["after_steps"][len(stamps) - 1] = _threads_sched_ns()
+    if job.is_driver:
+        threads["after_steps"][len(stamps) - 1] = _threads_sched_ns()
     trainer.finish()
     if job.is_driver:
         counters = trainer.cache_counters.values()
