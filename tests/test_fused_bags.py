@@ -79,11 +79,11 @@ def test_the_next_steps_rows_move_while_a_step_computes(monkeypatch, build, opti
     the unsplit step's bit for bit, and hits, misses and evictions are those
     of planning every step in the step, also where a plan ahead is refused
     (48 rows: it would evict a row the running step uses)."""
-    from splitrun.runtime.engine.embedding.client import EmbeddingClient
+    from splitrun.runtime.engine.embedding.plans_ahead import PlansAhead
 
     def run(plan_ahead: bool):
         if not plan_ahead:
-            monkeypatch.setattr(EmbeddingClient, "_plan_ahead", lambda self, tables: set())
+            monkeypatch.setattr(PlansAhead, "start", lambda self, step, lookups: set())
         program, batches = build(optimizer, 1, NUM_STEPS, cache_rows=cache_rows)
         result = run_threaded(_split(program), NUM_STEPS, feeds(batches), recv_timeout_s=30)
         monkeypatch.undo()

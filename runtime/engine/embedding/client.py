@@ -28,12 +28,8 @@ Consistency model:
   state is cached with them; a dirty row goes back to its server when evicted
   and when the job saves or finishes. The servers' tables are then exactly what
   training with the whole table in one process gives. The next step's plan is
-  made while a step computes (`_plan_ahead`, a thread: evict, write back,
-  pull, install), keeping every row the running step looked up: a row it
-  evicts is final (the running step does not update it), a row it pulls is
-  one the worker does not cache (its server holds its latest value: its
-  write-back went before, on the same ordered channel). A plan that would
-  evict a kept row is refused and that step plans in the step.
+  made while a step computes, in a thread (`plans_ahead.py`, which says why
+  that is exact).
 - Several workers: gradients go to the servers every step (each server
   averages them over the workers and updates, as parameter-server mode does),
   and a cached row older than `max_staleness` steps is pulled again before it
@@ -46,11 +42,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
-import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -73,6 +66,7 @@ from ...errors import CacheError
 from ...transport.dtypes import nbytes_of
 from ...transport.protocol import MessageKey, Transport
 from .fused_bags import FusedBags
+from .plans_ahead import PlansAhead
 from .protocol import (
     Gather,
     Item,
@@ -94,29 +88,6 @@ logger = logging.getLogger(__name__)
 # No ids: a table's empty part of a message.
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
 _NO_IDS = _NO_ROWS.numpy()
-# Bounds `close`'s wait for the planning thread: idle, it ends at once; one
-# blocked on a server that is gone is a daemon and does not hold the process.
-_PLANNER_CLOSE_S = 5.0
-
-
-@dataclass
-class _Ahead:
-    """The next step's plans of some tables, made in a thread while this
-    step computes: per table (plan, bytes pulled, bytes pushed) once done,
-    tables whose plan was refused left out. If one was refused, the others'
-    rows did not move yet (`moved` False): the next step writes back and
-    pulls for them with the refused tables' own plans, one message per server."""
-
-    step: int
-    tables: tuple[str, ...]
-    # Set by the planning thread once the plans are made (or failed).
-    done: threading.Event = field(default_factory=threading.Event)
-    is_settled: bool = False
-    planned: dict[str, tuple[BatchPlan, int, int]] = field(default_factory=dict)
-    moved: bool = True
-    error: BaseException | None = None
-
-
 class EmbeddingClient:
     def __init__(self, tables: list[CachedTable], label: Label, cluster: Cluster,
                  transport: Transport, incarnation: int, *, device: torch.device | str = "cpu",
@@ -157,13 +128,9 @@ class EmbeddingClient:
         # prefetch did not hide) and to pulls made in the step itself.
         self.waits = {"prefetched": 0.0, "pulled": 0.0}
         self._seq = itertools.count()
-        # Plans of the next step made while this one computes (`_plan_ahead`),
-        # by the tables of the lookup they serve; tables whose lookups turned
-        # out not to be their feed are planned in the step only.
-        self._ahead: dict[tuple[str, ...], _Ahead] = {}
-        self._no_ahead: set[str] = set()
-        self._planner: threading.Thread | None = None
-        self._planner_jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # The next step's plans, made while this one computes (`_plan_ahead`).
+        self.ahead = PlansAhead(self.caches, self._exchange, owner=label,
+                                timeout_s=timeout_s, waits=self.waits)
 
     def begin_step(self, step: int, next_feeds: Mapping[str, torch.Tensor] | None) -> None:
         """The step about to run, and the next step's feeds if known: the
@@ -344,7 +311,7 @@ class EmbeddingClient:
         if len(set(keys)) < len(keys):  # a table looked up twice: one after the other
             return [plan for lookup in lookups
                     for plan in self._plan_tables([lookup], ahead=False)]
-        done, unmoved = self._take_ahead(lookups)
+        done, unmoved = self.ahead.take(self._step, lookups)
         ahead_made = set(done) | set(unmoved)
         now = [(table, ids) for table, ids in lookups if table not in ahead_made]
         if now or unmoved:
@@ -386,149 +353,25 @@ class EmbeddingClient:
 
     def _plan_ahead(self, tables: list[str]) -> set[str]:
         """Plan the next batch of the write-back tables among `tables` in a
-        thread, now, while this step computes: evict, write back, pull and
-        install, as the next step's own plan would, one message per server.
-        The tables it will plan.
-
-        Exact because a row this step reads or updates is kept: a plan that
-        would evict one is refused (`RowCache.plan`'s `keep_since`) and the next
-        step plans that table itself. So every evicted row is final (no
-        update of this step touches it) when it is written back, and every
-        pulled row is one the worker does not cache, whose latest value the
-        server holds (its write-back went earlier, on the same ordered
-        channel). The plan is the one the next step would make: the same
-        victims, the same hits (LFU's counts and LRU's clock advance in the
-        same order)."""
+        thread, now, while this step computes (`plans_ahead.py`: evict,
+        write back, pull and install, as the next step's own plan would, one
+        message per server). The tables it will plan."""
         if self._next_feeds is None:
             return set()
-        wanted = []
+        lookups = []
         for table in tables:
             cache = self.caches[table]
             feed = cache.table.ids_feed
-            if (not self.write_back[table] or self.resident[table] or table in self._no_ahead
-                    or cache.policy is EvictionPolicy.NONE or feed is None
-                    or feed not in self._next_feeds):
+            if (not self.write_back[table] or self.resident[table]
+                    or table in self.ahead.excluded or cache.policy is EvictionPolicy.NONE
+                    or feed is None or feed not in self._next_feeds):
                 continue
-            wanted.append(table)
-        if not wanted:
-            return set()
-        ahead = _Ahead(self._step + 1, tuple(wanted))
-        lookups = [(table, self._next_feeds[self.caches[table].table.ids_feed])
-                   for table in wanted]
-        self._ahead[ahead.tables] = ahead
-        if self._planner is None:
-            # One thread for the job's plans ahead, started with the first:
-            # no thread to start (and warm up) each step.
-            self._planner = threading.Thread(target=self._plan_ahead_loop,
-                                             name=f"splitrun-cache-ahead-{self.label}",
-                                             daemon=True)
-            self._planner.start()
-        self._planner_jobs.put((ahead, lookups))
-        return set(ahead.tables)
-
-    def _plan_ahead_loop(self) -> None:
-        """The planning thread: the plans ahead, one after another, until
-        `close` (None)."""
-        while (job := self._planner_jobs.get()) is not None:
-            ahead, lookups = job
-            try:
-                self._run_ahead(ahead, lookups)
-            finally:
-                ahead.done.set()
+            lookups.append((table, self._next_feeds[feed]))
+        return self.ahead.start(self._step + 1, lookups)
 
     def close(self) -> None:
         """End the planning thread (once its plan in progress is made)."""
-        planner, self._planner = self._planner, None
-        if planner is not None:
-            self._planner_jobs.put(None)
-            planner.join(timeout=_PLANNER_CLOSE_S)
-
-    def _run_ahead(self, ahead: _Ahead, wanted: list[tuple[str, torch.Tensor]]) -> None:
-        """The thread of `_plan_ahead`: touches only these tables' caches
-        (the step running meanwhile reads and updates only the rows it looked
-        up, which the plans keep)."""
-        try:
-            plans = []
-            for table, ids in wanted:
-                cache = self.caches[table]
-                plan = cache.plan(ids, ahead.step, write_back=True,
-                                  max_staleness=cache.table.settings.max_staleness,
-                                  keep_since=ahead.step - 1)
-                if plan is not None:
-                    plans.append((table, plan))
-            if len(plans) < len(wanted):  # the next step moves every table's rows at once
-                ahead.planned = {t: (p, 0, 0) for t, p in plans}
-                ahead.moved = False
-                return
-            pulled, pushed = self._exchange(plans, ahead.step, waited=None)
-            ahead.planned = {t: (p, pulled.get(t, 0), pushed.get(t, 0)) for t, p in plans}
-        except BaseException as exc:  # noqa: BLE001 - raised in the step that waits for it
-            ahead.error = exc
-
-    def _settle(self, ahead: _Ahead) -> None:
-        """Wait for `ahead`'s plans (the time blocked counts as waiting for
-        prefetched rows: what planning ahead did not hide); raise its error."""
-        if not ahead.is_settled:
-            started = time.perf_counter()
-            is_done = ahead.done.wait(timeout=2 * self.timeout_s)
-            self.waits["prefetched"] += time.perf_counter() - started
-            if not is_done:
-                raise CacheError(f"[{self.label.describe()}] planning step {ahead.step}'s rows "
-                                 f"of {list(ahead.tables)} ahead took over "
-                                 f"{2 * self.timeout_s:.0f} s")
-            ahead.is_settled = True
-        if ahead.error is not None:
-            raise ahead.error
-
-    def settle_ahead(self) -> None:
-        """Wait until no plan is being made ahead (before the job's messages
-        about the tables: flush, save, dump); the plans stay for their step."""
-        for ahead in list(self._ahead.values()):
-            self._settle(ahead)
-
-    def _take_ahead(self, lookups: list[tuple[str, torch.Tensor]]
-                    ) -> tuple[dict[str, tuple[BatchPlan, int, int]], dict[str, BatchPlan]]:
-        """This step's plans made ahead for `lookups`' tables, those whose ids
-        are the lookup's: (plans whose rows moved, with their bytes pulled
-        and pushed; plans whose rows are still to move). A plan ahead that
-        overlaps these tables otherwise is settled and dropped (the cache
-        stays valid: it only holds rows the step did not ask for), and so is
-        one whose ids were not the lookup's; such tables are not planned
-        ahead again."""
-        tables = {table for table, _ in lookups}
-        done: dict[str, tuple[BatchPlan, int, int]] = {}
-        unmoved: dict[str, BatchPlan] = {}
-        for key in [key for key in self._ahead if tables & set(key)]:
-            ahead = self._ahead.pop(key)
-            self._settle(ahead)
-            if ahead.step != self._step or key != tuple(t for t, _ in lookups):
-                self._no_ahead.update(key)  # the step looks these tables up otherwise
-                self._move_rows([p for p, _, _ in ahead.planned.values()], ahead)
-                continue
-            wrong = []
-            for table, ids in lookups:
-                if table not in ahead.planned:
-                    continue
-                plan = ahead.planned[table]
-                if not torch.equal(plan[0].flat_ids, ids.reshape(-1).to("cpu", torch.int64)):
-                    self._no_ahead.add(table)
-                    wrong.append(plan[0])
-                elif ahead.moved:
-                    done[table] = plan
-                else:
-                    unmoved[table] = plan[0]
-            self._move_rows(wrong, ahead)
-        return done, unmoved
-
-    def _move_rows(self, plans: list[BatchPlan], ahead: _Ahead) -> None:
-        """Write back and pull the rows of plans made ahead that no step uses,
-        if they did not move yet: their slots must hold their rows before
-        the cache plans again."""
-        if ahead.moved or not plans:
-            return
-        keys = {id(plan): table for table, (plan, _, _) in ahead.planned.items()}
-        tables = [keys[id(plan)] for plan in plans]
-        self._exchange(list(zip(tables, plans)), ahead.step, waited="pulled")
+        self.ahead.close()
 
     def update(self, indices: torch.Tensor, values: torch.Tensor, lr: torch.Tensor,
                step: torch.Tensor, *, table: str, coalesced: bool = False) -> None:
@@ -765,14 +608,14 @@ class EmbeddingClient:
     def flush(self) -> None:
         """Write every dirty row back (write-back mode); requests stay in order,
         so a later dump sees them."""
-        self.settle_ahead()
+        self.ahead.settle_all()
         dirty = [(table, *cache.dirty_slots()) for table, cache in self.caches.items()]
         for table, pushed in self._write_back(dirty).items():
             self.caches[table].counters.bytes_pushed += pushed
 
     def drain_prefetch(self) -> None:
         """Take the replies of prefetches no step will use (the last batch's)."""
-        self.settle_ahead()
+        self.ahead.settle_all()
         for server, seq, _, _ in self._prefetch_requests:
             self._reply(server, seq)
         self._prefetch_requests = []
