@@ -10,7 +10,7 @@ The servers are a stand-in transport in the calling thread that answers each
 pull with rows of a preallocated buffer (what a shared-memory ring lends);
 requests are filled into reused memory (as a ring's slots are). So the
 numbers are the worker's own planning work: the plan-ahead thread's CPU a
-step (`time.thread_time` inside it) and the step thread's part.
+step (the scheduler's count of its CPU time) and the step thread's part.
 
     python bench/cache_planning.py [--steps 40] [--warmup 20] [--repeats 3]
 
@@ -27,6 +27,7 @@ import json
 import pathlib
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -99,6 +100,17 @@ def _batches(steps: int) -> list[list[torch.Tensor]]:
         for t in range(NUM_TABLES)] for _ in range(steps)]
 
 
+def _ahead_thread_cpu_s() -> float:
+    """CPU seconds so far of the client's plan-ahead thread (found by its
+    name; 0 before it starts), from the scheduler's count: the thread is
+    idle between plans, so the difference over a step is that step's plan."""
+    for thread in threading.enumerate():
+        if thread.name.startswith("splitrun-cache-ahead"):
+            with open(f"/proc/self/task/{thread.native_id}/schedstat") as stat:
+                return int(stat.read().split()[0]) / 1e9
+    return 0.0
+
+
 def measure(steps: int, warmup: int, batches: list[list[torch.Tensor]]) -> dict:
     tables = [CachedTable(f"tables.{t}.weight", NUM_ROWS, DIM, torch.float32,
                           CacheSettings(round(CACHE_FRACTION * NUM_ROWS), EvictionPolicy.LRU),
@@ -106,22 +118,15 @@ def measure(steps: int, warmup: int, batches: list[list[torch.Tensor]]) -> dict:
     cluster = Cluster(1, 2)
     client = EmbeddingClient(tables, cluster.labels()[0], cluster, _StandInServers(tables), 0)
     ahead_cpu = []
-    run_ahead = client._run_ahead
-
-    def timed(ahead, wanted):
-        started = time.thread_time()
-        run_ahead(ahead, wanted)
-        ahead_cpu.append(time.thread_time() - started)
-    client._run_ahead = timed
     keys = [t.key for t in tables]
     step_cpu, hits, unique = 0.0, 0, 0
     for step in range(warmup + steps):
         next_feeds = ({f"ids.{t}": batches[step + 1][t] for t in range(NUM_TABLES)}
                       if step + 1 < len(batches) else None)
         if step == warmup:
-            ahead_cpu.clear()
             started = time.thread_time()
         client.begin_step(step, next_feeds)
+        ahead_before = _ahead_thread_cpu_s()
         client._lookup_slots(list(zip(keys, batches[step])))
         for key in keys:  # as the fused update marks the rows it updated
             cache = client.caches[key]
@@ -130,7 +135,9 @@ def measure(steps: int, warmup: int, batches: list[list[torch.Tensor]]) -> dict:
             step_cpu += time.thread_time() - started
             hits += sum(client.caches[k].counters.last_step["hits"] for k in keys)
             unique += sum(client.caches[k].counters.last_step["unique_ids"] for k in keys)
-        client.settle_ahead()
+        client.ahead.settle_all()
+        if step >= warmup and next_feeds is not None:
+            ahead_cpu.append(_ahead_thread_cpu_s() - ahead_before)
         started = time.thread_time()
     client.close()
     ahead_cpu.sort()
