@@ -8,6 +8,14 @@ to this process's count makes every child compute as this process does.
 For the same reason launched jobs run on the CPU (SPLITRUN_DEVICE, the
 launcher's default device) also where a GPU is; the tests of the CUDA path
 (test_cuda.py) ask for `--device cuda`.
+
+MKL chooses its GEMM kernels in each process; under heavy load a process
+now and then computes a few ulps apart from the others (on this project's
+2-core machine about one job in 150 under load 6-12). Naming the code
+branch the CPU runs anyway (MKL_CBWR, MKL's conditional numerical
+reproducibility) leaves every value as it was and removed that: see
+docs/architecture.md#bit-for-bit. It is set here, before this process's
+first GEMM, for this process and every job it launches.
 """
 
 import os
@@ -20,6 +28,10 @@ from cluster import REPO, SCRIPTS, LocalCluster, StandingTemplateProc
 from scheduling import LongestFirstScheduling, UnitsFile, recorder_from_env, unit_of
 
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+# MKL reads it at its first call; ATen's capability names the branch MKL runs here.
+MKL_BRANCHES = {"AVX512": "AVX512", "AVX2": "AVX2"}
+if torch.backends.cpu.get_cpu_capability() in MKL_BRANCHES:
+    os.environ.setdefault("MKL_CBWR", MKL_BRANCHES[torch.backends.cpu.get_cpu_capability()])
 os.environ.setdefault("SPLITRUN_DEVICE", "cpu")
 UNITS_DIR = pytest.StashKey[tempfile.TemporaryDirectory]()
 
