@@ -21,8 +21,9 @@ the launcher (standing_client.py is the launcher's side):
   group after it exited (its data-loader workers), and the group id cannot
   have been reused before then.
 - When the launcher is gone (its pidfd becomes readable, or its connection
-  closes), the template SIGKILLs the process group of each of its processes,
-  then reaps them. A process dies with its template too (PR_SET_PDEATHSIG).
+  closes), the template SIGKILLs each of its processes and the process group
+  it leads (process_groups.py), then reaps them. A process dies with its
+  template too (PR_SET_PDEATHSIG).
 
 It runs what a launcher asks for, so only its own user may connect: the
 socket is mode 0600 and a peer of another uid (SO_PEERCRED) is refused. A
@@ -59,6 +60,7 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 
+from .process_groups import signal_with_group
 from .template import (
     MAX_MESSAGE_BYTES,
     PRELOAD,
@@ -334,10 +336,7 @@ class _Server:
             os.close(launcher.pidfd)
             launcher.pidfd = None
         for pid in list(launcher.children):
-            try:
-                os.killpg(pid, signal.SIGKILL)  # unreaped: the group is still its
-            except (ProcessLookupError, PermissionError):
-                pass
+            signal_with_group(pid, signal.SIGKILL)
             if pid in launcher.exited:
                 self._reap(launcher, pid)
 

@@ -48,6 +48,7 @@ from splitrun.splitter.labels import Label
 from .bootstrap import ERROR_MARK
 from .forked import ForkedProcess, Template
 from .janitor import Janitor
+from .process_groups import signal_with_group
 from .process_logs import ProcessLogs
 from .standing_client import StandingProcess, StandingTemplate
 
@@ -438,7 +439,4 @@ def _reap(child: Child, code: int | None) -> None:
 
 
 def _signal_group(child: Child, sig: int) -> None:
-    try:
-        os.killpg(child.pid, sig)  # the child leads its own group: pgid == pid
-    except (ProcessLookupError, PermissionError):
-        pass
+    signal_with_group(child.pid, sig)  # the child leads its own group once set up
