@@ -7,27 +7,44 @@ template outlived its SIGKILLed launcher, test_faults_e2e.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
-import time
 
 from cluster import wait_exited
 
 from splitrun.launcher.process_groups import signal_with_group
 
-# Bounds each forked stand-in: it exits by itself after this if nothing kills it.
+# Bounds each forked stand-in: it waits this long at most for the test to release it.
 LIFETIME_S = 30
 
 
-def _fork(body) -> int:
+@contextlib.contextmanager
+def release_pipe():
+    """A pipe the stand-ins wait on: closing the test's end (on the way out,
+    passed or failed) releases every stand-in still running."""
+    read_end, write_end = os.pipe()
+    try:
+        yield read_end, write_end
+    finally:
+        os.close(write_end)
+        os.close(read_end)
+
+
+def _fork(body, write_end: int) -> int:
     pid = os.fork()
     if pid == 0:  # the stand-in: only os calls, no lock the parent's threads hold
         try:
+            os.close(write_end)  # so the test's close is the pipe's end
             body()
         finally:
             os._exit(0)
     return pid
+
+
+def _wait_released(read_end: int) -> None:
+    select.select([read_end], [], [], LIFETIME_S)
 
 
 def _killed_by_sigkill(pid: int) -> bool:
@@ -36,56 +53,37 @@ def _killed_by_sigkill(pid: int) -> bool:
     return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
 
 
-def _end(pid: int) -> None:
-    """Kill and reap a stand-in a failed test left running."""
-    if wait_exited([pid], 0):
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-
-
 def test_a_process_that_leads_no_group_yet_is_killed():
-    pid = _fork(lambda: time.sleep(LIFETIME_S))  # no setsid: in the test's group
-    try:
+    with release_pipe() as (read_end, write_end):
+        pid = _fork(lambda: _wait_released(read_end), write_end)  # no setsid
         assert os.getpgid(pid) == os.getpgid(0) != pid
         signal_with_group(pid, signal.SIGKILL)
         assert not wait_exited([pid], 5.0), "the process outlived signal_with_group"
-        assert _killed_by_sigkill(pid)
-    finally:
-        _end(pid)
+    assert _killed_by_sigkill(pid)
 
 
 def test_the_group_a_process_leads_is_killed_with_it():
     """Its descendants (a data loader's workers) die too."""
-    read_end, write_end = os.pipe()
+    report_read, report_write = os.pipe()
 
     def leader():
         os.setsid()
         grandchild = os.fork()
         if grandchild == 0:
-            time.sleep(LIFETIME_S)
+            _wait_released(read_end)
             os._exit(0)
-        os.write(write_end, str(grandchild).encode())
-        time.sleep(LIFETIME_S)
+        os.write(report_write, str(grandchild).encode())
+        _wait_released(read_end)
 
-    pid = _fork(leader)
-    os.close(write_end)
-    try:
-        ready, _, _ = select.select([read_end], [], [], 10.0)
-        assert ready, "the leader did not report its child"
-        grandchild = int(os.read(read_end, 32))
+    with release_pipe() as (read_end, write_end):
+        pid = _fork(leader, write_end)
+        os.close(report_write)
+        try:
+            ready, _, _ = select.select([report_read], [], [], 10.0)
+            assert ready, "the leader did not report its child"
+            grandchild = int(os.read(report_read, 32))
+        finally:
+            os.close(report_read)
         signal_with_group(pid, signal.SIGKILL)
         assert not wait_exited([pid, grandchild], 5.0), "a process of the group survived"
-        assert _killed_by_sigkill(pid)
-    finally:
-        os.close(read_end)
-        _end(pid)
-        if pid_alive_in_group(pid):
-            os.killpg(pid, signal.SIGKILL)
-
-
-def pid_alive_in_group(group: int) -> bool:
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    assert _killed_by_sigkill(pid)
