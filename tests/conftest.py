@@ -29,9 +29,8 @@ from scheduling import LongestFirstScheduling, UnitsFile, recorder_from_env, uni
 
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 # MKL reads it at its first call; ATen's capability names the branch MKL runs here.
-MKL_BRANCHES = {"AVX512": "AVX512", "AVX2": "AVX2"}
-if (mkl_branch := MKL_BRANCHES.get(torch.backends.cpu.get_cpu_capability())) is not None:
-    os.environ.setdefault("MKL_CBWR", mkl_branch)
+if (cpu_capability := torch.backends.cpu.get_cpu_capability()) in ("AVX512", "AVX2"):
+    os.environ.setdefault("MKL_CBWR", cpu_capability)
 os.environ.setdefault("SPLITRUN_DEVICE", "cpu")
 UNITS_DIR = pytest.StashKey[tempfile.TemporaryDirectory]()
 
