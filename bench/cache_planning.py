@@ -36,6 +36,7 @@ HERE = pathlib.Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[1] / "examples"))
 
 import recsys_cache  # noqa: E402
+from embedding_cache import threads_sched_ns  # noqa: E402
 
 from splitrun.runtime.engine.embedding.client import EmbeddingClient  # noqa: E402
 from splitrun.runtime.engine.embedding.protocol import Op, read_request  # noqa: E402
@@ -106,8 +107,7 @@ def _ahead_thread_cpu_s() -> float:
     idle between plans, so the difference over a step is that step's plan."""
     for thread in threading.enumerate():
         if thread.name.startswith("splitrun-cache-ahead"):
-            with open(f"/proc/self/task/{thread.native_id}/schedstat") as stat:
-                return int(stat.read().split()[0]) / 1e9
+            return threads_sched_ns().get(thread.native_id, (0, 0))[0] / 1e9
     return 0.0
 
 

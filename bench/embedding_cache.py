@@ -326,13 +326,13 @@ def run_job(args: argparse.Namespace) -> None:
         stamps.append(time.perf_counter())
         waits.append(trainer.process.cache_waits)
         if job.is_driver and step + 1 in (QUICK_WARMUP_STEPS, WARMUP_STEPS):
-            threads["after_steps"][step + 1] = _threads_sched_ns()
+            threads["after_steps"][step + 1] = threads_sched_ns()
         if profiler is not None:
             profiler.after_step(step)
     if profiler is not None:
         profiler.stop()
     if job.is_driver:
-        threads["after_steps"][len(stamps) - 1] = _threads_sched_ns()
+        threads["after_steps"][len(stamps) - 1] = threads_sched_ns()
     trainer.finish()
     if job.is_driver:
         counters = trainer.cache_counters.values()
@@ -442,7 +442,7 @@ class _StoreProfiler:
             (self.directory / "python.txt").write_text(f"{PROFILED_STEPS} steps\n{text.getvalue()}")
 
 
-def _threads_sched_ns() -> dict[int, tuple[int, int]]:
+def threads_sched_ns() -> dict[int, tuple[int, int]]:
     """(CPU time, time runnable but waiting for a core) in ns, the
     scheduler's counts, of each live thread of this process."""
     times = {}
@@ -457,7 +457,7 @@ def _threads_sched_ns() -> dict[int, tuple[int, int]]:
 
 def _threads_cpu_ns() -> dict[int, int]:
     """CPU time (ns, the scheduler's count) of each live thread of this process."""
-    return {tid: ran for tid, (ran, _) in _threads_sched_ns().items()}
+    return {tid: ran for tid, (ran, _) in threads_sched_ns().items()}
 
 
 def _threads_ms_per_step(before: dict[int, int], after: dict[int, int], process_ms: float,

@@ -118,7 +118,7 @@ class PlansAhead:
             self._settle(ahead)
             if ahead.step != step or key != tuple(t for t, _ in lookups):
                 self.excluded.update(key)  # the step looks these tables up otherwise
-                self._move_rows([p for p, _, _ in ahead.planned.values()], ahead)
+                self._move_rows(list(ahead.planned), ahead)
                 continue
             wrong = []
             for table, ids in lookups:
@@ -127,7 +127,7 @@ class PlansAhead:
                 plan = ahead.planned[table]
                 if not torch.equal(plan[0].flat_ids, ids.reshape(-1).to("cpu", torch.int64)):
                     self.excluded.add(table)
-                    wrong.append(plan[0])
+                    wrong.append(table)
                 elif ahead.moved:
                     done[table] = plan
                 else:
@@ -196,11 +196,11 @@ class PlansAhead:
         if ahead.error is not None:
             raise ahead.error
 
-    def _move_rows(self, plans: list[BatchPlan], ahead: _Ahead) -> None:
-        """Write back and pull the rows of plans made ahead that no step
-        uses, if they did not move yet: their slots must hold their rows
+    def _move_rows(self, tables: list[str], ahead: _Ahead) -> None:
+        """Write back and pull the rows of `tables`' plans made ahead that no
+        step uses, if they did not move yet: their slots must hold their rows
         before the cache plans again."""
-        if ahead.moved or not plans:
+        if ahead.moved or not tables:
             return
-        keys = {id(plan): table for table, (plan, _, _) in ahead.planned.items()}
-        self.exchange([(keys[id(plan)], plan) for plan in plans], ahead.step, "pulled")
+        self.exchange([(table, ahead.planned[table][0]) for table in tables], ahead.step,
+                      "pulled")
