@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 from splitrun.splitter.errors import SplitrunError
 from splitrun.splitter.plan import SplitPlan
-from splitrun.splitter.plan_dot import count_of, plan_to_dot
+from splitrun.splitter.plan.dot import count_of, plan_to_dot
 
 __all__ = ["render_plan", "check_plan_out", "read_module_map", "ModuleNames", "PlanNames",
            "LEGEND"]

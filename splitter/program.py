@@ -14,9 +14,9 @@ from enum import Enum
 import torch
 from torch import fx
 
-from .cached_tables import CacheSettings
 from .errors import PlanError
 from .labels import LABEL_ANNOTATION, MODULE_ANNOTATION
+from .ops.cache import CacheSettings
 
 __all__ = [
     "InputKind",

@@ -17,11 +17,11 @@ from splitrun.runtime.cluster import Scheduler, SchedulerClient, SchedulerSettin
 from splitrun.runtime.cluster.rendezvous import KV_PREFIX, InProcessRendezvous, SchedulerRendezvous
 from splitrun.runtime.engine.collectives import ProcessGroupCollectives
 from splitrun.runtime.errors import CollectiveFailed
-from splitrun.splitter import Cluster, PlanError, split_program
+from splitrun.splitter import Cluster, CollectiveBackend, ParallelMode, PlanError, split_program
 from splitrun.splitter.labels import Label, Role
-from splitrun.splitter.parallel import CollectiveBackend, ParallelMode, collective_ops
-from splitrun.splitter.parallel.layout import shard_of
-from splitrun.splitter.parallel.rewrite import fold_sum, gather_shards
+from splitrun.splitter.modes.parallel.layout import shard_of
+from splitrun.splitter.modes.parallel.rewrite import fold_sum, gather_shards
+from splitrun.splitter.ops import collectives as collective_ops
 
 NUM = 4
 # Bounds joining the members' threads: each collective has its own deadline

@@ -11,16 +11,16 @@ import torch
 from parallel_models import BATCH, OUT, capture_mlp, mlp_batches, train_both
 
 from splitrun.runtime import run_threaded
-from splitrun.splitter import Cluster, SplitProgram, split_program
-from splitrun.splitter.parallel import (
-    CollectiveKind,
+from splitrun.splitter import (
+    Cluster,
     ParallelMode,
-    R,
-    S,
+    SplitProgram,
     collect_state_dict,
     member_key,
     relocate_state_dict,
+    split_program,
 )
+from splitrun.splitter.modes.parallel import CollectiveKind, R, S
 
 NUM_STEPS = 10
 TOLERANCE = 1e-5

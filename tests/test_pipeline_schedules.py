@@ -321,7 +321,7 @@ def test_interleaved_order_is_torchs():
 
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
 
-    from splitrun.splitter.pipeline_order import stage_actions
+    from splitrun.splitter.plan import stage_actions
     compared = 0
     for processes in (2, 3, 4):
         for chunks in (1, 2, 3):

@@ -20,7 +20,7 @@ from splitrun.splitter import (
     optim,
     split,
 )
-from splitrun.splitter.synthetic import random_program
+from splitrun.splitter.testing import random_program
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from splitrun.splitter import (
     split_program,
 )
 from splitrun.splitter.labels import MODULE_ANNOTATION
-from splitrun.splitter.ps_mode import assign_servers, gradient_slot
+from splitrun.splitter.modes.parameter_server import assign_servers, gradient_slot
 
 NUM_STEPS = 20
 TOLERANCE = 1e-5

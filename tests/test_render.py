@@ -14,10 +14,9 @@ from cluster import REPO
 from torch import nn
 
 from splitrun.launcher.render import ModuleNames, PlanNames, plan_picture, render_plan
-from splitrun.splitter import ParameterServerMode, capture, place
-from splitrun.splitter.graph_splitter import split_program
+from splitrun.splitter import ParameterServerMode, capture, place, split_program
 from splitrun.splitter.labels import Cluster
-from splitrun.splitter.picture_names import picture_names
+from splitrun.splitter.plan.picture_names import picture_names
 
 ATEN_NAMES = ("addmm", "relu", "threshold_backward", "_log_softmax", "nll_loss")
 
@@ -112,7 +111,7 @@ def test_one_op_is_one_op():
 def test_the_cache_mode_picture_shows_the_embedding_row_traffic():
     from cache_models import make
 
-    from splitrun.splitter.cache_mode import EmbeddingCacheMode
+    from splitrun.splitter import EmbeddingCacheMode
     from splitrun.splitter.plan import SplitPlan
 
     program, _ = make("adagrad", 1, 2, cache_rows=48)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from splitrun.runtime import run_threaded
 from splitrun.splitter import Cluster, OpKind, split, split_program
-from splitrun.splitter.synthetic import random_batches, random_program
+from splitrun.splitter.testing import random_batches, random_program
 
 NUM_STEPS = 3
 # A receive in these tiny graphs waits microseconds; 10 s only bounds a deadlock.

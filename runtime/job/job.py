@@ -26,11 +26,11 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from splitrun.splitter.graph_splitter import split_program
 from splitrun.splitter.labels import Cluster, Label
-from splitrun.splitter.modes import Mode
-from splitrun.splitter.picture_names import picture_names
+from splitrun.splitter.plan.picture_names import picture_names
 from splitrun.splitter.program import Program
+from splitrun.splitter.splitting.graph_splitter import split_program
+from splitrun.splitter.splitting.mode import Mode
 
 from ..checkpoints.saving import resume_state
 from ..cluster.env import ENV, ProcessEnvironment

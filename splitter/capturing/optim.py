@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from .errors import CaptureError
+from ..errors import CaptureError
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "Adagrad", "from_torch"]
 

@@ -31,17 +31,17 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.nn.utils.stateless import _reparametrize_module
 
-from . import optim
-from .cached_tables import cache_settings_of
-from .embedding_bags import (
+from ..errors import CaptureError
+from ..labels import LABEL_ANNOTATION, MODULE_ANNOTATION, placement_of
+from ..ops.bags import (
     bag_gradient,
     bags_as_lookups,
     coalesce_bag_gradients,
     drop_unused_bag_backwards,
 )
-from .errors import CaptureError
-from .labels import LABEL_ANNOTATION, MODULE_ANNOTATION, placement_of
-from .program import (
+from ..ops.cache import cache_settings_of
+from ..ops.sparse_updates import ROW_WISE_UPDATES, sparse_update_for
+from ..program import (
     InputKind,
     InputSpec,
     OutputKind,
@@ -51,7 +51,7 @@ from .program import (
     node_annotation,
     set_node_annotation,
 )
-from .sparse_optim import ROW_WISE_UPDATES, sparse_update_for
+from . import optim
 
 __all__ = ["capture", "LossFn"]
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .errors import CaptureError
+from ..errors import CaptureError
 
 __all__ = ["TorchRecInput", "CapturedEmbeddingBagCollection", "CapturedFeatures"]
 

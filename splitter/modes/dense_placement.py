@@ -20,9 +20,9 @@ from enum import Enum
 import torch
 from torch import fx
 
-from .errors import PlanError
-from .labels import MODULE_ANNOTATION, Label
-from .program import node_annotation, set_node_annotation
+from ..errors import PlanError
+from ..labels import MODULE_ANNOTATION, Label
+from ..program import node_annotation, set_node_annotation
 
 __all__ = ["DensePlacement", "all_reduce_mean", "average_dense_gradients"]
 

@@ -33,11 +33,11 @@ from enum import Enum
 import torch
 from torch import fx
 
-from .errors import PlanError
-from .labels import Cluster, Label
-from .pipeline_order import Action, PipelineSchedule, interleaved_rounds, stage_actions
-from .program import InputKind, OutputKind, OutputSpec, Program, set_node_annotation
-from .resolve import describe_node, resolve_labels
+from ..errors import PlanError
+from ..labels import Cluster, Label
+from ..plan.pipeline_order import Action, PipelineSchedule, interleaved_rounds, stage_actions
+from ..program import InputKind, OutputKind, OutputSpec, Program, set_node_annotation
+from ..splitting.resolve import describe_node, resolve_labels
 
 __all__ = ["MicrobatchedStep", "microbatch_step", "LossReduction"]
 

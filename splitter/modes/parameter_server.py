@@ -52,21 +52,21 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .dense_placement import DensePlacement, average_dense_gradients
-from .embedding_bags import is_bag_gradient
-from .errors import PlanError
-from .fx_facts import value_nbytes
-from .labels import ANY_SERVER, MODULE_ANNOTATION, Cluster, Label, Role
-from .modes import ChannelDraft, Edge, Mode, ModeArtifacts, fuse_by_source_segment
-from .plan import Channel, ChannelKind, DataSync, Instruction, ModeKind, OpKind, SplitPlan
-from .program import (
+from ..errors import PlanError
+from ..fx_facts import value_nbytes
+from ..labels import ANY_SERVER, MODULE_ANNOTATION, Cluster, Label, Role
+from ..ops.bags import is_bag_gradient
+from ..ops.sparse_updates import coalesce
+from ..plan.model import Channel, ChannelKind, DataSync, Instruction, ModeKind, OpKind, SplitPlan
+from ..program import (
     InputKind,
     OutputSpec,
     Program,
     node_annotation,
     set_node_annotation,
 )
-from .sparse_optim import coalesce
+from ..splitting.mode import ChannelDraft, Edge, Mode, ModeArtifacts, fuse_by_source_segment
+from .dense_placement import DensePlacement, average_dense_gradients
 
 __all__ = ["ParameterServerMode", "ServerAssignment", "gradient_slot", "assign_servers"]
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from .errors import CaptureError
+from ..errors import CaptureError
 
 __all__ = ["bags_as_lookups", "bag_as_lookup", "sparse_bag", "sparse_bag_backward",
            "bag_gradient", "bag_forward", "bag_gradient_rows", "sorted_groups", "IdGroups",

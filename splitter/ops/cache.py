@@ -18,7 +18,7 @@ from enum import Enum
 import torch
 from torch import nn
 
-from .errors import CaptureError, PlanError
+from ..errors import CaptureError, PlanError
 
 __all__ = ["EvictionPolicy", "CacheSettings", "CachedTable", "place_embedding_cache",
            "cache_settings_of", "cached_lookup", "cached_bag", "cached_bag_gradient",

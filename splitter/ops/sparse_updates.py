@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from .errors import CaptureError
+from ..errors import CaptureError
 
 __all__ = ["coalesce", "sparse_sgd", "sparse_adagrad", "sparse_adam", "sparse_sgd_",
            "sparse_adagrad_", "sparse_adam_", "IN_PLACE", "sparse_update_for",
@@ -159,7 +159,7 @@ ROW_WISE_UPDATES = frozenset({sparse_sgd, sparse_adagrad, sparse_adam})
 
 def sparse_update_for(functional) -> tuple[callable, dict]:
     """The row-wise update matching a functional optimizer, and its settings."""
-    from . import optim
+    from ..capturing import optim
 
     name = type(functional).__name__
     if type(functional) is optim.SGD:

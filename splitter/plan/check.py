@@ -6,10 +6,10 @@ from collections import Counter
 
 from torch import fx
 
-from .errors import PlanError
-from .labels import Role
+from ..errors import PlanError
+from ..labels import Role
+from .model import ChannelKind, OpKind, SplitPlan, actions_in
 from .pipeline_order import Action, stage_actions
-from .plan import ChannelKind, OpKind, SplitPlan, actions_in
 
 __all__ = ["check_plan"]
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .labels import Role
+from ..labels import Role
+from .model import ChannelKind, Instruction, OpKind, PipelineSummary, SplitPlan, actions_in
 from .pipeline_order import Action
-from .plan import ChannelKind, Instruction, OpKind, PipelineSummary, SplitPlan, actions_in
 
 __all__ = ["plan_to_dot", "count_of"]
 

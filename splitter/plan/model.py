@@ -16,8 +16,8 @@ from enum import Enum
 from functools import cached_property
 from typing import NamedTuple
 
-from .errors import PlanError
-from .labels import Cluster, Label
+from ..errors import PlanError
+from ..labels import Cluster, Label
 from .pipeline_order import PipelineSchedule, max_in_flight, theoretical_bubble
 
 __all__ = [
@@ -321,16 +321,16 @@ class SplitPlan:
     # -- forms --
 
     def to_text(self) -> str:
-        from .plan_text import plan_to_text
+        from .text import plan_to_text
         return plan_to_text(self)
 
     @classmethod
     def from_text(cls, text: str) -> SplitPlan:
-        from .plan_text import plan_from_text
+        from .text import plan_from_text
         return plan_from_text(text)
 
     def to_dot(self) -> str:
-        from .plan_dot import plan_to_dot
+        from .dot import plan_to_dot
         return plan_to_dot(self)
 
     @cached_property
@@ -377,5 +377,5 @@ class SplitPlan:
         process reads a value it neither computes, receives nor holds, and every
         send carries values its process has.
         """
-        from .plan_check import check_plan
+        from .check import check_plan
         check_plan(self, program)

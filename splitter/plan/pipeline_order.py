@@ -17,7 +17,7 @@ from collections import defaultdict
 from enum import Enum
 from typing import NamedTuple
 
-from .errors import PlanError
+from ..errors import PlanError
 
 __all__ = ["PipelineSchedule", "Action", "stage_actions", "interleaved_rounds",
            "max_in_flight", "theoretical_bubble"]

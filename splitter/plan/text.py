@@ -41,9 +41,9 @@ A parameter-server plan with a staleness bound says it (`staleness 2`).
 
 from __future__ import annotations
 
-from .errors import LabelError, PlanParseError
-from .labels import Cluster, Label
-from .plan import (
+from ..errors import LabelError, PlanParseError
+from ..labels import Cluster, Label
+from .model import (
     CachedTableEntry,
     Channel,
     ChannelKind,

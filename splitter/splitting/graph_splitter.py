@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from .errors import PlanError
-from .fx_facts import value_nbytes
-from .labels import Cluster, Label, Role
-from .modes import STEP_START, ChannelDraft, Edge, GeneralMode, Mode, ModeArtifacts
-from .plan import (
+from ..errors import PlanError
+from ..fx_facts import value_nbytes
+from ..labels import Cluster, Label, Role
+from ..plan.model import (
     Channel,
     ChannelKind,
     DataSync,
@@ -38,7 +37,8 @@ from .plan import (
     ProcessPlan,
     SplitPlan,
 )
-from .program import InputKind, OutputKind, Program
+from ..program import InputKind, OutputKind, Program
+from .mode import STEP_START, ChannelDraft, Edge, GeneralMode, Mode, ModeArtifacts
 from .resolve import resolve_labels
 
 __all__ = ["GraphSplitter", "SplitProgram", "split", "split_program"]

@@ -15,11 +15,18 @@ from types import MappingProxyType
 
 import torch
 
-from .errors import PlanError
-from .labels import Cluster, Label
-from .microbatch import LossReduction, microbatch_step
-from .plan import ChannelKind, ModeKind, PipelineSchedule, PipelineSummary, SplitPlan, action_of
-from .program import OutputKind, OutputSpec, Program
+from ..errors import PlanError
+from ..labels import Cluster, Label
+from ..modes.microbatch import LossReduction, microbatch_step
+from ..plan.model import (
+    ChannelKind,
+    ModeKind,
+    PipelineSchedule,
+    PipelineSummary,
+    SplitPlan,
+    action_of,
+)
+from ..program import OutputKind, OutputSpec, Program
 
 __all__ = ["Edge", "ChannelDraft", "ModeArtifacts", "StatePiece", "Mode", "GeneralMode",
            "PipelineArtifacts", "fuse_by_source_segment"]

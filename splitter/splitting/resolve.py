@@ -14,10 +14,10 @@ import operator
 import torch
 from torch import fx
 
-from .errors import PlanError
-from .fx_facts import op_packet
-from .labels import ANY_SERVER, LABEL_ANNOTATION, Cluster, Label, Role
-from .program import InputKind, OutputKind, Program
+from ..errors import PlanError
+from ..fx_facts import op_packet
+from ..labels import ANY_SERVER, LABEL_ANNOTATION, Cluster, Label, Role
+from ..program import InputKind, OutputKind, Program
 
 __all__ = ["resolve_labels", "describe_node", "FOLLOWER_OPS", "is_follower"]
 

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import fx
 
-from .labels import Label
-from .program import InputKind, InputSpec, OutputKind, OutputSpec, Program, set_node_annotation
+from ..labels import Label
+from ..program import InputKind, InputSpec, OutputKind, OutputSpec, Program, set_node_annotation
 
 __all__ = ["random_program", "random_batches"]
 

@@ -48,7 +48,9 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from splitrun.splitter.cached_tables import (
+from splitrun.splitter.labels import Cluster, Label
+from splitrun.splitter.ops.bags import bag_forward, bag_gradient_rows
+from splitrun.splitter.ops.cache import (
     CachedTable,
     EvictionPolicy,
     cached_bag,
@@ -58,9 +60,7 @@ from splitrun.splitter.cached_tables import (
     cached_lookup,
     cached_update,
 )
-from splitrun.splitter.embedding_bags import bag_forward, bag_gradient_rows
-from splitrun.splitter.labels import Cluster, Label
-from splitrun.splitter.sparse_optim import IN_PLACE
+from splitrun.splitter.ops.sparse_updates import IN_PLACE
 
 from ...errors import CacheError
 from ...transport.dtypes import nbytes_of

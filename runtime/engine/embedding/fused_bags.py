@@ -26,8 +26,8 @@ import math
 
 import torch
 
-from splitrun.splitter.embedding_bags import bag_gradient_rows, sorted_groups
-from splitrun.splitter.sparse_optim import sparse_sgd_
+from splitrun.splitter.ops.bags import bag_gradient_rows, sorted_groups
+from splitrun.splitter.ops.sparse_updates import sparse_sgd_
 
 from ...errors import CacheError
 from .huge_pages import zeros_rows

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitrun.splitter.embedding_bags import sorted_groups
+from splitrun.splitter.ops.bags import sorted_groups
 
 __all__ = ["StepIds"]
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 from torch import fx
 
-from .cached_tables import (
+from ...ops.cache import (
     CachedTable,
     cached_bag,
     cached_bag_gradient,

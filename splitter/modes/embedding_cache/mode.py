@@ -41,9 +41,11 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .bag_batching import FUSED_OPTIMIZERS, batch_cached_bags
-from .cache_summary import cached_table_entries
-from .cached_tables import (
+from ...errors import PlanError
+from ...fx_facts import op_packet
+from ...labels import Cluster, Label, Role
+from ...ops.bags import bag_gradient
+from ...ops.cache import (
     CachedTable,
     CacheSettings,
     EvictionPolicy,
@@ -53,15 +55,13 @@ from .cached_tables import (
     cached_update,
     place_embedding_cache,
 )
-from .dense_placement import DensePlacement
-from .embedding_bags import bag_gradient
-from .errors import PlanError
-from .fx_facts import op_packet
-from .labels import Cluster, Label, Role
-from .plan import ModeKind, SplitPlan
-from .program import InputKind, InputSpec, OutputKind, Program
-from .ps_mode import ParameterServerMode, ServerAssignment
-from .sparse_optim import ROW_WISE_UPDATES, sparse_adagrad, sparse_adam, sparse_sgd
+from ...ops.sparse_updates import ROW_WISE_UPDATES, sparse_adagrad, sparse_adam, sparse_sgd
+from ...plan.model import ModeKind, SplitPlan
+from ...program import InputKind, InputSpec, OutputKind, Program
+from ..dense_placement import DensePlacement
+from ..parameter_server import ParameterServerMode, ServerAssignment
+from .bag_batching import FUSED_OPTIMIZERS, batch_cached_bags
+from .summary import cached_table_entries
 
 _aten = torch.ops.aten
 _SPARSE_BAG = torch.ops.splitrun.sparse_bag.default

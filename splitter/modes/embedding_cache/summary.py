@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .cached_tables import CachedTable, cached_bag, cached_lookup
-from .plan import CachedTableEntry
-from .program import Program
+from ...ops.cache import CachedTable, cached_bag, cached_lookup
+from ...plan.model import CachedTableEntry
+from ...program import Program
 
 __all__ = ["cached_table_entries"]
 

@@ -9,6 +9,7 @@ the collectives as ordinary channels (or, with
 parallel group).
 """
 
+from ...ops.collectives import CollectiveBackend, CollectiveUnbound
 from .api import (
     ParallelCrossEntropyLoss,
     ParallelEmbedding,
@@ -17,7 +18,6 @@ from .api import (
     convert_parallel_linear,
     shard,
 )
-from .collective_ops import CollectiveBackend, CollectiveUnbound
 from .cost import CollectiveKind, redistribute_bytes
 from .layout import (
     Collective,

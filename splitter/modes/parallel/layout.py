@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import PlanError
-from ..labels import Label
-from ..modes import ModeArtifacts, StatePiece
-from .collective_ops import CollectiveBackend
+from ...errors import PlanError
+from ...labels import Label
+from ...ops.collectives import CollectiveBackend
+from ...splitting.mode import ModeArtifacts, StatePiece
 from .cost import CollectiveKind
 from .placement import Placement
 from .propagate import ShardingLayout

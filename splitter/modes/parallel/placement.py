@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
-from ..errors import PlanError
+from ...errors import PlanError
 
 __all__ = [
     "PlacementKind",

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from ..fx_facts import op_packet, value_itemsize
-from ..program import InputKind, InputSpec, OutputKind, Program, node_annotation
+from ...fx_facts import op_packet, value_itemsize
+from ...program import InputKind, InputSpec, OutputKind, Program, node_annotation
 from .cost import INFEASIBLE, CollectiveKind, bytes_of, redistribute_bytes, redistribute_kind
 from .loss_exchange import fuse_loss_exchange, log_softmax_of
 from .placement import Placement, R, S, ShardingError, to_placement

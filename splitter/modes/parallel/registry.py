@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from ..fx_facts import op_packet
+from ...fx_facts import op_packet
 from .local_ops import (
     VOCAB_LOG_SOFTMAX,
     VOCAB_LOG_SOFTMAX_BACKWARD,

@@ -43,9 +43,11 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from ..fx_facts import value_itemsize
-from ..labels import LABEL_ANNOTATION, MODULE_ANNOTATION, Label
-from ..program import (
+from ...fx_facts import value_itemsize
+from ...labels import LABEL_ANNOTATION, MODULE_ANNOTATION, Label
+from ...ops import collectives as collective_ops
+from ...ops.collectives import CollectiveBackend, FinishGathered
+from ...program import (
     InputKind,
     InputSpec,
     OutputKind,
@@ -53,8 +55,6 @@ from ..program import (
     Program,
     set_node_annotation,
 )
-from . import collective_ops
-from .collective_ops import CollectiveBackend, FinishGathered
 from .cost import CollectiveKind, chunk_dim, redistribute_bytes, redistribute_kind
 from .layout import Collective, ParallelLayout, member_key, relocate_state_dict, shard_of
 from .local_ops import AfterNllLoss

@@ -33,7 +33,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..errors import PlanError
+from ...errors import PlanError
 from .elimination import MAX_TABLE_ENTRIES, solve_exactly
 
 __all__ = ["Policy", "Problem", "Value", "Use", "solve", "brute_force", "total_cost",
