@@ -19,7 +19,7 @@ _EXPORTS = {
     "TorchRecInput": ".capturing.torchrec_input",
     "CapturedEmbeddingBagCollection": ".capturing.torchrec_input",
     "CapturedFeatures": ".capturing.torchrec_input",
-    "place_embedding_cache": ".ops.cache",
+    "place_embedding_cache": ".capturing.cache_marks",
     # errors
     "SplitrunError": ".errors",
     "LabelError": ".errors",
@@ -42,7 +42,7 @@ _EXPORTS = {
     "placement_of": ".labels",
     "region": ".labels",
     # modes
-    "GeneralMode": ".splitting.mode",
+    "GeneralMode": ".modes.general",
     "ParameterServerMode": ".modes.parameter_server",
     "ServerAssignment": ".modes.parameter_server",
     "DensePlacement": ".modes.dense_placement",

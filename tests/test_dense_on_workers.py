@@ -23,7 +23,7 @@ from splitrun.splitter import (
     split_program,
 )
 from splitrun.splitter.labels import Role
-from splitrun.splitter.modes.dense_placement import all_reduce_mean
+from splitrun.splitter.ops.worker_all_reduce import all_reduce_mean
 
 NUM_STEPS = 10
 

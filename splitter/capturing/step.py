@@ -33,14 +33,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from ..errors import CaptureError
 from ..labels import LABEL_ANNOTATION, MODULE_ANNOTATION, placement_of
-from ..ops.bags import (
-    bag_gradient,
-    bags_as_lookups,
-    coalesce_bag_gradients,
-    drop_unused_bag_backwards,
-)
-from ..ops.cache import cache_settings_of
-from ..ops.sparse_updates import ROW_WISE_UPDATES, sparse_update_for
+from ..ops.bags import bag_gradient
+from ..ops.sparse_updates import ROW_WISE_UPDATES
 from ..program import (
     InputKind,
     InputSpec,
@@ -52,6 +46,9 @@ from ..program import (
     set_node_annotation,
 )
 from . import optim
+from .bags import bags_as_lookups, coalesce_bag_gradients, drop_unused_bag_backwards
+from .cache_marks import cache_settings_of
+from .row_wise import sparse_update_for
 
 __all__ = ["capture", "LossFn"]
 

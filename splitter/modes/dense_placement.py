@@ -9,7 +9,8 @@ tables, cached tables) live on the servers. With several workers the dense
 gradients are averaged between the workers first: one `all_reduce_mean`
 node per step over all of them (one flat buffer, summed by a
 `torch.distributed` all-reduce among the workers, then divided by the
-number of workers, as the servers' mean divides), bound by the runtime.
+number of workers, as the servers' mean divides), bound by the runtime
+(`ops/worker_all_reduce.py`).
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ from __future__ import annotations
 import operator
 from enum import Enum
 
-import torch
 from torch import fx
 
 from ..errors import PlanError
 from ..labels import MODULE_ANNOTATION, Label
+from ..ops.worker_all_reduce import all_reduce_mean
 from ..program import node_annotation, set_node_annotation
 
-__all__ = ["DensePlacement", "all_reduce_mean", "average_dense_gradients"]
+__all__ = ["DensePlacement", "average_dense_gradients"]
 
 _OPTIMIZER_PREFIX = "optimizer."
 
@@ -32,13 +33,6 @@ _OPTIMIZER_PREFIX = "optimizer."
 class DensePlacement(Enum):
     SERVER = "server"
     WORKER = "worker"
-
-
-def all_reduce_mean(grads: list[torch.Tensor], *, num_workers: int) -> tuple[torch.Tensor, ...]:
-    """Every worker's `grads`, averaged over the `num_workers` workers (bound
-    by the runtime to an all-reduce among them)."""
-    raise PlanError(f"all_reduce_mean of {len(grads)} gradients ran without a group of "
-                    f"{num_workers} workers; run the program through splitrun's runtime")
 
 
 def average_dense_gradients(graph: fx.Graph, grad_of: dict[str, str], params: list[str],

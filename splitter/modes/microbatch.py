@@ -37,6 +37,7 @@ from ..errors import PlanError
 from ..labels import Cluster, Label
 from ..plan.pipeline_order import Action, PipelineSchedule, interleaved_rounds, stage_actions
 from ..program import InputKind, OutputKind, OutputSpec, Program, set_node_annotation
+from ..splitting.mode import Mode
 from ..splitting.resolve import describe_node, resolve_labels
 
 __all__ = ["MicrobatchedStep", "microbatch_step", "LossReduction"]
@@ -81,7 +82,7 @@ class MicrobatchedStep:
     num_chunks: int = 1
 
 
-def microbatch_step(program: Program, cluster: Cluster, mode: object, num_microbatches: int,
+def microbatch_step(program: Program, cluster: Cluster, mode: Mode, num_microbatches: int,
                     schedule: PipelineSchedule) -> MicrobatchedStep:
     """`program` cut into `num_microbatches` micro-batches laid out for
     `schedule`; `mode` resolves the labels (the general mode asking)."""

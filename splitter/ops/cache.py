@@ -1,13 +1,14 @@
-"""Cached embedding tables as the splitter describes them: which tables are
-marked (`place_embedding_cache`), their settings, what the runtime needs to
-know of each (`CachedTable`), and the marker ops a cached lookup, bag, bag
-gradient and update become in the graph (`cached_lookup`, `cached_bag`,
-`cached_bag_gradient`, `cached_update`; several tables' bags at once,
-`cached_bags`, and their fused backward and update, `cached_bags_update`),
-bound by the runtime.
+"""Cached embedding tables as the splitter describes them to the runtime: a
+table's settings (`CacheSettings`, what `place_embedding_cache` marks), what
+the runtime needs to know of each (`CachedTable`), and the marker ops a
+cached lookup, bag, bag gradient and update become in the graph
+(`cached_lookup`, `cached_bag`, `cached_bag_gradient`, `cached_update`;
+several tables' bags at once, `cached_bags`, and their fused backward and
+update, `cached_bags_update`), bound by the runtime.
 
-Capture reads the marks; `EmbeddingCacheMode` rewrites the graph. Neither
-depends on the other: both import this module.
+Capture reads the marks (`capturing/cache_marks.py`); `EmbeddingCacheMode`
+rewrites the graph; the runtime's row cache binds the markers. All three
+import this module.
 """
 
 from __future__ import annotations
@@ -16,16 +17,13 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
-from torch import nn
 
 from ..errors import CaptureError, PlanError
 
-__all__ = ["EvictionPolicy", "CacheSettings", "CachedTable", "place_embedding_cache",
-           "cache_settings_of", "cached_lookup", "cached_bag", "cached_bag_gradient",
-           "cached_update", "cached_bags", "cached_bags_update", "CACHE_OPS"]
+__all__ = ["EvictionPolicy", "CacheSettings", "CachedTable", "cached_lookup", "cached_bag",
+           "cached_bag_gradient", "cached_update", "cached_bags", "cached_bags_update",
+           "CACHE_OPS"]
 
-# The attribute place_embedding_cache sets on a marked table.
-_CACHE_ATTR = "_splitrun_cache"
 class EvictionPolicy(Enum):
     LRU = "lru"   # evict the rows used longest ago
     LFU = "lfu"   # evict the rows looked up least often (counted over the whole run)
@@ -72,35 +70,6 @@ class CachedTable:
     # Its bag's backward and row-wise update run as one fused FBGEMM call with
     # the other tables of its group (`cached_bags_update`); set by the mode.
     fused: bool = False
-
-
-def place_embedding_cache(modules, *, cache_rows: int, policy: EvictionPolicy | str = "lru",
-                          max_staleness: int = 0):
-    """Keep these `nn.Embedding` or `nn.EmbeddingBag` tables on the servers and
-    cache `cache_rows` rows of each on every worker. `modules`: one table, or
-    an iterable of them (an `nn.ModuleList` of tables). Bags take modes sum
-    and mean; `padding_idx` works (that row is never updated), `max_norm`
-    does not."""
-    settings = CacheSettings(cache_rows, EvictionPolicy(policy) if isinstance(policy, str)
-                             else policy, max_staleness)
-    tables = [modules] if isinstance(modules, nn.Module) and not isinstance(
-        modules, (nn.ModuleList, nn.ModuleDict)) else list(
-        modules.values() if isinstance(modules, nn.ModuleDict) else modules)
-    for table in tables:
-        if not isinstance(table, (nn.Embedding, nn.EmbeddingBag)):
-            raise CaptureError(f"place_embedding_cache takes nn.Embedding or nn.EmbeddingBag "
-                               f"tables, got {type(table).__name__}")
-        if table.max_norm is not None:
-            raise CaptureError(f"a cached {type(table).__name__} cannot use max_norm (it "
-                               f"renormalizes rows in place during the forward); drop it")
-        if isinstance(table, nn.EmbeddingBag) and table.mode == "max":
-            raise CaptureError("a cached EmbeddingBag takes mode 'sum' or 'mean', not 'max'")
-        setattr(table, _CACHE_ATTR, settings)
-    return modules
-
-
-def cache_settings_of(module: nn.Module) -> CacheSettings | None:
-    return getattr(module, _CACHE_ATTR, None)
 
 
 def cached_lookup(ids: torch.Tensor, *, table: str) -> torch.Tensor:

@@ -23,11 +23,8 @@ import math
 
 import torch
 
-from ..errors import CaptureError
-
 __all__ = ["coalesce", "sparse_sgd", "sparse_adagrad", "sparse_adam", "sparse_sgd_",
-           "sparse_adagrad_", "sparse_adam_", "IN_PLACE", "sparse_update_for",
-           "ROW_WISE_UPDATES"]
+           "sparse_adagrad_", "sparse_adam_", "IN_PLACE", "ROW_WISE_UPDATES"]
 
 
 def coalesce(indices: torch.Tensor, values: torch.Tensor,
@@ -155,30 +152,3 @@ IN_PLACE = {"sgd": sparse_sgd_, "adagrad": sparse_adagrad_, "adam": sparse_adam_
 
 
 ROW_WISE_UPDATES = frozenset({sparse_sgd, sparse_adagrad, sparse_adam})
-
-
-def sparse_update_for(functional) -> tuple[callable, dict]:
-    """The row-wise update matching a functional optimizer, and its settings."""
-    from ..capturing import optim
-
-    name = type(functional).__name__
-    if type(functional) is optim.SGD:
-        if functional.momentum or functional.weight_decay:
-            raise CaptureError(
-                "SGD with momentum or weight decay cannot update a sparse embedding row by "
-                "row; use sparse=False for that embedding, or plain SGD")
-        return sparse_sgd, {"maximize": functional.maximize}
-    if type(functional) is optim.Adagrad:
-        if functional.weight_decay:
-            raise CaptureError("Adagrad with weight decay does not support sparse gradients "
-                               "(nor does torch); set weight_decay=0 or sparse=False")
-        return sparse_adagrad, {"lr_decay": functional.lr_decay, "eps": functional.eps,
-                                "maximize": functional.maximize}
-    if type(functional) is optim.Adam:
-        if functional.weight_decay:
-            raise CaptureError("Adam on sparse gradients is lazy (SparseAdam) and has no "
-                               "weight decay; set weight_decay=0 or sparse=False")
-        return sparse_adam, {"betas": tuple(functional.betas), "eps": functional.eps,
-                             "maximize": functional.maximize}
-    raise CaptureError(f"{name} has no row-wise update for sparse gradients; use SGD, "
-                       f"Adagrad or Adam, or sparse=False")

@@ -6,8 +6,8 @@ parameter's key, `batch.0`, `lr`), instead of fx node names (`view_5`,
 
 from __future__ import annotations
 
+from ..fx_facts import is_follower
 from ..program import Program
-from ..splitting.resolve import is_follower
 
 __all__ = ["picture_names"]
 

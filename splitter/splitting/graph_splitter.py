@@ -38,7 +38,7 @@ from ..plan.model import (
     SplitPlan,
 )
 from ..program import InputKind, OutputKind, Program
-from .mode import STEP_START, ChannelDraft, Edge, GeneralMode, Mode, ModeArtifacts
+from .mode import STEP_START, ChannelDraft, Edge, Mode, ModeArtifacts
 from .resolve import resolve_labels
 
 __all__ = ["GraphSplitter", "SplitProgram", "split", "split_program"]
@@ -68,12 +68,13 @@ class SplitProgram:
 
 
 class GraphSplitter:
-    """Split `program` for `cluster` under `mode` (general mode by default)."""
+    """Split `program` for `cluster` under `mode` (by default the base `Mode`:
+    general mode without micro-batches)."""
 
     def __init__(self, program: Program, cluster: Cluster | None = None,
                  mode: Mode | None = None) -> None:
         self.cluster = cluster or Cluster()
-        self.mode = mode or GeneralMode()
+        self.mode = mode or Mode()
         self.source = program
 
     def split(self) -> SplitPlan:

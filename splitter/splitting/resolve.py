@@ -9,36 +9,14 @@ other node takes the mode's default label.
 
 from __future__ import annotations
 
-import operator
-
-import torch
 from torch import fx
 
 from ..errors import PlanError
-from ..fx_facts import op_packet
+from ..fx_facts import is_follower
 from ..labels import ANY_SERVER, LABEL_ANNOTATION, Cluster, Label, Role
 from ..program import InputKind, OutputKind, Program
 
-__all__ = ["resolve_labels", "describe_node", "FOLLOWER_OPS", "is_follower"]
-
-_aten = torch.ops.aten
-
-# Ops whose result depends on one input's data or only its shape: they run
-# where that input is, instead of dragging it to the default process.
-FOLLOWER_OPS = frozenset({
-    _aten.view, _aten._unsafe_view, _aten.reshape, _aten.t, _aten.transpose,
-    _aten.permute, _aten.expand, _aten.squeeze, _aten.unsqueeze, _aten.slice,
-    _aten.select, _aten.detach, _aten.alias, _aten.as_strided, _aten.unflatten,
-    _aten.flatten, _aten.clone, _aten._to_copy, _aten.ones_like, _aten.zeros_like,
-    _aten.empty_like, _aten.full_like, _aten.split, _aten.unbind, _aten.chunk,
-    operator.getitem,
-})
-
-
-def is_follower(node: fx.Node) -> bool:
-    """`node` only views, reshapes or indexes its one input (FOLLOWER_OPS)."""
-    return op_packet(node) in FOLLOWER_OPS and len(node.all_input_nodes) == 1
-
+__all__ = ["resolve_labels", "describe_node"]
 
 def describe_node(program: Program, node: fx.Node) -> str:
     module = program.module_of(node)

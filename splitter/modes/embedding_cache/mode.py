@@ -47,13 +47,10 @@ from ...labels import Cluster, Label, Role
 from ...ops.bags import bag_gradient
 from ...ops.cache import (
     CachedTable,
-    CacheSettings,
-    EvictionPolicy,
     cached_bag,
     cached_bag_gradient,
     cached_lookup,
     cached_update,
-    place_embedding_cache,
 )
 from ...ops.sparse_updates import ROW_WISE_UPDATES, sparse_adagrad, sparse_adam, sparse_sgd
 from ...plan.model import ModeKind, SplitPlan
@@ -66,10 +63,7 @@ from .summary import cached_table_entries
 _aten = torch.ops.aten
 _SPARSE_BAG = torch.ops.splitrun.sparse_bag.default
 
-# The table marks and types live in cached_tables; re-exported here, where
-# users of this mode look for them.
-__all__ = ["EmbeddingCacheMode", "CacheArtifacts", "EvictionPolicy", "CacheSettings",
-           "CachedTable", "DensePlacement", "place_embedding_cache"]
+__all__ = ["EmbeddingCacheMode", "CacheArtifacts"]
 
 # The row-wise updates a cached table can take (the keys of sparse_optim.IN_PLACE):
 # their per-row state (Adagrad's sum, Adam's moments) travels with the row.

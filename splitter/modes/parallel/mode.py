@@ -20,13 +20,13 @@ import logging
 from collections.abc import Mapping, Sequence
 
 from ...errors import PlanError
-from ...fx_facts import op_packet
+from ...fx_facts import FOLLOWER_OPS, op_packet
 from ...labels import LABEL_ANNOTATION, Cluster, Label, Role
 from ...ops.collectives import CollectiveBackend
 from ...plan.model import CollectiveEntry, ModeKind, ParallelSummary, SplitPlan
 from ...program import InputKind, Program, node_annotation
 from ...splitting.mode import Mode
-from ...splitting.resolve import FOLLOWER_OPS, describe_node
+from ...splitting.resolve import describe_node
 from .layout import ParallelLayout
 from .placement import Placement, ShardingError, to_placement
 from .propagate import propagate
