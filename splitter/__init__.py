@@ -77,6 +77,10 @@ _EXPORTS = {
     "OpKind": ".plan.model",
     "ProcessPlan": ".plan.model",
     "SplitPlan": ".plan.model",
+    "plan_to_text": ".plan.text",
+    "plan_from_text": ".plan.text",
+    "plan_to_dot": ".plan.dot",
+    "check_plan": ".plan.check",
     # the program
     "InputKind": ".program",
     "InputSpec": ".program",

@@ -31,6 +31,11 @@ _EXPORTS = {
     "interleaved_rounds": ".pipeline_order",
     "max_in_flight": ".pipeline_order",
     "theoretical_bubble": ".pipeline_order",
+    "plan_to_text": ".text",
+    "plan_from_text": ".text",
+    "plan_fingerprint": ".text",
+    "plan_to_dot": ".dot",
+    "check_plan": ".check",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -1,4 +1,4 @@
-"""`SplitPlan.lint()`: the invariants a plan must keep, checked in one place."""
+"""`check_plan`: the invariants a plan must keep, checked in one place."""
 
 from __future__ import annotations
 
@@ -15,6 +15,15 @@ __all__ = ["check_plan"]
 
 
 def check_plan(plan: SplitPlan, program=None) -> None:
+    """Check the plan's invariants; raise `PlanError` naming the first broken one.
+
+    Always: channel names are unique, every channel has exactly one send (on
+    its source) and one receive (on its destination), and the schedules
+    cannot deadlock (checked by running them abstractly). With `program`
+    (the one the plan's node names refer to: `SplitProgram.program`): no
+    process reads a value it neither computes, receives nor holds, and every
+    send carries values its process has.
+    """
     _check_channels(plan)
     _check_no_deadlock(plan)
     _check_servers_start_on_a_message(plan)

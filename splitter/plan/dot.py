@@ -230,7 +230,7 @@ def _pipeline_grid(pipeline: PipelineSummary) -> str:
                 cursor[process] += 1
                 moved = True
         if not moved:
-            break  # lint reports schedules that cannot finish
+            break  # check_plan reports schedules that cannot finish
     width = max(free_at, default=0)
     rows = [f'<tr><td colspan="{width + 1}"><b>{pipeline.schedule.value}, '
             f"{pipeline.num_microbatches} micro-batches"

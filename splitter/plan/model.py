@@ -2,18 +2,19 @@
 
 A plan is plain data. It names graph nodes by their fx names and state by its
 keys, so every process that computes it from the same script gets the same
-plan, and its text form (`to_text` / `from_text`, in `plan_text.py`) prints and
-parses back to an equal plan. The program those names refer to travels beside
-it, in a `SplitProgram` (see `graph_splitter.split_program`).
+plan. Its forms and checks are functions over it, in modules that import this
+one (never the reverse): the text form (`text.plan_to_text` /
+`text.plan_from_text`, which parse back to an equal plan), the picture
+(`dot.plan_to_dot`) and the invariants (`check.check_plan`). The program those
+names refer to travels beside it, in a `SplitProgram` (see
+`splitting.graph_splitter.split_program`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from functools import cached_property
 from typing import NamedTuple
 
 from ..errors import PlanError
@@ -220,7 +221,7 @@ class PipelineSummary:
     the order of its actions (`"F0"`, `"B0"`; `"2F0"` with a virtual stage
     under interleaved 1F1B) as its schedule runs them, and the chunks each
     process holds (virtual stages; 1 but under interleaved 1F1B).
-    `lint` re-derives the actions from the schedules and checks the
+    `check_plan` re-derives the actions from the schedules and checks the
     micro-batches in flight against what the schedule promises."""
 
     schedule: PipelineSchedule
@@ -275,6 +276,11 @@ class SplitPlan:
     # Parameter-server mode: a worker at step c may read state that data-syncs
     # bring it at version >= c - staleness (0: the version of step c, exactly).
     staleness: int = 0
+    # A short hash of the text form, computed once when the plan is made (the
+    # split, `plan_from_text`; `text.plan_fingerprint`): two processes with the
+    # same script and cluster agree on it, so the scheduler can refuse a
+    # mismatched one. Empty for a plan put together by hand.
+    fingerprint: str = field(default="", compare=False)
     _index: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -318,26 +324,7 @@ class SplitPlan:
         the servers in a step, each way (every lookup a miss); 0 otherwise."""
         return sum(t.lookups * t.row_bytes for t in self.cached_tables)
 
-    # -- forms --
-
-    def to_text(self) -> str:
-        from .text import plan_to_text
-        return plan_to_text(self)
-
-    @classmethod
-    def from_text(cls, text: str) -> SplitPlan:
-        from .text import plan_from_text
-        return plan_from_text(text)
-
-    def to_dot(self) -> str:
-        from .dot import plan_to_dot
-        return plan_to_dot(self)
-
-    @cached_property
-    def fingerprint(self) -> str:
-        """A short hash of the text form: two processes with the same script and
-        cluster agree on it, so the scheduler can refuse a mismatched one."""
-        return hashlib.sha256(self.to_text().encode()).hexdigest()[:16]
+    # -- summaries --
 
     def explain(self) -> str:
         """Parallel mode: the groups, each state slot's placement and the
@@ -364,18 +351,3 @@ class SplitPlan:
                          f"outside these messages: up to {self.row_bytes_per_step()} bytes per "
                          f"step each way per worker (misses pulled, dirty rows pushed)")
         return "\n".join(lines)
-
-    # -- invariants --
-
-    def lint(self, program=None) -> None:
-        """Check the plan's invariants; raise `PlanError` naming the first broken one.
-
-        Always: channel names are unique, every channel has exactly one send (on
-        its source) and one receive (on its destination), and the schedules
-        cannot deadlock (checked by running them abstractly). With `program`
-        (the one the plan's node names refer to: `SplitProgram.program`): no
-        process reads a value it neither computes, receives nor holds, and every
-        send carries values its process has.
-        """
-        from .check import check_plan
-        check_plan(self, program)

@@ -1,4 +1,5 @@
-"""The plan's short text form, and its parser. `from_text(to_text(p)) == p`.
+"""The plan's short text form, its parser and its fingerprint.
+`plan_from_text(plan_to_text(p)) == p`.
 
     splitrun-plan 1
     mode general
@@ -41,6 +42,9 @@ A parameter-server plan with a staleness bound says it (`staleness 2`).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+
 from ..errors import LabelError, PlanParseError
 from ..labels import Cluster, Label
 from .model import (
@@ -59,13 +63,23 @@ from .model import (
     SplitPlan,
 )
 
-__all__ = ["plan_to_text", "plan_from_text"]
+__all__ = ["plan_to_text", "plan_from_text", "plan_fingerprint", "with_fingerprint"]
 
 _HEADER = "splitrun-plan 1"
 
 
 def _value_token(sent: str, received: str) -> str:
     return sent if sent == received else f"{sent}>{received}"
+
+
+def plan_fingerprint(plan: SplitPlan) -> str:
+    """A short hash of the plan's text form (what `SplitPlan.fingerprint` holds)."""
+    return hashlib.sha256(plan_to_text(plan).encode()).hexdigest()[:16]
+
+
+def with_fingerprint(plan: SplitPlan) -> SplitPlan:
+    """`plan` with its fingerprint computed: the last step of making a plan."""
+    return dataclasses.replace(plan, fingerprint=plan_fingerprint(plan), _index={})
 
 
 def plan_to_text(plan: SplitPlan) -> str:
@@ -213,5 +227,5 @@ def plan_from_text(text: str) -> SplitPlan:
                                   tuple(a for _, a in stages), pipeline[2])
     elif stages:
         raise PlanParseError("'stage' lines need a 'pipeline' line before them")
-    return SplitPlan(mode, cluster, tuple(processes), tuple(channels), tuple(syncs), parallel,
-                     tuple(tables), summary, staleness)
+    return with_fingerprint(SplitPlan(mode, cluster, tuple(processes), tuple(channels),
+                                      tuple(syncs), parallel, tuple(tables), summary, staleness))

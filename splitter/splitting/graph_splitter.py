@@ -11,7 +11,7 @@
 
 Every process executes in the order of one global topological order and sends
 never block, so the global order is a valid sequential schedule for the whole
-split program: it cannot deadlock. `SplitPlan.lint()` re-checks this.
+split program: it cannot deadlock. `plan.check.check_plan` re-checks this.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from torch import fx
 from ..errors import PlanError
 from ..fx_facts import value_nbytes
 from ..labels import Cluster, Label, Role
+from ..plan.check import check_plan
 from ..plan.model import (
     Channel,
     ChannelKind,
@@ -37,6 +38,7 @@ from ..plan.model import (
     ProcessPlan,
     SplitPlan,
 )
+from ..plan.text import with_fingerprint
 from ..program import InputKind, OutputKind, Program
 from .mode import STEP_START, ChannelDraft, Edge, Mode, ModeArtifacts
 from .resolve import resolve_labels
@@ -63,8 +65,8 @@ class SplitProgram:
     artifacts: ModeArtifacts = field(default_factory=ModeArtifacts)
 
     def lint(self) -> None:
-        """The plan's invariants, dataflow included (see `SplitPlan.lint`)."""
-        self.plan.lint(self.program)
+        """The plan's invariants, dataflow included (see `check_plan`)."""
+        check_plan(self.plan, self.program)
 
 
 class GraphSplitter:
@@ -105,7 +107,8 @@ class GraphSplitter:
         data_syncs = tuple(DataSync(key, src, dst, name) for key, src, dst, name in sync_pairs)
         plan = SplitPlan(self.mode.kind, self.cluster, processes, tuple(channels),
                          data_syncs)
-        return SplitProgram(self.mode.postbuild(plan, program, artifacts), program, artifacts)
+        plan = with_fingerprint(self.mode.postbuild(plan, program, artifacts))
+        return SplitProgram(plan, program, artifacts)
 
     def _control_drafts(self, runs, drafts) -> list[ChannelDraft]:
         """A per-step trigger for every busy process nothing else feeds, and
