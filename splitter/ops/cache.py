@@ -21,8 +21,7 @@ import torch
 from ..errors import CaptureError, PlanError
 
 __all__ = ["EvictionPolicy", "CacheSettings", "CachedTable", "cached_lookup", "cached_bag",
-           "cached_bag_gradient", "cached_update", "cached_bags", "cached_bags_update",
-           "CACHE_OPS"]
+           "cached_bag_gradient", "cached_update", "cached_bags", "cached_bags_update"]
 
 class EvictionPolicy(Enum):
     LRU = "lru"   # evict the rows used longest ago
@@ -119,7 +118,3 @@ def cached_bags_update(grads: list[torch.Tensor], lr: torch.Tensor, step: torch.
     call (bound by the runtime)."""
     raise PlanError(f"cached_bags_update of tables {', '.join(tables)} ran without an "
                     f"embedding cache")
-
-
-CACHE_OPS = frozenset({cached_lookup, cached_bag, cached_bag_gradient, cached_update,
-                       cached_bags, cached_bags_update})

@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from ..errors import PlanError, SplitrunError
 
 __all__ = ["CollectiveBackend", "CollectiveUnbound", "all_reduce", "all_gather",
-           "reduce_scatter", "all_to_all", "all_gather_stacked", "COLLECTIVE_OPS",
+           "reduce_scatter", "all_to_all", "all_gather_stacked",
            "FinishGathered"]
 
 
@@ -104,11 +104,6 @@ def all_gather_stacked(piece: torch.Tensor, group: int, num: int) -> torch.Tenso
     first dimension: the summaries of an exchange."""
     _planning(piece, "all_gather_stacked")
     return piece.new_empty((num, *piece.shape))
-
-
-# Every marker, for the runtime's bindings.
-COLLECTIVE_OPS: tuple[Callable, ...] = (all_reduce, all_gather, reduce_scatter, all_to_all,
-                                        all_gather_stacked)
 
 
 class FinishGathered:
