@@ -84,9 +84,12 @@ def capture(model: nn.Module, loss_fn: LossFn,
     owners = _state_owners(model)
 
     cached = _cached_tables(model)
-    with _sparse_gradients(cached.values()):
+    # Cached tables are captured as sparse embeddings: lookup forward,
+    # (indices, values) gradients, a row-wise update.
+    with _attribute_set(cached.values(), "sparse", True):
         padding = _sparse_padding(model)
-        with _padding_left_to_the_update(model), bags_as_lookups(model):
+        with _attribute_set(_padded_sparse_embeddings(model), "padding_idx", None), \
+                bags_as_lookups(model):
             joint = _trace_joint(model, loss_fn, trainable, params, frozen, batch)
     builder = _StepBuilder(joint, trainable, list(frozen), len(batch), owners, padding)
     builder.add_inputs(groups if optimizer is not None else None)
@@ -211,39 +214,31 @@ def _sparse_padding(model: nn.Module) -> dict[str, int]:
             and module.padding_idx is not None}
 
 
-@contextlib.contextmanager
-def _padding_left_to_the_update(model: nn.Module):
-    """Trace sparse `nn.Embedding`s without their `padding_idx`: it changes
-    only the backward (the padding row gets no gradient), and torch's sparse
-    backward drops those rows with a data-dependent shape that one static
-    graph cannot hold. The row-wise update skips the row instead (see
+def _padded_sparse_embeddings(model: nn.Module) -> list[nn.Embedding]:
+    """The sparse `nn.Embedding`s with a `padding_idx`, traced without it: it
+    changes only the backward (the padding row gets no gradient), and torch's
+    sparse backward drops those rows with a data-dependent shape that one
+    static graph cannot hold. The row-wise update skips the row instead (see
     `_sparse_padding`), so only a returned gradient (`return_grads`) still
     holds values for it. (Sparse bags mask their padding ids themselves:
-    `embedding_bags`.)"""
-    saved = [(module, module.padding_idx) for module in model.modules()
-             if isinstance(module, nn.Embedding) and module.sparse
-             and module.padding_idx is not None]
-    try:
-        for module, _ in saved:
-            module.padding_idx = None
-        yield
-    finally:
-        for module, pad in saved:
-            module.padding_idx = pad
+    `ops/bags.py`.)"""
+    return [module for module in model.modules()
+            if isinstance(module, nn.Embedding) and module.sparse
+            and module.padding_idx is not None]
 
 
 @contextlib.contextmanager
-def _sparse_gradients(tables):
-    """Capture cached tables as sparse embeddings: lookup forward, (indices,
-    values) gradients, a row-wise update."""
-    saved = [(table, table.sparse) for table in tables]
+def _attribute_set(modules, name: str, value):
+    """`name` set to `value` on each of `modules` while tracing; each one's own
+    value is put back after, whatever happens."""
+    saved = [(module, getattr(module, name)) for module in modules]
     try:
-        for table, _ in saved:
-            table.sparse = True
+        for module, _ in saved:
+            setattr(module, name, value)
         yield
     finally:
-        for table, sparse in saved:
-            table.sparse = sparse
+        for module, own in saved:
+            setattr(module, name, own)
 
 
 class _Groups:

@@ -519,101 +519,117 @@ class _Layout:
     # -- the new graph --
 
     def _emit(self, order) -> Program:
-        full, micro, facts, count = self.full, self.micro, self.facts, self.num_microbatches
-        graph = fx.Graph()
-        env: dict[tuple, fx.Node] = {}
+        full, micro, facts = self.full, self.micro, self.facts
+        self.graph = graph = fx.Graph()
+        self.env: dict[tuple, fx.Node] = {}
+        self.final: dict[fx.Node, fx.Node] = {}  # loss / grad node -> its combined value
+        self.label: Label | None = None          # the process of the item being emitted
+        self.combined_name = {node: key for key, node in self._combined()}
         full_placeholders = {n.name: n for n in full.graph.find_nodes(op="placeholder")}
         for node in micro.graph.find_nodes(op="placeholder"):
             new = graph.placeholder(node.name)
             assert new.name == node.name, (new.name, node.name)
             new.meta = copy.copy(full_placeholders[node.name].meta)
-            env[(node, None)] = new
-        scale = 1.0 / count if facts.loss_reduction is LossReduction.MEAN else None
-        combined_name = {node: key for key, node in self._combined()}
-        final: dict[fx.Node, fx.Node] = {}  # loss / grad node -> its combined value
-        current_label = None
-
-        def lookup(m):
-            def find(value: fx.Node) -> fx.Node:
-                if value in final and m is None:
-                    return final[value]
-                if value in facts.batch:
-                    return env[(_SLICE, value, m, current_label)]
-                if value in facts.replicated:
-                    return env[(_REP, value, m)]
-                return env[(value, None)]
-            return find
-
+            self.env[(node, None)] = new
         for kind, node, m, label in order:
-            current_label = label
+            self.label = label
             if kind == _SLICE:
-                value = node.meta["val"]
-                rows = value.shape[0]
-                new = graph.create_node(
-                    "call_function", _aten.slice.Tensor,
-                    (env[(node, None)], 0, m * rows, (m + 1) * rows), {},
-                    name=f"{node.name}_mb{m}_{label}")
-                new.meta = {"val": value}
-                set_node_annotation(new, str(label))
-                env[(_SLICE, node, m, label)] = new
-                continue
-            if kind in (_ACC, _SCALE):
-                key = combined_name[node]
-                base = "loss" if key == "loss" else "grad_" + key.replace(".", "_")
-                tag = self._action(node, m)
-                product, chain = self.fused.get(node, (None, ()))
-                if kind == _ACC and product is not None:
-                    if m == 0:
-                        new = env[(_REP, product, 0)]
-                    else:
-                        factors = fx.node.map_arg(product.args, lookup(m))
-                        new = self._call(graph, _aten.addmm.default,
-                                         (env[(_ACC, node, m - 1)], *factors),
-                                         f"{base}_sum__{tag}", product, label)
-                    env[(_ACC, node, m)] = new
-                elif kind == _ACC:
-                    value = env[(_REP, node, m)]
-                    new = value if m == 0 else self._call(
-                        graph, _aten.add.Tensor, (env[(_ACC, node, m - 1)], value),
-                        f"{base}_sum__{tag}", node, label)
-                    env[(_ACC, node, m)] = final[node] = new
-                else:
-                    total = env[(_ACC, node, m)]
-                    for step in chain:  # lay the sum out as the gradient is
-                        total = self._call(graph, step.target,
-                                           fx.node.map_arg(step.args, lambda _, t=total: t),
-                                           f"{step.name}_sum", step, label)
-                    if scale is not None:
-                        total = self._call(graph, _aten.mul.Tensor, (total, scale),
-                                           f"{base}_mean", node, label)
-                    final[node] = total
-                continue
-            args = fx.node.map_arg(node.args, lookup(m if kind == _REP else None))
-            kwargs = fx.node.map_arg(node.kwargs, lookup(m if kind == _REP else None))
-            if kind == _REP:
-                new = graph.create_node(node.op, node.target, args, kwargs,
-                                        name=f"{node.name}__{self._action(node, m)}")
-                env[(_REP, node, m)] = new
+                self._emit_slice(node, m, label)
+            elif kind in (_ACC, _SCALE):
+                self._emit_combined(kind, node, m, label)
             else:
-                new = graph.create_node(node.op, node.target, args, kwargs, name=node.name)
-                env[(node, None)] = new
-            new.meta = copy.copy(node.meta)
-            if label is not None:
-                set_node_annotation(new, str(label))
+                self._emit_copy(kind, node, m, label)
 
         outputs, specs = [], []
         returned = micro.graph.output_node().args[0]
         for spec, value in zip(micro.outputs, returned):
-            new = final.get(value) if spec.kind is not OutputKind.STATE else None
-            new = new if new is not None else env[(value, None)]
+            new = self.final.get(value) if spec.kind is not OutputKind.STATE else None
+            new = new if new is not None else self.env[(value, None)]
             outputs.append(new)
             specs.append(OutputSpec(new.name, spec.kind, spec.key))
         graph.output(tuple(outputs))
         module = fx.GraphModule(micro.graph_module, graph, class_name="MicrobatchedStep")
         return Program(module, full.inputs, tuple(specs), full.initial_state,
                        hparams_fn=full.hparams_fn,
-                       grads={p: final[g].name for p, g in facts.grads.items()},
+                       grads={p: self.final[g].name for p, g in facts.grads.items()},
                        param_groups=full.param_groups)
+
+    def _lookup(self, m):
+        """Where a copy for micro-batch `m` (None: a node run once) reads `value`."""
+        facts, env, final = self.facts, self.env, self.final
+
+        def find(value: fx.Node) -> fx.Node:
+            if value in final and m is None:
+                return final[value]
+            if value in facts.batch:
+                return env[(_SLICE, value, m, self.label)]
+            if value in facts.replicated:
+                return env[(_REP, value, m)]
+            return env[(value, None)]
+        return find
+
+    def _emit_slice(self, node: fx.Node, m: int, label: Label) -> None:
+        """Micro-batch `m`'s rows of a batch input, on the process reading them."""
+        value = node.meta["val"]
+        rows = value.shape[0]
+        new = self.graph.create_node(
+            "call_function", _aten.slice.Tensor,
+            (self.env[(node, None)], 0, m * rows, (m + 1) * rows), {},
+            name=f"{node.name}_mb{m}_{label}")
+        new.meta = {"val": value}
+        set_node_annotation(new, str(label))
+        self.env[(_SLICE, node, m, label)] = new
+
+    def _emit_combined(self, kind: str, node: fx.Node, m: int, label: Label) -> None:
+        """The loss or a gradient summed over the micro-batches up to `m`
+        (`_ACC`; inside the matrix product for a fused gradient), or, after the
+        last, laid out as the gradient is and scaled for a mean loss (`_SCALE`)."""
+        graph, env = self.graph, self.env
+        key = self.combined_name[node]
+        base = "loss" if key == "loss" else "grad_" + key.replace(".", "_")
+        tag = self._action(node, m)
+        product, chain = self.fused.get(node, (None, ()))
+        if kind == _ACC and product is not None:
+            if m == 0:
+                new = env[(_REP, product, 0)]
+            else:
+                factors = fx.node.map_arg(product.args, self._lookup(m))
+                new = self._call(graph, _aten.addmm.default,
+                                 (env[(_ACC, node, m - 1)], *factors),
+                                 f"{base}_sum__{tag}", product, label)
+            env[(_ACC, node, m)] = new
+        elif kind == _ACC:
+            value = env[(_REP, node, m)]
+            new = value if m == 0 else self._call(
+                graph, _aten.add.Tensor, (env[(_ACC, node, m - 1)], value),
+                f"{base}_sum__{tag}", node, label)
+            env[(_ACC, node, m)] = self.final[node] = new
+        else:
+            total = env[(_ACC, node, m)]
+            for step in chain:  # lay the sum out as the gradient is
+                total = self._call(graph, step.target,
+                                   fx.node.map_arg(step.args, lambda _, t=total: t),
+                                   f"{step.name}_sum", step, label)
+            if self.facts.loss_reduction is LossReduction.MEAN:
+                total = self._call(graph, _aten.mul.Tensor, (total, 1.0 / self.num_microbatches),
+                                   f"{base}_mean", node, label)
+            self.final[node] = total
+
+    def _emit_copy(self, kind: str, node: fx.Node, m: int | None, label: Label | None) -> None:
+        """A node copied for micro-batch `m` (`_REP`), or run once (`_PRE`, `_POST`)."""
+        lookup = self._lookup(m if kind == _REP else None)
+        args = fx.node.map_arg(node.args, lookup)
+        kwargs = fx.node.map_arg(node.kwargs, lookup)
+        if kind == _REP:
+            new = self.graph.create_node(node.op, node.target, args, kwargs,
+                                         name=f"{node.name}__{self._action(node, m)}")
+            self.env[(_REP, node, m)] = new
+        else:
+            new = self.graph.create_node(node.op, node.target, args, kwargs, name=node.name)
+            self.env[(node, None)] = new
+        new.meta = copy.copy(node.meta)
+        if label is not None:
+            set_node_annotation(new, str(label))
 
     @staticmethod
     def _call(graph: fx.Graph, target, args, name: str, like: fx.Node, label: Label) -> fx.Node:

@@ -130,102 +130,145 @@ def plan_from_text(text: str) -> SplitPlan:
     lines = text.splitlines()
     if not lines or lines[0].strip() != _HEADER:
         raise PlanParseError(f"line 1: expected {_HEADER!r}, got {lines[0] if lines else ''!r}")
-    mode = cluster = None
-    channels: list[Channel] = []
-    syncs: list[DataSync] = []
-    processes: list[ProcessPlan] = []
-    groups: list[tuple[Label, ...]] = []
-    shardings: list[tuple[str, str, Label]] = []
-    collectives: list[CollectiveEntry] = []
-    tables: list[CachedTableEntry] = []
-    pipeline: tuple[PipelineSchedule, int, int] | None = None
-    stages: list[tuple[Label, tuple[str, ...]]] = []
-    staleness = 0
-    current: dict | None = None
+    reader = _PlanReader()
     for number, raw in enumerate(lines[1:], start=2):
         line = raw.strip()
         if not line:
             continue
         word, _, rest = line.partition(" ")
         try:
-            if current is not None:
-                if word == "end":
-                    processes.append(ProcessPlan(
-                        current["label"], tuple(current["state"]), tuple(current["feeds"]),
-                        tuple(current["outputs"]), tuple(current["schedule"])))
-                    current = None
-                elif word in ("state", "feeds", "outputs"):
-                    current[word] = rest.split()
-                elif word == "run":
-                    current["schedule"].extend(Instruction(OpKind.RUN, n) for n in rest.split())
-                elif word in ("send", "recv"):
-                    current["schedule"].append(Instruction(OpKind(word), rest.strip()))
-                else:
-                    raise ValueError(f"unknown process line {word!r}")
-            elif word == "mode":
-                mode = ModeKind(rest.strip())
-            elif word == "cluster":
-                fields = dict(item.split("=") for item in rest.split())
-                cluster = Cluster(int(fields["workers"]), int(fields["servers"]))
-            elif word == "channel":
-                head, _, values = rest.partition(":")
-                name, kind, nbytes = head.split()
-                src, dst = (Label.parse(x) for x in name.split("#")[0].split("->"))
-                pairs = [tok.split(">", 1) if ">" in tok else (tok, tok)
-                         for tok in values.split()]
-                channels.append(Channel(name, src, dst, ChannelKind(kind),
-                                        tuple(p[0] for p in pairs),
-                                        tuple(p[1] for p in pairs), int(nbytes)))
-            elif word == "group":
-                groups.append(tuple(Label.parse(x) for x in rest.split()))
-            elif word == "shard":
-                key, placement, group = rest.split()
-                shardings.append((key, placement, Label.parse(group)))
-            elif word == "collective":
-                kind, value, change, nbytes = rest.split()
-                src, dst = change.split("->")
-                collectives.append(CollectiveEntry(kind, value, src, dst, int(nbytes)))
-            elif word == "cached_table":
-                tables.append(CachedTableEntry.parse(rest))
-            elif word == "pipeline":
-                schedule, *counts = rest.split()
-                settings = dict(count.partition("=")[::2] for count in counts)
-                if not 1 <= len(counts) <= 2 or "microbatches" not in settings \
-                        or not set(settings) <= {"microbatches", "chunks"}:
-                    raise ValueError("expected 'pipeline SCHEDULE microbatches=M [chunks=V]'")
-                pipeline = (PipelineSchedule(schedule), int(settings["microbatches"]),
-                            int(settings.get("chunks", 1)))
-            elif word == "stage":
-                stage, _, actions = rest.partition(":")
-                stages.append((Label.parse(stage), tuple(actions.split())))
-            elif word == "staleness":
-                staleness = int(rest)
-            elif word == "sync":
-                key, owner, arrow, reader, channel = rest.split()
-                if arrow != "->":
-                    raise ValueError("expected 'KEY OWNER -> READER CHANNEL'")
-                syncs.append(DataSync(key, Label.parse(owner), Label.parse(reader), channel))
-            elif word == "process":
-                current = {"label": Label.parse(rest), "state": [], "feeds": [],
-                           "outputs": [], "schedule": []}
-            else:
-                raise ValueError(f"unknown line kind {word!r}")
+            reader.read(word, rest)
         except PlanParseError:
             raise
         except (ValueError, KeyError, LabelError) as exc:
             raise PlanParseError(f"line {number}: {exc}: {raw!r}") from None
-    if current is not None:
-        raise PlanParseError(f"process {current['label']} has no 'end' line")
-    if mode is None or cluster is None:
-        raise PlanParseError("the plan needs a 'mode' and a 'cluster' line")
-    parallel = None
-    if groups or shardings or collectives:
-        parallel = ParallelSummary(tuple(groups), tuple(shardings), tuple(collectives))
-    summary = None
-    if pipeline is not None:
-        summary = PipelineSummary(pipeline[0], pipeline[1], tuple(s for s, _ in stages),
-                                  tuple(a for _, a in stages), pipeline[2])
-    elif stages:
-        raise PlanParseError("'stage' lines need a 'pipeline' line before them")
-    return with_fingerprint(SplitPlan(mode, cluster, tuple(processes), tuple(channels),
-                                      tuple(syncs), parallel, tuple(tables), summary, staleness))
+    return reader.plan()
+
+
+class _PlanReader:
+    """The parts of a plan as its lines give them, one line at a time
+    (`read`); `plan()` puts them together once every line is read."""
+
+    def __init__(self) -> None:
+        self.mode: ModeKind | None = None
+        self.cluster: Cluster | None = None
+        self.channels: list[Channel] = []
+        self.syncs: list[DataSync] = []
+        self.processes: list[ProcessPlan] = []
+        self.groups: list[tuple[Label, ...]] = []
+        self.shardings: list[tuple[str, str, Label]] = []
+        self.collectives: list[CollectiveEntry] = []
+        self.tables: list[CachedTableEntry] = []
+        self.pipeline: tuple[PipelineSchedule, int, int] | None = None
+        self.stages: list[tuple[Label, tuple[str, ...]]] = []
+        self.staleness = 0
+        self.current: dict | None = None  # the process whose lines are being read
+        self.top_level = {
+            "mode": self._mode, "cluster": self._cluster, "channel": self._channel,
+            "group": self._group, "shard": self._shard, "collective": self._collective,
+            "cached_table": self._cached_table, "pipeline": self._pipeline,
+            "stage": self._stage, "staleness": self._staleness, "sync": self._sync,
+            "process": self._process}
+
+    def read(self, word: str, rest: str) -> None:
+        if self.current is not None:
+            self._process_line(word, rest)
+            return
+        handler = self.top_level.get(word)
+        if handler is None:
+            raise ValueError(f"unknown line kind {word!r}")
+        handler(rest)
+
+    def _process_line(self, word: str, rest: str) -> None:
+        current = self.current
+        if word == "end":
+            self.processes.append(ProcessPlan(
+                current["label"], tuple(current["state"]), tuple(current["feeds"]),
+                tuple(current["outputs"]), tuple(current["schedule"])))
+            self.current = None
+        elif word in ("state", "feeds", "outputs"):
+            current[word] = rest.split()
+        elif word == "run":
+            current["schedule"].extend(Instruction(OpKind.RUN, n) for n in rest.split())
+        elif word in ("send", "recv"):
+            current["schedule"].append(Instruction(OpKind(word), rest.strip()))
+        else:
+            raise ValueError(f"unknown process line {word!r}")
+
+    def _mode(self, rest: str) -> None:
+        self.mode = ModeKind(rest.strip())
+
+    def _cluster(self, rest: str) -> None:
+        fields = dict(item.split("=") for item in rest.split())
+        self.cluster = Cluster(int(fields["workers"]), int(fields["servers"]))
+
+    def _channel(self, rest: str) -> None:
+        head, _, values = rest.partition(":")
+        name, kind, nbytes = head.split()
+        src, dst = (Label.parse(x) for x in name.split("#")[0].split("->"))
+        pairs = [tok.split(">", 1) if ">" in tok else (tok, tok) for tok in values.split()]
+        self.channels.append(Channel(name, src, dst, ChannelKind(kind),
+                                     tuple(p[0] for p in pairs), tuple(p[1] for p in pairs),
+                                     int(nbytes)))
+
+    def _group(self, rest: str) -> None:
+        self.groups.append(tuple(Label.parse(x) for x in rest.split()))
+
+    def _shard(self, rest: str) -> None:
+        key, placement, group = rest.split()
+        self.shardings.append((key, placement, Label.parse(group)))
+
+    def _collective(self, rest: str) -> None:
+        kind, value, change, nbytes = rest.split()
+        src, dst = change.split("->")
+        self.collectives.append(CollectiveEntry(kind, value, src, dst, int(nbytes)))
+
+    def _cached_table(self, rest: str) -> None:
+        self.tables.append(CachedTableEntry.parse(rest))
+
+    def _pipeline(self, rest: str) -> None:
+        schedule, *counts = rest.split()
+        settings = dict(count.partition("=")[::2] for count in counts)
+        if not 1 <= len(counts) <= 2 or "microbatches" not in settings \
+                or not set(settings) <= {"microbatches", "chunks"}:
+            raise ValueError("expected 'pipeline SCHEDULE microbatches=M [chunks=V]'")
+        self.pipeline = (PipelineSchedule(schedule), int(settings["microbatches"]),
+                         int(settings.get("chunks", 1)))
+
+    def _stage(self, rest: str) -> None:
+        stage, _, actions = rest.partition(":")
+        self.stages.append((Label.parse(stage), tuple(actions.split())))
+
+    def _staleness(self, rest: str) -> None:
+        self.staleness = int(rest)
+
+    def _sync(self, rest: str) -> None:
+        key, owner, arrow, reader, channel = rest.split()
+        if arrow != "->":
+            raise ValueError("expected 'KEY OWNER -> READER CHANNEL'")
+        self.syncs.append(DataSync(key, Label.parse(owner), Label.parse(reader), channel))
+
+    def _process(self, rest: str) -> None:
+        self.current = {"label": Label.parse(rest), "state": [], "feeds": [], "outputs": [],
+                        "schedule": []}
+
+    def plan(self) -> SplitPlan:
+        if self.current is not None:
+            raise PlanParseError(f"process {self.current['label']} has no 'end' line")
+        if self.mode is None or self.cluster is None:
+            raise PlanParseError("the plan needs a 'mode' and a 'cluster' line")
+        parallel = None
+        if self.groups or self.shardings or self.collectives:
+            parallel = ParallelSummary(tuple(self.groups), tuple(self.shardings),
+                                       tuple(self.collectives))
+        summary = None
+        if self.pipeline is not None:
+            schedule, num_microbatches, num_chunks = self.pipeline
+            summary = PipelineSummary(schedule, num_microbatches,
+                                      tuple(s for s, _ in self.stages),
+                                      tuple(a for _, a in self.stages), num_chunks)
+        elif self.stages:
+            raise PlanParseError("'stage' lines need a 'pipeline' line before them")
+        return with_fingerprint(SplitPlan(self.mode, self.cluster, tuple(self.processes),
+                                          tuple(self.channels), tuple(self.syncs), parallel,
+                                          tuple(self.tables), summary, self.staleness))

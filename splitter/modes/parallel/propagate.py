@@ -143,10 +143,23 @@ def build_problem(program: Program, group_size: int, pins: dict[str, Placement] 
     """
     n = group_size
     pins = dict(pins or {})
+    _pin_parameters_through_constraints(program, pins, n)
+    vars_ = _variables(program, pins, n)
+    unary = [[_with_latency(float(exchange_bytes(node, c, n)), collective_cost) for c in cands]
+             for node, cands in zip(vars_.nodes, vars_.candidates)]
+    values, followers = _values(program, vars_, n, group_of, collective_cost)
+    problem = Problem([len(c) for c in vars_.candidates], list(values.values()), unary,
+                      dict(followers))
+    return problem, vars_
+
+
+def _variables(program: Program, pins: dict[str, Placement], n: int) -> _Vars:
+    """One variable per state input, constant and call, with the placements it
+    may take (its pin's alone where pinned); a getitem shares its tuple's
+    variable, optimizer state its parameter's."""
     graph = program.graph
     nodes = {node.name: node for node in graph.nodes}
     vars_ = _Vars()
-    _pin_parameters_through_constraints(program, pins, n)
     # State inputs first pass: optimizer state joins its parameter's variable.
     tied: dict[fx.Node, fx.Node] = {}
     for spec in program.inputs:
@@ -156,22 +169,8 @@ def build_problem(program: Program, group_size: int, pins: dict[str, Placement] 
                 tied[nodes[spec.node]] = nodes[param]
     for node in graph.nodes:
         if node.op == "placeholder":
-            if node in tied:
-                continue
-            spec = program.input_spec(node.name)
-            shape = value_shapes(node)[0]
-            pin = _pin_of(node, pins, len(shape), n)
-            what = f"{spec.kind.value} {spec.key!r}"
-            if pin is not None:
-                if pin.is_partial:
-                    raise ShardingError(f"{what} is pinned to P; an input can be R or S(d)")
-                _check_even(node, pin, n, what)
-                candidates = [OpStrategy((pin,), ())]
-            elif spec.kind is InputKind.HPARAM:
-                candidates = [OpStrategy((R,), ())]
-            else:
-                candidates = _state_candidates(node, n)
-            vars_.add(node, candidates)
+            if node not in tied:
+                vars_.add(node, _input_candidates(program, node, pins, n))
         elif node.op == "get_attr":
             vars_.add(node, [OpStrategy((R,), ())])
         elif node.op == "call_function":
@@ -179,29 +178,57 @@ def build_problem(program: Program, group_size: int, pins: dict[str, Placement] 
                 var, _ = vars_.var_of[node.args[0]]
                 vars_.var_of[node] = (var, node.args[1])
                 continue
-            if not has_strategy(node):
-                logger.warning(
-                    "parallel mode: no sharding strategy for %s (module %r); it runs "
-                    "replicated", node.target, program.module_of(node) or "?")
-            candidates = strategies_for(node, n)
-            shape = value_shapes(node)
-            pin = _pin_of(node, pins, len(shape[0]), n)
-            if pin is not None:
-                _check_even(node, pin, n, f"node {node.name} (module "
-                                          f"{program.module_of(node) or '?'!r})")
-                candidates = [c for c in candidates if c.outputs[0] == pin]
-                if not candidates:
-                    raise ShardingError(
-                        f"node {node.name} ({node.target}, module "
-                        f"{program.module_of(node) or '?'!r}) is pinned to {pin}, but the op "
-                        f"cannot produce that placement; pin its input instead")
-            vars_.add(node, candidates)
+            vars_.add(node, _call_candidates(program, node, pins, n))
     for node, param in tied.items():
         vars_.var_of[node] = vars_.var_of[param]
+    return vars_
 
+
+def _input_candidates(program: Program, node: fx.Node, pins: dict[str, Placement],
+                      n: int) -> list[OpStrategy]:
+    spec = program.input_spec(node.name)
+    shape = value_shapes(node)[0]
+    pin = _pin_of(node, pins, len(shape), n)
+    what = f"{spec.kind.value} {spec.key!r}"
+    if pin is not None:
+        if pin.is_partial:
+            raise ShardingError(f"{what} is pinned to P; an input can be R or S(d)")
+        _check_even(node, pin, n, what)
+        return [OpStrategy((pin,), ())]
+    if spec.kind is InputKind.HPARAM:
+        return [OpStrategy((R,), ())]
+    return _state_candidates(node, n)
+
+
+def _call_candidates(program: Program, node: fx.Node, pins: dict[str, Placement],
+                     n: int) -> list[OpStrategy]:
+    if not has_strategy(node):
+        logger.warning(
+            "parallel mode: no sharding strategy for %s (module %r); it runs "
+            "replicated", node.target, program.module_of(node) or "?")
+    candidates = strategies_for(node, n)
+    shape = value_shapes(node)
+    pin = _pin_of(node, pins, len(shape[0]), n)
+    if pin is not None:
+        _check_even(node, pin, n, f"node {node.name} (module "
+                                  f"{program.module_of(node) or '?'!r})")
+        candidates = [c for c in candidates if c.outputs[0] == pin]
+        if not candidates:
+            raise ShardingError(
+                f"node {node.name} ({node.target}, module "
+                f"{program.module_of(node) or '?'!r}) is pinned to {pin}, but the op "
+                f"cannot produce that placement; pin its input instead")
+    return candidates
+
+
+def _values(program: Program, vars_: _Vars, n: int, group_of: dict[str, int] | None,
+            collective_cost: float) -> tuple[dict[fx.Node, Value], dict[int, list[int]]]:
+    """Every value read, with each use's needed placements (an op's inputs, a
+    state slot's new value, the loss and gradients coming out whole), and the
+    variables that follow their one producer's placement."""
+    graph = program.graph
+    nodes = {node.name: node for node in graph.nodes}
     values: dict[fx.Node, Value] = {}
-    unary = [[_with_latency(float(exchange_bytes(node, c, n)), collective_cost) for c in cands]
-             for node, cands in zip(vars_.nodes, vars_.candidates)]
     followers: dict[int, list[int]] = defaultdict(list)
 
     def value_of(node: fx.Node) -> Value:
@@ -242,9 +269,7 @@ def build_problem(program: Program, group_size: int, pins: dict[str, Placement] 
                 value.uses.append(Use(dst, tuple(c.outputs[0] for c in vars_.candidates[dst])))
         else:  # the loss (and gradients asked for) come out whole
             value.uses.append(Use(-1, (R,)))
-    problem = Problem([len(c) for c in vars_.candidates], list(values.values()), unary,
-                      dict(followers))
-    return problem, vars_
+    return values, followers
 
 
 def _is_exchanged_loss(node: fx.Node) -> bool:
