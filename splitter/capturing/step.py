@@ -500,7 +500,7 @@ class _StepBuilder:
             if node.target is _aten._sparse_coo_tensor_with_dims_and_tensors.default:
                 # nn.Embedding(sparse=True): keep the gradient as (indices, values).
                 self.sparse_grads[name] = (node.args[3], node.args[4])
-        # Sparse bags: their gradients summed per unique id (embedding_bags).
+        # Sparse bags: their gradients summed per unique id (capturing/bags.py).
         coalesce_bag_gradients(self.graph, self.sparse_grads)
 
     def _lookup(self, node: fx.Node) -> fx.Node:

@@ -61,7 +61,7 @@ class CachedTable:
     dim: int
     dtype: torch.dtype
     settings: CacheSettings
-    optimizer: str                # "sgd", "adagrad" or "adam" (sparse_optim.IN_PLACE)
+    optimizer: str                # "sgd", "adagrad" or "adam" (sparse_updates.IN_PLACE)
     optimizer_settings: dict      # keyword settings of the row-wise update
     state_names: tuple[str, ...]  # per-row optimizer state ("sum"; "exp_avg", "exp_avg_sq")
     ids_feed: str | None          # the batch input its ids come from, for prefetch
@@ -79,7 +79,7 @@ def cached_lookup(ids: torch.Tensor, *, table: str) -> torch.Tensor:
 
 def cached_bag(ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, *,
                table: str, mean: bool, padding_idx: int | None) -> torch.Tensor:
-    """`embedding_bags.sparse_bag` of `table`, its rows read from the worker's
+    """`bags.sparse_bag` of `table`, its rows read from the worker's
     cache (bound by the runtime)."""
     raise PlanError(f"cached_bag of table {table!r} ran without an embedding cache; "
                     f"run the program through splitrun's runtime in embedding-cache mode")
@@ -88,7 +88,7 @@ def cached_bag(ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor |
 def cached_bag_gradient(grad: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
                         weights: torch.Tensor | None, *, table: str, mean: bool,
                         padding_idx: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`embedding_bags.bag_gradient` of `table`'s bag, summed per unique id with
+    """`bags.bag_gradient` of `table`'s bag, summed per unique id with
     the unique its cached lookup made (bound by the runtime)."""
     raise PlanError(f"cached_bag_gradient of table {table!r} ran without an embedding cache")
 

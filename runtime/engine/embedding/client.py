@@ -20,7 +20,7 @@ gradient is summed here makes its ids unique once per step (`StepIds`, one
 stable sort, when the gradient first asks): the gradient is summed per
 unique id before it is applied to the cached rows or sent to the servers (so
 a server receives each id once per worker): a bag's from its bag gradient in
-that unique's order (`embedding_bags.bag_gradient_rows`), an embedding's,
+that unique's order (`ops.bags.bag_gradient_rows`), an embedding's,
 one row per lookup, with one `index_add_` over that step's inverse.
 
 Consistency model:

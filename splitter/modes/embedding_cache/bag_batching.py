@@ -12,7 +12,7 @@ pass
 - hands the bags that FBGEMM's fused kernel can train (`fusable`) to one
   `cached_bags_update` node per group: their gradients go, with the
   learning rate, into one backward call that sums each row's gradient and
-  applies SGD to the cached rows in place (`runtime/embedding/fused_bags.py`).
+  applies SGD to the cached rows in place (`runtime/engine/embedding/fused_bags.py`).
   A group is the fusable tables of one `cached_bags` node with the same
   number of bags and the same learning-rate and step inputs; the others keep
   `cached_bag_gradient` and `cached_update`.
@@ -20,7 +20,7 @@ pass
 Fusable: a sum bag without padding or per-sample weights, float32, trained
 with plain SGD, looked up once, whose one worker owns its cached rows
 (write-back). FBGEMM's SGD rounds `row - lr * grad` once, as the row-wise SGD
-of `sparse_optim` does, so the fused step is bit for bit the unsplit one.
+of `ops.sparse_updates` does, so the fused step is bit for bit the unsplit one.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from ...ops.cache import (
 __all__ = ["batch_cached_bags", "FUSED_OPTIMIZERS"]
 
 # Row-wise optimizers FBGEMM's CPU kernels fuse into the bag's backward
-# exactly as `sparse_optim` computes them.
+# exactly as `ops.sparse_updates` computes them.
 FUSED_OPTIMIZERS = frozenset({"sgd"})
 
 

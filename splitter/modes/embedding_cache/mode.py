@@ -6,7 +6,7 @@ forward, `(indices, values)` gradients, a row-wise update). This mode's
 prebuild then takes the table out of the graph: its lookup becomes
 `cached_lookup(ids, table=...)` and its update `cached_update(indices, values,
 lr, step, table=...)`, marker ops that the runtime binds to the worker's row
-cache. A bag is captured as one fused op (`embedding_bags.sparse_bag`): it
+cache. A bag is captured as one fused op (`ops.bags.sparse_bag`): it
 becomes `cached_bag(ids, offsets, weights, table=...)`, which sums each bag
 straight from the cached rows, and its gradient, `bag_gradient`, becomes
 `cached_bag_gradient`, summed per unique id with the unique of the lookup.
@@ -19,7 +19,7 @@ gradients averaged over workers; or, with `dense="worker"`, dense parameters
 on every worker (gradients all-reduced between them) and only the tables'
 rows on the servers.
 
-Consistency (see runtime/embedding/client.py): with one worker the cache is
+Consistency (see runtime/engine/embedding/client.py): with one worker the cache is
 write-back (updates applied to cached rows, their optimizer state travelling
 with them, dirty rows written back when evicted and at the end), which equals
 training with the whole table in one process. With W >= 2 workers, gradients
@@ -28,7 +28,7 @@ parameter-server mode) and a cached row is refreshed once older than
 `max_staleness` steps: 0 gives exactly parameter-server mode. It is the rule
 of `ParameterServerMode(staleness=s)` for rows: a row a worker reads at step c
 is at least version c - max_staleness (version v: the servers' row after the
-updates of steps 0 .. v-1; see splitter/ps_mode.py).
+updates of steps 0 .. v-1; see modes/parameter_server.py).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ _SPARSE_BAG = torch.ops.splitrun.sparse_bag.default
 
 __all__ = ["EmbeddingCacheMode", "CacheArtifacts"]
 
-# The row-wise updates a cached table can take (the keys of sparse_optim.IN_PLACE):
+# The row-wise updates a cached table can take (the keys of ops.sparse_updates.IN_PLACE):
 # their per-row state (Adagrad's sum, Adam's moments) travels with the row.
 _ROW_WISE = {sparse_sgd: "sgd", sparse_adagrad: "adagrad", sparse_adam: "adam"}
 
