@@ -40,10 +40,10 @@ from embedding_cache import threads_sched_ns  # noqa: E402
 
 from splitrun.runtime.engine.embedding.client import EmbeddingClient  # noqa: E402
 from splitrun.runtime.engine.embedding.protocol import Op, read_request  # noqa: E402
-from splitrun.splitter import Cluster  # noqa: E402
-from splitrun.splitter.cache_mode import (  # noqa: E402
+from splitrun.splitter import (  # noqa: E402
     CachedTable,
     CacheSettings,
+    Cluster,  # noqa: E402
     EvictionPolicy,
 )
 

@@ -72,11 +72,7 @@ sys.path.insert(0, str(HERE.parents[1] / "examples"))
 import recsys_cache  # noqa: E402
 
 from splitrun.runtime.engine.embedding.row_cache import RowCache  # noqa: E402
-from splitrun.splitter.cache_mode import (  # noqa: E402
-    CachedTable,
-    CacheSettings,
-    EvictionPolicy,
-)
+from splitrun.splitter import CachedTable, CacheSettings, EvictionPolicy  # noqa: E402
 
 # -- (a) hit rates -------------------------------------------------------------
 

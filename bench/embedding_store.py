@@ -34,8 +34,7 @@ from splitrun.runtime.engine.embedding.sharding import RowSharding
 from splitrun.runtime.engine.embedding.store import EmbeddingStore
 from splitrun.runtime.transport.buffers import MessageLayout
 from splitrun.runtime.transport.protocol import MessageKey
-from splitrun.splitter import Cluster, Label
-from splitrun.splitter.cache_mode import CachedTable, CacheSettings, EvictionPolicy
+from splitrun.splitter import CachedTable, CacheSettings, Cluster, EvictionPolicy, Label
 
 TABLES, ROWS, DIM = 8, 250_000, 128
 PUSHED, PULLED = 900, 1_150  # rows per table and request (see the docstring)

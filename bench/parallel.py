@@ -64,13 +64,16 @@ from torch.nn import functional as F
 
 from splitrun.runtime import LoopbackHub, ProcessRuntime, receive_contracts, run_threaded
 from splitrun.runtime.cluster.rendezvous import InProcessRendezvous
-from splitrun.splitter import Cluster, capture, optim, split_program
-from splitrun.splitter.parallel import (
+from splitrun.splitter import (
+    Cluster,
     ParallelCrossEntropyLoss,
     ParallelEmbedding,
     ParallelLinear,
     ParallelMode,
+    capture,
     constrain,
+    optim,
+    split_program,
 )
 
 BATCH, IN, HIDDEN, OUT = 32, 64, 128, 64

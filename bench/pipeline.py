@@ -402,7 +402,7 @@ def main() -> int:
             runs[name].append(run())
     table = {name: summarise(r) for name, r in runs.items()}
     speed = {name: row["steps_per_s"] for name, row in table.items()}
-    from splitrun.splitter.pipeline_order import theoretical_bubble
+    from splitrun.splitter.plan import theoretical_bubble
     theory = {"gpipe": theoretical_bubble(STAGES, m), "1f1b": theoretical_bubble(STAGES, m),
               "interleaved": theoretical_bubble(STAGES, m, CHUNKS)}
     ratios = {

@@ -22,9 +22,9 @@ GOAL_RATIO = 2.2
 
 
 def _time_one(num_nodes: int, repeats: int, run_length: float) -> dict:
-    from splitrun.splitter.graph_splitter import split
+    from splitrun.splitter import split
     from splitrun.splitter.labels import Cluster, Label
-    from splitrun.splitter.synthetic import random_program
+    from splitrun.splitter.testing import random_program
 
     labels = [Label.worker(rank) for rank in range(8)]
     program = random_program(num_nodes, labels, seed=1, run_length=run_length)

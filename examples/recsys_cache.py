@@ -77,9 +77,14 @@ from splitrun.runtime.datasets import (
     write_synthetic_criteo,
 )
 from splitrun.runtime.job import Job
-from splitrun.splitter import capture, optim, place
-from splitrun.splitter.cache_mode import EmbeddingCacheMode, place_embedding_cache
-from splitrun.splitter.torchrec_input import TorchRecInput
+from splitrun.splitter import (
+    EmbeddingCacheMode,
+    TorchRecInput,
+    capture,
+    optim,
+    place,
+    place_embedding_cache,
+)
 
 # Criteo's click logs have 13 dense features; the synthetic data keeps that.
 NUM_DENSE = 13

@@ -33,13 +33,17 @@ from models import markov_batches  # noqa: E402
 
 from splitrun.runtime import Job, run_threaded  # noqa: E402
 from splitrun.runtime.job import ENV  # noqa: E402
-from splitrun.splitter import Cluster, Program, capture, optim, split_program  # noqa: E402
-from splitrun.splitter.parallel import (  # noqa: E402
+from splitrun.splitter import (  # noqa: E402  # noqa: E402
+    Cluster,
     ParallelCrossEntropyLoss,
     ParallelEmbedding,
     ParallelLayout,
     ParallelLinear,
     ParallelMode,
+    Program,
+    capture,
+    optim,
+    split_program,
 )
 
 VOCAB, DIM, HIDDEN = 32, 16, 64

@@ -23,7 +23,8 @@ from collections.abc import Mapping, Sequence
 
 from splitrun.splitter.errors import SplitrunError
 from splitrun.splitter.plan import SplitPlan
-from splitrun.splitter.plan_dot import count_of, plan_to_dot
+from splitrun.splitter.plan.dot import count_of, plan_to_dot
+from splitrun.splitter.plan.text import plan_from_text
 
 __all__ = ["render_plan", "check_plan_out", "read_module_map", "ModuleNames", "PlanNames",
            "LEGEND"]
@@ -196,7 +197,7 @@ def render_plan(text: str, out: str | pathlib.Path,
     """Write the plan whose text form is `text` to `out`, by its suffix:
     .txt (the text form), .svg (needs graphviz's `dot`), .dot or .gv (DOT)."""
     form = check_plan_out(out)
-    plan = SplitPlan.from_text(text)
+    plan = plan_from_text(text)
     path = pathlib.Path(out)
     if form == "text":
         path.write_text(text)

@@ -20,10 +20,11 @@ def lazy_exports(namespace: dict[str, Any], exports: Mapping[str, str]
                  ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """`__getattr__` and `__dir__` for the package whose `globals()` is
     `namespace`. `exports` maps each public name to the module it lives in,
-    relative to the package (`".graph_splitter"`); a name that is itself a
-    submodule maps to its own module (`"optim": ".optim"`).
+    relative to the package (`".splitting.graph_splitter"`); a name that is
+    the module itself, not one of its attributes, maps to that module
+    (`"optim": ".capturing.optim"`).
 
-        __getattr__, __dir__ = lazy_exports(globals(), {"split": ".graph_splitter"})
+        __getattr__, __dir__ = lazy_exports(globals(), {"split": ".splitting.graph_splitter"})
     """
     package = namespace["__name__"]
 
@@ -32,7 +33,8 @@ def lazy_exports(namespace: dict[str, Any], exports: Mapping[str, str]
         if where is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         module = importlib.import_module(where, package)
-        value = module if module.__name__ == f"{package}.{name}" else getattr(module, name)
+        is_module = where.rpartition(".")[2] == name and not hasattr(module, name)
+        value = module if is_module else getattr(module, name)
         namespace[name] = value  # the next lookup is an ordinary attribute
         return value
 

@@ -14,7 +14,6 @@ from enum import Enum
 import torch
 from torch import fx
 
-from .cached_tables import CacheSettings
 from .errors import PlanError
 from .labels import LABEL_ANNOTATION, MODULE_ANNOTATION
 
@@ -119,8 +118,10 @@ class Program:
     # parameter -> names of the (indices, values) nodes of its sparse gradient
     sparse_grads: dict[str, tuple[str, str]] = field(default_factory=dict)
     param_groups: tuple[ParamGroup, ...] = ()
-    # table parameter -> its cache settings (see `place_embedding_cache`)
-    cached_tables: dict[str, CacheSettings] = field(default_factory=dict)
+    # table parameter -> its cache settings (an `ops.cache.CacheSettings`, set by
+    # `place_embedding_cache`). The program only carries them to embedding-cache
+    # mode, so the IR names no cache type.
+    cached_tables: dict[str, object] = field(default_factory=dict)
     # The same step captured again with each batch input cut to its first
     # `rows` rows (what micro-batching copies); None where the program was
     # not made by `capture`.

@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitrun.splitter import capture, optim, place
-from splitrun.splitter.cache_mode import place_embedding_cache
+from splitrun.splitter import capture, optim, place, place_embedding_cache
 
 NUM_TABLES = 2
 ROWS = 400

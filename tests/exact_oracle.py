@@ -34,8 +34,8 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from splitrun.splitter.parallel import Problem
-from splitrun.splitter.parallel.cost import bytes_of
+from splitrun.splitter.modes.parallel import Problem
+from splitrun.splitter.modes.parallel.cost import bytes_of
 
 
 def whole_bytes(cost: float) -> float:

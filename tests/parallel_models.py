@@ -9,9 +9,8 @@ import torch
 from torch import nn
 
 from splitrun.runtime import run_threaded
-from splitrun.splitter import Cluster, capture, optim, split_program
-from splitrun.splitter.parallel import ParallelLinear, ParallelMode
-from splitrun.splitter.parallel.layout import split_member_key
+from splitrun.splitter import Cluster, ParallelLinear, ParallelMode, capture, optim, split_program
+from splitrun.splitter.modes.parallel.layout import split_member_key
 
 BATCH, IN, HIDDEN, OUT = 8, 8, 16, 4
 

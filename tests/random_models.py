@@ -13,12 +13,13 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
-from splitrun.splitter import capture, optim
-from splitrun.splitter.parallel import (
+from splitrun.splitter import (
     ParallelCrossEntropyLoss,
     ParallelEmbedding,
     ParallelLinear,
+    capture,
     constrain,
+    optim,
 )
 
 BATCH, VOCAB = 8, 16

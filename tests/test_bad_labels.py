@@ -18,7 +18,7 @@ from splitrun.splitter import (
     region,
     split,
 )
-from splitrun.splitter.synthetic import random_program
+from splitrun.splitter.testing import random_program
 
 
 class TwoStage(nn.Module):

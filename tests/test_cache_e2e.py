@@ -6,8 +6,7 @@ from cache_models import feeds, make, make_sum_bags
 from cluster import SCRIPTS
 
 from splitrun.runtime import run_threaded
-from splitrun.splitter import Cluster, ParameterServerMode, split_program
-from splitrun.splitter.cache_mode import EmbeddingCacheMode
+from splitrun.splitter import Cluster, EmbeddingCacheMode, ParameterServerMode, split_program
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ from splitrun.runtime.transport import (
 )
 from splitrun.runtime.transport.dtypes import TensorSpec
 from splitrun.splitter import Cluster, Label, OpKind, split_program
-from splitrun.splitter.synthetic import random_batches, random_program
+from splitrun.splitter.testing import random_batches, random_program
 
 W0, W1, W2 = Label.worker(0), Label.worker(1), Label.worker(2)
 KEY = MessageKey(7, 3, "w0->w1#0")

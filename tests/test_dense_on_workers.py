@@ -15,10 +15,15 @@ import torch
 from cache_models import feeds, make_sum_bags
 
 from splitrun.runtime import run_threaded
-from splitrun.splitter import Cluster, ParameterServerMode, PlanError, split_program
-from splitrun.splitter.cache_mode import EmbeddingCacheMode
-from splitrun.splitter.dense_placement import all_reduce_mean
+from splitrun.splitter import (
+    Cluster,
+    EmbeddingCacheMode,
+    ParameterServerMode,
+    PlanError,
+    split_program,
+)
 from splitrun.splitter.labels import Role
+from splitrun.splitter.ops.worker_all_reduce import all_reduce_mean
 
 NUM_STEPS = 10
 

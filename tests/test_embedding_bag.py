@@ -17,14 +17,14 @@ from splitrun.runtime import run_threaded
 from splitrun.splitter import (
     CaptureError,
     Cluster,
+    EmbeddingCacheMode,
     Label,
     ParameterServerMode,
     capture,
     optim,
     split_program,
 )
-from splitrun.splitter.cache_mode import EmbeddingCacheMode
-from splitrun.splitter.embedding_bags import (
+from splitrun.splitter.ops.bags import (
     bag_forward,
     bag_gradient,
     bag_gradient_rows,

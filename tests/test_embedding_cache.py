@@ -20,22 +20,20 @@ from splitrun.runtime.engine.embedding.row_cache import RowCache
 from splitrun.runtime.engine.embedding.store import EmbeddingStore
 from splitrun.runtime.errors import SplitrunError
 from splitrun.splitter import (
+    CachedTable,
+    CacheSettings,
     CaptureError,
     Cluster,
+    EmbeddingCacheMode,
+    EvictionPolicy,
     Label,
     ParameterServerMode,
     PlanError,
     capture,
     optim,
+    place_embedding_cache,
     split,
     split_program,
-)
-from splitrun.splitter.cache_mode import (
-    CachedTable,
-    CacheSettings,
-    EmbeddingCacheMode,
-    EvictionPolicy,
-    place_embedding_cache,
 )
 
 NUM_STEPS = 25

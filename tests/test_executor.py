@@ -31,7 +31,7 @@ from splitrun.splitter import (
     split_program,
 )
 from splitrun.splitter.program import InputKind
-from splitrun.splitter.synthetic import random_batches, random_program
+from splitrun.splitter.testing import random_batches, random_program
 
 W0, W1 = Label.worker(0), Label.worker(1)
 

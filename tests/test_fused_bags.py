@@ -20,9 +20,8 @@ from splitrun.runtime import run_threaded
 from splitrun.runtime.engine.embedding.fused_bags import FusedBags
 from splitrun.runtime.engine.embedding.protocol import Op, read_request
 from splitrun.runtime.engine.embedding.store import EmbeddingStore
-from splitrun.splitter import Cluster, ParameterServerMode, split_program
-from splitrun.splitter.cache_mode import EmbeddingCacheMode
-from splitrun.splitter.cached_tables import (
+from splitrun.splitter import Cluster, EmbeddingCacheMode, ParameterServerMode, split_program
+from splitrun.splitter.ops.cache import (
     cached_bag_gradient,
     cached_bags,
     cached_bags_update,
@@ -204,7 +203,7 @@ def test_servers_update_a_group_of_tables_in_one_call_per_step(monkeypatch):
 
 def _fused_group(dims, capacity=10):
     from splitrun.runtime.engine.embedding.row_cache import RowCache
-    from splitrun.splitter.cache_mode import CachedTable, CacheSettings
+    from splitrun.splitter import CachedTable, CacheSettings
 
     caches = [RowCache(CachedTable(f"t{i}.weight", 40, dim, torch.float32,
                                    CacheSettings(capacity), "sgd", {}, (), f"ids.{i}"))

@@ -17,6 +17,7 @@ from splitrun.splitter import (
     OutputSpec,
     Program,
     capture,
+    check_plan,
     optim,
     split_program,
 )
@@ -77,7 +78,7 @@ def test_process_without_inbound_data_gets_a_control_edge():
     program = _producer_only_program()
     split_prog = split_program(program, Cluster(num_workers=2))
     plan = split_prog.plan
-    plan.lint(program)
+    check_plan(plan, program)
     control = [c for c in plan.channels if c.kind is ChannelKind.CONTROL]
     assert [(str(e.src), str(e.dst)) for e in control] == [("w0", "w1")]
     assert plan.channel(control[0].name).kind is ChannelKind.CONTROL
@@ -136,7 +137,7 @@ def test_a_server_that_sends_to_a_server_before_receiving_waits_for_a_trigger():
     program = _server_feeding_server_program()
     split_prog = split_program(program, Cluster(num_workers=1, num_servers=2))
     plan = split_prog.plan
-    plan.lint(program)
+    check_plan(plan, program)
     first = plan.process(Label.server(1)).schedule[0]
     assert first.kind is OpKind.RECV
     assert plan.channel(first.target).kind is ChannelKind.CONTROL

@@ -39,7 +39,7 @@ from splitrun.runtime.transport.dtypes import TensorSpec
 from splitrun.runtime.transport.grpc import GrpcSettings, GrpcTransport
 from splitrun.runtime.transport.grpc.outgoing import SendQueue
 from splitrun.splitter import Cluster, capture, optim, split
-from splitrun.splitter.synthetic import random_batches, random_program
+from splitrun.splitter.testing import random_batches, random_program
 
 # Bounds each raw client call in the bad-input tests.
 CALL_TIMEOUT_S = 10.0

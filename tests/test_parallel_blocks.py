@@ -11,16 +11,19 @@ from parallel_models import make_optimizer, whole_state
 from torch import nn
 
 from splitrun.runtime import run_threaded
-from splitrun.splitter import Cluster, Label, PlanError, capture, place, split_program
-from splitrun.splitter.parallel import (
-    CollectiveKind,
+from splitrun.splitter import (
+    Cluster,
+    Label,
     ParallelCrossEntropyLoss,
     ParallelEmbedding,
     ParallelLinear,
     ParallelMode,
-    R,
-    S,
+    PlanError,
+    capture,
+    place,
+    split_program,
 )
+from splitrun.splitter.modes.parallel import CollectiveKind, R, S
 
 NUM_STEPS = 10
 TOLERANCE = 1e-5

@@ -17,11 +17,19 @@ from splitrun.runtime.cluster import Scheduler, SchedulerClient, SchedulerSettin
 from splitrun.runtime.cluster.rendezvous import KV_PREFIX, InProcessRendezvous, SchedulerRendezvous
 from splitrun.runtime.engine.collectives import ProcessGroupCollectives
 from splitrun.runtime.errors import CollectiveFailed
-from splitrun.splitter import Cluster, PlanError, split_program
+from splitrun.splitter import (
+    Cluster,
+    CollectiveBackend,
+    ParallelMode,
+    PlanError,
+    plan_from_text,
+    plan_to_text,
+    split_program,
+)
 from splitrun.splitter.labels import Label, Role
-from splitrun.splitter.parallel import CollectiveBackend, ParallelMode, collective_ops
-from splitrun.splitter.parallel.layout import shard_of
-from splitrun.splitter.parallel.rewrite import fold_sum, gather_shards
+from splitrun.splitter.modes.parallel.layout import shard_of
+from splitrun.splitter.modes.parallel.rewrite import fold_sum, gather_shards
+from splitrun.splitter.ops import collectives as collective_ops
 
 NUM = 4
 # Bounds joining the members' threads: each collective has its own deadline
@@ -167,6 +175,6 @@ def test_the_split_holds_collective_nodes_and_no_channels_inside_the_group():
     assert split.artifacts.uses_process_groups
     assert [p.label for p in split.plan.processes] == [Label(0, Role.WORKER),
                                                         Label(1, Role.WORKER)]
-    text = split.plan.to_text()
-    assert type(split.plan).from_text(text) == split.plan
+    text = plan_to_text(split.plan)
+    assert plan_from_text(text) == split.plan
     assert "addmm_1__all_reduce__w1" in text  # the collective is a node of each member

@@ -11,16 +11,19 @@ import torch
 from parallel_models import BATCH, OUT, capture_mlp, mlp_batches, train_both
 
 from splitrun.runtime import run_threaded
-from splitrun.splitter import Cluster, SplitProgram, split_program
-from splitrun.splitter.parallel import (
-    CollectiveKind,
+from splitrun.splitter import (
+    Cluster,
     ParallelMode,
-    R,
-    S,
+    SplitProgram,
     collect_state_dict,
     member_key,
+    plan_from_text,
+    plan_to_dot,
+    plan_to_text,
     relocate_state_dict,
+    split_program,
 )
+from splitrun.splitter.modes.parallel import CollectiveKind, R, S
 
 NUM_STEPS = 10
 TOLERANCE = 1e-5
@@ -120,16 +123,16 @@ def test_plan_lints_and_its_text_form_round_trips():
     split.lint()
     plan = split.plan
     assert plan == split_program(program, Cluster(num_workers=2), ParallelMode()).plan
-    text = plan.to_text()
-    back = type(plan).from_text(text)
-    assert back == plan and back.to_text() == text
+    text = plan_to_text(plan)
+    back = plan_from_text(text)
+    assert back == plan and plan_to_text(back) == text
     assert "group w0 w1" in text
     assert "shard l2.weight S(1) w0" in text
     assert f"collective all-reduce addmm_1 P->R {2 * BATCH * OUT * 4}" in text
     explained = plan.explain()
     assert "l1.weight: S(0) on group w0" in explained
     assert "addmm_1: P -> R all-reduce" in explained
-    dot = plan.to_dot()
+    dot = plan_to_dot(plan)
     assert "cluster_group_w0" in dot
     assert "addmm_1: P→R all-reduce 256 B" in dot
 

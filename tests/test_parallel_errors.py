@@ -5,13 +5,18 @@ import torch
 from parallel_models import BATCH, IN, OUT, mse
 from torch import nn
 
-from splitrun.splitter import Cluster, PlanError, capture, optim, place, split
-from splitrun.splitter.parallel import (
+from splitrun.splitter import (
+    Cluster,
     ParallelLinear,
     ParallelMode,
+    PlanError,
     ShardingError,
+    capture,
     constrain,
+    optim,
+    place,
     shard,
+    split,
 )
 
 

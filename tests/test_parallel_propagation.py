@@ -9,9 +9,9 @@ from hypothesis import given, reject, settings
 from hypothesis import strategies as st
 from parallel_models import capture_mlp
 
-from splitrun.splitter.parallel import (
+from splitrun.splitter import Policy
+from splitrun.splitter.modes.parallel import (
     P,
-    Policy,
     Problem,
     R,
     S,
@@ -110,7 +110,7 @@ def test_global_equals_brute_force_on_a_captured_graph():
     from torch import nn
 
     from splitrun.splitter import capture
-    from splitrun.splitter.parallel import build_problem
+    from splitrun.splitter.modes.parallel import build_problem
 
     torch.manual_seed(0)
     model = nn.Linear(4, 2, bias=False)
@@ -139,8 +139,7 @@ def test_unknown_policy_is_refused():
 def test_shard_pins_a_functions_inputs_and_outputs_and_a_modules_parameters():
     from torch import nn
 
-    from splitrun.splitter import capture, optim
-    from splitrun.splitter.parallel import constrain, convert_parallel_linear, shard
+    from splitrun.splitter import capture, constrain, convert_parallel_linear, optim, shard
 
     def dense_relu(x, weight):
         return torch.relu(x @ weight)
@@ -180,7 +179,7 @@ class ColumnTanhLinear(torch.nn.Module):
 
     def __init__(self, batch_hidden: int = 64) -> None:
         super().__init__()
-        from splitrun.splitter.parallel import ParallelLinear
+        from splitrun.splitter import ParallelLinear
         self.up = ParallelLinear(8, batch_hidden, dim=-1)
         self.down = torch.nn.Linear(batch_hidden, 4)
 
@@ -194,8 +193,7 @@ def test_global_makes_the_plain_linear_after_a_column_parallel_one_row_parallel(
     # at an all-gather of the tanh (3 072 B at 2 ranks); the cheapest layout
     # shards the second weight by its input features and all-reduces the
     # [12, 4] logits once (2(n-1) x 192 B in all).
-    from splitrun.splitter import Cluster, capture, optim, split_program
-    from splitrun.splitter.parallel import ParallelMode
+    from splitrun.splitter import Cluster, ParallelMode, capture, optim, split_program
 
     torch.manual_seed(0)
     program = capture(ColumnTanhLinear(), lambda m, x, y: torch.nn.functional.cross_entropy(
@@ -210,8 +208,7 @@ def test_global_makes_the_plain_linear_after_a_column_parallel_one_row_parallel(
 
 
 def test_readme_pattern_with_cross_entropy_is_row_parallel_too():
-    from splitrun.splitter import capture, optim
-    from splitrun.splitter.parallel import ParallelLinear
+    from splitrun.splitter import ParallelLinear, capture, optim
 
     class MLP(torch.nn.Module):
         def __init__(self):
@@ -268,7 +265,7 @@ def test_global_is_never_worse_than_the_exact_oracle_on_random_models(data):
     from exact_oracle import OracleOutOfTime, exact_choice, whole_bytes_cost
     from random_models import capture_random_model
 
-    from splitrun.splitter.parallel import build_problem
+    from splitrun.splitter.modes.parallel import build_problem
 
     program, n = capture_random_model(data.draw)
     for collective_cost in (0.0, n * 8192.0):

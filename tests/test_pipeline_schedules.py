@@ -23,10 +23,13 @@ from splitrun.splitter import (
     Cluster,
     GeneralMode,
     PlanError,
-    SplitPlan,
     capture,
+    check_plan,
     optim,
     place,
+    plan_from_text,
+    plan_to_dot,
+    plan_to_text,
     region,
     split_program,
 )
@@ -163,17 +166,17 @@ def test_the_schedule_is_in_the_plan_text_and_picture():
     program, _ = stages_program(2)
     plan = split_program(program, Cluster(num_workers=2),
                          GeneralMode(microbatches=4, schedule="1f1b")).plan
-    text = plan.to_text()
+    text = plan_to_text(plan)
     assert "pipeline 1f1b microbatches=4" in text
     assert "stage w0: F0 F1 B0 F2 B1 F3 B2 B3" in text
     assert "stage w1: F0 B0 F1 B1 F2 B2 F3 B3" in text
-    assert SplitPlan.from_text(text) == plan
+    assert plan_from_text(text) == plan
     # Every micro-batch's activations leave in a message of their own, as
     # soon as its forward is done.
     sent = [c.values for c in plan.channels if c.src.rank == 0 and c.dst.rank == 1]
     assert [sorted({v.rsplit("__", 1)[1] for v in values if "__F" in v}) for values in sent] \
         == [["F0"], ["F1"], ["F2"], ["F3"]]
-    dot = plan.to_dot()
+    dot = plan_to_dot(plan)
     assert "bubble in theory 20%" in dot
     # One slot per action: each stage idles 2 slots of 10 (w0 waiting for
     # B0, w1 for F0 and after B3), the 20 % the theory gives.
@@ -186,16 +189,16 @@ def test_lint_catches_a_schedule_that_breaks_its_promise():
     program, _ = stages_program(2)
     plan = split_program(program, Cluster(num_workers=2),
                          GeneralMode(microbatches=4, schedule="gpipe")).plan
-    plan.lint()
-    as_1f1b = plan.to_text().replace("pipeline gpipe", "pipeline 1f1b")
+    check_plan(plan)
+    as_1f1b = plan_to_text(plan).replace("pipeline gpipe", "pipeline 1f1b")
     with pytest.raises(PlanError, match=r"worker 0\] holds 3 micro-batches in flight at F2; "
                                         r"1f1b promises at most 2"):
-        SplitPlan.from_text(as_1f1b).lint()
-    reordered = plan.to_text().replace("stage w1: F0 F1 F2 F3 B0 B1 B2 B3",
+        check_plan(plan_from_text(as_1f1b))
+    reordered = plan_to_text(plan).replace("stage w1: F0 F1 F2 F3 B0 B1 B2 B3",
                                        "stage w1: F0 B0 F1 B1 F2 B2 F3 B3")
     with pytest.raises(PlanError, match=r"worker 1\] the schedule runs F0 F1 F2 F3 B0 B1 B2 "
                                         r"B3 but the pipeline \(gpipe\) says F0 B0"):
-        SplitPlan.from_text(reordered).lint()
+        check_plan(plan_from_text(reordered))
 
 
 def test_1f1b_holds_fewer_activations_than_gpipe():
@@ -321,7 +324,7 @@ def test_interleaved_order_is_torchs():
 
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
 
-    from splitrun.splitter.pipeline_order import stage_actions
+    from splitrun.splitter.plan import stage_actions
     compared = 0
     for processes in (2, 3, 4):
         for chunks in (1, 2, 3):
@@ -364,18 +367,18 @@ def test_the_interleaved_schedule_is_in_the_plan_text_and_picture():
     program, _ = chunks_program(2, 2)
     plan = split_program(program, Cluster(num_workers=2),
                          GeneralMode(microbatches=4, schedule="interleaved")).plan
-    text = plan.to_text()
+    text = plan_to_text(plan)
     assert "pipeline interleaved microbatches=4 chunks=2" in text
     assert "stage w0: 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3" in text
     assert "stage w1: 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3" in text
-    assert SplitPlan.from_text(text) == plan
+    assert plan_from_text(text) == plan
     # Each chunk's activations leave as soon as its forward is done.
     sent = [c.values for c in plan.channels if c.src.rank == 0 and c.dst.rank == 1]
     actions = [sorted({v.rsplit("__", 1)[1] for v in values if "F" in v.rsplit("__", 1)[-1]})
                for values in sent]
     assert [a for a in actions if a] == [["0F0"], ["0F1"], ["2F0"], ["2F1"], ["0F2"], ["0F3"],
                                          ["2F2"], ["2F3"]]
-    dot = plan.to_dot()
+    dot = plan_to_dot(plan)
     assert "4 micro-batches, 2 chunks each: bubble in theory 11%" in dot
     # One slot per chunk action (16 per process): 18 slots wide, 2 idle
     # on each process, the 1/9 = (P-1)/(V*M+P-1) of the theory.
@@ -387,21 +390,21 @@ def test_lint_checks_the_interleaved_order():
     program, _ = chunks_program(2, 2)
     plan = split_program(program, Cluster(num_workers=2),
                          GeneralMode(microbatches=2, schedule="interleaved")).plan
-    plan.lint()
-    text = plan.to_text()
+    check_plan(plan)
+    text = plan_to_text(plan)
     line = next(x for x in text.splitlines() if x.startswith("stage w0:"))
     gpipe_like = "stage w0: 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1"
     assert line == gpipe_like  # M = P: all forwards first is the schedule itself
     program, _ = chunks_program(2, 2, rows=24)
     plan = split_program(program, Cluster(num_workers=2),
                          GeneralMode(microbatches=6, schedule="interleaved")).plan
-    text = plan.to_text()
+    text = plan_to_text(plan)
     line = next(x for x in text.splitlines() if x.startswith("stage w1:"))
     swapped = line.replace("1F2 1B0", "1B0 1F2")
     assert swapped != line
     with pytest.raises(PlanError, match=r"worker 1\] the schedule runs .* but the pipeline "
                                         r"\(interleaved\) says .*1B0 1F2"):
-        SplitPlan.from_text(text.replace(line, swapped)).lint()
+        check_plan(plan_from_text(text.replace(line, swapped)))
 
 
 def test_interleaved_holds_the_activations_it_promises():

@@ -15,12 +15,15 @@ from splitrun.splitter import (
     OpKind,
     PlanError,
     PlanParseError,
-    SplitPlan,
     capture,
+    check_plan,
     optim,
+    plan_from_text,
+    plan_to_dot,
+    plan_to_text,
     split,
 )
-from splitrun.splitter.synthetic import random_program
+from splitrun.splitter.testing import random_program
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +36,10 @@ def lm_plan():
 
 def test_text_form_round_trips(lm_plan):
     plan, _ = lm_plan
-    text = plan.to_text()
-    parsed = SplitPlan.from_text(text)
+    text = plan_to_text(plan)
+    parsed = plan_from_text(text)
     assert parsed == plan
-    assert parsed.to_text() == text
+    assert plan_to_text(parsed) == text
     assert parsed.fingerprint == plan.fingerprint
     assert "sync embed.weight w0 -> w2" in text
 
@@ -45,7 +48,7 @@ def test_text_form_round_trips_random_plans():
     for seed in range(20):
         cluster = Cluster(num_workers=3, num_servers=1)
         plan = split(random_program(50, cluster.labels(), seed=seed, run_length=2.0), cluster)
-        assert SplitPlan.from_text(plan.to_text()) == plan
+        assert plan_from_text(plan_to_text(plan)) == plan
 
 
 @pytest.mark.parametrize("text, match", [
@@ -60,12 +63,12 @@ def test_text_form_round_trips_random_plans():
 ])
 def test_malformed_text_names_the_line(text, match):
     with pytest.raises(PlanParseError, match=match):
-        SplitPlan.from_text(text)
+        plan_from_text(text)
 
 
 def test_dot_is_valid_and_shows_processes_and_channels(lm_plan):
     plan, _ = lm_plan
-    dot = plan.to_dot()
+    dot = plan_to_dot(plan)
     graphs = pydot.graph_from_dot_data(dot)
     assert graphs and len(graphs) == 1
     graph = graphs[0]
@@ -87,7 +90,7 @@ def test_lint_catches_a_missing_receive(lm_plan):
     w1 = Label.worker(1)
     schedule = [i for i in plan.process(w1).schedule if i.kind is not OpKind.RECV][:]
     with pytest.raises(PlanError, match=r"channel w0->w1#0 has 0 receives"):
-        _replace_schedule(plan, w1, schedule).lint(program)
+        check_plan(_replace_schedule(plan, w1, schedule), program)
 
 
 def test_lint_catches_a_deadlock(lm_plan):
@@ -99,7 +102,7 @@ def test_lint_catches_a_deadlock(lm_plan):
     recv = schedule.pop(first_recv)
     schedule.insert(0, recv)
     with pytest.raises(PlanError, match=r"the schedules deadlock: worker 0 waits on"):
-        _replace_schedule(plan, w0, schedule).lint()
+        check_plan(_replace_schedule(plan, w0, schedule))
 
 
 def test_lint_catches_a_value_nobody_provides(lm_plan):
@@ -111,4 +114,4 @@ def test_lint_catches_a_value_nobody_provides(lm_plan):
     assert isinstance(dropped, Instruction)
     with pytest.raises(PlanError, match=rf"\[worker 2\] node .* reads {dropped.target}, "
                                         r"which worker 2 neither computes"):
-        _replace_schedule(plan, w2, schedule).lint(program)
+        check_plan(_replace_schedule(plan, w2, schedule), program)

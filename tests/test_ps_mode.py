@@ -18,16 +18,17 @@ from splitrun.splitter import (
     OpKind,
     ParameterServerMode,
     PlanError,
-    SplitPlan,
     SplitrunError,
     capture,
     optim,
     place,
+    plan_from_text,
+    plan_to_text,
     region,
     split_program,
 )
 from splitrun.splitter.labels import MODULE_ANNOTATION
-from splitrun.splitter.ps_mode import assign_servers, gradient_slot
+from splitrun.splitter.modes.parameter_server import assign_servers, gradient_slot
 
 NUM_STEPS = 20
 TOLERANCE = 1e-5
@@ -98,7 +99,7 @@ def test_server_has_a_slot_per_worker_and_an_accumulation_per_gradient():
                      if (n.meta.get("custom") or {}).get(MODULE_ANNOTATION) == f"accumulate.{param}"
                      and n.target is torch.ops.aten.div.Tensor]
             assert len(means) == 1 and means[0].args[1] == num_workers
-    assert SplitPlan.from_text(plan.to_text()) == plan
+    assert plan_from_text(plan_to_text(plan)) == plan
 
 
 def test_one_message_per_worker_server_pair_per_direction_per_step():

@@ -14,10 +14,16 @@ from cluster import REPO
 from torch import nn
 
 from splitrun.launcher.render import ModuleNames, PlanNames, plan_picture, render_plan
-from splitrun.splitter import ParameterServerMode, capture, place
-from splitrun.splitter.graph_splitter import split_program
+from splitrun.splitter import (
+    ParameterServerMode,
+    capture,
+    place,
+    plan_from_text,
+    plan_to_text,
+    split_program,
+)
 from splitrun.splitter.labels import Cluster
-from splitrun.splitter.picture_names import picture_names
+from splitrun.splitter.plan.picture_names import picture_names
 
 ATEN_NAMES = ("addmm", "relu", "threshold_backward", "_log_softmax", "nll_loss")
 
@@ -67,7 +73,7 @@ def test_blocks_are_named_by_modules_and_a_legend_explains_the_edges(ps_split):
 def test_without_a_module_map_the_picture_falls_back_to_node_names(ps_split, tmp_path):
     plan, _ = ps_split
     out = tmp_path / "plan.dot"
-    render_plan(plan.to_text(), out)
+    render_plan(plan_to_text(plan), out)
     text = out.read_text()
     assert "addmm" in text and "cluster_legend" in text
     pydot.graph_from_dot_data(text)
@@ -77,7 +83,7 @@ def test_without_a_module_map_the_picture_falls_back_to_node_names(ps_split, tmp
 def test_svg_through_graphviz(ps_split, tmp_path):
     plan, modules = ps_split
     out = tmp_path / "plan.svg"
-    render_plan(plan.to_text(), out, modules)
+    render_plan(plan_to_text(plan), out, modules)
     assert "<svg" in out.read_text() and "optimizer" in out.read_text()
 
 
@@ -112,13 +118,12 @@ def test_one_op_is_one_op():
 def test_the_cache_mode_picture_shows_the_embedding_row_traffic():
     from cache_models import make
 
-    from splitrun.splitter.cache_mode import EmbeddingCacheMode
-    from splitrun.splitter.plan import SplitPlan
+    from splitrun.splitter import EmbeddingCacheMode
 
     program, _ = make("adagrad", 1, 2, cache_rows=48)
     split = split_program(program, Cluster(1, 2), EmbeddingCacheMode())
     plan = split.plan
-    assert SplitPlan.from_text(plan.to_text()) == plan, "the text form keeps the tables"
+    assert plan_from_text(plan_to_text(plan)) == plan, "the text form keeps the tables"
     assert [t.key for t in plan.cached_tables] == ["tables.0.weight", "tables.1.weight"]
     assert plan.row_bytes_per_step() > plan.bytes_per_step()
     assert f"up to {plan.row_bytes_per_step()} bytes per step each way" in plan.summary()
@@ -143,7 +148,7 @@ def test_an_svg_without_graphviz_says_what_to_do(ps_split, tmp_path, monkeypatch
     plan, names = ps_split
     monkeypatch.setattr(render.shutil, "which", lambda name: None)
     with pytest.raises(SplitrunError) as refused:
-        render_plan(plan.to_text(), tmp_path / "plan.svg", names)
+        render_plan(plan_to_text(plan), tmp_path / "plan.svg", names)
     assert str(refused.value) == (
         f"cannot write {tmp_path / 'plan.svg'}: graphviz's `dot` is not on PATH. Install "
         f"graphviz (Debian/Ubuntu: apt-get install graphviz; macOS: brew install graphviz; "

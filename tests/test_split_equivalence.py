@@ -12,7 +12,7 @@ from models import TiedBigramLM, lm_loss, markov_batches
 from torch import nn
 
 from splitrun.runtime import run_threaded
-from splitrun.splitter import Cluster, capture, optim, place, split, split_program
+from splitrun.splitter import Cluster, capture, check_plan, optim, place, split, split_program
 
 NUM_STEPS = 10
 
@@ -72,7 +72,7 @@ def test_split_equals_unsplit(case, num_workers, optimizer):
     program = capture(model, loss_fn, OPTIMIZERS[optimizer](), data[0], return_grads=True)
     split_prog = split_program(program, Cluster(num_workers=num_workers))
     plan = split_prog.plan
-    plan.lint(program)
+    check_plan(plan, program)
     busy = [p for p in plan.processes if p.num_ops]
     assert len(busy) == num_workers, "every worker must hold part of the step"
 

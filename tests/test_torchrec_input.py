@@ -13,13 +13,14 @@ from splitrun.runtime import run_threaded
 from splitrun.splitter import (
     CaptureError,
     Cluster,
+    EmbeddingCacheMode,
     ParameterServerMode,
+    TorchRecInput,
     capture,
     optim,
+    place_embedding_cache,
     split_program,
 )
-from splitrun.splitter.cache_mode import EmbeddingCacheMode, place_embedding_cache
-from splitrun.splitter.torchrec_input import TorchRecInput
 
 torchrec = pytest.importorskip("torchrec")
 

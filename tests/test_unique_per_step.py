@@ -16,10 +16,9 @@ from splitrun.runtime import run_threaded
 from splitrun.runtime.engine.embedding import StepIds
 from splitrun.runtime.engine.embedding.protocol import Op, read_request
 from splitrun.runtime.engine.embedding.store import EmbeddingStore
-from splitrun.splitter import Cluster, ParameterServerMode, split_program
-from splitrun.splitter.cache_mode import EmbeddingCacheMode
+from splitrun.splitter import Cluster, EmbeddingCacheMode, ParameterServerMode, split_program
 from splitrun.splitter.labels import Role
-from splitrun.splitter.sparse_optim import coalesce
+from splitrun.splitter.ops.sparse_updates import coalesce
 
 NUM_STEPS = 6
 

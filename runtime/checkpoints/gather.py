@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label, Role
 from splitrun.splitter.plan import SplitPlan
 from splitrun.splitter.program import Program
+from splitrun.splitter.splitting.graph_splitter import SplitProgram
 
 from ..engine.process import ProcessRuntime
 from ..transport.contract import ChannelContract

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label, Role
 from splitrun.splitter.program import Program
+from splitrun.splitter.splitting.graph_splitter import SplitProgram
 
 from ..cluster.protocol import Membership
 from ..engine.embedding.store import ShardSnapshot

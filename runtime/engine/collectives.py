@@ -2,7 +2,7 @@
 
 A split made with `ParallelMode(backend="torch_distributed")` holds, per
 member, collective nodes that read only the member's own piece
-(`splitrun.splitter.parallel.collective_ops`). `attach_collectives` binds
+(`splitrun.splitter.ops.collectives`). `attach_collectives` binds
 them, for one process, to a process group of its parallel group: gloo when
 the process computes on the CPU, NCCL on CUDA. The group is formed on the
 first collective (every member reaches it in the same step), through a
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label
-from splitrun.splitter.parallel import collective_ops
+from splitrun.splitter.ops import collectives as collective_ops
+from splitrun.splitter.splitting.graph_splitter import SplitProgram
 
 from ..cluster.rendezvous import Rendezvous
 from ..errors import ClusterError, CollectiveFailed, SplitrunError

@@ -23,11 +23,13 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import FunctionType
 
 import torch
 from torch import fx
 
 from splitrun.splitter.labels import Label
+from splitrun.splitter.ops.markers import MARKERS
 from splitrun.splitter.plan import OpKind, SplitPlan
 from splitrun.splitter.program import OutputKind, Program
 
@@ -199,7 +201,9 @@ class Executor:
                  tile_pointwise: bool = True) -> None:
         """`program`: the one the plan's node names refer to (`SplitProgram.program`).
         `bindings` implement marker ops of the graph with runtime objects
-        (the embedding cache binds `cached_lookup` and `cached_update`).
+        (the embedding cache binds `cached_lookup` and `cached_update`); a
+        marker this process runs without a binding is refused here, before
+        any step (`splitter.ops.markers`).
         `tile_pointwise`: run chains of elementwise ops over large CPU tensors
         tile by tile (`tiles`; same results, less memory traffic);
         it may be changed between steps."""
@@ -269,6 +273,7 @@ class Executor:
                 else:
                     ops.append((OpKind.RECV, channel.name, channel.src, channel.recv_names))
         self._ops = ops
+        self._check_markers_bound()
         self._free_after, last_use = self._last_uses(ops)
         kept = set(self._output_nodes.values()) | set(self._state_updates.values())
         scheduled = [self._nodes[name] if kind is OpKind.RUN and target is self._nodes[name].target
@@ -277,6 +282,22 @@ class Executor:
         if self.device.type == "cpu":
             self._tiled = {first: (last, run) for first, last, run in find_tiled_runs(
                 scheduled, lambda name, i: name in kept or last_use.get(name, -1) > i)}
+
+    def _check_markers_bound(self) -> None:
+        """Every marker op this process runs has a binding (a marker only
+        stands for what the runtime binds it to; unbound, it would raise at
+        its first run, in the middle of a step)."""
+        unbound = [(name, target) for kind, name, target, _ in self._ops
+                   if kind is OpKind.RUN and isinstance(target, FunctionType)
+                   and target in MARKERS]
+        if unbound:
+            nodes = ", ".join(f"{name} ({target.__name__}, bound to {MARKERS[target]})"
+                              for name, target in unbound)
+            raise SplitrunError(
+                f"{self._tag} {len(unbound)} node(s) of this process's graph call marker "
+                f"ops it has no binding for: {nodes}; run the split through "
+                f"ProcessRuntime (Job.start or run_threaded binds every marker a process "
+                f"runs), or pass Executor(bindings=...) for each")
 
     def _last_uses(self, ops) -> tuple[list[list[str]], dict[str, int]]:
         keep = set(self._output_nodes.values()) | set(self._state_updates.values())

@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label
+from splitrun.splitter.splitting.graph_splitter import SplitProgram
 
 from ..cluster.rendezvous import Rendezvous
 from ..errors import RecvTimeout

@@ -2,7 +2,7 @@
 embedding-cache modes with `dense="worker"`).
 
 The split holds one `all_reduce_mean` node per step on every worker
-(`splitrun.splitter.dense_placement`). `attach_worker_all_reduce` binds it
+(`splitrun.splitter.ops.worker_all_reduce`). `attach_worker_all_reduce` binds it
 to a `torch.distributed` process group of all the workers (gloo on the CPU,
 NCCL on CUDA; `collectives.ProcessGroupCollectives`, formed through the
 rendezvous on the first step): the gradients are flattened into one buffer,
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitrun.splitter.dense_placement import all_reduce_mean
-from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label, Role
+from splitrun.splitter.ops.worker_all_reduce import all_reduce_mean
+from splitrun.splitter.splitting.graph_splitter import SplitProgram
 
 from ..cluster.rendezvous import Rendezvous
 from ..errors import SplitrunError

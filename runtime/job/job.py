@@ -26,11 +26,12 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from splitrun.splitter.graph_splitter import split_program
 from splitrun.splitter.labels import Cluster, Label
-from splitrun.splitter.modes import Mode
-from splitrun.splitter.picture_names import picture_names
+from splitrun.splitter.plan.picture_names import picture_names
+from splitrun.splitter.plan.text import plan_to_text
 from splitrun.splitter.program import Program
+from splitrun.splitter.splitting.graph_splitter import split_program
+from splitrun.splitter.splitting.mode import Mode
 
 from ..checkpoints.saving import resume_state
 from ..cluster.env import ENV, ProcessEnvironment
@@ -172,7 +173,7 @@ class Job(JobMember):
         split.lint()
         if self.plan_out is not None:
             with open(self.plan_out, "w") as out:
-                out.write(split.plan.to_text())
+                out.write(plan_to_text(split.plan))
             if self.plan_modules_out is not None:  # names the picture's blocks by module
                 _write_module_map(split.program, self.plan_modules_out)
             logger.info("plan written to %s\n%s", self.plan_out, split.plan.summary())

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label, Role
 from splitrun.splitter.plan import SplitPlan
+from splitrun.splitter.splitting.graph_splitter import SplitProgram
 
 from ..cluster.in_process import InProcessMembership
 from ..cluster.rendezvous import InProcessRendezvous

@@ -11,10 +11,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label
 from splitrun.splitter.plan import ModeKind, SplitPlan
 from splitrun.splitter.program import Program
+from splitrun.splitter.splitting.graph_splitter import SplitProgram
 
 from ..checkpoints.gather import (
     CONTROL_CHANNEL,

@@ -17,7 +17,7 @@ import torch
 from cache_models import make, make_sum_bags
 
 from splitrun.runtime.job import Job
-from splitrun.splitter.cache_mode import EmbeddingCacheMode
+from splitrun.splitter import EmbeddingCacheMode
 
 
 def main() -> int:

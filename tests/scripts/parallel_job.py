@@ -24,7 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from parallel_models import capture_mlp, mlp_batches  # noqa: E402
 
-from splitrun.splitter.parallel import ParallelMode  # noqa: E402
+from splitrun.splitter import ParallelMode  # noqa: E402
 
 
 def main() -> int:

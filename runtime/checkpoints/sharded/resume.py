@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label, Role
 from splitrun.splitter.program import Program
+from splitrun.splitter.splitting.graph_splitter import SplitProgram
 
 from ...engine.embedding.attach import cached_tables_of
 from ...engine.embedding.sharding import RowSharding

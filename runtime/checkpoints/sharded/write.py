@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from splitrun.splitter.modes import ModeArtifacts
 from splitrun.splitter.program import Program
+from splitrun.splitter.splitting.mode import ModeArtifacts
 
 from ...engine.embedding.store import ShardSnapshot
 from ..plain import file_sha256, writing

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitrun.splitter.graph_splitter import SplitProgram
 from splitrun.splitter.labels import Label, Role
-from splitrun.splitter.modes import ModeArtifacts
 from splitrun.splitter.plan import SplitPlan
+from splitrun.splitter.splitting.graph_splitter import SplitProgram
+from splitrun.splitter.splitting.mode import ModeArtifacts
 
 from ...transport.contract import ChannelContract
 from ...transport.protocol import Transport

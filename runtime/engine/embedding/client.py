@@ -20,7 +20,7 @@ gradient is summed here makes its ids unique once per step (`StepIds`, one
 stable sort, when the gradient first asks): the gradient is summed per
 unique id before it is applied to the cached rows or sent to the servers (so
 a server receives each id once per worker): a bag's from its bag gradient in
-that unique's order (`embedding_bags.bag_gradient_rows`), an embedding's,
+that unique's order (`ops.bags.bag_gradient_rows`), an embedding's,
 one row per lookup, with one `index_add_` over that step's inverse.
 
 Consistency model:
@@ -48,7 +48,9 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from splitrun.splitter.cached_tables import (
+from splitrun.splitter.labels import Cluster, Label
+from splitrun.splitter.ops.bags import bag_forward, bag_gradient_rows
+from splitrun.splitter.ops.cache import (
     CachedTable,
     EvictionPolicy,
     cached_bag,
@@ -58,9 +60,7 @@ from splitrun.splitter.cached_tables import (
     cached_lookup,
     cached_update,
 )
-from splitrun.splitter.embedding_bags import bag_forward, bag_gradient_rows
-from splitrun.splitter.labels import Cluster, Label
-from splitrun.splitter.sparse_optim import IN_PLACE
+from splitrun.splitter.ops.sparse_updates import IN_PLACE
 
 from ...errors import CacheError
 from ...transport.dtypes import nbytes_of

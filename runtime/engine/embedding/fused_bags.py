@@ -6,7 +6,7 @@ table, as FBGEMM's `SplitTableBatchedEmbeddingBagsCodegen` keeps its
 weights: each table's cache slots are the kernel's rows. One forward call
 sums every table's bags; one backward call sums each row's gradient over its
 lookups (in batch order) and applies `row - lr * grad` to the cached rows in
-place, rounded once, as `sparse_optim.sparse_sgd_` does: bit for bit the
+place, rounded once, as `ops.sparse_updates.sparse_sgd_` does: bit for bit the
 unsplit step. The CPU operators are called directly (not through the
 module's autograd function): in a split step the forward and the backward
 are separate graph nodes.
@@ -26,8 +26,8 @@ import math
 
 import torch
 
-from splitrun.splitter.embedding_bags import bag_gradient_rows, sorted_groups
-from splitrun.splitter.sparse_optim import sparse_sgd_
+from splitrun.splitter.ops.bags import bag_gradient_rows, sorted_groups
+from splitrun.splitter.ops.sparse_updates import sparse_sgd_
 
 from ...errors import CacheError
 from .huge_pages import zeros_rows

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from splitrun.splitter.cached_tables import CachedTable, EvictionPolicy
+from splitrun.splitter.ops.cache import CachedTable, EvictionPolicy
 
 from ...errors import CacheError
 from .huge_pages import zeros_rows

@@ -3,7 +3,7 @@
 The lookup (which rows to gather), the cache (hits and misses are counted and
 pulled by unique id) and the gradient (summed per unique id before it is
 applied or sent) all read the same `StepIds`: one stable sort of the ids per
-table and step (`embedding_bags.sorted_groups`: the unique ids, the inverse,
+table and step (`ops.bags.sorted_groups`: the unique ids, the inverse,
 the counts, and the order a bag's gradient is summed per unique id in),
 computed when the step's lookup runs, or a step early when the client
 prefetches the next batch's rows.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitrun.splitter.embedding_bags import sorted_groups
+from splitrun.splitter.ops.bags import sorted_groups
 
 __all__ = ["StepIds"]
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from splitrun.splitter.cached_tables import CachedTable
 from splitrun.splitter.labels import Cluster, Label
-from splitrun.splitter.sparse_optim import IN_PLACE
+from splitrun.splitter.ops.cache import CachedTable
+from splitrun.splitter.ops.sparse_updates import IN_PLACE
 
 from ...errors import MessageRejected, SplitrunError
 from ...transport.protocol import MessageKey, Transport

@@ -1,0 +1,44 @@
+"""The mark that asks for a table to be cached: `place_embedding_cache` sets
+a table's `CacheSettings` on the module, and capture reads them back
+(`cache_settings_of`) into the program it makes."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..errors import CaptureError
+from ..ops.cache import CacheSettings, EvictionPolicy
+
+__all__ = ["place_embedding_cache", "cache_settings_of"]
+
+# The attribute place_embedding_cache sets on a marked table.
+_CACHE_ATTR = "_splitrun_cache"
+
+
+def place_embedding_cache(modules, *, cache_rows: int, policy: EvictionPolicy | str = "lru",
+                          max_staleness: int = 0):
+    """Keep these `nn.Embedding` or `nn.EmbeddingBag` tables on the servers and
+    cache `cache_rows` rows of each on every worker. `modules`: one table, or
+    an iterable of them (an `nn.ModuleList` of tables). Bags take modes sum
+    and mean; `padding_idx` works (that row is never updated), `max_norm`
+    does not."""
+    settings = CacheSettings(cache_rows, EvictionPolicy(policy) if isinstance(policy, str)
+                             else policy, max_staleness)
+    tables = [modules] if isinstance(modules, nn.Module) and not isinstance(
+        modules, (nn.ModuleList, nn.ModuleDict)) else list(
+        modules.values() if isinstance(modules, nn.ModuleDict) else modules)
+    for table in tables:
+        if not isinstance(table, (nn.Embedding, nn.EmbeddingBag)):
+            raise CaptureError(f"place_embedding_cache takes nn.Embedding or nn.EmbeddingBag "
+                               f"tables, got {type(table).__name__}")
+        if table.max_norm is not None:
+            raise CaptureError(f"a cached {type(table).__name__} cannot use max_norm (it "
+                               f"renormalizes rows in place during the forward); drop it")
+        if isinstance(table, nn.EmbeddingBag) and table.mode == "max":
+            raise CaptureError("a cached EmbeddingBag takes mode 'sum' or 'mean', not 'max'")
+        setattr(table, _CACHE_ATTR, settings)
+    return modules
+
+
+def cache_settings_of(module: nn.Module) -> CacheSettings | None:
+    return getattr(module, _CACHE_ATTR, None)
