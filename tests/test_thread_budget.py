@@ -9,7 +9,7 @@ import sys
 import pytest
 from cluster import JOB_TIMEOUT_S, SCRIPTS, Proc, child_env
 
-from splitrun.launcher.cli import thread_budget
+from splitrun.launcher.child_env import thread_budget
 from splitrun.splitter.errors import SplitrunError
 
 

@@ -124,23 +124,23 @@ class Trainer:
         except BaseException as exc:
             self.job.report_failure(exc)
             raise
-        self._record_outputs(outputs)
-        self.steps_done += 1
-        self.job.report_progress(self.steps_done)
-        self._checkpointer.save_periodically(self.steps_done)
         loss = outputs.get("loss")
         loss_value = None if loss is None else loss.item()
+        self._step_done(outputs, loss_value)
+        self._checkpointer.save_periodically(self.steps_done)
         hit_rate = self.process.cache_hit_rate()
         extra = "" if hit_rate is None else f"hit rate {hit_rate:.3f}"
         self._progress.update(self.steps_done - 1, loss_value, extra)
-        self._record_metrics(loss_value)
         return outputs
 
-    def _record_outputs(self, outputs: dict[str, torch.Tensor]) -> None:
+    def _step_done(self, outputs: dict[str, torch.Tensor], loss: float | None) -> None:
+        """What follows every step this process ran, a worker's or a server's:
+        its outputs seen, the step counted and reported (the scheduler's
+        heartbeat, the launcher's step file), its metrics written."""
         if self._on_outputs is not None:
             self._on_outputs(self.steps_done, outputs)
-
-    def _record_metrics(self, loss: float | None) -> None:
+        self.steps_done += 1
+        self.job.report_progress(self.steps_done)
         if self._metrics is not None:
             self._metrics.record(self.steps_done - 1, loss=loss, stats=self.process.stats,
                                  cache_counters=self.cache_counters)
@@ -197,10 +197,7 @@ class Trainer:
             except BaseException as exc:
                 self.job.report_failure(exc)
                 raise
-            self._record_outputs(outputs)
-            self.steps_done += 1
-            self.job.report_progress(self.steps_done)
-            self._record_metrics(None)
+            self._step_done(outputs, None)
 
     def _on_control(self, sender: Label, tensors: list[torch.Tensor]) -> None:
         self._checkpointer.answer(sender, tensors, self.steps_done)

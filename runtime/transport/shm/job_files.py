@@ -68,7 +68,10 @@ def remove_job_segments(prefix: str, directory: str = SHM_DIR,
     removed = []
     try:
         entries = os.listdir(directory)
-    except FileNotFoundError:
+    except OSError as exc:  # gone, or not ours to read: nothing of the job to remove
+        if not isinstance(exc, FileNotFoundError):
+            logger.warning("cannot list %s to remove job %s's files: %s", directory, prefix,
+                           exc.strerror)
         return removed
     for entry in sorted(entries):
         if entry.startswith(prefix) and not (keep_step_files
@@ -76,7 +79,9 @@ def remove_job_segments(prefix: str, directory: str = SHM_DIR,
             path = os.path.join(directory, entry)
             try:
                 os.unlink(path)
-            except FileNotFoundError:
+            except OSError as exc:  # removed meanwhile, or not ours: the others still go
+                if not isinstance(exc, FileNotFoundError):
+                    logger.warning("cannot remove %s: %s", path, exc.strerror)
                 continue
             removed.append(path)
     if removed:
