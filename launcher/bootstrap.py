@@ -89,7 +89,11 @@ def main(argv: list[str] | None = None) -> None:
         if job is not None and isinstance(exc, job.PlanWritten):
             raise SystemExit(0) from None
         if job is not None and isinstance(exc, Exception):
-            job.report_uncaught(exc)  # the scheduler learns the error and the step now
+            try:
+                job.report_uncaught(exc)  # the scheduler learns the error and the step now
+            except Exception as report_error:  # noqa: BLE001 - the script's error stays the one shown
+                sys.stderr.write(f"splitrun: could not report the error to the job: "
+                                 f"{type(report_error).__name__}: {report_error}\n")
         errors = sys.modules.get("splitrun.splitter.errors")
         if (errors is not None and isinstance(exc, errors.SplitrunError)
                 and not logging.getLogger().isEnabledFor(logging.DEBUG)):

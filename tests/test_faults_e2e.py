@@ -104,6 +104,19 @@ def test_crash_names_the_process_its_error_and_step(local_cluster):
                      r"other 1 process)?$", line), line
 
 
+def test_an_error_after_finish_is_the_scripts_own(local_cluster):
+    # The job has been left: nothing may be reported to the scheduler any more,
+    # and trying must not put its own error over the script's.
+    proc = local_cluster.start("launch", "--workers", 2, FAULT_JOB, "--steps", 4,
+                               "--raise-after-finish")
+    code = proc.wait(JOB_TIMEOUT_S)
+    assert code == 1, proc.output()
+    assert re.search(r"worker 0 \(pid \d+\) exited with code 1 at step 4: ValueError: the "
+                     r"script's own error, after finish$", last_line(proc)), proc.output()
+    assert "closed channel" not in proc.output()
+    assert proc.output().count("Traceback (most recent call last)") == 1, proc.output()
+
+
 def test_capture_error_is_on_the_last_line(local_cluster):
     proc = local_cluster.start("launch", "--workers", 2, FAULT_JOB, "--bad-optimizer")
     assert proc.wait(JOB_TIMEOUT_S) == 1

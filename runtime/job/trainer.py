@@ -89,12 +89,18 @@ class Trainer:
         gets the next batch, so an embedding cache prefetches its rows. A
         step's hyperparameters are read before the next batch is taken, so a
         learning-rate schedule stepped while `batches` makes a batch applies
-        from that batch's step on, as in a loop of `step`."""
+        from that batch's step on, as in a loop of `step`. A batch that
+        cannot be made (`batches` raises) fails at its own step, after the
+        step before it ran, as in a loop of `step`."""
         iterator = iter(batches)
         current = next(iterator, None)
         while current is not None:
             hparams = self.process.hparams(self.steps_done)
-            following = next(iterator, None)
+            try:
+                following = next(iterator, None)
+            except Exception:
+                yield self.step(current, hparams=hparams)  # then the next step's own error
+                raise
             yield self.step(current, next_batch=following, hparams=hparams)
             current = following
 
@@ -111,9 +117,8 @@ class Trainer:
         if self._finished:
             raise SplitrunError("step() after finish()")
         try:
-            outputs = self.process.run_step(
-                self.steps_done, _feeds_of(batch),
-                None if next_batch is None else _feeds_of(next_batch), hparams=hparams)
+            outputs = self.process.run_step(self.steps_done, _feeds_of(batch),
+                                            _next_feeds_of(next_batch), hparams=hparams)
         except TransportError as exc:
             lost = self.job.scheduler_unreachable()
             if lost is None:
@@ -285,6 +290,17 @@ def _waiting(process: ProcessRuntime) -> tuple[Label, float] | None:
     return None if waiting is None else (waiting.peer, time.monotonic() - waiting.since)
 
 
+def _next_feeds_of(batch) -> dict[str, torch.Tensor] | None:
+    """The next step's feeds, to prefetch for; None where there is no next
+    batch or it is no batch (it is refused at its own step)."""
+    if batch is None:
+        return None
+    try:
+        return _feeds_of(batch)
+    except SplitrunError:
+        return None
+
+
 def _feeds_of(batch) -> dict[str, torch.Tensor]:
     """A batch as feeds: a dict as given, a tensor as `batch.0`, a sequence as
     `batch.0`, `batch.1`, ... (the names capture gives the batch inputs)."""
@@ -292,7 +308,7 @@ def _feeds_of(batch) -> dict[str, torch.Tensor]:
         return dict(batch)
     if isinstance(batch, torch.Tensor):
         return {"batch.0": batch}
-    if isinstance(batch, Sequence):
+    if isinstance(batch, Sequence) and not isinstance(batch, str | bytes):
         return {f"batch.{i}": t for i, t in enumerate(batch)}
     raise SplitrunError(
         f"step() takes the batch as a tensor, a sequence of tensors or a dict "

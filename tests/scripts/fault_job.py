@@ -15,6 +15,7 @@ small model over a few batches in a cycle, and can fail on purpose.
 --slow-start NAME --slow-start-s S: process NAME ("server 0") takes S seconds
     longer to set up (as a large model's capture or a checkpoint's load would).
 --bad-optimizer: capture with an optimizer splitrun cannot split (a CaptureError).
+--raise-after-finish: worker 0 raises its own error after trainer.finish().
 --mode ps: parameter-server mode (run with --servers 1 or more).
 --out PATH: worker 0 saves the losses and the final state there.
 
@@ -63,6 +64,7 @@ def main() -> int:
     parser.add_argument("--slow-start", default="")
     parser.add_argument("--slow-start-s", type=float, default=0.0)
     parser.add_argument("--bad-optimizer", action="store_true")
+    parser.add_argument("--raise-after-finish", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
 
@@ -112,6 +114,8 @@ def main() -> int:
             if "loss" in outputs:
                 losses.append(outputs["loss"])
     final_state = trainer.finish()
+    if job.is_driver and args.raise_after_finish:
+        raise ValueError("the script's own error, after finish")
     if job.is_driver and args.out:
         torch.save({"losses": losses, "first_step": 0 if not resumed else args.steps - len(losses),
                     "state": final_state}, args.out)
