@@ -14,7 +14,13 @@ from splitrun.splitter.labels import Label
 
 from .failures import BLAME_WINDOW_S, FailureKind, FailureSign, Outcome, parse_label
 
-__all__ = ["Backend", "watch"]
+__all__ = ["Backend", "watch", "finished_line"]
+
+
+def finished_line(num_processes: int, elapsed_s: float) -> str:
+    """The launcher's last line when every process finished."""
+    every = "the 1 process" if num_processes == 1 else f"all {num_processes} processes"
+    return f"{every} finished in {elapsed_s:.1f} s"
 
 
 class Backend(Protocol):
@@ -72,7 +78,6 @@ def watch(backend: Backend, num_processes: int,
         if blame_at is not None and (now >= blame_at or not running):
             return backend.blame(signs)
         if not running and blame_at is None:
-            return Outcome(0, f"all {num_processes} processes finished in "
-                              f"{now - started:.1f} s")
+            return Outcome(0, finished_line(num_processes, now - started))
         if poll_s:
             time.sleep(poll_s)

@@ -37,6 +37,7 @@ from .child_env import (
     thread_env,
     tls_env,
 )
+from .failures import count_of
 from .forked import Template
 from .options import parse_args
 from .process_logs import ProcessLogs
@@ -229,8 +230,9 @@ def _run_once(args, token: str, tls: TlsFiles | None, supervisor: Supervisor,
     shm_prefix = new_job_prefix()
     logger.info("same-host peers share memory under /dev/shm/%s*", shm_prefix)
     threads = thread_budget(args.threads_per_process, args.workers + args.servers)
-    supervisor.note(f"scheduler at {address}; starting {args.workers} workers and "
-                   f"{args.servers} servers running {args.script} ({threads} threads each)")
+    supervisor.note(f"scheduler at {address}; starting {count_of(args.workers, 'worker')} and "
+                    f"{count_of(args.servers, 'server')} running {args.script} "
+                    f"({count_of(threads, 'thread')} each)")
     extra = tls_env(tls)
     if args.checkpoint_every is not None:
         extra.update({ENV.CHECKPOINT_EVERY: str(args.checkpoint_every),

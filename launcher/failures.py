@@ -28,7 +28,8 @@ from splitrun.splitter.labels import Label
 from .bootstrap import ERROR_MARK
 
 __all__ = ["BLAME_WINDOW_S", "TERMINATE_GRACE_S", "ERROR_KINDS", "ErrorLine", "FailureKind",
-           "FailureSign", "Outcome", "Process", "culprit_of", "describe_exit", "error_kind",
+           "FailureSign", "Outcome", "Process", "count_of", "culprit_of", "describe_exit",
+           "error_kind",
            "failure_line", "parse_label", "shell_code", "stopped_clause"]
 
 # After SIGTERM, a live process gets this long to exit before SIGKILL. A
@@ -168,6 +169,11 @@ def failure_line(culprit: FailureSign, step: int | None, num_others: int) -> str
     return f"{culprit.what}{at}{because}{stopped_clause(num_others)}"
 
 
+def count_of(number: int, noun: str, plural: str | None = None) -> str:
+    """`1 worker`, `2 workers`, `0 servers`, `1 process`, `3 processes`."""
+    return f"{number} {noun if number == 1 else plural or noun + 's'}"
+
+
 def stopped_clause(num_others: int, is_one_process: bool = True) -> str:
     """The end of a failure line: the processes stopped because of it, the
     others than the culprit (`is_one_process`) or every one; nothing said when
@@ -176,4 +182,4 @@ def stopped_clause(num_others: int, is_one_process: bool = True) -> str:
         return ""
     if not is_one_process:
         return "; stopped every process"
-    return f"; stopped the other {num_others} process{'es' if num_others > 1 else ''}"
+    return f"; stopped the other {count_of(num_others, 'process', 'processes')}"

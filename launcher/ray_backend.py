@@ -43,6 +43,7 @@ from .failures import (
     FailureKind,
     FailureSign,
     Outcome,
+    count_of,
     culprit_of,
     describe_exit,
     error_kind,
@@ -234,8 +235,10 @@ class _RayJob:
                 heartbeat_timeout_s=self.args.heartbeat_timeout,
                 stall_timeout_s=self.args.stall_timeout))
             address = self._scheduler_address(scheduler.start(self.args.host, 0, self.tls))
-            self.console.note(f"scheduler at {address}; starting {self.args.workers} workers and "
-                 f"{self.args.servers} servers running {self.args.script} as Ray actors "
+            self.console.note(
+                 f"scheduler at {address}; starting {count_of(self.args.workers, 'worker')} "
+                 f"and {count_of(self.args.servers, 'server')} running {self.args.script} as "
+                 f"Ray actors "
                  f"(placement group {self.name}, "
                  f"{time.monotonic() - started:.1f} s after start)")
             self._start_actors(group, nodes, address, shm_prefix)
