@@ -232,6 +232,28 @@ def test_busy_looping_worker_is_named(local_cluster):
     assert elapsed < 30.0, f"named {elapsed:.1f} s after it began to spin"
 
 
+def test_a_process_stuck_in_user_code_inside_a_receive_is_named(local_cluster, tmp_path):
+    # Worker 1 is inside its step-5 receive from worker 0 when its receiving
+    # thread runs a signal handler that never returns; worker 0 then waits on
+    # worker 1 in the same step. Both were "waiting on a peer"; worker 1's
+    # receive no longer turns, so it is the stalled one, named within the stall
+    # timeout, long before worker 0's receive would time out.
+    proc = local_cluster.start("launch", "--workers", 2, "--stall-timeout", STALL_TIMEOUT_S,
+                               "--recv-timeout", 60, FAULT_JOB, "--stuck-in-receive-rank", 1,
+                               "--stuck-in-receive-at", 5, "--release-file",
+                               tmp_path / "released")
+    try:
+        proc.wait_for(r"\[worker 1\].*stuck inside a receive at step 5", JOB_TIMEOUT_S)
+        code = proc.wait(60)
+    finally:
+        proc.kill()
+    assert code == 1
+    line = last_line(proc)
+    assert "worker 1 (pid" in line and "is stalled at step 5" in line, proc.output()
+    assert "worker 0 has waited on it" in line
+    assert "RecvTimeout" not in line
+
+
 def test_a_stall_wins_over_the_receive_timeout_it_causes(local_cluster):
     # The receive timeout equals the stall timeout: worker 0's receive times
     # out when worker 1's stall is due. The scheduler knows worker 1 stalled

@@ -286,8 +286,15 @@ def start_trainer(job: JobMember, split: SplitProgram, *,
 
 
 def _waiting(process: ProcessRuntime) -> tuple[Label, float] | None:
+    """The peer this process's step waits on, and for how long; None where it
+    waits on none: between steps, or stuck inside a receive (its thread runs a
+    signal handler or a callback that does not return), so that a stall check
+    can name it."""
     waiting = process.executor.waiting_on
-    return None if waiting is None else (waiting.peer, time.monotonic() - waiting.since)
+    now = time.monotonic()
+    if waiting is None or waiting.is_stuck(now):
+        return None
+    return waiting.peer, now - waiting.since
 
 
 def _next_feeds_of(batch) -> dict[str, torch.Tensor] | None:

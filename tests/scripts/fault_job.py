@@ -8,6 +8,11 @@ small model over a few batches in a cycle, and can fail on purpose.
     heartbeat thread stays alive); with --busy-blocks it blocks forever there
     instead (a deadlock: to its peers and the scheduler the same stall, and
     no CPU spent).
+--stuck-in-receive-rank R --stuck-in-receive-at N --release-file F: worker R
+    gets stuck in user code while inside a receive of its step N (a signal
+    handler that never returns, run by the receiving thread while it waits);
+    the other workers wait before their step N until the handler created F, so
+    worker R is inside that receive when the signal comes.
 --kill-rank R --kill-at N: worker R SIGKILLs itself before its step N, unless
     the job was resumed (a restart under --max-restarts).
 --pause-at N --pause-file F: every worker waits (up to 120 s) before its step N
@@ -48,6 +53,28 @@ def wait_for_file(path: str, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
+def get_stuck_in_the_next_receive(trainer, step: int, release_file: str) -> None:
+    """Once this process waits in a receive (its peers wait for `release_file`
+    first, so it does), its main thread gets a signal whose handler releases
+    the peers and never returns: stuck in user code inside the receive."""
+    def handler(signum, frame):
+        logging.getLogger("fault_job").warning("stuck inside a receive at step %d", step)
+        with open(release_file, "w"):
+            pass
+        threading.Event().wait()  # never set
+
+    def signal_once_waiting():
+        deadline = time.monotonic() + 120.0
+        while trainer.process.executor.waiting_on is None:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.005)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+
+    signal.signal(signal.SIGUSR1, handler)
+    threading.Thread(target=signal_once_waiting, daemon=True).start()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", default="general", choices=["general", "ps"])
@@ -57,6 +84,9 @@ def main() -> int:
     parser.add_argument("--busy-rank", type=int, default=-1)
     parser.add_argument("--busy-at", type=int, default=-1)
     parser.add_argument("--busy-blocks", action="store_true")
+    parser.add_argument("--stuck-in-receive-rank", type=int, default=-1)
+    parser.add_argument("--stuck-in-receive-at", type=int, default=-1)
+    parser.add_argument("--release-file")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--pause-at", type=int, default=-1)
@@ -103,6 +133,11 @@ def main() -> int:
                 wait_for_file(args.pause_file, 120.0)
             if job.rank == args.crash_rank and step == args.crash_at:
                 raise ValueError(f"injected failure at step {step}")
+            if step == args.stuck_in_receive_at:
+                if job.rank == args.stuck_in_receive_rank:
+                    get_stuck_in_the_next_receive(trainer, step, args.release_file)
+                else:
+                    wait_for_file(args.release_file, 120.0)
             if job.rank == args.busy_rank and step == args.busy_at:
                 if args.busy_blocks:
                     logging.getLogger("fault_job").warning("blocked at step %d", step)
