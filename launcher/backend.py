@@ -49,12 +49,14 @@ class Backend(Protocol):
 
 def watch(backend: Backend, num_processes: int,
           report: Callable[[], tuple[str, str] | None] | None,
-          interrupted: Callable[[], signal.Signals | None], poll_s: float = 0.0) -> Outcome:
+          interrupted: Callable[[], signal.Signals | None], poll_s: float = 0.0,
+          on_failure: Callable[[], None] | None = None) -> Outcome:
     """Wait for the processes: every one finished (exit 0), or the first sign
     of failure, after which signs are collected for `BLAME_WINDOW_S` (or until
     none runs) and `backend.blame` names the culprit. `report()` is the
     scheduler's word, (label, reason), once it has one; `interrupted()` the
-    signal the launcher got, if any; `poll_s` the pause between polls."""
+    signal the launcher got, if any; `poll_s` the pause between polls;
+    `on_failure()` is called at the first sign (a restart gets ready)."""
     started = time.monotonic()
     signs: list[FailureSign] = []
     is_reported = False
@@ -75,6 +77,8 @@ def watch(backend: Backend, num_processes: int,
                                          failure[1]))
         if signs and blame_at is None:
             blame_at = now + BLAME_WINDOW_S
+            if on_failure is not None:
+                on_failure()
         if blame_at is not None and (now >= blame_at or not running):
             return backend.blame(signs)
         if not running and blame_at is None:

@@ -11,7 +11,9 @@ import signal
 import stat
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 
 from splitrun.runtime.cluster.env import ENV
 from splitrun.runtime.cluster.identity import foreign_identity
@@ -48,6 +50,9 @@ from .supervisor import Supervisor
 __all__ = ["main", "run", "parse_args"]
 
 logger = logging.getLogger("splitrun.launcher")
+
+# Bounds the search for a restart's checkpoint (reading and hashing its files).
+CHECKPOINT_SEARCH_TIMEOUT_S = 600.0
 
 
 def _tls_of(args, what: str) -> TlsFiles | None:
@@ -172,13 +177,14 @@ def _launch(args) -> int:
             current.append(supervisor)
             if interrupted:
                 supervisor.interrupt(interrupted[0])
-            outcome = _run_once(args, token, tls, supervisor, directory, restart_from)
+            newest = _NewestCheckpoint(directory if attempt < args.max_restarts else None)
+            outcome = _run_once(args, token, tls, supervisor, directory, restart_from,
+                                on_failure=newest.start)
             supervisor.say(outcome.summary)
             if outcome.exit_code == 0 or interrupted or attempt >= args.max_restarts:
                 break
             attempt += 1
-            from splitrun.runtime.checkpoints import periodic as periodic_checkpoints
-            found = periodic_checkpoints.latest_checkpoint(directory) if directory else None
+            found = newest.result()
             restart_from = found[0] if found else None
             where = (f"from {found[0]} (step {found[1]})" if found
                      else "from the start (no checkpoint yet)")
@@ -216,8 +222,51 @@ def _start_template(args) -> Template | StandingTemplate | None:
                                     own_template)
 
 
+class _NewestCheckpoint:
+    """The newest good periodic checkpoint in `directory`, for a restart:
+    looked for in a thread from the failure's first sign (`start`), while the
+    processes are blamed and stopped, since finding it imports torch's
+    checkpoint code and verifies every file (seconds on a loaded machine)."""
+
+    def __init__(self, directory: str | None) -> None:
+        self._directory = directory
+        self._thread: threading.Thread | None = None
+        self._found: tuple[str, int] | None = None
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        if self._directory is None or self._thread is not None:
+            return
+        logger.info("the job failed: looking for the newest checkpoint in %s", self._directory)
+        self._thread = threading.Thread(target=self._find, daemon=True,
+                                        name="newest-checkpoint")
+        self._thread.start()
+
+    def _find(self) -> None:
+        try:
+            from splitrun.runtime.checkpoints import periodic
+            self._found = periodic.latest_checkpoint(self._directory)
+        except BaseException as exc:  # noqa: BLE001 - raised by result()
+            self._error = exc
+
+    def result(self) -> tuple[str, int] | None:
+        """(path, step) of the newest good checkpoint, or None."""
+        self.start()
+        if self._thread is None:
+            return None
+        self._thread.join(CHECKPOINT_SEARCH_TIMEOUT_S)
+        if self._thread.is_alive():
+            logger.warning("no checkpoint found in %s within %g s; restarting from the start",
+                           self._directory, CHECKPOINT_SEARCH_TIMEOUT_S)
+            return None
+        if self._error is not None:
+            raise self._error
+        return self._found
+
+
 def _run_once(args, token: str, tls: TlsFiles | None, supervisor: Supervisor,
-              checkpoint_dir: str | None, restart_from: str | None):
+              checkpoint_dir: str | None, restart_from: str | None,
+              on_failure: Callable[[], None] | None = None):
     """One incarnation of the job: a fresh scheduler (a new incarnation, so
     messages of an earlier one are refused) and every process."""
     scheduler = Scheduler(SchedulerSettings(args.workers, args.servers, token,
@@ -254,7 +303,8 @@ def _run_once(args, token: str, tls: TlsFiles | None, supervisor: Supervisor,
             env[ENV.LOCAL_RANK] = str(local_rank)  # its GPU: cuda:local_rank % GPUs
             env[ENV.STEP_FILE] = step_files[label]
             supervisor.spawn(label, _script_argv(args, die_with_launcher=True), env)
-        return supervisor.run(external_failure=lambda: scheduler.failure, step_of=step_of)
+        return supervisor.run(external_failure=lambda: scheduler.failure, step_of=step_of,
+                              on_failure=on_failure)
     finally:
         scheduler.stop()
         remove_job_segments(shm_prefix)

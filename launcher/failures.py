@@ -41,8 +41,8 @@ BLAME_WINDOW_S = 1.0
 _TRACEBACK_HEADER = "Traceback (most recent call last):"
 # An exception's closing line in a traceback: "ValueError: boom", "pkg.PeerFailed: ...".
 _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)(:|$)")
-# Exceptions a process raises because another one failed.
-_CONSEQUENCES = ("PeerFailed", "JobFinished")
+# Exceptions a process raises because another one failed (or died).
+_CONSEQUENCES = ("PeerFailed", "PeerDied", "JobFinished")
 # A receive that waited past its deadline: the peer waited on may be the cause.
 _TIMEOUTS = ("RecvTimeout",)
 

@@ -415,6 +415,8 @@ class _RayJob:
 
     def blame(self, signs: list[FailureSign]) -> Outcome:
         running = [m for m in self.members if m.is_running]
+        # The processes the failure stopped: all but those that finished on their own.
+        stopped = [m for m in self.members if m.exit_code != 0]
         stopping = time.monotonic()
         self.stop_all()
         # Stopping reads every process's last lines (its error) too.
@@ -427,7 +429,7 @@ class _RayJob:
         culprit = culprit_of(signs)
         step = (self.scheduler.member_step(culprit.label)
                 if culprit.label is not None and self.scheduler is not None else None)
-        others = [m for m in running if culprit.process is None or m is not culprit.process]
+        others = [m for m in stopped if culprit.process is None or m is not culprit.process]
         return Outcome(culprit.exit_code, failure_line(culprit, step, len(others)))
 
     def stop_all(self) -> None:

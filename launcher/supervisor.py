@@ -81,6 +81,7 @@ class Child:
     # The last line of the last traceback it printed ("ValueError: boom"), and when.
     error: str | None = None
     error_seen: float | None = None
+    finished_at: float | None = None  # when it was seen to exit 0
 
     @property
     def pid(self) -> int:
@@ -166,15 +167,17 @@ class Supervisor:
         self._interrupted.set()
 
     def run(self, external_failure: Callable[[], tuple[str, str] | None] | None = None,
-            step_of: Callable[[Label], int | None] | None = None) -> Outcome:
+            step_of: Callable[[Label], int | None] | None = None,
+            on_failure: Callable[[], None] | None = None) -> Outcome:
         """Wait for the children. `external_failure()` may report a failure the
-        scheduler saw (a hung process, a plan mismatch) as (label, reason).
-        Every child is gone when it returns, and so are its shared-memory files."""
+        scheduler saw (a hung process, a plan mismatch) as (label, reason);
+        `on_failure()` is called at the first sign of one. Every child is gone
+        when it returns, and so are its shared-memory files."""
         self._step_of = step_of
         try:
             outcome = watch(self, len(self.children), external_failure,
                             lambda: self._signal if self._interrupted.is_set() else None,
-                            poll_s=_POLL_S)
+                            poll_s=_POLL_S, on_failure=on_failure)
         except BaseException:
             self._janitor.close(wait=False)  # the children may still run: die with us
             raise
@@ -199,6 +202,7 @@ class Supervisor:
                 continue
             if code == 0:
                 _reap(child, code)
+                child.finished_at = now
                 continue
             self._counted.add(child.pid)
             signs.append(self._exit_sign(child, code, now))
@@ -225,13 +229,17 @@ class Supervisor:
                 and c.pid not in counted and c.exit_code != 0]
 
     def blame(self, signs: list[FailureSign]) -> Outcome:
-        running = [c for c in self.children if c.exit_code is None and _exit_code(c) is None]
+        # The processes the failure stopped: those that had not finished on
+        # their own before its first sign, whether they exited because of it
+        # (a peer's failure) or are stopped now.
+        first = min(s.seen for s in signs)
+        stopped = [c for c in self.children if c.finished_at is None or c.finished_at > first]
         # Stopping joins the relays: every child's last lines (its error) are read.
         self.stop_all()
         culprit = culprit_of(signs + self._traceback_signs(signs))
         step_of = self._step_of
         step = step_of(culprit.label) if step_of and culprit.label is not None else None
-        others = [c for c in running if c is not culprit.process]
+        others = [c for c in stopped if c is not culprit.process]
         return Outcome(culprit.exit_code, failure_line(culprit, step, len(others)))
 
     def stop_all(self) -> None:

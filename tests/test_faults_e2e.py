@@ -57,6 +57,11 @@ def test_killed_server_is_blamed(local_cluster, repeat):
     assert code == 128 + signal.SIGKILL
     assert f"server 0 (pid {pids['server 0']}) was killed by SIGKILL" in last_line(proc), \
         proc.output()
+    # The workers that lost it were stopped by its failure, whether or not they
+    # had exited by then; losing it is no error of their own.
+    assert last_line(proc).endswith("; stopped the other 2 processes"), proc.output()
+    assert not [line for line in proc.lines if re.match(r"\[worker \d\] ERROR", line)], \
+        proc.output()
     assert elapsed < FAULT_DEADLINE_S, f"the launcher took {elapsed:.1f} s to stop"
     assert not wait_exited(pids.values(), 1.0)
 
@@ -314,6 +319,12 @@ def test_restart_resumes_from_the_last_checkpoint_and_ends_equal(local_cluster, 
     # Named at the step it had reached (its step file), not its last heartbeat's.
     assert re.search(r"worker 1 \(pid \d+\) was killed by SIGKILL at step 25", output), output
     assert f"restart 1 of 1 from {tmp_path / 'ckpt' / 'step-000000020'} (step 20)" in output
+    # The restart's checkpoint is looked for from the failure's first sign on,
+    # while the processes are blamed and stopped, not after the failure line.
+    lines = proc.lines
+    looking = next(i for i, line in enumerate(lines) if "looking for the newest checkpoint" in line)
+    failure = next(i for i, line in enumerate(lines) if "was killed by SIGKILL at step 25" in line)
+    assert looking < failure, output
     # The restart checkpoints are sharded directories: each worker wrote its own file.
     assert sorted(os.listdir(tmp_path / "ckpt" / "step-000000040")) == [
         ".metadata", "__w0_0.distcp", "__w1_0.distcp", "checksums.sha256"]

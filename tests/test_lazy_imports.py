@@ -49,6 +49,15 @@ def test_a_module_of_the_cluster_room_loads_neither_the_scheduler_nor_grpc():
     assert loaded == ""
 
 
+def test_finding_a_restarts_checkpoint_imports_no_torch():
+    # The launcher looks for the newest good periodic checkpoint between two
+    # starts of a job: importing torch there took seconds on a loaded machine.
+    loaded = _python("import sys, splitrun.runtime.checkpoints.periodic; "
+                     "print(' '.join(sorted(m for m in sys.modules "
+                     "if m.split('.')[0] in ('torch', 'numpy'))))")
+    assert loaded == ""
+
+
 def test_the_lazy_transport_packages_still_export_their_names():
     import splitrun.runtime.transport as transport
     import splitrun.runtime.transport.grpc as grpc_transport

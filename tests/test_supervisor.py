@@ -63,3 +63,16 @@ def test_the_schedulers_report_of_a_process_with_its_own_error_uses_its_words():
     outcome = supervisor.run(external_failure=lambda: report, step_of=lambda label: 3)
     assert outcome.summary.startswith("worker 1 (pid "), outcome.summary
     assert "at step 3: ValueError: boom; stopped the other 1 process" in outcome.summary
+
+
+def test_a_process_that_ended_because_of_the_failure_is_one_it_stopped():
+    # Worker 1 exits at once with the peer's failure (PeerFailed), before the
+    # supervisor judges: the failure stopped it all the same.
+    out = io.StringIO()
+    supervisor = Supervisor(out=out)
+    child(supervisor, Label.worker(0), f"{ERROR_MARK}ValueError: boom", 1)
+    child(supervisor, Label.worker(1), f"{ERROR_MARK}PeerFailed: job failed: worker 0 failed",
+          1, sleep_s=0.2)
+    outcome = supervisor.run()
+    assert outcome.summary.endswith("ValueError: boom; stopped the other 1 process"), \
+        outcome.summary

@@ -50,7 +50,7 @@ import torch
 
 from splitrun.splitter.labels import Label
 
-from ...errors import MessageRejected, RecvTimeout, TransportError
+from ...errors import MessageRejected, PeerDied, RecvTimeout, TransportError
 from ..admission import Admission
 from ..buffers import EncodedTensors, MessageBuffer, MessageLayout, encode
 from ..contract import ChannelContract
@@ -170,8 +170,8 @@ class _IncomingRing:
                 logger.debug("%s %s is gone after the job failed: %s", owner.tag,
                              peer.describe(), exc)
             elif not owner.is_closing:
-                owner.fail(TransportError(f"{owner.tag} {peer.describe()} died (its end of "
-                                          f"the shared-memory ring is gone): {exc}"))
+                owner.fail(PeerDied(f"{owner.tag} {peer.describe()} died (its end of the "
+                                    f"shared-memory ring is gone): {exc}"))
         except RingError as exc:
             if not owner.is_closing:
                 owner.fail(TransportError(f"{owner.tag} {peer.describe()} broke the "
@@ -431,9 +431,11 @@ class ShmTransport:
         return writer
 
     def _send_failed(self, key: MessageKey, dst: Label, exc: RingError) -> TransportError:
-        """A ring's failure in a send: the endpoint fails with it, named."""
-        error = TransportError(f"{self.tag} sending {key} to {dst.describe()} over shared "
-                               f"memory failed: {exc}")
+        """A ring's failure in a send: the endpoint fails with it, named (a
+        `PeerDied` where the peer dropped its end)."""
+        kind = PeerDied if isinstance(exc, RingPeerGone) else TransportError
+        error = kind(f"{self.tag} sending {key} to {dst.describe()} over shared memory "
+                     f"failed: {exc}")
         self.endpoint.fail(error)
         return error
 
