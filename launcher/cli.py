@@ -30,6 +30,7 @@ from splitrun.runtime.transport.shm.job_files import (
 from splitrun.splitter.errors import SplitrunError
 from splitrun.splitter.labels import Label, Role
 
+from . import shm_room
 from .child_env import (
     child_env,
     copy_env,
@@ -39,7 +40,7 @@ from .child_env import (
     thread_env,
     tls_env,
 )
-from .failures import count_of
+from .failures import Outcome, count_of
 from .forked import Template
 from .options import parse_args
 from .process_logs import ProcessLogs
@@ -177,9 +178,13 @@ def _launch(args) -> int:
             current.append(supervisor)
             if interrupted:
                 supervisor.interrupt(interrupted[0])
+            room = _shm_room(args, supervisor)
+            if room is None:  # no room for the rings the job must use: not started
+                outcome = Outcome(1, "not started: no room for its shared-memory rings")
+                break
             newest = _NewestCheckpoint(directory if attempt < args.max_restarts else None)
             outcome = _run_once(args, token, tls, supervisor, directory, restart_from,
-                                on_failure=newest.start)
+                                on_failure=newest.start, extra_env=room)
             supervisor.say(outcome.summary)
             if outcome.exit_code == 0 or interrupted or attempt >= args.max_restarts:
                 break
@@ -220,6 +225,20 @@ def _start_template(args) -> Template | StandingTemplate | None:
         return own_template()
     return StandingTemplate.connect(standing, {**env, "PYTHONUNBUFFERED": "1"}, args.script,
                                     own_template)
+
+
+def _shm_room(args, supervisor: Supervisor) -> dict[str, str] | None:
+    """The variables this start's processes get for /dev/shm's room: none
+    where the rings fit, gRPC where they do not (said, with what to free);
+    None where SPLITRUN_TRANSPORT=shm asks for rings there is no room for."""
+    problem = shm_room.shortfall(args.workers + args.servers)
+    if problem is None:
+        return {}
+    if os.environ.get(ENV.TRANSPORT, "").strip().lower() == "shm":
+        supervisor.say(f"{problem}; {ENV.TRANSPORT}=shm needs them: the job does not start")
+        return None
+    supervisor.say(f"{problem}; this start's processes talk over gRPC instead")
+    return {ENV.TRANSPORT: "grpc"}
 
 
 class _NewestCheckpoint:
@@ -266,9 +285,11 @@ class _NewestCheckpoint:
 
 def _run_once(args, token: str, tls: TlsFiles | None, supervisor: Supervisor,
               checkpoint_dir: str | None, restart_from: str | None,
-              on_failure: Callable[[], None] | None = None):
+              on_failure: Callable[[], None] | None = None,
+              extra_env: dict[str, str] | None = None):
     """One incarnation of the job: a fresh scheduler (a new incarnation, so
-    messages of an earlier one are refused) and every process."""
+    messages of an earlier one are refused) and every process, whose
+    environment gets `extra_env` too."""
     scheduler = Scheduler(SchedulerSettings(args.workers, args.servers, token,
                                             _new_incarnation(),
                                             heartbeat_timeout_s=args.heartbeat_timeout,
@@ -282,7 +303,7 @@ def _run_once(args, token: str, tls: TlsFiles | None, supervisor: Supervisor,
     supervisor.note(f"scheduler at {address}; starting {count_of(args.workers, 'worker')} and "
                     f"{count_of(args.servers, 'server')} running {args.script} "
                     f"({count_of(threads, 'thread')} each)")
-    extra = tls_env(tls)
+    extra = {**tls_env(tls), **(extra_env or {})}
     if args.checkpoint_every is not None:
         extra.update({ENV.CHECKPOINT_EVERY: str(args.checkpoint_every),
                       ENV.CHECKPOINT_DIR: checkpoint_dir})

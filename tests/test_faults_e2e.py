@@ -9,12 +9,15 @@ issue's 10 (see the README for its time).
 
 import os
 import re
+import shlex
+import shutil
 import signal
+import sys
 import time
 
 import grpc
 import pytest
-from cluster import JOB_TIMEOUT_S, SCRIPTS, Proc, pid_alive, wait_exited
+from cluster import JOB_TIMEOUT_S, SCRIPTS, Proc, child_env, pid_alive, wait_exited
 
 pytestmark = pytest.mark.slow
 
@@ -335,6 +338,39 @@ def test_restart_resumes_from_the_last_checkpoint_and_ends_equal(local_cluster, 
     assert torch.equal(torch.stack(result["losses"]), torch.stack(losses[20:]))
     for key, value in state.items():
         assert torch.equal(result["state"][key], value), f"{key} differs from an uninterrupted run"
+
+
+def test_a_dev_shm_without_room_for_the_rings_is_seen_before_each_start(tmp_path):
+    # In a mount namespace of its own, the job sees a /dev/shm of 6 MiB that
+    # another program has filled in part: its two 4 MiB rings do not fit. Each
+    # start (the first, and the restart after worker 1 is killed) runs over
+    # gRPC instead, saying what to free, and the job ends; before, every start
+    # failed at once, spending every restart.
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a /dev/shm of its own needs root and unshare (util-linux)")
+    launch = [sys.executable, "-m", "splitrun.launcher", "-v", "launch", "--workers", 2,
+              "--max-restarts", 2, "--checkpoint-every", 10, "--checkpoint-dir",
+              tmp_path / "ckpt", FAULT_JOB, "--steps", 30, "--kill-rank", 1, "--kill-at", 15]
+    script = ("mount -t tmpfs -o size=6m splitrun-test /dev/shm && "
+              "fallocate -l 1m /dev/shm/filler && exec "
+              + " ".join(shlex.quote(str(arg)) for arg in launch))
+    env = child_env({"SPLITRUN_SHM_RING_MB": "4"})
+    env.pop("SPLITRUN_TEMPLATE", None)  # a standing template outside sees another /dev/shm
+    proc = Proc(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], env=env)
+    try:
+        code = proc.wait(2 * JOB_TIMEOUT_S)
+    finally:
+        proc.kill()
+    output = proc.output()
+    assert code == 0, output
+    assert output.count("restart 1 of 2") == 1 and "restart 2 of 2" not in output, output
+    said = re.findall(r"/dev/shm has \d+\.\d MiB free but the job's 2 shared-memory rings "
+                      r"need 8\.0 MiB \(2 of 4\.0 MiB\); free \d+\.\d MiB there \(its largest "
+                      r"files: /dev/shm/filler 1\.0 MiB\), or make the rings smaller "
+                      r"\(SPLITRUN_SHM_RING_MB=N\); this start's processes talk over gRPC "
+                      r"instead", output)
+    assert len(said) == 2, output  # before the first start and before the restart
+    assert "transport to worker 0: grpc" in output, output
 
 
 def test_without_restarts_the_job_fails_as_before(local_cluster, tmp_path):

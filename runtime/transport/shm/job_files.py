@@ -13,8 +13,9 @@ import secrets
 
 from .ring_errors import RingError
 
-__all__ = ["SHM_DIR", "JOB_PREFIX_PATTERN", "STEP_FILE_SUFFIX", "new_job_prefix", "ring_paths",
-           "job_file_path", "remove_job_segments", "boot_id", "unlink_quietly"]
+__all__ = ["SHM_DIR", "JOB_PREFIX_PATTERN", "STEP_FILE_SUFFIX", "HEADER_PAGE",
+           "DEFAULT_RING_BYTES", "new_job_prefix", "ring_paths", "job_file_path",
+           "rings_bytes", "remove_job_segments", "boot_id", "unlink_quietly"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,10 @@ _NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
 # A process's steps done, kept for its launcher (cluster/step_file.py): the
 # launcher reads it after the process died, so only the launcher removes it.
 STEP_FILE_SUFFIX = ".step"
+# A ring's file: one page of header (`ring_segment`), then its data bytes,
+# `DEFAULT_RING_BYTES` unless SPLITRUN_SHM_RING_MB says.
+HEADER_PAGE = 4096
+DEFAULT_RING_BYTES = 64 << 20
 
 
 def new_job_prefix() -> str:
@@ -56,6 +61,13 @@ def job_file_path(prefix: str, name: str, suffix: str, directory: str = SHM_DIR)
     if not _NAME_PATTERN.match(name + suffix):
         raise RingError(f"file name {name + suffix!r}: use letters, digits, '_', '.', '-'")
     return os.path.join(directory, prefix + name + suffix)
+
+
+def rings_bytes(num_processes: int, ring_bytes: int = DEFAULT_RING_BYTES) -> int:
+    """What the rings of `num_processes` processes sharing memory take under
+    SHM_DIR: one ring each way between every two of them, allocated whole when
+    they connect."""
+    return num_processes * (num_processes - 1) * (HEADER_PAGE + ring_bytes)
 
 
 def remove_job_segments(prefix: str, directory: str = SHM_DIR,

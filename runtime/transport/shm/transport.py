@@ -59,6 +59,7 @@ from ..endpoint import Endpoint
 from ..filled import Fill, fill_then_send
 from ..framing import EnvelopeWriter
 from ..keys import MessageKey
+from .job_files import DEFAULT_RING_BYTES
 from .ring import (
     LENDABLE_BYTES,
     SHM_DIR,
@@ -92,7 +93,7 @@ class ShmSettings:
     # Data bytes of each ring (one per direction of each same-host pair);
     # larger messages stream through it in pieces, and messages up to half of
     # it may be lent in place (a parameter server's 27 MB in the benchmark).
-    ring_bytes: int = 64 << 20
+    ring_bytes: int = DEFAULT_RING_BYTES
     # A process that computes on CUDA registers the rings it reads from as
     # pinned memory: what it receives in place then reaches its GPU by DMA
     # (measured on an H200: 64 MiB at 0.13x a pinned cudaMemcpy without).
