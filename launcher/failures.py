@@ -76,6 +76,7 @@ class FailureSign:
     exit_code: int
     what: str           # "worker 1 (pid 7) exited with code 1" or the scheduler's reason
     process: Process | None = None  # the process the sign is of (None: the scheduler's)
+    cause: str | None = None  # what the kernel says of it ("out of memory: ..."), if anything
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ def failure_line(culprit: FailureSign, step: int | None, num_others: int) -> str
         return f"job failed: {culprit.what}{stopped_clause(num_others, False)}"
     at = f" at step {step}" if step is not None else ""
     error = culprit.process.error if culprit.process is not None else None
-    because = f": {error}" if error else ""
+    because = "".join(f": {said}" for said in (culprit.cause, error) if said)
     return f"{culprit.what}{at}{because}{stopped_clause(num_others)}"
 
 

@@ -57,6 +57,7 @@ from .failures import (
 )
 from .forked import ForkedProcess, Template
 from .janitor import Janitor
+from .memory_watch import MemoryWatch
 from .process_groups import signal_with_group
 from .process_logs import Console, ProcessLogs
 from .standing_client import StandingProcess, StandingTemplate
@@ -82,6 +83,8 @@ class Child:
     error: str | None = None
     error_seen: float | None = None
     finished_at: float | None = None  # when it was seen to exit 0
+    memory: MemoryWatch | None = None  # its RSS and memory cgroup, as last seen
+    is_killed_here: bool = False       # this supervisor sent it SIGKILL
 
     @property
     def pid(self) -> int:
@@ -127,7 +130,7 @@ class Supervisor:
             process = subprocess.Popen(
                 list(argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, start_new_session=True)
-        child = Child(label, process)
+        child = Child(label, process, memory=MemoryWatch(process.pid))
         shm_prefix = env.get(ENV.SHM_PREFIX)
         if shm_prefix:
             self._janitor.watch(SHM_DIR, shm_prefix, process.pid)
@@ -192,6 +195,7 @@ class Supervisor:
                 continue
             code = _exit_code(child)
             if code is None:
+                child.memory.sample(now)
                 if is_stopped(child.pid):
                     self._counted.add(child.pid)
                     signs.append(FailureSign(FailureKind.KILLED, now, child.label, 1,
@@ -212,7 +216,25 @@ class Supervisor:
     def _exit_sign(child: Child, code: int, now: float) -> FailureSign:
         what = f"{child.label.describe()} (pid {child.pid}) {describe_exit(code)}"
         kind = FailureKind.KILLED if code < 0 else error_kind(child.error)
-        return FailureSign(kind, now, child.label, shell_code(code), what, child)
+        return FailureSign(kind, now, child.label, shell_code(code), what, child,
+                           _kernel_cause(child, code))
+
+    def _oom_signs(self, signs: list[FailureSign]) -> list[FailureSign]:
+        """Children the OOM killer ended only while they were being stopped
+        (one thrashing in memory reclaim sends no heartbeat, and the
+        scheduler's report of its silence may come first): their kill,
+        which the kernel counted, is the failure."""
+        counted = {s.process.pid for s in signs if s.process is not None}
+        first = min(s.seen for s in signs)
+        found = []
+        for child in self.children:
+            cause = _kernel_cause(child, child.exit_code)
+            if child.pid not in counted and cause is not None:
+                found.append(FailureSign(FailureKind.KILLED, first, child.label,
+                                         shell_code(child.exit_code),
+                                         f"{child.label.describe()} (pid {child.pid}) "
+                                         f"{describe_exit(child.exit_code)}", child, cause))
+        return found
 
     def _traceback_signs(self, signs: list[FailureSign]) -> list[FailureSign]:
         """Children that printed their error but had not exited by the time of
@@ -236,7 +258,7 @@ class Supervisor:
         stopped = [c for c in self.children if c.finished_at is None or c.finished_at > first]
         # Stopping joins the relays: every child's last lines (its error) are read.
         self.stop_all()
-        culprit = culprit_of(signs + self._traceback_signs(signs))
+        culprit = culprit_of(signs + self._traceback_signs(signs) + self._oom_signs(signs))
         step_of = self._step_of
         step = step_of(culprit.label) if step_of and culprit.label is not None else None
         others = [c for c in stopped if c is not culprit.process]
@@ -249,7 +271,8 @@ class Supervisor:
         was signalled, so its id cannot have been reused meanwhile."""
         pending = [c for c in self.children if c.exit_code is None]
         for child in pending:
-            _signal_group(child, signal.SIGKILL if is_stopped(child.pid) else signal.SIGTERM)
+            child.is_killed_here = is_stopped(child.pid)
+            _signal_group(child, signal.SIGKILL if child.is_killed_here else signal.SIGTERM)
         deadline = time.monotonic() + TERMINATE_GRACE_S
         while time.monotonic() < deadline:
             alive = [c for c in pending if _exit_code(c) is None]
@@ -257,14 +280,25 @@ class Supervisor:
                 break
             for child in alive:
                 if is_stopped(child.pid):
+                    child.is_killed_here = True
                     _signal_group(child, signal.SIGKILL)
             time.sleep(_POLL_S)
         for child in pending:
+            if _exit_code(child) is None:
+                child.is_killed_here = True
             _signal_group(child, signal.SIGKILL)
             _reap(child, None)
         for child in self.children:
             if child.reader is not None:
                 child.reader.join(timeout=TERMINATE_GRACE_S)
+
+
+def _kernel_cause(child: Child, code: int | None) -> str | None:
+    """That `child`, killed by SIGKILL, but not by this supervisor, ran out
+    of memory, where the kernel counted an OOM kill; else None."""
+    if code != -signal.SIGKILL or child.is_killed_here or child.memory is None:
+        return None
+    return child.memory.oom_verdict()
 
 
 def _exit_code(child: Child) -> int | None:

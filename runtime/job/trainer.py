@@ -25,7 +25,7 @@ from ..checkpoints.gather import (
 from ..checkpoints.saving import Checkpointer
 from ..cluster.rendezvous import Rendezvous
 from ..engine.process import ProcessRuntime
-from ..errors import JobFinished, PeerFailed, SplitrunError, TransportError
+from ..errors import JobFinished, PeerDied, PeerFailed, SplitrunError, TransportError
 from ..transport.contract import receive_contracts
 from .data import shard_batches
 from .member import JobMember
@@ -121,7 +121,7 @@ class Trainer:
                                             _next_feeds_of(next_batch), hparams=hparams)
         except TransportError as exc:
             lost = self.job.scheduler_unreachable()
-            if lost is None:
+            if lost is None or isinstance(exc, PeerDied):  # a peer's death says its own cause
                 self.job.report_failure(exc)
                 raise
             # The scheduler's loss ended a peer first: that is the cause.
