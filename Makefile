@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run run-pipeline run-recsys run-parallel lint test test-fast proto bench docs clean
+.PHONY: venv graphviz run run-pipeline run-recsys run-parallel lint test test-fast proto bench docs clean
 
 # torchrec goes in with --no-deps: its metadata's `fbgemm-gpu` (the CUDA build)
 # would overwrite fbgemm-gpu-cpu's files; its other dependencies come with setup.cfg.
@@ -15,7 +15,21 @@ $(STAMP): setup.cfg setup.py constraints.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt --no-deps torchrec
 	touch $(STAMP)
 
-venv: $(STAMP)
+venv: $(STAMP) graphviz
+
+# graphviz's dot draws plan pictures (`splitrun plan --out plan.svg`, `make docs`,
+# tests/test_render.py). Installed quietly where it is missing and this runs as
+# root with apt-get (CI's Debian machines); elsewhere the line says how.
+graphviz:
+	@command -v dot >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing graphviz (dot draws plan pictures) with apt-get"; \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends graphviz; } >/dev/null 2>&1 \
+	      || echo "apt-get could not install graphviz; plan pictures need dot (the test that draws one is skipped)"; \
+	  else \
+	    echo "graphviz's dot is not installed: plan pictures need it (apt-get install graphviz, dnf install graphviz or brew install graphviz); the test that draws one is skipped"; \
+	  fi; }
 
 # The main job: parameter-server training on 2 workers and 1 server.
 run: $(STAMP)
@@ -40,7 +54,7 @@ lint: $(STAMP)
 
 # The static checks, then the whole test suite in 4 pytest-xdist workers, longest
 # tests first (tests/run_suites.py and tests/scheduling.py say why).
-test: lint
+test: lint graphviz
 	$(PY) tests/run_suites.py
 
 # Without the multi-process end-to-end tests.
@@ -59,9 +73,9 @@ bench: $(STAMP)
 	$(PY) bench/embedding_cache.py
 
 # The pictures in docs/: the plans of the main job and the pipeline example (needs
-# graphviz's dot on PATH: apt-get install graphviz) and the benchmarks' plots, drawn
+# graphviz's dot on PATH: the graphviz target above) and the benchmarks' plots, drawn
 # from the runs kept in docs/bench-data/ (bench/record.py keeps a new one).
-docs: $(STAMP)
+docs: $(STAMP) graphviz
 	$(VENV)/bin/splitrun plan --workers 2 --servers 1 --out docs/img/ps-plan.svg examples/ps_train.py
 	$(VENV)/bin/splitrun plan --workers 3 --out docs/img/pipeline-plan.svg examples/pipeline_split.py
 	$(PY) bench/plots.py --out docs/img

@@ -96,8 +96,10 @@ def main() -> int:
         accuracy = (model(test_x).argmax(1) == test_y).float().mean().item()
     steps = trainer.steps_done - first
     samples = steps * args.batch_size
-    print(f"trained {steps} steps ({samples} samples) on {job.cluster.num_workers} workers "
-          f"and {job.cluster.num_servers} servers in {elapsed:.1f} s "
+    workers, servers = job.cluster.num_workers, job.cluster.num_servers
+    print(f"trained {steps} steps ({samples} samples) on {workers} "
+          f"worker{'' if workers == 1 else 's'} and {servers} "
+          f"server{'' if servers == 1 else 's'} in {elapsed:.1f} s "
           f"({samples / elapsed:.0f} samples/s)")
     print(f"held-out accuracy: {accuracy:.4f} on {len(test_y)} digits")
     if args.save:

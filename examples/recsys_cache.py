@@ -584,8 +584,10 @@ def report(args, job: Job, trainer, spec: DataSpec, cache_rows: list[int], metri
 
 
 def print_report(result: dict) -> None:
-    print(f"trained {result['steps']} steps ({result['samples']} samples) on "
-          f"{result['workers']} workers and {result['servers']} servers in "
+    workers, servers = result["workers"], result["servers"]
+    print(f"trained {result['steps']} steps ({result['samples']} samples) on {workers} "
+          f"worker{'' if workers == 1 else 's'} and {servers} "
+          f"server{'' if servers == 1 else 's'} in "
           f"{result['train_s']:.1f} s ({result['samples_per_s']:.0f} samples/s; "
           f"{result['total_s']:.1f} s with the final write-back and table dump)")
     if "auc" not in result:

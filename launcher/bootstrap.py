@@ -52,6 +52,19 @@ def die_with_parent(parent_pid: int) -> None:
         raise SystemExit(1)
 
 
+# torch's advice to the authors of code that calls torch.fx's is_fx_tracing()
+# (TorchRec's KeyedJaggedTensor does, through its ProxyableClassMeta), logged
+# by every process that builds one: nothing the user of a job can act on. Only
+# that line of that logger is dropped.
+_TORCH_FX_LOGGER = "torch.fx._symbolic_trace"
+_IS_FX_TRACING_ADVICE = "is_fx_tracing will return true"
+
+
+class _DropIsFxTracingAdvice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_IS_FX_TRACING_ADVICE)
+
+
 # The driver's progress lines: shown at every level (they are the progress
 # bar of a job whose output is a pipe), plainly.
 _PROGRESS_LOGGER = "splitrun.runtime.job.progress"
@@ -79,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
                          "[--parent-pid PID] SCRIPT [ARGS...]\n")
         raise SystemExit(2)
     configure_logging(os.environ.get(_LOG_LEVEL_VARIABLE))
+    logging.getLogger(_TORCH_FX_LOGGER).addFilter(_DropIsFxTracingAdvice())
     script = argv[0]
     sys.argv = argv
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
@@ -89,7 +103,11 @@ def main(argv: list[str] | None = None) -> None:
         if job is not None and isinstance(exc, job.PlanWritten):
             raise SystemExit(0) from None
         if job is not None and isinstance(exc, Exception):
-            job.report_uncaught(exc)  # the scheduler learns the error and the step now
+            try:
+                job.report_uncaught(exc)  # the scheduler learns the error and the step now
+            except Exception as report_error:  # noqa: BLE001 - the script's error stays the one shown
+                sys.stderr.write(f"splitrun: could not report the error to the job: "
+                                 f"{type(report_error).__name__}: {report_error}\n")
         errors = sys.modules.get("splitrun.splitter.errors")
         if (errors is not None and isinstance(exc, errors.SplitrunError)
                 and not logging.getLogger().isEnabledFor(logging.DEBUG)):

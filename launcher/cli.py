@@ -3,7 +3,6 @@ a standalone scheduler."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import secrets
@@ -12,7 +11,9 @@ import signal
 import stat
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 
 from splitrun.runtime.cluster.env import ENV
 from splitrun.runtime.cluster.identity import foreign_identity
@@ -20,7 +21,6 @@ from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
 from splitrun.runtime.cluster.step_file import read_step
 from splitrun.runtime.errors import ClusterError
 from splitrun.runtime.rpc.tls import TlsFiles, check_bind
-from splitrun.runtime.transport.shm.copy_tunables import glibc_tunables_for_copies
 from splitrun.runtime.transport.shm.job_files import (
     STEP_FILE_SUFFIX,
     job_file_path,
@@ -30,105 +30,30 @@ from splitrun.runtime.transport.shm.job_files import (
 from splitrun.splitter.errors import SplitrunError
 from splitrun.splitter.labels import Label, Role
 
+from . import shm_room
+from .child_env import (
+    child_env,
+    copy_env,
+    metrics_env,
+    template_env,
+    thread_budget,
+    thread_env,
+    tls_env,
+)
+from .failures import Outcome, count_of
 from .forked import Template
-from .process_logs import ProcessLogs, Tee
+from .options import parse_args
+from .process_logs import ProcessLogs
 from .render import check_plan_out, read_module_map, render_plan
-from .standing_client import StandingTemplate
-from .standing_template import SOCKET_VARIABLE
+from .standing_client import SOCKET_VARIABLE, StandingTemplate
 from .supervisor import Supervisor
-
-# A silent process is named within this long (plus a poll): fast, and still
-# several heartbeats (every 0.5 s) on a loaded machine.
-HEARTBEAT_TIMEOUT_S = 3.0
-# A live process that holds up its peers this long is named (a busy loop).
-STALL_TIMEOUT_S = 20.0
 
 __all__ = ["main", "run", "parse_args"]
 
 logger = logging.getLogger("splitrun.launcher")
 
-_EPILOG_LAUNCH = """\
-example:
-  splitrun launch --workers 3 examples/pipeline_split.py --steps 50
-  splitrun launch --workers 2 --servers 1 examples/ps_train.py
-  splitrun launch --workers 2 --max-restarts 2 --checkpoint-every 100 train.py
-  splitrun launch --backend ray --workers 2 --servers 1 examples/ps_train.py
-  splitrun launch --backend ray --address HEAD:6379 --host 0.0.0.0 --insecure \\
-      --workers 4 --servers 2 --worker-resources '{"CPU": 2, "GPU": 1}' train.py
-
-Every process runs SCRIPT; its output lines are prefixed with the process
-("[worker 1] ..."). Shown: the driver's progress, what the script prints,
-warnings and errors (-v: every process's lifecycle too). On the first failure
-the others are stopped and the launcher exits with the failing process's code.
-With --max-restarts N the whole job then starts again (a new incarnation) from
-the last good checkpoint that --checkpoint-every K wrote, up to N times; the
-script resumes at trainer.steps_done (local backend only).
-"""
-
-_EPILOG_PLAN = """\
-example:
-  splitrun plan --workers 3 --out plan.dot examples/pipeline_split.py
-  dot -Tsvg plan.dot -o plan.svg     # or --out plan.svg where graphviz is installed
-
-Runs SCRIPT once in plan mode: its Job.start() writes the plan instead of
-training. .dot (the default; or .gv), .svg (needs graphviz) or .txt (the text
-form); repeat --out for several from the one run (--out plan.txt --out plan.dot).
-"""
-
-_EPILOG_JOIN = """\
-example (two machines, one scheduler; TLS files made for both machines' names):
-  machine-a$ splitrun scheduler --workers 2 --servers 1 --host 0.0.0.0 --port 29400 \\
-                 --token-file job.token --tls-cert a.pem --tls-key a.key --tls-ca ca.pem
-  machine-a$ splitrun join --scheduler machine-a:29400 --token-file job.token \\
-                 --role server --host 0.0.0.0 --advertise machine-a \\
-                 --tls-cert a.pem --tls-key a.key --tls-ca ca.pem train.py
-  machine-b$ splitrun join --scheduler machine-a:29400 --token-file job.token \\
-                 --role worker --host 0.0.0.0 --advertise machine-b \\
-                 --tls-cert b.pem --tls-key b.key --tls-ca ca.pem train.py
-
-Runs one process of a job whose scheduler was started elsewhere (by
-`splitrun scheduler`, under Slurm, Kubernetes, or a shell loop). Copy the
-token file (mode 0600) to each machine; the token never goes on a command
-line. Off loopback, TLS is required unless you pass --insecure.
-
-under Slurm or torchrun (no --scheduler), every task runs the same command:
-  export SPLITRUN_TOKEN=$(openssl rand -hex 16)
-  srun -n 3 splitrun join --workers 2 --servers 1 --host 0.0.0.0 --insecure train.py
-  torchrun --nproc-per-node 3 -m splitrun join --workers 2 --servers 1 train.py
-Tasks 0..W-1 are the workers, the rest the servers; task 0 hosts the
-scheduler at MASTER_ADDR (else the first node of the Slurm step), port
-SPLITRUN_SCHEDULER_PORT, else MASTER_PORT + 1, else 20000 + SLURM_JOB_ID % 10000.
-Each process uses the GPU of its local rank (cuda:LOCAL_RANK modulo the GPUs).
-"""
-
-_EPILOG_SCHEDULER = """\
-example:
-  splitrun scheduler --workers 2 --servers 1 --port 29400 --token-file job.token
-
-Writes the job's token to --token-file (mode 0600; processes join with
---token-file), prints its address, then serves until every process of the
-job is done (exit 0) or the job failed (exit 1); SIGINT exits 130, SIGTERM
-143. A join that cannot be part of the job (a rank taken or out of range, a
-role it does not have, an address it cannot reach) is refused; the job goes on.
-"""
-
-
-def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=1,
-                        help="number of worker processes (default %(default)s)")
-    parser.add_argument("--servers", type=int, default=0,
-                        help="number of server processes (default %(default)s)")
-
-
-def _add_tls_args(parser: argparse.ArgumentParser) -> None:
-    tls = parser.add_argument_group(
-        "TLS", "needed to listen on an address other than loopback (or --insecure)")
-    tls.add_argument("--tls-cert", default=None, help="this machine's certificate (PEM)")
-    tls.add_argument("--tls-key", default=None, help="its private key (PEM)")
-    tls.add_argument("--tls-ca", default=None,
-                     help="the CA that signed every process's certificate (PEM)")
-    tls.add_argument("--insecure", action="store_true",
-                     help="listen off loopback without TLS (a network you trust)")
+# Bounds the search for a restart's checkpoint (reading and hashing its files).
+CHECKPOINT_SEARCH_TIMEOUT_S = 600.0
 
 
 def _tls_of(args, what: str) -> TlsFiles | None:
@@ -136,13 +61,6 @@ def _tls_of(args, what: str) -> TlsFiles | None:
     tls = TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca)
     check_bind(args.host, tls, args.insecure, what)
     return tls
-
-
-def _tls_env(tls: TlsFiles | None) -> dict[str, str]:
-    if tls is None:
-        return {}
-    return {ENV.TLS_CERT: os.path.abspath(tls.cert), ENV.TLS_KEY: os.path.abspath(tls.key),
-            ENV.TLS_CA: os.path.abspath(tls.ca)}
 
 
 def _read_token_file(path: str) -> str:
@@ -170,212 +88,6 @@ def _write_token_file(path: str, token: str) -> None:
         out.write(token + "\n")
 
 
-def _default_device() -> str:
-    """`--device`'s default: the environment's SPLITRUN_DEVICE (the variable the
-    launcher sets for its processes), else auto. A machine's or a test suite's
-    choice without repeating the flag."""
-    return os.environ.get(ENV.DEVICE) or "auto"  # each process checks it (pick_device)
-
-
-def _add_stall_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S, metavar="S",
-                        help="seconds a process may not advance its step while a peer waits "
-                             "on it inside a step, before it counts as stalled (default "
-                             "%(default)g)")
-
-
-def _add_ray_args(parser: argparse.ArgumentParser) -> None:
-    ray = parser.add_argument_group(
-        "Ray", "--backend ray runs each process as a Ray actor (pip install 'splitrun[ray]')")
-    ray.add_argument("--backend", default="local", choices=["local", "ray"],
-                     help="local: child processes of this launcher (default); ray: one "
-                          "Ray actor per process in one placement group")
-    ray.add_argument("--address", default=None,
-                     help="the Ray cluster: auto, or HOST:PORT (default: $RAY_ADDRESS, "
-                          "else a new local cluster, sized to the job)")
-    ray.add_argument("--worker-resources", default=None, metavar="JSON",
-                     help='each worker\'s Ray resources, e.g. \'{"CPU": 1, "GPU": 1}\' '
-                          '(default {"CPU": 1})')
-    ray.add_argument("--server-resources", default=None, metavar="JSON",
-                     help='each server\'s Ray resources, e.g. \'{"CPU": 2, "memory": 4e9}\' '
-                          '(default {"CPU": 1})')
-
-
-def _add_script_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("script", help="the training script every process runs")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER,
-                        help="arguments passed to the script (splitrun's own options go "
-                             "before SCRIPT)")
-
-
-# splitrun's global options and their defaults. They are accepted before the
-# subcommand (`splitrun --log-level DEBUG launch ...`) and after it (`splitrun
-# launch --log-level DEBUG ...`); given in both places, the later one wins.
-_GLOBAL_DEFAULTS = {"log_level": None, "verbose": 0, "log_dir": None, "metrics_dir": None}
-# What -v asks for: none, the processes' and the launcher's lifecycle (INFO), everything.
-_VERBOSITY = ("WARNING", "INFO", "DEBUG")
-
-
-def _global_options(*, in_subcommand: bool) -> argparse.ArgumentParser:
-    """The global options as an argparse parent. The copy inside each
-    subcommand has no defaults (SUPPRESS), so it only overrides what was
-    given before the subcommand when it is given itself."""
-    parent = argparse.ArgumentParser(add_help=False)
-    group = parent.add_argument_group("global options (before or after the subcommand)")
-
-    def default(name: str):
-        return argparse.SUPPRESS if in_subcommand else _GLOBAL_DEFAULTS[name]
-    group.add_argument("-v", "--verbose", action="count", default=default("verbose"),
-                       help="also show every process's and the launcher's lifecycle (which "
-                            "process started where, transports, byte counters); -vv: debug "
-                            "detail. Without it: the progress, the results, warnings and "
-                            "errors")
-    group.add_argument("--log-level", default=default("log_level"),
-                       choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                       help="the log level itself (wins over -v)")
-    group.add_argument("--log-dir", default=default("log_dir"), metavar="DIR",
-                       help="also write each process's output to DIR/<process>.log "
-                            "(worker0.log, server0.log; appended across restarts) and the "
-                            "launcher's own lines to DIR/launcher.log")
-    group.add_argument("--metrics-dir", default=default("metrics_dir"), metavar="DIR",
-                       help="each process writes TensorBoard scalars (loss, steps/s, bytes "
-                            "and receive wait per channel, cache hit rates) to "
-                            "DIR/<process>/; view with `tensorboard --logdir DIR` (needs "
-                            "pip install 'splitrun[metrics]')")
-    return parent
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="splitrun", parents=[_global_options(in_subcommand=False)],
-        description="Run one PyTorch training step split across processes.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    sub_globals = _global_options(in_subcommand=True)
-
-    launch = commands.add_parser(
-        "launch", help="start a local cluster and supervise it", parents=[sub_globals],
-        description="Start the scheduler and W workers + S servers: child processes on this\n"
-                    "machine, or Ray actors on a Ray cluster with --backend ray.",
-        epilog=_EPILOG_LAUNCH, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_cluster_args(launch)
-    launch.add_argument("--device", default=_default_device(), choices=["auto", "cpu", "cuda"],
-                        help="device of every process (auto: cuda when available; default "
-                             f"${ENV.DEVICE} or auto)")
-    launch.add_argument("--host", default="127.0.0.1",
-                        help="interface the scheduler and processes bind (default 127.0.0.1)")
-    _add_stall_arg(launch)
-    _add_tls_args(launch)
-    launch.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
-                        metavar="S", help="seconds without a heartbeat before a process "
-                                          "counts as lost (default %(default)g; one every "
-                                          "0.5 s)")
-    launch.add_argument("--max-restarts", type=int, default=0,
-                        help="after a failure, restart the whole job (from its last good "
-                             "checkpoint, with --checkpoint-every) up to N times")
-    launch.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
-                        help="the workers save the job every K steps (Trainer.save)")
-    launch.add_argument("--checkpoint-dir", default=None,
-                        help="where --checkpoint-every saves (default: a temporary "
-                             "directory, removed when the job succeeds)")
-    launch.add_argument("--recv-timeout", type=float, default=None, metavar="S",
-                        help="seconds a receive inside a step waits for its message (default "
-                             "120)")
-    launch.add_argument("--threads-per-process", type=int, default=None, metavar="N",
-                        help="intra-op threads of each process (default: local backend, this "
-                             "machine's cores divided by its processes; Ray, the process's "
-                             "CPU resource; at least 1); OMP_NUM_THREADS/MKL_NUM_THREADS set "
-                             "by you win")
-    launch.add_argument("--start-method", default="forkserver", choices=["forkserver", "exec"],
-                        help="local backend: forkserver (default), every process is forked "
-                             "from one template process that imported torch and splitrun "
-                             "once (seconds faster); exec, each starts a fresh interpreter "
-                             "(for a script that sets variables such as OMP_NUM_THREADS "
-                             "before it imports torch)")
-    launch.add_argument("--preload", action="append", default=[], metavar="MODULE",
-                        help="forkserver: also import MODULE in the template (the script's "
-                             "folder first on the path), e.g. your model's heavy imports; "
-                             "repeatable (the installed modules the script imports first "
-                             "are imported there anyway)")
-    launch.add_argument("--template", default=None, metavar="SOCKET",
-                        help="forkserver: fork the processes from the standing template "
-                             "listening at SOCKET (python -m splitrun.launcher."
-                             "standing_template --serve SOCKET), shared by many launches; "
-                             "default: $SPLITRUN_TEMPLATE, else a template of this launch's own")
-    _add_ray_args(launch)
-    _add_script_args(launch)
-
-    plan = commands.add_parser(
-        "plan", help="write the split plan without running it", parents=[sub_globals],
-        description="Show how SCRIPT's step would be split.",
-        epilog=_EPILOG_PLAN, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_cluster_args(plan)
-    plan.add_argument("--out", action="append", default=None, metavar="PATH",
-                      help="plan.dot, plan.svg or plan.txt, the form by the suffix; "
-                           "repeatable, all written from one run (default plan.dot)")
-    _add_script_args(plan)
-
-    join = commands.add_parser(
-        "join", help="run one process of a job started elsewhere", parents=[sub_globals],
-        description="Join the job of the scheduler at --scheduler, or, under srun or "
-                    "torchrun, the job their variables describe (task 0 hosts the "
-                    "scheduler).",
-        epilog=_EPILOG_JOIN, formatter_class=argparse.RawDescriptionHelpFormatter)
-    join.add_argument("--scheduler", default=None,
-                      help="HOST:PORT of the scheduler (default under srun or torchrun: "
-                           "task 0 hosts it at MASTER_ADDR, else the first node of the "
-                           "Slurm step; see README)")
-    join.add_argument("--workers", type=int, default=None,
-                      help="under srun/torchrun: tasks 0..W-1 are the workers "
-                           "(default: every task that is not a server)")
-    join.add_argument("--servers", type=int, default=None,
-                      help="under srun/torchrun: the last S tasks are the servers (default 0)")
-    join.add_argument("--token-file", default=None,
-                      help=f"a file (mode 0600) holding the job's token, as `splitrun "
-                           f"scheduler` wrote it (default: ${ENV.TOKEN}); never on the "
-                           f"command line, where `ps` shows it")
-    join.add_argument("--role", default=None, choices=["worker", "server"],
-                      help="with --scheduler (default worker); under srun/torchrun the task "
-                           "number decides")
-    join.add_argument("--rank", type=int, default=None, help="rank to ask for (default: next free)")
-    join.add_argument("--device", default=_default_device(), choices=["auto", "cpu", "cuda"],
-                      help=f"this process's device (default ${ENV.DEVICE} or auto)")
-    join.add_argument("--host", default="127.0.0.1",
-                      help="interface this process's tensor server binds")
-    join.add_argument("--advertise", default=None,
-                      help="name peers use to reach this process (default: --host)")
-    _add_tls_args(join)
-    join.add_argument("--threads-per-process", type=int, default=None, metavar="N",
-                      help="intra-op threads of this process (default: torch's, or "
-                           "OMP_NUM_THREADS)")
-    _add_script_args(join)
-
-    scheduler = commands.add_parser(
-        "scheduler", help="run a standalone scheduler for `splitrun join`",
-        parents=[sub_globals],
-        description="Run the membership service of one job.",
-        epilog=_EPILOG_SCHEDULER, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_cluster_args(scheduler)
-    scheduler.add_argument("--host", default="127.0.0.1")
-    scheduler.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    scheduler.add_argument("--token-file", default="splitrun.token",
-                           help=f"where to write the job's token, readable by you only "
-                                f"(0600); it is ${ENV.TOKEN} if set, else a fresh random one")
-    _add_stall_arg(scheduler)
-    _add_tls_args(scheduler)
-    scheduler.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
-                           metavar="S", help="seconds without a heartbeat before a process "
-                                             "counts as lost (default %(default)g)")
-
-    export = commands.add_parser(
-        "export", help="turn a sharded checkpoint directory into one plain file",
-        description="Read the sharded checkpoint CKPT_DIR (Trainer.save to a directory; every "
-                    "process's files gathered into it) and write one plain checkpoint file, "
-                    "loadable with torch.load and load_state_dict (and by resume=).")
-    export.add_argument("checkpoint_dir", metavar="CKPT_DIR")
-    export.add_argument("out", metavar="OUT.pt")
-    return parser
-
-
 def _export(args) -> int:
     # Imported here, as in the restart loop: torch.distributed.checkpoint costs
     # every launch half a second it does not need.
@@ -395,12 +107,8 @@ def new_supervisor(args, template: Template | StandingTemplate | None = None) ->
     """A supervisor for the processes of one start of the job: their lines on
     the console, prefixed, and with --log-dir in one file per process too;
     forked from `template` where given."""
-    verbose = is_verbose(args)
-    if getattr(args, "log_dir", None) is None:
-        return Supervisor(verbose=verbose, template=template)
-    logs = ProcessLogs(args.log_dir)
-    return Supervisor(out=Tee(sys.stdout, logs.open_launcher()), logs=logs, verbose=verbose,
-                      template=template)
+    logs = ProcessLogs(args.log_dir) if getattr(args, "log_dir", None) is not None else None
+    return Supervisor(logs=logs, verbose=is_verbose(args), template=template)
 
 
 def is_verbose(args) -> bool:
@@ -430,53 +138,6 @@ def _script_argv(args, *, die_with_launcher: bool) -> list[str]:
             *args.script_args]
 
 
-def thread_budget(requested: int | None, num_local_processes: int) -> int:
-    """Intra-op threads per process: as asked, else OMP_NUM_THREADS where the
-    user set it, else the cores shared out among the processes on this
-    machine. torch's default (every core in every process) oversubscribes the
-    machine as soon as two processes compute."""
-    if requested is not None:
-        if requested < 1:
-            raise SplitrunError(f"--threads-per-process must be >= 1, got {requested}")
-        return requested
-    user = os.environ.get("OMP_NUM_THREADS", "")
-    if user.isdigit() and int(user) >= 1:
-        return int(user)
-    return max(1, (os.cpu_count() or 1) // max(1, num_local_processes))
-
-
-def _thread_env(threads: int) -> dict[str, str]:
-    env = {ENV.THREADS: str(threads)}
-    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        if variable not in os.environ:
-            env[variable] = str(threads)
-    return env
-
-
-def _copy_env() -> dict[str, str]:
-    """Large copies (a message into or out of a shared-memory ring) bypass
-    the caches (`glibc_tunables_for_copies`): set where a process starts."""
-    return {"GLIBC_TUNABLES": glibc_tunables_for_copies(os.environ.get("GLIBC_TUNABLES"))}
-
-
-def _child_env(args, address: str, token: str, label: Label,
-               shm_prefix: str | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(_thread_env(thread_budget(args.threads_per_process,
-                                         args.workers + args.servers)))
-    env.update(_copy_env())
-    env.update({ENV.SCHEDULER: address, ENV.TOKEN: token, ENV.ROLE: label.role.value,
-                ENV.RANK: str(label.rank), ENV.DEVICE: args.device, ENV.HOST: args.host,
-                ENV.LOG_LEVEL: args.log_level, ENV.HEARTBEAT_TIMEOUT_S: str(args.heartbeat_timeout),
-                "PYTHONUNBUFFERED": "1"})
-    if args.recv_timeout is not None:
-        env[ENV.RECV_TIMEOUT_S] = str(args.recv_timeout)
-    if shm_prefix is not None:
-        env[ENV.SHM_PREFIX] = shm_prefix
-    env.update(_metrics_env(args))
-    return env
-
-
 def _launch(args) -> int:
     try:
         thread_budget(args.threads_per_process, 1)
@@ -495,7 +156,7 @@ def _launch(args) -> int:
     if args.backend == "ray":
         from .ray_backend import launch_on_ray  # imports Ray
         return launch_on_ray(args, tls, token, lambda address, label, shm: {
-            **_child_env(args, address, token, label, shm), **_tls_env(tls)})
+            **child_env(args, address, token, label, shm), **tls_env(tls)})
     own_dir = args.checkpoint_every is not None and args.checkpoint_dir is None
     directory = (tempfile.mkdtemp(prefix="splitrun-checkpoints-") if own_dir
                  else args.checkpoint_dir)
@@ -517,13 +178,18 @@ def _launch(args) -> int:
             current.append(supervisor)
             if interrupted:
                 supervisor.interrupt(interrupted[0])
-            outcome = _run_once(args, token, tls, supervisor, directory, restart_from)
+            room = _shm_room(args, supervisor)
+            if room is None:  # no room for the rings the job must use: not started
+                outcome = Outcome(1, "not started: no room for its shared-memory rings")
+                break
+            newest = _NewestCheckpoint(directory if attempt < args.max_restarts else None)
+            outcome = _run_once(args, token, tls, supervisor, directory, restart_from,
+                                on_failure=newest.start, extra_env=room)
             supervisor.say(outcome.summary)
             if outcome.exit_code == 0 or interrupted or attempt >= args.max_restarts:
                 break
             attempt += 1
-            from splitrun.runtime.checkpoints import periodic as periodic_checkpoints
-            found = periodic_checkpoints.latest_checkpoint(directory) if directory else None
+            found = newest.result()
             restart_from = found[0] if found else None
             where = (f"from {found[0]} (step {found[1]})" if found
                      else "from the start (no checkpoint yet)")
@@ -561,19 +227,69 @@ def _start_template(args) -> Template | StandingTemplate | None:
                                     own_template)
 
 
-def template_env(threads: int) -> dict[str, str]:
-    """The environment a template of processes with `threads` intra-op threads
-    starts with: theirs but their own variables (SPLITRUN_*)."""
-    env = dict(os.environ)
-    env.update(_thread_env(threads))
-    env.update(_copy_env())
-    return env
+def _shm_room(args, supervisor: Supervisor) -> dict[str, str] | None:
+    """The variables this start's processes get for /dev/shm's room: none
+    where the rings fit, gRPC where they do not (said, with what to free);
+    None where SPLITRUN_TRANSPORT=shm asks for rings there is no room for."""
+    problem = shm_room.shortfall(args.workers + args.servers)
+    if problem is None:
+        return {}
+    if os.environ.get(ENV.TRANSPORT, "").strip().lower() == "shm":
+        supervisor.say(f"{problem}; {ENV.TRANSPORT}=shm needs them: the job does not start")
+        return None
+    supervisor.say(f"{problem}; this start's processes talk over gRPC instead")
+    return {ENV.TRANSPORT: "grpc"}
+
+
+class _NewestCheckpoint:
+    """The newest good periodic checkpoint in `directory`, for a restart:
+    looked for in a thread from the failure's first sign (`start`), while the
+    processes are blamed and stopped, since finding it imports torch's
+    checkpoint code and verifies every file (seconds on a loaded machine)."""
+
+    def __init__(self, directory: str | None) -> None:
+        self._directory = directory
+        self._thread: threading.Thread | None = None
+        self._found: tuple[str, int] | None = None
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        if self._directory is None or self._thread is not None:
+            return
+        logger.info("the job failed: looking for the newest checkpoint in %s", self._directory)
+        self._thread = threading.Thread(target=self._find, daemon=True,
+                                        name="newest-checkpoint")
+        self._thread.start()
+
+    def _find(self) -> None:
+        try:
+            from splitrun.runtime.checkpoints import periodic
+            self._found = periodic.latest_checkpoint(self._directory)
+        except BaseException as exc:  # noqa: BLE001 - raised by result()
+            self._error = exc
+
+    def result(self) -> tuple[str, int] | None:
+        """(path, step) of the newest good checkpoint, or None."""
+        self.start()
+        if self._thread is None:
+            return None
+        self._thread.join(CHECKPOINT_SEARCH_TIMEOUT_S)
+        if self._thread.is_alive():
+            logger.warning("no checkpoint found in %s within %g s; restarting from the start",
+                           self._directory, CHECKPOINT_SEARCH_TIMEOUT_S)
+            return None
+        if self._error is not None:
+            raise self._error
+        return self._found
 
 
 def _run_once(args, token: str, tls: TlsFiles | None, supervisor: Supervisor,
-              checkpoint_dir: str | None, restart_from: str | None):
+              checkpoint_dir: str | None, restart_from: str | None,
+              on_failure: Callable[[], None] | None = None,
+              extra_env: dict[str, str] | None = None):
     """One incarnation of the job: a fresh scheduler (a new incarnation, so
-    messages of an earlier one are refused) and every process."""
+    messages of an earlier one are refused) and every process, whose
+    environment gets `extra_env` too."""
     scheduler = Scheduler(SchedulerSettings(args.workers, args.servers, token,
                                             _new_incarnation(),
                                             heartbeat_timeout_s=args.heartbeat_timeout,
@@ -584,9 +300,10 @@ def _run_once(args, token: str, tls: TlsFiles | None, supervisor: Supervisor,
     shm_prefix = new_job_prefix()
     logger.info("same-host peers share memory under /dev/shm/%s*", shm_prefix)
     threads = thread_budget(args.threads_per_process, args.workers + args.servers)
-    supervisor.note(f"scheduler at {address}; starting {args.workers} workers and "
-                   f"{args.servers} servers running {args.script} ({threads} threads each)")
-    extra = _tls_env(tls)
+    supervisor.note(f"scheduler at {address}; starting {count_of(args.workers, 'worker')} and "
+                    f"{count_of(args.servers, 'server')} running {args.script} "
+                    f"({count_of(threads, 'thread')} each)")
+    extra = {**tls_env(tls), **(extra_env or {})}
     if args.checkpoint_every is not None:
         extra.update({ENV.CHECKPOINT_EVERY: str(args.checkpoint_every),
                       ENV.CHECKPOINT_DIR: checkpoint_dir})
@@ -602,12 +319,13 @@ def _run_once(args, token: str, tls: TlsFiles | None, supervisor: Supervisor,
         return recorded if recorded is not None else scheduler.member_step(label)
     try:
         for local_rank, label in enumerate(_labels(args)):
-            env = _child_env(args, address, token, label, shm_prefix)
+            env = child_env(args, address, token, label, shm_prefix)
             env.update(extra)
             env[ENV.LOCAL_RANK] = str(local_rank)  # its GPU: cuda:local_rank % GPUs
             env[ENV.STEP_FILE] = step_files[label]
             supervisor.spawn(label, _script_argv(args, die_with_launcher=True), env)
-        return supervisor.run(external_failure=lambda: scheduler.failure, step_of=step_of)
+        return supervisor.run(external_failure=lambda: scheduler.failure, step_of=step_of,
+                              on_failure=on_failure)
     finally:
         scheduler.stop()
         remove_job_segments(shm_prefix)
@@ -693,8 +411,8 @@ def _join(args) -> int:
               f"scheduler` wrote) or ${ENV.TOKEN}", file=sys.stderr)
         return 2
     env[ENV.TOKEN] = token
-    env.update(_tls_env(tls))
-    env.update(_metrics_env(args))
+    env.update(tls_env(tls))
+    env.update(metrics_env(args))
     if args.insecure:
         env[ENV.INSECURE] = "1"
     if args.rank is not None:
@@ -706,9 +424,9 @@ def _join(args) -> int:
     if args.advertise:
         env[ENV.ADVERTISE] = args.advertise
     if args.threads_per_process is not None:
-        env.update(_thread_env(thread_budget(args.threads_per_process, 1)))
+        env.update(thread_env(thread_budget(args.threads_per_process, 1)))
     argv = _script_argv(args, die_with_launcher=False)
-    env.update(_copy_env())
+    env.update(copy_env())
     os.execvpe(argv[0], argv, env)  # this process becomes the job's process
     return 1  # not reached
 
@@ -737,12 +455,6 @@ def _identity_env(args, env: dict[str, str]) -> str | None:
     logger.info("%s; scheduler at %s%s", identity.describe(), identity.scheduler,
                 " (hosted by this task)" if identity.hosts_scheduler else "")
     return None
-
-
-def _metrics_env(args) -> dict[str, str]:
-    if args.metrics_dir is None:
-        return {}
-    return {ENV.METRICS_DIR: os.path.abspath(args.metrics_dir)}
 
 
 def _scheduler(args) -> int:
@@ -777,14 +489,6 @@ def _scheduler(args) -> int:
         return 0
     finally:
         scheduler.stop()
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line, its log level resolved: --log-level, else -v's."""
-    args = _parser().parse_args(argv)
-    if args.log_level is None:
-        args.log_level = _VERBOSITY[min(args.verbose, len(_VERBOSITY) - 1)]
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,15 +25,14 @@ closes the pipe).
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import subprocess
 import sys
 import time
 
-from splitrun.runtime.transport.shm.job_files import JOB_PREFIX_PATTERN
+from splitrun.runtime.transport.shm.job_files import JOB_PREFIX_PATTERN, remove_job_segments
 
-__all__ = ["Janitor", "main", "remove_prefix"]
+__all__ = ["Janitor", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,26 +109,6 @@ class Janitor:
             process.wait(timeout=5.0)
 
 
-def remove_prefix(directory: str, prefix: str) -> list[str]:
-    """Remove every file under `directory` whose name starts with `prefix`."""
-    if not JOB_PREFIX_PATTERN.match(prefix):
-        return []
-    removed = []
-    try:
-        entries = sorted(os.listdir(directory))
-    except OSError:
-        return removed
-    for entry in entries:
-        if entry.startswith(prefix):
-            path = os.path.join(directory, entry)
-            try:
-                os.unlink(path)
-            except OSError:
-                continue
-            removed.append(path)
-    return removed
-
-
 def _alive(pid: int) -> bool:
     """True while `pid` exists and is not a zombie."""
     try:
@@ -154,7 +133,9 @@ def main() -> int:
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(_POLL_S)
     for directory, prefix in prefixes:
-        removed = remove_prefix(directory, prefix)
+        if not JOB_PREFIX_PATTERN.match(prefix):
+            continue  # Janitor.watch sends none such; no file is removed by another
+        removed = remove_job_segments(prefix, directory)
         if removed:
             sys.stderr.write(f"[splitrun] janitor removed {len(removed)} shared-memory files "
                              f"of job {prefix} left under {directory}\n")

@@ -22,14 +22,12 @@ import ipaddress
 import json
 import logging
 import os
-import re
 import secrets
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TextIO
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from splitrun.runtime.cluster.env import ENV
 from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
@@ -37,22 +35,24 @@ from splitrun.runtime.rpc.tls import TlsFiles
 from splitrun.runtime.transport.shm.job_files import new_job_prefix, remove_job_segments
 from splitrun.splitter.labels import Label, Role
 
-from .bootstrap import ERROR_MARK
-from .process_logs import ProcessLogs, Tee
-from .ray_cluster import RayBackendError, check_fits, connect, first_line
-from .ray_process import Placement, Polled, ProcessHost
-from .supervisor import (
-    BLAME_WINDOW_S,
-    ERROR_KINDS,
+from .backend import watch
+from .child_env import THREAD_VARIABLES
+from .failures import (
     TERMINATE_GRACE_S,
+    ErrorLine,
     FailureKind,
     FailureSign,
+    Outcome,
+    count_of,
+    culprit_of,
     describe_exit,
     error_kind,
-    parse_label,
+    failure_line,
     shell_code,
-    stopped_clause,
 )
+from .process_logs import Console, ProcessLogs
+from .ray_cluster import RayBackendError, check_fits, connect, first_line
+from .ray_process import Placement, Polled, ProcessHost
 
 __all__ = ["launch_on_ray", "parse_resources", "DEFAULT_RESOURCES"]
 
@@ -67,11 +67,7 @@ ACTOR_START_TIMEOUT_S = 120.0
 _POLL_WAIT_S = 0.5
 # How long the driver's loop waits for any actor's answer per turn.
 _TURN_S = 0.05
-# Variables of the contract sent to every actor besides SPLITRUN_*: the thread budget.
-_THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]"})
-# An exception's closing line in a traceback: "ValueError: boom", "pkg.PeerFailed: ...".
-_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)(:|$)")
 
 # The environment a process of the job gets: (scheduler address, label, shared-memory
 # prefix) -> variables, as `splitrun launch` would give its child.
@@ -130,7 +126,7 @@ class _Member:
     death: str | None = None         # Ray's word on how it died
     is_stopped: bool = False
     error: str | None = None         # the last error line it printed
-    in_traceback: bool = False
+    errors: ErrorLine = field(default_factory=ErrorLine)
 
     def describe(self) -> str:
         where = ""
@@ -143,13 +139,8 @@ class _Member:
         return self.exit_code is None and not self.is_dead
 
     def feed(self, line: str) -> None:
-        if line.startswith(ERROR_MARK):
-            self.error, self.in_traceback = line[len(ERROR_MARK):].strip(), False
-        elif line.startswith("Traceback (most recent call last):"):
-            self.in_traceback = True
-        elif self.in_traceback and line.strip() and not line[0].isspace():
-            if _EXCEPTION_LINE.match(line):
-                self.error, self.in_traceback = line.strip(), False
+        self.errors.feed(line)
+        self.error = self.errors.line
 
 
 def _import_ray():
@@ -179,7 +170,7 @@ def launch_on_ray(args, tls: TlsFiles | None, token: str, process_env: ProcessEn
               "when it fails (it starts from step 0)", file=sys.stderr)
         return 2
     logs = ProcessLogs(args.log_dir) if args.log_dir is not None else None
-    console = _Console(logs, logging.getLevelName(args.log_level) <= logging.INFO)
+    console = Console(logs, logging.getLevelName(args.log_level) <= logging.INFO)
     resources = {Role.WORKER: worker_resources, Role.SERVER: server_resources}
     bundles = ([worker_resources] * args.workers) + ([server_resources] * args.servers)
     existing = args.address or os.environ.get("RAY_ADDRESS")
@@ -203,54 +194,13 @@ def launch_on_ray(args, tls: TlsFiles | None, token: str, process_env: ProcessEn
     return code
 
 
-class _Console:
-    """The driver's output: its own lines ("[splitrun] ...") and each
-    process's, prefixed, on stdout; with --log-dir also in launcher.log, and
-    each process's lines as it wrote them in a file of its own."""
-
-    def __init__(self, logs: ProcessLogs | None, verbose: bool = True) -> None:
-        self.logs = logs
-        self.verbose = verbose
-        self.files: dict[Label, TextIO] = {}
-        self._launcher_log = logs.open_launcher() if logs is not None else None
-        self.out = sys.stdout if logs is None else Tee(sys.stdout, self._launcher_log)
-
-    def say(self, text: str) -> None:
-        self.out.write(f"[splitrun] {text}\n")
-        self.out.flush()
-
-    def note(self, text: str) -> None:
-        """A lifecycle line (connecting, actors started): said with -v only."""
-        if self.verbose:
-            self.say(text)
-
-    def relay(self, label: Label, lines: Sequence[str], shown: list[str]) -> None:
-        """`lines` into `label`'s log file; `shown` (prefixed) to the console."""
-        if self.logs is not None and lines:
-            if label not in self.files:
-                self.files[label] = self.logs.open(label)
-            self.files[label].write("".join(line + "\n" for line in lines))
-        if shown:
-            self.out.write("".join(shown))
-            self.out.flush()
-
-    def close(self) -> None:
-        for log in self.files.values():
-            log.close()
-        self.files.clear()
-        if self._launcher_log is not None:
-            self.out = sys.stdout
-            self._launcher_log.close()
-            self._launcher_log = None
-
-
 class _RayJob:
     """One run of the job on Ray: placement group, scheduler, actors; `run`
-    supervises them and removes them all when the job ends."""
+    supervises them and removes them all when the job ends. The Ray `Backend`."""
 
     def __init__(self, ray, args, tls, token, process_env: ProcessEnv,
                  interrupted: list[int], resources: dict[Role, dict[str, float]],
-                 console: _Console) -> None:
+                 console: Console) -> None:
         self.ray = ray
         self.console = console
         self.args = args
@@ -262,6 +212,7 @@ class _RayJob:
         self.labels = ([Label(r, Role.WORKER) for r in range(args.workers)]
                        + [Label(r, Role.SERVER) for r in range(args.servers)])
         self.members: list[_Member] = []
+        self.scheduler: Scheduler | None = None
         # The placement group's name; its actors are named NAME-w0, NAME-s1, ...
         self.name = f"splitrun-{os.getpid()}-{secrets.token_hex(3)}"
 
@@ -284,16 +235,21 @@ class _RayJob:
                 heartbeat_timeout_s=self.args.heartbeat_timeout,
                 stall_timeout_s=self.args.stall_timeout))
             address = self._scheduler_address(scheduler.start(self.args.host, 0, self.tls))
-            self.console.note(f"scheduler at {address}; starting {self.args.workers} workers and "
-                 f"{self.args.servers} servers running {self.args.script} as Ray actors "
+            self.console.note(
+                 f"scheduler at {address}; starting {count_of(self.args.workers, 'worker')} "
+                 f"and {count_of(self.args.servers, 'server')} running {self.args.script} as "
+                 f"Ray actors "
                  f"(placement group {self.name}, "
                  f"{time.monotonic() - started:.1f} s after start)")
             self._start_actors(group, nodes, address, shm_prefix)
             self.console.note(f"every actor started {time.monotonic() - started:.1f} s after start")
-            outcome_code, summary = self._supervise(scheduler)
-            self.console.say(summary)
+            self.scheduler = scheduler
+            outcome = watch(self, len(self.members), lambda: scheduler.failure,
+                            lambda: (signal.Signals(self.interrupted[0]) if self.interrupted
+                                     else None))
+            self.say(outcome.summary)
             logger.debug("job over %.1f s after start", time.monotonic() - started)
-            return outcome_code
+            return outcome.exit_code
         finally:
             cleanup = time.monotonic()
             self._remove_actors()
@@ -384,7 +340,7 @@ class _RayJob:
         changes), not the driver's whole environment, which is another node's."""
         full = self.process_env(address, label, shm_prefix)
         env = {k: v for k, v in full.items()
-               if k.startswith("SPLITRUN_") or k in _THREAD_VARIABLES or os.environ.get(k) != v}
+               if k.startswith("SPLITRUN_") or k in THREAD_VARIABLES or os.environ.get(k) != v}
         if self.args.threads_per_process is None and "OMP_NUM_THREADS" not in os.environ:
             # The process's share is its actor's CPUs, not this machine's cores.
             threads = str(max(1, int(self.resources[label.role].get("CPU", 1.0))))
@@ -396,46 +352,33 @@ class _RayJob:
             env[ENV.HOST] = "0.0.0.0"
         return env
 
-    def _supervise(self, scheduler: Scheduler) -> tuple[int, str]:
-        """Relay output and wait for every process; on the first failure
-        collect signs for BLAME_WINDOW_S, stop the rest, name the culprit."""
-        started = time.monotonic()
-        signs: list[FailureSign] = []
-        reported = False
-        blame_at: float | None = None
-        while True:
-            if self.interrupted:
-                self._stop_all()
-                sig = signal.Signals(self.interrupted[0])
-                return 128 + int(sig), f"interrupted by {sig.name}; stopped every process"
-            polls = {m.poll: m for m in self.members if m.poll is not None}
-            if polls:
-                ready, _ = self.ray.wait(list(polls), num_returns=len(polls), timeout=_TURN_S)
-            else:
-                ready = []
-                time.sleep(_TURN_S)
-            now = time.monotonic()
-            for ref in ready:
-                sign = self._take(polls[ref], ref, now)
-                if sign is not None:
-                    logger.debug("failure sign %.1f s into the job: %s", now - started, sign.what)
-                    signs.append(sign)
-            if not reported:
-                failure = scheduler.failure
-                if failure is not None:
-                    reported = True
-                    signs.append(FailureSign(FailureKind.REPORTED, now, parse_label(failure[0]), 1,
-                                       failure[1]))
-                    logger.debug("failure sign %.1f s into the job: %s", now - started,
-                                failure[1])
-            running = [m for m in self.members if m.is_running and not m.is_stopped]
-            if signs and blame_at is None:
-                blame_at = now + BLAME_WINDOW_S
-            if blame_at is not None and (now >= blame_at or not running):
-                return self._blame(signs, scheduler)
-            if not running and blame_at is None:
-                return 0, (f"all {len(self.members)} processes finished in "
-                           f"{now - started:.1f} s")
+    def say(self, text: str) -> None:
+        self.console.say(text)
+
+    def note(self, text: str) -> None:
+        self.console.note(text)
+
+    def relay(self, label: Label, lines) -> None:
+        self.console.relay(label, lines)
+
+    def poll(self, now: float) -> tuple[list[FailureSign], int]:
+        """The actors' answers within one turn: each relays its lines, and is a
+        sign where its process failed."""
+        polls = {m.poll: m for m in self.members if m.poll is not None}
+        if polls:
+            ready, _ = self.ray.wait(list(polls), num_returns=len(polls), timeout=_TURN_S)
+        else:
+            ready = []
+            time.sleep(_TURN_S)
+        now = time.monotonic()
+        signs = []
+        for ref in ready:
+            sign = self._take(polls[ref], ref, now)
+            if sign is not None:
+                logger.debug("failure sign: %s", sign.what)
+                signs.append(sign)
+        running = sum(1 for m in self.members if m.is_running and not m.is_stopped)
+        return signs, running
 
     def _take(self, member: _Member, ref, now: float) -> FailureSign | None:
         """One poll's answer: relay its lines; a sign if the process failed."""
@@ -451,62 +394,45 @@ class _RayJob:
             if polled.is_stopped and not member.is_stopped:
                 member.is_stopped = True
                 return FailureSign(FailureKind.KILLED, now, member.label, 1,
-                             f"{member.describe()} was stopped by a signal")
+                                   f"{member.describe()} was stopped by a signal", member)
             return None
         member.exit_code = polled.exit_code
         if polled.exit_code == 0:
             return None
         kind = FailureKind.KILLED if polled.exit_code < 0 else error_kind(member.error)
         return FailureSign(kind, now, member.label, shell_code(polled.exit_code),
-                     f"{member.describe()} {describe_exit(polled.exit_code)}")
+                           f"{member.describe()} {describe_exit(polled.exit_code)}", member)
 
     @staticmethod
     def _death_sign(member: _Member, now: float) -> FailureSign:
         return FailureSign(FailureKind.KILLED, now, member.label, 1,
-                     f"the Ray actor of {member.describe()} died {member.death}")
+                           f"the Ray actor of {member.describe()} died {member.death}", member)
 
     def _relay(self, member: _Member, lines) -> None:
-        prefix = f"[{member.label.describe()}] "
-        out = []
         for line in lines:
             member.feed(line)
-            if not line.startswith(ERROR_MARK):  # the failure line shows it, once
-                out.append(prefix + line + "\n")
-        self.console.relay(member.label, lines, out)
+        self.relay(member.label, lines)
 
-    def _blame(self, signs: list[FailureSign], scheduler: Scheduler) -> tuple[int, str]:
+    def blame(self, signs: list[FailureSign]) -> Outcome:
         running = [m for m in self.members if m.is_running]
+        # The processes the failure stopped: all but those that finished on their own.
+        stopped = [m for m in self.members if m.exit_code != 0]
         stopping = time.monotonic()
-        self._stop_all()
+        self.stop_all()
         # Stopping reads every process's last lines (its error) too.
         logger.debug("stopped in %.1f s", time.monotonic() - stopping)
-        # Judge exits with an error by the error line read by now.
-        by_label = {m.label: m for m in self.members}
-        judged = []
-        for sign in signs:
-            member = by_label.get(sign.label)
-            if sign.kind in ERROR_KINDS and member is not None:
-                sign = FailureSign(error_kind(member.error), sign.seen, sign.label,
-                             sign.exit_code, sign.what)
-            judged.append(sign)
         # An actor Ray reported dead only while it was being stopped: its death
         # may have come first (Ray takes a while to tell on a busy machine).
         signed = {sign.label for sign in signs}
-        judged += [self._death_sign(m, min(s.seen for s in signs)) for m in running
-                   if m.death is not None and m.label not in signed]
-        culprit = min(judged, key=lambda s: (s.kind, s.seen))
-        if culprit.kind is FailureKind.REPORTED:
-            return culprit.exit_code, (f"job failed: {culprit.what}"
-                                       f"{stopped_clause(len(running), False)}")
-        step = scheduler.member_step(culprit.label) if culprit.label is not None else None
-        member = by_label.get(culprit.label)
-        others = [m for m in running if m.label != culprit.label]
-        at = f" at step {step}" if step is not None else ""
-        because = f": {member.error}" if member is not None and member.error else ""
-        return culprit.exit_code, (f"{culprit.what}{at}{because}"
-                                   f"{stopped_clause(len(others))}")
+        signs = signs + [self._death_sign(m, min(s.seen for s in signs)) for m in running
+                         if m.death is not None and m.label not in signed]
+        culprit = culprit_of(signs)
+        step = (self.scheduler.member_step(culprit.label)
+                if culprit.label is not None and self.scheduler is not None else None)
+        others = [m for m in stopped if culprit.process is None or m is not culprit.process]
+        return Outcome(culprit.exit_code, failure_line(culprit, step, len(others)))
 
-    def _stop_all(self) -> None:
+    def stop_all(self) -> None:
         """Stop every script still running (SIGTERM, then SIGKILL after the
         grace period, in its actor) and relay its last lines."""
         stops = {m.label: m.actor.stop.remote(TERMINATE_GRACE_S, not m.is_driver_node)
@@ -539,7 +465,7 @@ class _RayJob:
         alive = [m for m in self.members if not m.is_dead and m.placement is not None
                  and m.exit_code is None]
         if alive:
-            self._stop_all()
+            self.stop_all()
         for member in self.members:
             try:
                 self.ray.kill(member.actor, no_restart=True)

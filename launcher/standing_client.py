@@ -7,7 +7,7 @@ command or environment is not one a forked process stands in for, or the
 template said why not). Where the standing template cannot serve this launch
 at all (it is gone, unusable, not ready in time, its environment differs from
 this launch's beyond splitrun's own variables, or what else a process inherits
-does: standing_template.process_context) the launch starts its own
+does: process_context.py) the launch starts its own
 template (`fallback`), said once; a standing template lost in the middle of a
 job leaves the rest of its processes to exec, said once. Every wait has a
 deadline.
@@ -28,12 +28,15 @@ import threading
 from collections.abc import Callable
 
 from .forked import REPLY_TIMEOUT_S, ForkedProcess, Template, exec_reason
-from .standing_template import context_difference, process_context, umask
+from .process_context import context_difference, process_context, umask
 from .template import BOOTSTRAP_MODULE, MAX_MESSAGE_BYTES
 
-__all__ = ["StandingProcess", "StandingTemplate"]
+__all__ = ["SOCKET_VARIABLE", "StandingProcess", "StandingTemplate"]
 
 logger = logging.getLogger(__name__)
+
+# The variable a launcher finds a standing template's socket in.
+SOCKET_VARIABLE = "SPLITRUN_TEMPLATE"
 
 # Bounds the connection and the hello's send (a template with a full backlog).
 CONNECT_TIMEOUT_S = 10.0

@@ -31,13 +31,14 @@ launcher whose hello is not answered in time (the template is busy importing
 another launcher's modules, or hung) starts its own template.
 
 What a forked process inherits from its parent beyond the environment must
-match too: the launcher compares `process_context()` (namespaces, cgroup,
-resource limits, CPU affinity, nice value) with the template's, and starts
-its own template where they differ (a launch under `ip netns exec`, `taskset`,
-`nice`, `prlimit`, in another cgroup); the umask comes with each request.
+match too: the launcher compares `process_context()` (process_context.py:
+namespaces, cgroup, resource limits, CPU affinity, nice value) with the
+template's, and starts its own template where they differ (a launch under
+`ip netns exec`, `taskset`, `nice`, `prlimit`, in another cgroup); the umask
+comes with each request.
 
 The environment: it starts with the one a launch would give its own template
-(cli.template_env: the thread budget, glibc's copy tunables, unbuffered
+(child_env.template_env: the thread budget, glibc's copy tunables, unbuffered
 output), by executing itself once more with it, since some of it is read when
 a process starts. A launch whose environment differs beyond splitrun's own
 variables uses its own template instead (the launcher compares them). The
@@ -51,7 +52,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import select
 import signal
 import socket
@@ -60,6 +60,8 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 
+from .child_env import template_env, thread_budget
+from .process_context import process_context
 from .process_groups import signal_with_group
 from .template import (
     MAX_MESSAGE_BYTES,
@@ -73,11 +75,9 @@ from .template import (
     set_up_process,
 )
 
-__all__ = ["SOCKET_VARIABLE", "context_difference", "main", "process_context", "umask"]
+__all__ = ["main", "SERVING"]
 
-# The variable a launcher finds a standing template's socket in.
-SOCKET_VARIABLE = "SPLITRUN_TEMPLATE"
-# Set in the environment the template executes itself with (cli.template_env):
+# Set in the environment the template executes itself with (child_env.template_env):
 # splitrun's own, so the launchers' comparison ignores it.
 _IN_LAUNCH_ENV = "SPLITRUN_STANDING_TEMPLATE_ENV"
 # Bounds a message to a launcher that does not read (stopped): it is dropped.
@@ -130,49 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     run_forked(bootstrap_args)  # in a forked process only: the server loop never returns
 
 
-_NAMESPACES = ("cgroup", "ipc", "mnt", "net", "pid", "time", "user", "uts")
-
-
-def process_context() -> dict[str, object]:
-    """What a process passes to the processes it forks beyond its environment
-    and working directory (the umask aside: it comes with each request)."""
-    context: dict[str, object] = {}
-    for name in _NAMESPACES:
-        try:
-            context[f"{name} namespace"] = os.stat(f"/proc/self/ns/{name}").st_ino
-        except OSError:
-            pass  # a kernel without it
-    with open("/proc/self/cgroup") as cgroup:
-        context["cgroup"] = cgroup.read()
-    context["resource limits"] = {name: list(resource.getrlimit(getattr(resource, name)))
-                                  for name in sorted(dir(resource))
-                                  if name.startswith("RLIMIT_")}
-    context["CPU affinity"] = sorted(os.sched_getaffinity(0))
-    context["nice value"] = os.getpriority(os.PRIO_PROCESS, 0)
-    return context
-
-
-def context_difference(ours: dict[str, object], theirs: dict[str, object]) -> list[str]:
-    """What differs between two `process_context()`s, by name."""
-    return sorted(name for name in ours.keys() | theirs.keys()
-                  if ours.get(name) != theirs.get(name))
-
-
-def umask() -> int:
-    """This process's umask, read without setting it (os.umask would, for
-    every thread)."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    return 0o022
-
-
 def _execute_in_launch_env(args: argparse.Namespace, argv: list[str]) -> None:
     """Run this command again with the environment a launch's own template
     would have (read in part when a process starts: glibc's tunables)."""
-    from .cli import template_env, thread_budget
-
     env = {**template_env(thread_budget(args.threads, 1)), "PYTHONUNBUFFERED": "1",
            _IN_LAUNCH_ENV: "1"}
     os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *argv], env)

@@ -12,6 +12,7 @@ __all__ = [
     "SplitrunError",
     "TransportError",
     "RecvTimeout",
+    "PeerDied",
     "MessageRejected",
     "ChannelMismatch",
     "UnknownChannel",
@@ -39,6 +40,12 @@ class RecvTimeout(TransportError):
         super().__init__(message)
         self.peer = peer
         self.waited_s = waited_s
+
+
+class PeerDied(TransportError):
+    """A peer's end of the connection to it went away without a close: the
+    peer died. This process fails because of it, as with `PeerFailed`: the
+    launcher names the dead process, not this one."""
 
 
 class MessageRejected(TransportError):

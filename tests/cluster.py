@@ -121,7 +121,7 @@ class StandingTemplateProc:
     listening on `socket` once its constructor returns; it dies with this
     process, and `close()` ends it (and what it still runs) by its process group."""
 
-    VARIABLE = "SPLITRUN_TEMPLATE"  # standing_template.SOCKET_VARIABLE
+    VARIABLE = "SPLITRUN_TEMPLATE"  # standing_client.SOCKET_VARIABLE
 
     def __init__(self, folder: pathlib.Path) -> None:
         self.socket = str(folder / "template.sock")

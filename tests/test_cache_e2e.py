@@ -1,9 +1,11 @@
 """Embedding-cache mode end to end: real launcher, real processes, real gRPC."""
 
+import re
+
 import pytest
 import torch
 from cache_models import feeds, make, make_sum_bags
-from cluster import SCRIPTS
+from cluster import JOB_TIMEOUT_S, SCRIPTS
 
 from splitrun.runtime import run_threaded
 from splitrun.splitter import Cluster, EmbeddingCacheMode, ParameterServerMode, split_program
@@ -34,6 +36,26 @@ def test_one_worker_two_servers_equal_whole_tables(cache_saved_at_ten):
     for counters in result["counters"].values():
         assert counters["evictions"] > 0 and 0 < counters["hit_rate"] < 1
     assert "hit rate" in output  # shown in worker 0's progress
+
+
+@pytest.mark.parametrize("kind, workers, says", [
+    # Two workers, staleness 1: the step before pulls the batch's missing rows.
+    ("ids", 2, r"StepFailed: \[worker \d\] step 3: .*CacheError: table '\S+' has 400 rows "
+               r"\(ids 0-399\) but the batch looks up id 1000000"),
+    ("type", 1, r"SplitrunError: step\(\) takes the batch as a tensor, a sequence of tensors "
+                r"or a dict of feeds, got str"),
+    ("raises", 1, r"ValueError: the data of batch 3 cannot be read")])
+def test_a_bad_batch_is_named_at_its_own_step_though_run_reads_it_ahead(local_cluster, kind,
+                                                                        workers, says):
+    # trainer.run takes the next batch while a step runs (the cache prefetches
+    # its rows): a bad one must still fail at its own step, as in a loop of step().
+    proc = local_cluster.launch(CACHE_JOB, "--steps", 6, "--max-staleness", 1,
+                                "--bad-batch-at", 3, "--bad-batch", kind, workers=workers,
+                                servers=1)
+    assert proc.wait(JOB_TIMEOUT_S) == 1, proc.output()
+    # Every worker's shard holds the bad batch: either may be named.
+    assert re.search(rf"worker \d \(pid \d+\) exited with code 1 at step 3: {says}",
+                     proc.lines[-1]), proc.output()
 
 
 def test_two_workers_equal_parameter_server_mode(launch):

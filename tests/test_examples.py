@@ -20,6 +20,8 @@ def test_ps_train_reaches_its_accuracy(main_job_three_epochs):
     output = main_job_three_epochs
     accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)", output).group(1))
     assert accuracy >= 0.9
+    assert re.search(r"samples\) on 2 workers and 1 server in ", output), output
+    assert not re.search(r"\b1 (threads|workers|servers|processes)\b", output), output
     # scikit-learn, which the script imports first, imported once for every process
     assert re.search(r"template \(pid \d+\) imported .*sklearn\.datasets", output)
 

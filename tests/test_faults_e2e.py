@@ -9,12 +9,15 @@ issue's 10 (see the README for its time).
 
 import os
 import re
+import shlex
+import shutil
 import signal
+import sys
 import time
 
 import grpc
 import pytest
-from cluster import JOB_TIMEOUT_S, SCRIPTS, Proc, pid_alive, wait_exited
+from cluster import JOB_TIMEOUT_S, SCRIPTS, Proc, child_env, pid_alive, wait_exited
 
 pytestmark = pytest.mark.slow
 
@@ -56,6 +59,11 @@ def test_killed_server_is_blamed(local_cluster, repeat):
         proc.kill()
     assert code == 128 + signal.SIGKILL
     assert f"server 0 (pid {pids['server 0']}) was killed by SIGKILL" in last_line(proc), \
+        proc.output()
+    # The workers that lost it were stopped by its failure, whether or not they
+    # had exited by then; losing it is no error of their own.
+    assert last_line(proc).endswith("; stopped the other 2 processes"), proc.output()
+    assert not [line for line in proc.lines if re.match(r"\[worker \d\] ERROR", line)], \
         proc.output()
     assert elapsed < FAULT_DEADLINE_S, f"the launcher took {elapsed:.1f} s to stop"
     assert not wait_exited(pids.values(), 1.0)
@@ -102,6 +110,19 @@ def test_crash_names_the_process_its_error_and_step(local_cluster):
     # The other worker may have ended by itself first: then nothing is said of it.
     assert re.search(r"at step 5: ValueError: injected failure at step 5(; stopped the "
                      r"other 1 process)?$", line), line
+
+
+def test_an_error_after_finish_is_the_scripts_own(local_cluster):
+    # The job has been left: nothing may be reported to the scheduler any more,
+    # and trying must not put its own error over the script's.
+    proc = local_cluster.start("launch", "--workers", 2, FAULT_JOB, "--steps", 4,
+                               "--raise-after-finish")
+    code = proc.wait(JOB_TIMEOUT_S)
+    assert code == 1, proc.output()
+    assert re.search(r"worker 0 \(pid \d+\) exited with code 1 at step 4: ValueError: the "
+                     r"script's own error, after finish$", last_line(proc)), proc.output()
+    assert "closed channel" not in proc.output()
+    assert proc.output().count("Traceback (most recent call last)") == 1, proc.output()
 
 
 def test_capture_error_is_on_the_last_line(local_cluster):
@@ -219,6 +240,28 @@ def test_busy_looping_worker_is_named(local_cluster):
     assert elapsed < 30.0, f"named {elapsed:.1f} s after it began to spin"
 
 
+def test_a_process_stuck_in_user_code_inside_a_receive_is_named(local_cluster, tmp_path):
+    # Worker 1 is inside its step-5 receive from worker 0 when its receiving
+    # thread runs a signal handler that never returns; worker 0 then waits on
+    # worker 1 in the same step. Both were "waiting on a peer"; worker 1's
+    # receive no longer turns, so it is the stalled one, named within the stall
+    # timeout, long before worker 0's receive would time out.
+    proc = local_cluster.start("launch", "--workers", 2, "--stall-timeout", STALL_TIMEOUT_S,
+                               "--recv-timeout", 60, FAULT_JOB, "--stuck-in-receive-rank", 1,
+                               "--stuck-in-receive-at", 5, "--release-file",
+                               tmp_path / "released")
+    try:
+        proc.wait_for(r"\[worker 1\].*stuck inside a receive at step 5", JOB_TIMEOUT_S)
+        code = proc.wait(60)
+    finally:
+        proc.kill()
+    assert code == 1
+    line = last_line(proc)
+    assert "worker 1 (pid" in line and "is stalled at step 5" in line, proc.output()
+    assert "worker 0 has waited on it" in line
+    assert "RecvTimeout" not in line
+
+
 def test_a_stall_wins_over_the_receive_timeout_it_causes(local_cluster):
     # The receive timeout equals the stall timeout: worker 0's receive times
     # out when worker 1's stall is due. The scheduler knows worker 1 stalled
@@ -279,6 +322,12 @@ def test_restart_resumes_from_the_last_checkpoint_and_ends_equal(local_cluster, 
     # Named at the step it had reached (its step file), not its last heartbeat's.
     assert re.search(r"worker 1 \(pid \d+\) was killed by SIGKILL at step 25", output), output
     assert f"restart 1 of 1 from {tmp_path / 'ckpt' / 'step-000000020'} (step 20)" in output
+    # The restart's checkpoint is looked for from the failure's first sign on,
+    # while the processes are blamed and stopped, not after the failure line.
+    lines = proc.lines
+    looking = next(i for i, line in enumerate(lines) if "looking for the newest checkpoint" in line)
+    failure = next(i for i, line in enumerate(lines) if "was killed by SIGKILL at step 25" in line)
+    assert looking < failure, output
     # The restart checkpoints are sharded directories: each worker wrote its own file.
     assert sorted(os.listdir(tmp_path / "ckpt" / "step-000000040")) == [
         ".metadata", "__w0_0.distcp", "__w1_0.distcp", "checksums.sha256"]
@@ -289,6 +338,39 @@ def test_restart_resumes_from_the_last_checkpoint_and_ends_equal(local_cluster, 
     assert torch.equal(torch.stack(result["losses"]), torch.stack(losses[20:]))
     for key, value in state.items():
         assert torch.equal(result["state"][key], value), f"{key} differs from an uninterrupted run"
+
+
+def test_a_dev_shm_without_room_for_the_rings_is_seen_before_each_start(tmp_path):
+    # In a mount namespace of its own, the job sees a /dev/shm of 6 MiB that
+    # another program has filled in part: its two 4 MiB rings do not fit. Each
+    # start (the first, and the restart after worker 1 is killed) runs over
+    # gRPC instead, saying what to free, and the job ends; before, every start
+    # failed at once, spending every restart.
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a /dev/shm of its own needs root and unshare (util-linux)")
+    launch = [sys.executable, "-m", "splitrun.launcher", "-v", "launch", "--workers", 2,
+              "--max-restarts", 2, "--checkpoint-every", 10, "--checkpoint-dir",
+              tmp_path / "ckpt", FAULT_JOB, "--steps", 30, "--kill-rank", 1, "--kill-at", 15]
+    script = ("mount -t tmpfs -o size=6m splitrun-test /dev/shm && "
+              "fallocate -l 1m /dev/shm/filler && exec "
+              + " ".join(shlex.quote(str(arg)) for arg in launch))
+    env = child_env({"SPLITRUN_SHM_RING_MB": "4"})
+    env.pop("SPLITRUN_TEMPLATE", None)  # a standing template outside sees another /dev/shm
+    proc = Proc(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], env=env)
+    try:
+        code = proc.wait(2 * JOB_TIMEOUT_S)
+    finally:
+        proc.kill()
+    output = proc.output()
+    assert code == 0, output
+    assert output.count("restart 1 of 2") == 1 and "restart 2 of 2" not in output, output
+    said = re.findall(r"/dev/shm has \d+\.\d MiB free but the job's 2 shared-memory rings "
+                      r"need 8\.0 MiB \(2 of 4\.0 MiB\); free \d+\.\d MiB there \(its largest "
+                      r"files: /dev/shm/filler 1\.0 MiB\), or make the rings smaller "
+                      r"\(SPLITRUN_SHM_RING_MB=N\); this start's processes talk over gRPC "
+                      r"instead", output)
+    assert len(said) == 2, output  # before the first start and before the restart
+    assert "transport to worker 0: grpc" in output, output
 
 
 def test_without_restarts_the_job_fails_as_before(local_cluster, tmp_path):

@@ -4,6 +4,9 @@ one TensorBoard event file per process, and the event file holds the loss curve.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 from cluster import SCRIPTS
@@ -89,6 +92,27 @@ def test_log_dir_and_metrics_dir_write_one_file_per_process(main_job_one_epoch):
         assert len(per_step) == NUM_STEPS and all(e.value > 0 for e in per_step), tag
     assert any(tag.startswith("recv_wait_s/") for tag in tags)
     assert any(tag.startswith("sent_bytes/") for tag in tags)
+
+
+def test_torchs_is_fx_tracing_advice_is_not_printed_but_its_loggers_other_lines_are(tmp_path):
+    # TorchRec's KeyedJaggedTensor is built through torch.fx's ProxyableClassMeta,
+    # which logs that advice once in every process: here a class of that metaclass.
+    script = tmp_path / "proxyable.py"
+    script.write_text(
+        "import logging\n"
+        "from torch.fx._symbolic_trace import ProxyableClassMeta\n"
+        "class Jagged(metaclass=ProxyableClassMeta):\n"
+        "    pass\n"
+        "Jagged()\n"
+        "logging.getLogger('torch.fx._symbolic_trace').warning('another line of that logger')\n"
+        "print('built', flush=True)\n")
+    done = subprocess.run([sys.executable, "-m", "splitrun.launcher.bootstrap", str(script)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SPLITRUN_LOG_LEVEL": "WARNING"})
+    output = done.stdout + done.stderr
+    assert done.returncode == 0 and "built" in output, output
+    assert "another line of that logger" in output, output
+    assert "is_fx_tracing will return true" not in output, output
 
 
 @pytest.mark.parametrize("template", ["standing", "own"])

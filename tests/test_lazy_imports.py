@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import splitrun.runtime
+import splitrun.runtime.cluster
 import splitrun.splitter
 
 
@@ -34,6 +35,24 @@ def test_the_launcher_and_its_scheduler_import_no_torch():
     # shm files' helpers are light; `place()` and `region()` import torch when called.
     loaded = _python("import sys, splitrun.launcher.cli, splitrun.launcher.supervisor, "
                      "splitrun.runtime.cluster, splitrun.runtime.rpc.tls; "
+                     "print(' '.join(sorted(m for m in sys.modules "
+                     "if m.split('.')[0] in ('torch', 'numpy'))))")
+    assert loaded == ""
+
+
+def test_a_module_of_the_cluster_room_loads_neither_the_scheduler_nor_grpc():
+    # The step file is what a process and its launcher share at every step.
+    loaded = _python("import sys, splitrun.runtime.cluster.step_file; "
+                     "print(' '.join(sorted(m for m in sys.modules if m == 'grpc' or m in ("
+                     "'splitrun.runtime.cluster.scheduler', "
+                     "'splitrun.runtime.cluster.membership'))))")
+    assert loaded == ""
+
+
+def test_finding_a_restarts_checkpoint_imports_no_torch():
+    # The launcher looks for the newest good periodic checkpoint between two
+    # starts of a job: importing torch there took seconds on a loaded machine.
+    loaded = _python("import sys, splitrun.runtime.checkpoints.periodic; "
                      "print(' '.join(sorted(m for m in sys.modules "
                      "if m.split('.')[0] in ('torch', 'numpy'))))")
     assert loaded == ""
@@ -68,7 +87,8 @@ def test_capture_is_the_function_whichever_module_is_imported_first():
     assert callable(capture) and capture.__module__ == "splitrun.splitter.capturing.step"
 
 
-@pytest.mark.parametrize("package", [splitrun.splitter, splitrun.runtime])
+@pytest.mark.parametrize("package", [splitrun.splitter, splitrun.runtime,
+                                     splitrun.runtime.cluster])
 def test_every_public_name_resolves_and_dir_lists_it(package):
     for name in package.__all__:
         assert getattr(package, name) is not None

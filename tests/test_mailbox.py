@@ -4,12 +4,14 @@ deadline passes; a put for another key leaves it waiting. Real threads; every
 wait bounded."""
 
 import threading
+import time
 
 import pytest
 import torch
 
 from splitrun.runtime import Mailbox, MessageKey, PeerFailed, RecvTimeout
 from splitrun.runtime.errors import JobFinished
+from splitrun.runtime.transport.receiving import receiving
 from splitrun.splitter import Label
 
 W0, W1 = Label.worker(0), Label.worker(1)
@@ -122,3 +124,41 @@ def test_a_second_message_for_a_key_is_refused_while_a_take_waits_elsewhere():
         mailbox.put(key(0), W0, [torch.zeros(1)])
     mailbox.put(key(1), W0, [torch.ones(1)])
     assert taker.result()[0] == "ok"
+
+
+def test_a_receive_stuck_in_its_control_handler_is_told_from_one_that_waits():
+    # The receiving thread runs the control message's handler, which does not
+    # return: the receive no longer turns (receiving.py), so its process waits
+    # on no one and a stall check may name it; the other receive still waits.
+    mailbox = Mailbox(W1)
+    control_key = key(0, "@control")
+    release, in_handler = threading.Event(), threading.Event()
+    receives = {}
+
+    def handle(sender, tensors):
+        in_handler.set()
+        release.wait(WAIT_S)
+
+    def take(name, k, **kwargs):
+        with receiving(W0) as receive:
+            receives[name] = receive
+            mailbox.take(k, W0, WAIT_S, **kwargs)
+
+    threads = [threading.Thread(target=take, args=("stuck", key(5)),
+                                kwargs={"control": (control_key, handle)}, daemon=True),
+               threading.Thread(target=take, args=("waiting", key(6)), daemon=True)]
+    for thread in threads:
+        thread.start()
+    mailbox.put(control_key, W0, [torch.zeros(1)])
+    assert in_handler.wait(WAIT_S)
+    deadline = time.monotonic() + WAIT_S
+    while not receives["stuck"].is_stuck() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert receives["stuck"].is_stuck(), "a receive stuck in its handler counts as waiting"
+    assert not receives["waiting"].is_stuck(), "a receive that waits counts as stuck"
+    release.set()
+    mailbox.put(key(5), W0, [torch.ones(1)])
+    mailbox.put(key(6), W0, [torch.ones(1)])
+    for thread in threads:
+        thread.join(WAIT_S)
+    assert not any(thread.is_alive() for thread in threads)

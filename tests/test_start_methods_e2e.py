@@ -55,7 +55,7 @@ def test_each_start_and_ending_is_the_same_either_way(local_cluster, tmp_path, m
     assert [re.sub(r"pid \d+", "pid N", cause) for cause in causes] == CAUSES, output
     assert "[worker 0] bye" in output  # sys.exit's message
     assert "[worker 0] last words" in output  # a last line without a newline
-    assert re.search(r"all 1 processes finished in", proc.lines[-1]), output
+    assert re.search(r"the 1 process finished in", proc.lines[-1]), output
     # The clean end waited for the script's thread and ran its exit handler.
     assert (tmp_path / "thread-done").exists() and (tmp_path / "atexit-done").exists()
     starts = [json.loads((tmp_path / f"facts-{k}.json").read_text())

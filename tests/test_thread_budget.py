@@ -9,7 +9,8 @@ import sys
 import pytest
 from cluster import JOB_TIMEOUT_S, SCRIPTS, Proc, child_env
 
-from splitrun.launcher.cli import thread_budget
+from splitrun.launcher.child_env import thread_budget
+from splitrun.launcher.failures import count_of
 from splitrun.splitter.errors import SplitrunError
 
 
@@ -37,7 +38,7 @@ def test_every_process_runs_with_its_budget(tmp_path, requested, expected):
     assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
     cores = os.cpu_count() or 1
     budget = expected if expected is not None else max(1, cores // 3)
-    assert f"({budget} threads each)" in proc.output()
+    assert f"({count_of(budget, 'thread')} each)" in proc.output()
     reported = dict(re.findall(r"\[(\w+ \d)\].*joined as .*, (\d+) threads, ", proc.output()))
     assert reported == {"worker 0": str(budget), "worker 1": str(budget),
                         "server 0": str(budget)}, proc.output()

@@ -16,7 +16,7 @@ import os
 import shutil
 
 from ..errors import CheckpointError
-from .sharded import CHECKSUMS, ShardedCheckpoint
+from .checksums import CHECKSUMS, verify_all
 
 __all__ = ["periodic_path", "latest_checkpoint", "prune_periodic"]
 
@@ -48,10 +48,11 @@ def _periodic(directory: str) -> list[tuple[int, str]]:
 
 def latest_checkpoint(directory: str | os.PathLike) -> tuple[str, int] | None:
     """The newest periodic checkpoint in `directory` that is complete and
-    whose every file matches its checksum, and its step; None when there is none."""
+    whose every file matches its checksum, and its step; None when there is
+    none. Checksums only (no torch): the launcher asks before a restart."""
     for step, path in _periodic(os.fspath(directory)):
         try:
-            ShardedCheckpoint(path).verify_all()
+            verify_all(path)
         except CheckpointError as exc:
             logger.warning("not resuming from %s: %s", path, exc)
             continue

@@ -19,7 +19,6 @@ shape and finiteness of every tensor against the model; each problem is one
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from collections.abc import Iterator, Mapping
 
@@ -28,12 +27,13 @@ import torch
 from splitrun.splitter.program import InputKind, Program
 
 from ..errors import CheckpointError
+from .checksums import file_sha256
 
 __all__ = ["to_checkpoint", "from_checkpoint", "write_checkpoint", "read_checkpoint",
            "load_checkpoint", "checksum_path", "verify_checksum", "file_sha256", "writing"]
 
 CHECKSUM_SUFFIX = ".sha256"
-_CHUNK = 1 << 20
+
 
 def to_checkpoint(program: Program, state: Mapping[str, torch.Tensor], step: int,
                   info: Mapping[str, object] | None = None) -> dict:
@@ -127,14 +127,6 @@ def _describe(tensor: torch.Tensor) -> str:
 
 def checksum_path(path: str | os.PathLike) -> str:
     return f"{os.fspath(path)}{CHECKSUM_SUFFIX}"
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as data:
-        for chunk in iter(lambda: data.read(_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @contextlib.contextmanager

@@ -1,6 +1,19 @@
-"""Cluster membership: the scheduler, its client and the heartbeat thread."""
+"""Cluster membership: the scheduler (`scheduler`), its client and the
+heartbeat thread (`membership`). Resolved on first use, as the other rooms'
+names are: importing a module of the room (the environment's names, the step
+file) loads neither the scheduler nor gRPC."""
 
-from .membership import Heartbeat, Registration, SchedulerClient
-from .scheduler import Scheduler, SchedulerSettings
+from __future__ import annotations
 
-__all__ = ["Heartbeat", "Registration", "SchedulerClient", "Scheduler", "SchedulerSettings"]
+from splitrun.splitter.lazy_exports import lazy_exports
+
+_EXPORTS = {
+    "Heartbeat": ".membership",
+    "Registration": ".membership",
+    "SchedulerClient": ".membership",
+    "Scheduler": ".scheduler",
+    "SchedulerSettings": ".scheduler",
+}
+
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -127,10 +127,11 @@ def _cluster(environ: Mapping[str, str], num_tasks: int, size_key: str) -> Clust
                    else num_tasks - num_servers)
     if num_workers < 1 or num_servers < 0 or num_workers + num_servers != num_tasks:
         raise ClusterError(
-            f"{size_key}={num_tasks} tasks, but the job wants {num_workers} workers and "
-            f"{num_servers} servers ({_NUM_WORKERS}/{_NUM_SERVERS}, from splitrun join "
-            f"--workers/--servers): start {num_workers + num_servers} tasks, or change "
-            f"--workers/--servers so they add up to {num_tasks} (at least 1 worker)")
+            f"{size_key}={num_tasks} tasks, but the job wants {num_workers} "
+            f"worker{'' if num_workers == 1 else 's'} and {num_servers} "
+            f"server{'' if num_servers == 1 else 's'} ({_NUM_WORKERS}/{_NUM_SERVERS}, from "
+            f"splitrun join --workers/--servers): start {num_workers + num_servers} tasks, or "
+            f"change --workers/--servers so they add up to {num_tasks} (at least 1 worker)")
     return Cluster(num_workers, num_servers)
 
 

@@ -149,8 +149,9 @@ class Scheduler(pb_grpc.SchedulerServicer):
         self._monitor = threading.Thread(target=self._watch_heartbeats, daemon=True,
                                          name="scheduler-monitor")
         self._monitor.start()
-        logger.info("scheduler listening on %s for %d workers and %d servers",
-                    self.address, self.settings.num_workers, self.settings.num_servers)
+        workers, servers = self.settings.num_workers, self.settings.num_servers
+        logger.info("scheduler listening on %s for %d worker%s and %d server%s", self.address,
+                    workers, "" if workers == 1 else "s", servers, "" if servers == 1 else "s")
         return self.address
 
     def stop(self, grace_s: float = 1.0) -> None:

@@ -40,14 +40,11 @@ class StepFile:
         struct.pack_into(_FORMAT, self._map, 0, steps_done)
 
     def close(self) -> None:
-        """The process leaves cleanly: nothing for its launcher to name, so the
-        file goes (a killed process's stays for the launcher, which removes it
-        with the job's other files)."""
+        """The process leaves the job. The file stays, holding its last step:
+        the script may still fail after it left (an error after
+        `trainer.finish()`), and its launcher names that step; the launcher
+        removes the file with the job's other files, as a killed process's."""
         self._map.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 def read_step(path: str) -> int | None:

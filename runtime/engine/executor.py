@@ -22,6 +22,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from types import FunctionType
 
@@ -36,9 +37,10 @@ from splitrun.splitter.program import OutputKind, Program
 from ..errors import MessageRejected, RecvTimeout, SplitrunError, StepFailed
 from ..transport.dtypes import nbytes_of
 from ..transport.protocol import MessageKey, Transport
+from ..transport.receiving import Receive, receiving
 from .tiles import find_tiled_runs
 
-__all__ = ["Executor", "ExecutorStats", "ChannelStats", "Waiting"]
+__all__ = ["Executor", "ExecutorStats", "ChannelStats"]
 
 logger = logging.getLogger(__name__)
 
@@ -183,14 +185,6 @@ class _LiveBytes:
             del self._storages[pointer]
 
 
-@dataclass(frozen=True)
-class Waiting:
-    """A receive inside a step: from whom, since when (time.monotonic())."""
-
-    peer: Label
-    since: float
-
-
 class Executor:
     """Runs `label`'s subgraph of `plan`. Call `load_state`, then `run_step`."""
 
@@ -219,7 +213,7 @@ class Executor:
         self.state: dict[str, torch.Tensor] = {}
         self.stats = ExecutorStats()
         self._bindings = dict(bindings or {})
-        self._waiting: Waiting | None = None
+        self._waiting: Receive | None = None
         self.staleness = plan.staleness
         # Staleness-bounded data-sync channels into this process: channel ->
         # (version, tensors) last taken; the first step this executor ran.
@@ -433,8 +427,9 @@ class Executor:
         return value
 
     @property
-    def waiting_on(self) -> Waiting | None:
-        """The peer this process waits for inside a step (not between steps)."""
+    def waiting_on(self) -> Receive | None:
+        """The receive of a step this process is inside (not between steps):
+        from whom, since when, and whether it still waits (`Receive.is_stuck`)."""
         return self._waiting
 
     def _receive(self, step, channel, src, recv_names, env, timeout_s, control, *,
@@ -442,18 +437,19 @@ class Executor:
         key = MessageKey(self.incarnation, step, channel)
         waited = time.perf_counter()
         since = time.monotonic()
-        if not idle:
-            self._waiting = Waiting(src, since)
-        try:
-            if control is None:
-                tensors = self.transport.recv(src, key, timeout_s)
-            else:
-                tensors = self.transport.recv(src, key, timeout_s, control=control)
-        except RecvTimeout as exc:  # say whom this step waited on, and how long
-            raise RecvTimeout(str(exc), peer=src,
-                              waited_s=time.monotonic() - since) from None
-        finally:
-            self._waiting = None
+        # A server's wait for its next step's first message is between steps.
+        with nullcontext() if idle else receiving(src) as receive:
+            self._waiting = receive
+            try:
+                if control is None:
+                    tensors = self.transport.recv(src, key, timeout_s)
+                else:
+                    tensors = self.transport.recv(src, key, timeout_s, control=control)
+            except RecvTimeout as exc:  # say whom this step waited on, and how long
+                raise RecvTimeout(str(exc), peer=src,
+                                  waited_s=time.monotonic() - since) from None
+            finally:
+                self._waiting = None
         waited = time.perf_counter() - waited
         self.stats.recv_wait_s += waited
         if len(tensors) != len(recv_names):

@@ -62,8 +62,10 @@ def report_uncaught(error: BaseException) -> None:
     scheduler (the step this process reached, and the error) before the
     process's slow teardown, so the failure is blamed here and at that step.
     The job is over: its shared-memory files go too (a SIGKILLed peer's among
-    them; the process exits without closing its transport)."""
-    if _joined is not None:
+    them; the process exits without closing its transport). After the
+    process left the job (`trainer.finish()`), the error is the script's
+    alone: nothing is reported."""
+    if _joined is not None and not _joined.has_left:
         _joined.report_failure(error)
         if _joined.remove_job_files is not None:
             _joined.remove_job_files()

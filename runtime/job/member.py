@@ -45,6 +45,7 @@ class JobMember:
         self.transport = transport
         self._heartbeat: Heartbeat | None = None
         self._failure_reported = False
+        self.has_left = False  # closed: nobody of the job is told anything any more
         # Task 0 of a Slurm or torchrun job hosts the job's scheduler.
         self._hosted_scheduler = hosted_scheduler
         # Where the launcher reads this process's step if it is killed.
@@ -124,7 +125,7 @@ class JobMember:
 
     def _report_failure(self, error: BaseException) -> None:
         if (self.client is None or isinstance(error, (PeerFailed, JobFinished))
-                or self._failure_reported):
+                or self._failure_reported or self.has_left):
             return
         self._failure_reported = True
         first_line = (str(error).strip().splitlines() or [""])[0]
@@ -141,6 +142,7 @@ class JobMember:
                            self.label.describe())
 
     def close(self) -> None:
+        self.has_left = True
         if self._step_file is not None:
             self._step_file.close()
         if self._heartbeat is not None:

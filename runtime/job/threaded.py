@@ -33,6 +33,7 @@ from ..cluster.rendezvous import InProcessRendezvous
 from ..engine.executor import ExecutorStats
 from ..errors import PeerFailed, SplitrunError
 from ..transport.loopback import LoopbackHub
+from ..transport.protocol import Transport
 from .member import JobMember
 from .settings import JobSettings
 from .trainer import Trainer, start_trainer
@@ -71,6 +72,41 @@ def run_threaded(split: SplitProgram, num_steps: int,
     (jagged ids: `TorchRecInput.shard` cuts them) comes instead from
     `worker_batches(rank, step)`: worker `rank`'s feeds.
     """
+    _check_arguments(split, batches, worker_batches)
+    plan = split.plan
+    # Every thread but an idle server's runs each step (and reads its feeds).
+    stepping = [label for label in plan.labels
+                if label.role is Role.WORKER or not plan.process(label).is_idle]
+    steps = _StepFeeds(batches or (lambda step: {}), split.program.hparams, len(stepping),
+                       num_steps)
+    history: list[dict[str, torch.Tensor]] = [{} for _ in range(num_steps)]
+    lock = threading.Lock()
+
+    def record(step: int, outputs: dict[str, torch.Tensor]) -> None:
+        with lock:
+            history[step].update(outputs)
+        steps.done(step)
+
+    hub = LoopbackHub(plan.labels)
+    transports = {label: hub.transport(label) for label in plan.labels}
+    membership = InProcessMembership(transports)
+    trainers = _start_trainers(split, membership, transports, steps, record, num_steps=num_steps,
+                               state=state, recv_timeout_s=recv_timeout_s, device=device)
+
+    def batches_of(label: Label) -> _GlobalBatches:
+        if worker_batches is None:
+            return _GlobalBatches(steps, num_steps)
+        return _OwnBatches(steps, num_steps, label.rank, worker_batches)
+    final_state = _run_threads(trainers, membership, batches_of,
+                               join_timeout_s=num_steps * recv_timeout_s + _JOIN_GRACE_S)
+    counters = {label: trainer.cache_counters for label, trainer in trainers.items()
+                if trainer.process.has_cache}
+    return ThreadedRun(history, final_state,
+                       {label: trainer.stats for label, trainer in trainers.items()}, counters,
+                       {label: trainer.process.state for label, trainer in trainers.items()})
+
+
+def _check_arguments(split, batches, worker_batches) -> None:
     if isinstance(split, SplitPlan):
         raise SplitrunError("run_threaded needs what split_program(program, cluster, mode) "
                             "returns (the plan with the program it runs); split(...) gives "
@@ -80,27 +116,19 @@ def run_threaded(split: SplitProgram, num_steps: int,
                             f"returns, got {type(split).__name__}")
     if (batches is None) == (worker_batches is None):
         raise SplitrunError("run_threaded takes batches(step) or worker_batches(rank, step)")
+
+
+def _start_trainers(split: SplitProgram, membership: InProcessMembership,
+                    transports: Mapping[Label, Transport], steps: _StepFeeds,
+                    record: Callable[[int, dict[str, torch.Tensor]], None], *, num_steps: int,
+                    state: Mapping[str, torch.Tensor] | None, recv_timeout_s: float,
+                    device: str) -> dict[Label, Trainer]:
+    """Every process of `split` put into the job, as `Job.start` puts a launched one."""
     plan = split.plan
-    hub = LoopbackHub(plan.labels)
-    transports = {label: hub.transport(label) for label in plan.labels}
-    membership = InProcessMembership(transports)
     rendezvous = InProcessRendezvous(recv_timeout_s)  # parallel mode's process groups
-    # Every thread but an idle server's runs each step (and reads its feeds).
-    stepping = [label for label in plan.labels
-                if label.role is Role.WORKER or not plan.process(label).is_idle]
-    steps = _StepFeeds(batches or (lambda step: {}), split.program.hparams, len(stepping),
-                       num_steps)
     # A server's first receive of a step waits as long as any receive: a
     # thread's peers are never busy elsewhere between steps.
     settings = JobSettings(recv_timeout_s=recv_timeout_s, idle_timeout_s=recv_timeout_s)
-    history: list[dict[str, torch.Tensor]] = [{} for _ in range(num_steps)]
-    lock = threading.Lock()
-
-    def record(step: int, outputs: dict[str, torch.Tensor]) -> None:
-        with lock:
-            history[step].update(outputs)
-        steps.done(step)
-
     trainers: dict[Label, Trainer] = {}
     for label in plan.labels:
         member = JobMember(label, plan.cluster, torch.device(device), settings,
@@ -109,17 +137,23 @@ def run_threaded(split: SplitProgram, num_steps: int,
         trainers[label] = start_trainer(member, split, state=state, rendezvous=rendezvous,
                                         num_steps=num_steps, hparams=steps.hparams,
                                         on_outputs=record)
+    return trainers
+
+
+def _run_threads(trainers: dict[Label, Trainer], membership: InProcessMembership,
+                 batches_of: Callable[[Label], _GlobalBatches], *,
+                 join_timeout_s: float) -> dict[str, torch.Tensor]:
+    """Each trainer's loop in a thread of its own, as a launched script runs
+    it; the final state worker 0 gathered, or the first process's own error
+    (not one raised because another failed)."""
     final_state: dict[str, torch.Tensor] = {}
     failures: list[tuple[Label, BaseException]] = []
+    lock = threading.Lock()
 
     def work(label: Label, trainer: Trainer) -> None:
-        if worker_batches is None:
-            source = _GlobalBatches(steps, num_steps)
-        else:
-            source = _OwnBatches(steps, num_steps, label.rank, worker_batches)
         in_loop = True
         try:
-            for _ in trainer.run(trainer.shard(source)):
+            for _ in trainer.run(trainer.shard(batches_of(label))):
                 pass
             in_loop = False
             gathered = trainer.finish()  # closes the process, failing or not
@@ -141,18 +175,14 @@ def run_threaded(split: SplitProgram, num_steps: int,
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=num_steps * recv_timeout_s + _JOIN_GRACE_S)
+        thread.join(timeout=join_timeout_s)
     stuck = [t.name for t in threads if t.is_alive()]
     if stuck:
         raise SplitrunError(f"threads {', '.join(stuck)} did not finish; a step hangs")
     if failures:
         original = [f for f in failures if not isinstance(f[1], PeerFailed)] or failures
         raise original[0][1]
-    counters = {label: trainer.cache_counters for label, trainer in trainers.items()
-                if trainer.process.has_cache}
-    return ThreadedRun(history, final_state,
-                       {label: trainer.stats for label, trainer in trainers.items()}, counters,
-                       {label: trainer.process.state for label, trainer in trainers.items()})
+    return final_state
 
 
 class _GlobalBatches:

@@ -25,7 +25,7 @@ from ..checkpoints.gather import (
 from ..checkpoints.saving import Checkpointer
 from ..cluster.rendezvous import Rendezvous
 from ..engine.process import ProcessRuntime
-from ..errors import JobFinished, PeerFailed, SplitrunError, TransportError
+from ..errors import JobFinished, PeerDied, PeerFailed, SplitrunError, TransportError
 from ..transport.contract import receive_contracts
 from .data import shard_batches
 from .member import JobMember
@@ -89,12 +89,18 @@ class Trainer:
         gets the next batch, so an embedding cache prefetches its rows. A
         step's hyperparameters are read before the next batch is taken, so a
         learning-rate schedule stepped while `batches` makes a batch applies
-        from that batch's step on, as in a loop of `step`."""
+        from that batch's step on, as in a loop of `step`. A batch that
+        cannot be made (`batches` raises) fails at its own step, after the
+        step before it ran, as in a loop of `step`."""
         iterator = iter(batches)
         current = next(iterator, None)
         while current is not None:
             hparams = self.process.hparams(self.steps_done)
-            following = next(iterator, None)
+            try:
+                following = next(iterator, None)
+            except Exception:
+                yield self.step(current, hparams=hparams)  # then the next step's own error
+                raise
             yield self.step(current, next_batch=following, hparams=hparams)
             current = following
 
@@ -111,12 +117,11 @@ class Trainer:
         if self._finished:
             raise SplitrunError("step() after finish()")
         try:
-            outputs = self.process.run_step(
-                self.steps_done, _feeds_of(batch),
-                None if next_batch is None else _feeds_of(next_batch), hparams=hparams)
+            outputs = self.process.run_step(self.steps_done, _feeds_of(batch),
+                                            _next_feeds_of(next_batch), hparams=hparams)
         except TransportError as exc:
             lost = self.job.scheduler_unreachable()
-            if lost is None:
+            if lost is None or isinstance(exc, PeerDied):  # a peer's death says its own cause
                 self.job.report_failure(exc)
                 raise
             # The scheduler's loss ended a peer first: that is the cause.
@@ -124,23 +129,23 @@ class Trainer:
         except BaseException as exc:
             self.job.report_failure(exc)
             raise
-        self._record_outputs(outputs)
-        self.steps_done += 1
-        self.job.report_progress(self.steps_done)
-        self._checkpointer.save_periodically(self.steps_done)
         loss = outputs.get("loss")
         loss_value = None if loss is None else loss.item()
+        self._step_done(outputs, loss_value)
+        self._checkpointer.save_periodically(self.steps_done)
         hit_rate = self.process.cache_hit_rate()
         extra = "" if hit_rate is None else f"hit rate {hit_rate:.3f}"
         self._progress.update(self.steps_done - 1, loss_value, extra)
-        self._record_metrics(loss_value)
         return outputs
 
-    def _record_outputs(self, outputs: dict[str, torch.Tensor]) -> None:
+    def _step_done(self, outputs: dict[str, torch.Tensor], loss: float | None) -> None:
+        """What follows every step this process ran, a worker's or a server's:
+        its outputs seen, the step counted and reported (the scheduler's
+        heartbeat, the launcher's step file), its metrics written."""
         if self._on_outputs is not None:
             self._on_outputs(self.steps_done, outputs)
-
-    def _record_metrics(self, loss: float | None) -> None:
+        self.steps_done += 1
+        self.job.report_progress(self.steps_done)
         if self._metrics is not None:
             self._metrics.record(self.steps_done - 1, loss=loss, stats=self.process.stats,
                                  cache_counters=self.cache_counters)
@@ -197,10 +202,7 @@ class Trainer:
             except BaseException as exc:
                 self.job.report_failure(exc)
                 raise
-            self._record_outputs(outputs)
-            self.steps_done += 1
-            self.job.report_progress(self.steps_done)
-            self._record_metrics(None)
+            self._step_done(outputs, None)
 
     def _on_control(self, sender: Label, tensors: list[torch.Tensor]) -> None:
         self._checkpointer.answer(sender, tensors, self.steps_done)
@@ -284,8 +286,26 @@ def start_trainer(job: JobMember, split: SplitProgram, *,
 
 
 def _waiting(process: ProcessRuntime) -> tuple[Label, float] | None:
+    """The peer this process's step waits on, and for how long; None where it
+    waits on none: between steps, or stuck inside a receive (its thread runs a
+    signal handler or a callback that does not return), so that a stall check
+    can name it."""
     waiting = process.executor.waiting_on
-    return None if waiting is None else (waiting.peer, time.monotonic() - waiting.since)
+    now = time.monotonic()
+    if waiting is None or waiting.is_stuck(now):
+        return None
+    return waiting.peer, now - waiting.since
+
+
+def _next_feeds_of(batch) -> dict[str, torch.Tensor] | None:
+    """The next step's feeds, to prefetch for; None where there is no next
+    batch or it is no batch (it is refused at its own step)."""
+    if batch is None:
+        return None
+    try:
+        return _feeds_of(batch)
+    except SplitrunError:
+        return None
 
 
 def _feeds_of(batch) -> dict[str, torch.Tensor]:
@@ -295,7 +315,7 @@ def _feeds_of(batch) -> dict[str, torch.Tensor]:
         return dict(batch)
     if isinstance(batch, torch.Tensor):
         return {"batch.0": batch}
-    if isinstance(batch, Sequence):
+    if isinstance(batch, Sequence) and not isinstance(batch, str | bytes):
         return {f"batch.{i}": t for i, t in enumerate(batch)}
     raise SplitrunError(
         f"step() takes the batch as a tensor, a sequence of tensors or a dict "

@@ -23,7 +23,7 @@ import torch
 
 from splitrun.splitter.labels import Label
 
-from ..errors import TransportError
+from ..errors import PeerDied, TransportError
 from .buffers import BufferPool
 from .contract import ChannelContract, ReceiveContracts
 from .framing import DEFAULT_MAX_MESSAGE_BYTES
@@ -150,7 +150,10 @@ class Endpoint:
         with self._lock:
             if self._error is None:
                 self._error = error
-                logger.error("%s", error)
+                # A dead peer is its own failure's consequence (the launcher
+                # names that peer); this process's own fault is an error.
+                logger.log(logging.INFO if isinstance(error, PeerDied) else logging.ERROR,
+                           "%s", error)
         self.job_failed.set()
         self._identity.mailbox.abort(self._error)
         self.contracts.stop_waiting()

@@ -12,6 +12,7 @@ from splitrun.splitter.labels import Label
 
 from ..errors import JobFinished, MessageRejected, RecvTimeout
 from .keys import MessageKey
+from .receiving import TICK_S, tick
 
 __all__ = ["Mailbox"]
 
@@ -92,6 +93,7 @@ class Mailbox:
         messages = self._messages
         with self._lock:
             while (entry := messages.pop(key, None)) is None:
+                tick()  # this thread's receive still waits (receiving.py)
                 if control is not None and control[0] in messages:
                     sender, tensors = messages.pop(control[0])
                     self._lock.release()
@@ -113,7 +115,8 @@ class Mailbox:
                         f"step {key.step}: no message from {src.describe()} within "
                         f"{timeout_s:g} s; is {src.describe()} alive and running the "
                         f"same plan? (raise recv_timeout_s if its steps are that slow)")
-                self._wait((key,) if control is None else (key, control[0]), remaining)
+                self._wait((key,) if control is None else (key, control[0]),
+                           min(remaining, TICK_S))
         sender, tensors = entry
         if sender != src:
             raise MessageRejected(

@@ -6,6 +6,8 @@
 --stop-after N trains only up to step N (and --save writes a checkpoint there);
 --save-at N writes the checkpoint after step N instead and trains on (each
 --save one: a .pt file, or else a sharded directory); --resume continues one.
+--bad-batch-at N --bad-batch KIND: the batch of step N is bad: `ids`, one id
+past its table; `type`, a string; `raises`, the batches' iterator raises there.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def main() -> int:
     parser.add_argument("--out")
     parser.add_argument("--model", choices=["embeddings", "sum_bags"], default="embeddings")
     parser.add_argument("--dense", choices=["server", "worker"], default="server")
+    parser.add_argument("--bad-batch-at", type=int)
+    parser.add_argument("--bad-batch", choices=["ids", "type", "raises"], default="ids")
     args = parser.parse_args()
 
     job = Job.from_env()
@@ -44,7 +48,10 @@ def main() -> int:
     trainer = job.start(program, EmbeddingCacheMode(dense=args.dense), num_steps=args.steps,
                         resume=args.resume)
     stop = args.stop_after or args.steps
-    for _ in trainer.run(trainer.shard(batches[trainer.steps_done:stop])):
+    mine = trainer.shard(batches[trainer.steps_done:stop])
+    if args.bad_batch_at is not None:
+        mine = spoiled(mine, args.bad_batch_at - trainer.steps_done, args.bad_batch)
+    for _ in trainer.run(mine):
         if trainer.steps_done == args.save_at and job.is_worker:
             for path in args.save:
                 trainer.save(path)
@@ -56,6 +63,22 @@ def main() -> int:
         torch.save({"state": final_state, "counters": trainer.cache_counters,
                     "device": str(job.device)}, args.out)
     return 0
+
+
+def spoiled(batches, at: int, kind: str):
+    """`batches` with the one at index `at` bad (see the module docstring)."""
+    for index, batch in enumerate(batches):
+        if index == at:
+            if kind == "raises":
+                raise ValueError(f"the data of batch {index} cannot be read")
+            if kind == "type":
+                batch = "not a batch"
+            else:
+                dense, ids, *rest = batch
+                ids = ids.clone()
+                ids[0, 0] = 10 ** 6  # past the table's rows
+                batch = (dense, ids, *rest)
+        yield batch
 
 
 if __name__ == "__main__":

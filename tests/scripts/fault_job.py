@@ -8,6 +8,11 @@ small model over a few batches in a cycle, and can fail on purpose.
     heartbeat thread stays alive); with --busy-blocks it blocks forever there
     instead (a deadlock: to its peers and the scheduler the same stall, and
     no CPU spent).
+--stuck-in-receive-rank R --stuck-in-receive-at N --release-file F: worker R
+    gets stuck in user code while inside a receive of its step N (a signal
+    handler that never returns, run by the receiving thread while it waits);
+    the other workers wait before their step N until the handler created F, so
+    worker R is inside that receive when the signal comes.
 --kill-rank R --kill-at N: worker R SIGKILLs itself before its step N, unless
     the job was resumed (a restart under --max-restarts).
 --pause-at N --pause-file F: every worker waits (up to 120 s) before its step N
@@ -15,6 +20,7 @@ small model over a few batches in a cycle, and can fail on purpose.
 --slow-start NAME --slow-start-s S: process NAME ("server 0") takes S seconds
     longer to set up (as a large model's capture or a checkpoint's load would).
 --bad-optimizer: capture with an optimizer splitrun cannot split (a CaptureError).
+--raise-after-finish: worker 0 raises its own error after trainer.finish().
 --mode ps: parameter-server mode (run with --servers 1 or more).
 --out PATH: worker 0 saves the losses and the final state there.
 
@@ -47,6 +53,28 @@ def wait_for_file(path: str, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
+def get_stuck_in_the_next_receive(trainer, step: int, release_file: str) -> None:
+    """Once this process waits in a receive (its peers wait for `release_file`
+    first, so it does), its main thread gets a signal whose handler releases
+    the peers and never returns: stuck in user code inside the receive."""
+    def handler(signum, frame):
+        logging.getLogger("fault_job").warning("stuck inside a receive at step %d", step)
+        with open(release_file, "w"):
+            pass
+        threading.Event().wait()  # never set
+
+    def signal_once_waiting():
+        deadline = time.monotonic() + 120.0
+        while trainer.process.executor.waiting_on is None:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.005)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+
+    signal.signal(signal.SIGUSR1, handler)
+    threading.Thread(target=signal_once_waiting, daemon=True).start()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", default="general", choices=["general", "ps"])
@@ -56,6 +84,9 @@ def main() -> int:
     parser.add_argument("--busy-rank", type=int, default=-1)
     parser.add_argument("--busy-at", type=int, default=-1)
     parser.add_argument("--busy-blocks", action="store_true")
+    parser.add_argument("--stuck-in-receive-rank", type=int, default=-1)
+    parser.add_argument("--stuck-in-receive-at", type=int, default=-1)
+    parser.add_argument("--release-file")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--pause-at", type=int, default=-1)
@@ -63,6 +94,7 @@ def main() -> int:
     parser.add_argument("--slow-start", default="")
     parser.add_argument("--slow-start-s", type=float, default=0.0)
     parser.add_argument("--bad-optimizer", action="store_true")
+    parser.add_argument("--raise-after-finish", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
 
@@ -101,6 +133,11 @@ def main() -> int:
                 wait_for_file(args.pause_file, 120.0)
             if job.rank == args.crash_rank and step == args.crash_at:
                 raise ValueError(f"injected failure at step {step}")
+            if step == args.stuck_in_receive_at:
+                if job.rank == args.stuck_in_receive_rank:
+                    get_stuck_in_the_next_receive(trainer, step, args.release_file)
+                else:
+                    wait_for_file(args.release_file, 120.0)
             if job.rank == args.busy_rank and step == args.busy_at:
                 if args.busy_blocks:
                     logging.getLogger("fault_job").warning("blocked at step %d", step)
@@ -112,6 +149,8 @@ def main() -> int:
             if "loss" in outputs:
                 losses.append(outputs["loss"])
     final_state = trainer.finish()
+    if job.is_driver and args.raise_after_finish:
+        raise ValueError("the script's own error, after finish")
     if job.is_driver and args.out:
         torch.save({"losses": losses, "first_step": 0 if not resumed else args.steps - len(losses),
                     "state": final_state}, args.out)

@@ -12,12 +12,12 @@ import torch
 
 from splitrun.splitter.program import InputKind, Program
 
+from ..checksums import CHECKSUMS
+
 __all__ = ["CHECKSUMS", "METADATA", "ROWS", "FORMAT", "Path", "Piece", "is_directory_path",
            "fqn_of", "dcp_path", "plain_path", "state_paths", "step_paths", "row_paths",
            "ids_path", "dtype_name", "numel"]
 
-
-CHECKSUMS = "checksums.sha256"
 METADATA = ".metadata"
 ROWS = "hashed_rows"
 FORMAT = "splitrun-dcp-1"

@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ...errors import CheckpointError
-from ..plain import file_sha256, refuse_non_finite
+from ..checksums import read_sums, verify_file
+from ..plain import refuse_non_finite
 from .layout import (
-    CHECKSUMS,
     FORMAT,
     METADATA,
     ROWS,
@@ -82,7 +82,7 @@ class ShardedCheckpoint:
         self._where = f"checkpoint {self.directory}"
         if not os.path.isdir(self.directory):
             raise CheckpointError(f"{self._where} is not a directory")
-        self._sums = self._read_sums()
+        self._sums = read_sums(self.directory)
         self._verify(METADATA)
         reader = FileSystemReader(self.directory)
         try:
@@ -100,33 +100,8 @@ class ShardedCheckpoint:
             raise CheckpointError(f"{self._where} is a DCP checkpoint but not one splitrun "
                                   f"wrote (its 'splitrun' item is not {FORMAT})")
 
-    def _read_sums(self) -> dict[str, str]:
-        path = os.path.join(self.directory, CHECKSUMS)
-        try:
-            with open(path) as lines:
-                pairs = [line.split() for line in lines if line.strip()]
-        except OSError:
-            raise CheckpointError(
-                f"{self._where} has no {CHECKSUMS}: the save did not complete (worker 0 "
-                f"writes it last), or this is not a splitrun checkpoint") from None
-        if not pairs or any(len(p) != 2 for p in pairs):
-            raise CheckpointError(f"{self._where}: {CHECKSUMS} is malformed")
-        return {name: digest.lower() for digest, name in pairs}
-
     def _verify(self, name: str) -> None:
-        path = os.path.join(self.directory, name)
-        if name not in self._sums:
-            raise CheckpointError(f"{self._where}: {name} is not listed in {CHECKSUMS}")
-        if not os.path.exists(path):
-            raise CheckpointError(
-                f"{self._where}: {name} is missing (written by another process; gather "
-                f"every process's files into this directory before resuming)")
-        actual = file_sha256(path)
-        if actual != self._sums[name]:
-            raise CheckpointError(
-                f"{self._where}: {name} is corrupt: its sha256 is {actual[:16]}..., "
-                f"{CHECKSUMS} says {self._sums[name][:16]}...; the file changed after it "
-                f"was written")
+        verify_file(self.directory, name, self._sums)
 
     def tensor_md(self, path: Path) -> TensorStorageMetadata | None:
         md = self.metadata.state_dict_metadata.get(fqn_of(path))

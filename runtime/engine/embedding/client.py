@@ -553,7 +553,10 @@ class EmbeddingClient:
                                                     or settings.policy is EvictionPolicy.NONE)):
                 continue
             next_ids = self._next_feeds[feed].reshape(-1).to("cpu", torch.int64)
-            wanted.append((table, cache.uncached_ids(next_ids)))
+            try:
+                wanted.append((table, cache.uncached_ids(next_ids)))
+            except CacheError:  # ids past the table: refused at their own step, not this one
+                continue
         by_server: dict[Label, list[tuple[str, torch.Tensor]]] = {}
         for table, ids in wanted:
             for server, positions in self._by_server(table, ids):

@@ -27,7 +27,7 @@ from splitrun.splitter.ops.cache import CachedTable, EvictionPolicy
 
 from ...errors import CacheError
 from .huge_pages import zeros_rows
-from .row_copy import RowArray, copy_rows_, gather_rows
+from .row_copy import RowArray, copy_rows_
 from .step_ids import StepIds
 from .use_order import UseOrder
 
@@ -431,12 +431,6 @@ class RowCache:
         slots = self.dirty.nonzero().reshape(-1)
         self.dirty[slots] = False
         return self.id_of_slot[slots], slots
-
-    def rows_at(self, slots: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Copies of the rows in `slots` and of their optimizer state."""
-        on_device = slots.to(self.device)
-        return (gather_rows(self.rows, on_device),
-                {name: gather_rows(t, on_device) for name, t in self.state.items()})
 
     def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mask of cached ids, their rows) for ids that may or may not be cached."""

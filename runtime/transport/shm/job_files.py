@@ -13,8 +13,9 @@ import secrets
 
 from .ring_errors import RingError
 
-__all__ = ["SHM_DIR", "JOB_PREFIX_PATTERN", "STEP_FILE_SUFFIX", "new_job_prefix", "ring_paths",
-           "job_file_path", "remove_job_segments", "boot_id", "unlink_quietly"]
+__all__ = ["SHM_DIR", "JOB_PREFIX_PATTERN", "STEP_FILE_SUFFIX", "HEADER_PAGE",
+           "DEFAULT_RING_BYTES", "new_job_prefix", "ring_paths", "job_file_path",
+           "rings_bytes", "remove_job_segments", "boot_id", "unlink_quietly"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,10 @@ _NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
 # A process's steps done, kept for its launcher (cluster/step_file.py): the
 # launcher reads it after the process died, so only the launcher removes it.
 STEP_FILE_SUFFIX = ".step"
+# A ring's file: one page of header (`ring_segment`), then its data bytes,
+# `DEFAULT_RING_BYTES` unless SPLITRUN_SHM_RING_MB says.
+HEADER_PAGE = 4096
+DEFAULT_RING_BYTES = 64 << 20
 
 
 def new_job_prefix() -> str:
@@ -58,6 +63,13 @@ def job_file_path(prefix: str, name: str, suffix: str, directory: str = SHM_DIR)
     return os.path.join(directory, prefix + name + suffix)
 
 
+def rings_bytes(num_processes: int, ring_bytes: int = DEFAULT_RING_BYTES) -> int:
+    """What the rings of `num_processes` processes sharing memory take under
+    SHM_DIR: one ring each way between every two of them, allocated whole when
+    they connect."""
+    return num_processes * (num_processes - 1) * (HEADER_PAGE + ring_bytes)
+
+
 def remove_job_segments(prefix: str, directory: str = SHM_DIR,
                         keep_step_files: bool = False) -> list[str]:
     """Remove every file of the job `prefix` under `directory` (but the step
@@ -68,7 +80,10 @@ def remove_job_segments(prefix: str, directory: str = SHM_DIR,
     removed = []
     try:
         entries = os.listdir(directory)
-    except FileNotFoundError:
+    except OSError as exc:  # gone, or not ours to read: nothing of the job to remove
+        if not isinstance(exc, FileNotFoundError):
+            logger.warning("cannot list %s to remove job %s's files: %s", directory, prefix,
+                           exc.strerror)
         return removed
     for entry in sorted(entries):
         if entry.startswith(prefix) and not (keep_step_files
@@ -76,7 +91,9 @@ def remove_job_segments(prefix: str, directory: str = SHM_DIR,
             path = os.path.join(directory, entry)
             try:
                 os.unlink(path)
-            except FileNotFoundError:
+            except OSError as exc:  # removed meanwhile, or not ours: the others still go
+                if not isinstance(exc, FileNotFoundError):
+                    logger.warning("cannot remove %s: %s", path, exc.strerror)
                 continue
             removed.append(path)
     if removed:

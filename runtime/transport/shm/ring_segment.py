@@ -16,6 +16,7 @@ import struct
 
 import torch
 
+from .job_files import HEADER_PAGE  # what a ring's file takes is said there, beside its name
 from .ring_errors import RingError
 
 __all__ = ["HEADER_PAGE", "SEGMENT_MAGIC", "VERSION", "SEGMENT_HEADER", "FRAME_MAGIC",
@@ -24,7 +25,6 @@ __all__ = ["HEADER_PAGE", "SEGMENT_MAGIC", "VERSION", "SEGMENT_HEADER", "FRAME_M
            "POPULATE_AHEAD_BYTES", "Segment", "copy_bytes", "device_bytes", "host_bytes",
            "is_marked_closed"]
 
-HEADER_PAGE = 4096
 SEGMENT_MAGIC = 0x5350_4C49_5452_494E  # "SPLITRIN"
 VERSION = 2
 SEGMENT_HEADER = struct.Struct("<QIQ")   # magic, version, capacity

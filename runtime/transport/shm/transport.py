@@ -50,7 +50,7 @@ import torch
 
 from splitrun.splitter.labels import Label
 
-from ...errors import MessageRejected, RecvTimeout, TransportError
+from ...errors import MessageRejected, PeerDied, RecvTimeout, TransportError
 from ..admission import Admission
 from ..buffers import EncodedTensors, MessageBuffer, MessageLayout, encode
 from ..contract import ChannelContract
@@ -59,6 +59,7 @@ from ..endpoint import Endpoint
 from ..filled import Fill, fill_then_send
 from ..framing import EnvelopeWriter
 from ..keys import MessageKey
+from .job_files import DEFAULT_RING_BYTES
 from .ring import (
     LENDABLE_BYTES,
     SHM_DIR,
@@ -92,7 +93,7 @@ class ShmSettings:
     # Data bytes of each ring (one per direction of each same-host pair);
     # larger messages stream through it in pieces, and messages up to half of
     # it may be lent in place (a parameter server's 27 MB in the benchmark).
-    ring_bytes: int = 64 << 20
+    ring_bytes: int = DEFAULT_RING_BYTES
     # A process that computes on CUDA registers the rings it reads from as
     # pinned memory: what it receives in place then reaches its GPU by DMA
     # (measured on an H200: 64 MiB at 0.13x a pinned cudaMemcpy without).
@@ -170,8 +171,8 @@ class _IncomingRing:
                 logger.debug("%s %s is gone after the job failed: %s", owner.tag,
                              peer.describe(), exc)
             elif not owner.is_closing:
-                owner.fail(TransportError(f"{owner.tag} {peer.describe()} died (its end of "
-                                          f"the shared-memory ring is gone): {exc}"))
+                owner.fail(PeerDied(f"{owner.tag} {peer.describe()} died (its end of the "
+                                    f"shared-memory ring is gone): {exc}"))
         except RingError as exc:
             if not owner.is_closing:
                 owner.fail(TransportError(f"{owner.tag} {peer.describe()} broke the "
@@ -431,9 +432,11 @@ class ShmTransport:
         return writer
 
     def _send_failed(self, key: MessageKey, dst: Label, exc: RingError) -> TransportError:
-        """A ring's failure in a send: the endpoint fails with it, named."""
-        error = TransportError(f"{self.tag} sending {key} to {dst.describe()} over shared "
-                               f"memory failed: {exc}")
+        """A ring's failure in a send: the endpoint fails with it, named (a
+        `PeerDied` where the peer dropped its end)."""
+        kind = PeerDied if isinstance(exc, RingPeerGone) else TransportError
+        error = kind(f"{self.tag} sending {key} to {dst.describe()} over shared memory "
+                     f"failed: {exc}")
         self.endpoint.fail(error)
         return error
 
