@@ -125,6 +125,8 @@ def capture(model: nn.Module, loss_fn: LossFn,
                    param_groups=groups.describe(trainable),
                    cached_tables={key: cache_settings_of(module)
                                   for key, module in cached.items()},
+                   non_persistent_buffers=_non_persistent_buffers(model, buffers),
+                   batch_input=getattr(loss_fn, "batch_input", None),
                    recapture=lambda rows: capture(model, loss_fn, optimizer,
                                                   [b[:rows] for b in batch],
                                                   return_grads=return_grads))
@@ -141,6 +143,14 @@ def _flatten_batch(example_batch) -> list[torch.Tensor]:
                 f"be a tensor or a sequence of tensors (flatten dicts and nested "
                 f"structures before capture)")
     return batch
+
+
+def _non_persistent_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]
+                            ) -> frozenset[str]:
+    """The buffers `model.state_dict()` leaves out (`persistent=False`, as
+    TorchRec DLRM's `triu_indices`): checkpoints leave them out too."""
+    persistent = model.state_dict(keep_vars=True)
+    return frozenset(name for name in buffers if name not in persistent)
 
 
 def _reject_uncapturable_modules(model: nn.Module) -> None:

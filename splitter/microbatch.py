@@ -612,7 +612,9 @@ class _Layout:
         return Program(module, full.inputs, tuple(specs), full.initial_state,
                        hparams_fn=full.hparams_fn,
                        grads={p: final[g].name for p, g in facts.grads.items()},
-                       param_groups=full.param_groups)
+                       param_groups=full.param_groups,
+                       non_persistent_buffers=full.non_persistent_buffers,
+                       batch_input=full.batch_input)
 
     @staticmethod
     def _call(graph: fx.Graph, target, args, name: str, like: fx.Node, label: Label) -> fx.Node:
