@@ -25,7 +25,7 @@ import torch
 from .errors import CaptureError
 
 __all__ = ["TableInput", "CapturedFeatures", "check_jagged", "table_lookups", "samples",
-           "num_samples", "is_jagged", "is_batch", "batch_parts", "make_batch"]
+           "num_samples", "check_lengths", "is_jagged", "is_batch", "batch_parts", "make_batch"]
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def check_jagged(kjt, tables: Sequence[TableInput], where: str = "KeyedJaggedTen
     take: lengths that do not cover its values, keys no table pools or a key
     missing, ids beyond their table, no weights where a collection weighs."""
     keys = list(kjt.keys())
-    _check_lengths(kjt, keys, where)
+    check_lengths(kjt, where)
     pooled = {feature: table for table in tables for feature in table.features}
     for key in keys:
         if key not in pooled:
@@ -126,7 +126,10 @@ def _check_weighted(kjt, tables: Sequence[TableInput], where: str) -> None:
             f"is_weighted=False")
 
 
-def _check_lengths(kjt, keys: list[str], where: str) -> None:
+def check_lengths(kjt, where: str = "KeyedJaggedTensor") -> None:
+    """Refuse lengths that do not cover the values (naming the key), and a
+    stride that is not one per key."""
+    keys = list(kjt.keys())
     if kjt.variable_stride_per_key():
         raise CaptureError(f"{where} has a different number of samples per key (variable "
                            f"stride per key); TorchRecInput takes the same samples for every "

@@ -50,6 +50,7 @@ from .torchrec_features import (
     TableInput,
     batch_parts,
     check_jagged,
+    check_lengths,
     is_batch,
     is_jagged,
     make_batch,
@@ -170,7 +171,9 @@ class TorchRecInput:
         if all(kind is _Arg.TENSOR for kind in layout):
             raise CaptureError("TorchRecInput.batch: no KeyedJaggedTensor (nor TorchRec Batch) "
                                f"among the batch's {len(args)} arguments")
-        if self._layout is not None and layout != self._layout:
+        # A `Batch` is its three parts: either form feeds the same step (the
+        # loss gets the form of the batch converted last before capture).
+        if self._layout is not None and _flat(layout) != _flat(self._layout):
             raise CaptureError(f"TorchRecInput.batch: this batch's arguments are laid out "
                                f"{_describe(layout)}, the captured step's "
                                f"{_describe(self._layout)}")
@@ -202,7 +205,11 @@ class TorchRecInput:
         tensors cut by rows, `KeyedJaggedTensor`s by samples."""
         for batch in batches:
             args = _arguments(batch)
-            _check_samples(_parts(args), "global ")
+            parts = _parts(args)
+            for part in parts:  # before cutting by samples
+                if is_jagged(part):
+                    check_lengths(part)
+            _check_samples(parts, "global ")
             yield self.batch(*(_shard_of(arg, rank, num_workers) for arg in args))
 
     # -- the loss --
@@ -326,6 +333,11 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, module)
+
+
+def _flat(layout: tuple[_Arg, ...]) -> tuple[_Arg, ...]:
+    return tuple(kind for arg in layout for kind in (
+        (_Arg.TENSOR, _Arg.FEATURES, _Arg.TENSOR) if arg is _Arg.BATCH else (arg,)))
 
 
 def _describe(layout: tuple[_Arg, ...]) -> str:
