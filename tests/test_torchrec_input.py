@@ -243,3 +243,19 @@ def test_the_converted_model_pools_a_shared_table_as_torchrec_does():
                                                                     *rec.batch(features))):
         assert forward.keys() == expected.keys() == ["a", "b"]
         assert torch.equal(forward.values(), expected.values())
+
+
+def test_a_table_name_two_collections_use_is_keyed_by_its_collection():
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = (torchrec.EmbeddingBagCollection(tables=[
+                torchrec.EmbeddingBagConfig(name=name, embedding_dim=DIM, num_embeddings=10,
+                                            feature_names=[feature])
+                for name, feature in tables], device=torch.device("cpu"))
+                for tables in ((("t", "a"), ("u", "b")), (("t", "c"),)))
+
+    model = Two()
+    rec = TorchRecInput(model)
+    assert list(rec.tables) == ["first__t", "u", "second__t"]
+    assert rec.tables["second__t"] is model.second.embedding_bags["t"]
