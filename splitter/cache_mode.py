@@ -160,7 +160,8 @@ class EmbeddingCacheMode(ParameterServerMode):
                 raise PlanError(
                     f"cached table {key!r} is trained with {user.target.__name__}; cached "
                     f"tables support SGD, Adagrad (element-wise) and lazy Adam on the rows "
-                    f"looked up (their row state travels with the row); give the table its own optimizer group")
+                    f"looked up (their row state travels with the row); give the table its "
+                    f"own optimizer group")
             else:
                 raise PlanError(
                     f"cached table {key!r} is read by {user.name} ({user.target}) besides its "
