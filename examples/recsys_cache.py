@@ -442,7 +442,7 @@ def build(args: argparse.Namespace, num_workers: int, *, tables_here: bool = Tru
     if args.model == "torchrec":
         model = TorchRecDLRM(spec.rows, args.dim, args.bottom, args.top).load_dlrm(model)
         rec = TorchRecInput(model)  # the one conversion step
-        loss, tables = rec.loss(torchrec_click_loss), list(rec.tables)
+        loss, tables = rec.loss(torchrec_click_loss), list(rec.tables.values())
 
         def convert(batch):
             dense, *ids, label = batch
@@ -453,7 +453,8 @@ def build(args: argparse.Namespace, num_workers: int, *, tables_here: bool = Tru
     for table, rows in zip(tables, cache_rows):
         place_embedding_cache(table, cache_rows=rows, policy=args.policy,
                               max_staleness=args.max_staleness)
-    # One optimizer for everything: cached tables take SGD or row-wise Adagrad.
+    # One optimizer for everything: cached tables take SGD or Adagrad (element-wise
+    # on the rows looked up: one accumulator per element, not per row).
     optimizer = OPTIMIZERS[args.optimizer](lr=args.lr)
     program = capture(model, loss, optimizer, convert(example_batch(spec, shard)))
     return model, program, spec, cache_rows, convert

@@ -19,6 +19,7 @@ _EXPORTS = {
     "TorchRecInput": ".capturing.torchrec_input",
     "CapturedEmbeddingBagCollection": ".capturing.torchrec_input",
     "CapturedFeatures": ".capturing.torchrec_input",
+    "from_fused_params": ".capturing.torchrec_optim",
     "place_embedding_cache": ".capturing.cache_marks",
     # errors
     "SplitrunError": ".errors",

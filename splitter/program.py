@@ -7,9 +7,10 @@ optimizer's hyperparameters (learning rate, step count) are fed each step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import fx
@@ -20,6 +21,7 @@ from .labels import LABEL_ANNOTATION, MODULE_ANNOTATION
 __all__ = [
     "InputKind",
     "OutputKind",
+    "BatchInput",
     "InputSpec",
     "OutputSpec",
     "ParamGroup",
@@ -39,6 +41,19 @@ class InputKind(Enum):
     @property
     def is_state(self) -> bool:
         return self in (InputKind.PARAM, InputKind.BUFFER, InputKind.OPT_STATE)
+
+
+@runtime_checkable
+class BatchInput(Protocol):
+    """Turns a model's own batches into the tensors a captured step takes
+    (`TorchRecInput`: TorchRec's `KeyedJaggedTensor`s and `Batch`es)."""
+
+    def convert(self, batch) -> tuple[torch.Tensor, ...]:
+        """One batch, this worker's, as the step's tensors."""
+
+    def shard(self, batches: Iterable, rank: int, num_workers: int
+              ) -> Iterator[tuple[torch.Tensor, ...]]:
+        """Worker `rank`'s share of every global batch, converted."""
 
 
 class OutputKind(Enum):
@@ -122,10 +137,26 @@ class Program:
     # `place_embedding_cache`). The program only carries them to embedding-cache
     # mode, so the IR names no cache type.
     cached_tables: dict[str, object] = field(default_factory=dict)
+    # Buffers the model registered with persistent=False: state of the step,
+    # but no part of `model.state_dict()`, so no checkpoint writes them (a
+    # resume takes them from `initial_state`).
+    non_persistent_buffers: frozenset[str] = frozenset()
+    # What turns the model's own batches (TorchRec's) into the step's
+    # tensors, where the loss was made by one (`TorchRecInput.loss`).
+    batch_input: BatchInput | None = field(default=None, repr=False)
     # The same step captured again with each batch input cut to its first
     # `rows` rows (what micro-batching copies); None where the program was
     # not made by `capture`.
     recapture: Callable[[int], Program] | None = field(default=None, repr=False)
+
+    def checkpoint_keys(self) -> list[str]:
+        """The model's keys a checkpoint holds, as `model.state_dict()` has
+        them: parameters and persistent buffers (and the cached tables, which
+        an embedding-cache split's program takes from no input)."""
+        keys = [spec.key for spec in self.inputs
+                if spec.kind in (InputKind.PARAM, InputKind.BUFFER)
+                and spec.key not in self.non_persistent_buffers]
+        return keys + [key for key in self.cached_tables if key not in keys]
 
     def __post_init__(self) -> None:
         returned = [getattr(n, "name", None) for n in self.graph.output_node().args[0]]

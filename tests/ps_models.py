@@ -44,6 +44,18 @@ class SparseNet(nn.Module):
         return self.head(self.emb(ids).sum(1))
 
 
+class IndexedNet(SparseNet):
+    """SparseNet reading its rows' columns through an int64 buffer (a
+    permutation, as DLRM's `triu_indices` indexes its interactions)."""
+
+    def __init__(self, rows: int = 40):
+        super().__init__(rows)
+        self.register_buffer("columns", torch.tensor([5, 4, 3, 2, 1, 0]))
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).sum(1)[:, self.columns])
+
+
 def global_batches(kind: str, num_steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The global batches, drawn one at a time in step order from one seeded
     generator: the same values whether listed or drawn as a job reaches them."""
@@ -65,7 +77,7 @@ def make(kind: str, optimizer: str, num_workers: int, num_steps: int, width: int
     iterator that draws each when reached (a job killed long before its last
     step, as the fault tests' 200000-step jobs are, draws only those it ran)."""
     torch.manual_seed(0)
-    model = DenseNet(width) if kind == "dense" else SparseNet()
+    model = {"dense": lambda: DenseNet(width), "sparse": SparseNet, "indexed": IndexedNet}[kind]()
     place(model, role="server")
     batches = global_batches(kind, num_steps)
     first = next(batches)

@@ -140,3 +140,123 @@ def test_bad_keys_and_ids_name_the_key_and_table():
     with pytest.raises(CaptureError, match="key 'items' looks up id 200, but its table "
                                            "'items_table' has 200 rows"):
         rec.batch(dense, beyond, label)
+
+
+def test_bad_jagged_tensors_are_refused_in_one_line_naming_the_culprit():
+    _, rec, _, batches = converted(1)
+    dense, features, label = batches[0]
+    values, lengths = features.values(), features.lengths()
+    longer = lengths.clone()
+    longer[-1] += 2  # the last key's lengths run past the values
+    bad = torchrec.KeyedJaggedTensor(keys=list(ROWS), values=values, lengths=longer)
+    with pytest.raises(CaptureError, match=f"lengths sum to {values.numel() + 2} but it holds "
+                                           f"{values.numel()} values: key 'items' .*runs past"):
+        rec.batch(dense, bad, label)
+    with pytest.raises(CaptureError, match="lengths sum to .*: key 'items'"):
+        next(rec.shard([(dense, bad, label)], 0, 2))  # refused before it is cut
+    with pytest.raises(CaptureError, match="KeyedJaggedTensor \\(part 1\\) holds 16 samples "
+                                           "but its tensor part 0 has 14 rows"):
+        rec.batch(dense[:14], features, label)
+    with pytest.raises(CaptureError, match="a global batch's KeyedJaggedTensor \\(part 1\\) "
+                                           "holds 16 samples but its tensor part 2 has 18 rows"):
+        next(rec.shard([(dense, features, torch.cat([label, label[:2]]))], 0, 2))
+
+
+class WeightedClicks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weighted = torchrec.EmbeddingBagCollection(tables=[
+            torchrec.EmbeddingBagConfig(name="items_table", embedding_dim=DIM,
+                                        num_embeddings=ROWS["items"], feature_names=["items"])],
+            is_weighted=True, device=torch.device("cpu"))
+
+    def forward(self, features):
+        return self.weighted(features)["items"].sum(1)
+
+
+def test_a_weighted_collection_without_weights_names_the_collection():
+    rec = TorchRecInput(WeightedClicks())
+    features = torchrec.KeyedJaggedTensor.from_lengths_sync(
+        ["items"], torch.tensor([1, 2, 3]), torch.tensor([2, 1]))
+    with pytest.raises(CaptureError, match="EmbeddingBagCollection 'weighted' is weighted "
+                                           "\\(is_weighted=True.*has no weights"):
+        rec.batch(features, torch.zeros(2))
+
+
+def test_an_embedding_collection_is_refused_naming_it():
+    class Sequences(Clicks):
+        def __init__(self) -> None:
+            super().__init__()
+            self.history = torchrec.EmbeddingCollection(tables=[torchrec.EmbeddingConfig(
+                name="g_table", embedding_dim=DIM, num_embeddings=10, feature_names=["g"])],
+                device=torch.device("cpu"))
+
+    with pytest.raises(CaptureError, match="module 'history' is a torchrec EmbeddingCollection "
+                                           "\\(features 'g'.*not support yet"):
+        TorchRecInput(Sequences())
+
+
+def test_torchrec_batches_train_through_the_trainer_and_tables_go_by_their_names():
+    from torchrec.datasets.utils import Batch
+
+    torch.manual_seed(0)
+    model = Clicks()
+    rec = TorchRecInput(model)
+    assert list(rec.tables) == ["users_table", "items_table"]
+    place_embedding_cache(rec.tables["items_table"], cache_rows=48)  # one table, by its name
+    batches = [Batch(dense_features=d, sparse_features=f, labels=y)
+               for d, f, y in jagged_batches(NUM_STEPS)]
+    program = capture(model, rec.loss(lambda m, b: click_loss(m, b.dense_features,
+                                                              b.sparse_features, b.labels)),
+                      optim.SGD(lr=0.2), next(rec.shard(batches[:1], 0, 2)))
+    assert list(program.cached_tables) == ["sparse.embedding_bags.items_table.weight"]
+    assert program.batch_input is rec
+    split = split_program(program, Cluster(2, 1), EmbeddingCacheMode(dense="worker"))
+    # The trainer cuts and converts the Batch objects itself (run_threaded's
+    # workers call trainer.shard on the global batches).
+    run = run_threaded(split, NUM_STEPS, lambda step: batches[step], recv_timeout_s=30)
+    expected = unsplit_state()
+    for key, value in expected.items():
+        torch.testing.assert_close(run.state[key], value, rtol=0, atol=1e-5)
+
+
+def test_the_converted_model_pools_a_shared_table_as_torchrec_does():
+    def build():
+        torch.manual_seed(0)
+        return torchrec.EmbeddingBagCollection(tables=[torchrec.EmbeddingBagConfig(
+            name="t", embedding_dim=DIM, num_embeddings=20, feature_names=["a", "b"])],
+            device=torch.device("cpu"))
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sparse = build()
+
+        def forward(self, features):
+            return self.sparse(features)
+
+    holder = Holder()
+    rec = TorchRecInput(holder)
+    features = torchrec.KeyedJaggedTensor.from_lengths_sync(  # keys in another order
+        ["b", "a"], torch.tensor([1, 2, 3, 4, 5, 19]), torch.tensor([2, 0, 1, 3]))
+    expected = build()(features)
+    for forward in (holder(features), rec.loss(lambda m, f: m(f))(holder,
+                                                                    *rec.batch(features))):
+        assert forward.keys() == expected.keys() == ["a", "b"]
+        assert torch.equal(forward.values(), expected.values())
+
+
+def test_a_table_name_two_collections_use_is_keyed_by_its_collection():
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = (torchrec.EmbeddingBagCollection(tables=[
+                torchrec.EmbeddingBagConfig(name=name, embedding_dim=DIM, num_embeddings=10,
+                                            feature_names=[feature])
+                for name, feature in tables], device=torch.device("cpu"))
+                for tables in ((("t", "a"), ("u", "b")), (("t", "c"),)))
+
+    model = Two()
+    rec = TorchRecInput(model)
+    assert list(rec.tables) == ["first__t", "u", "second__t"]
+    assert rec.tables["second__t"] is model.second.embedding_bags["t"]

@@ -78,13 +78,27 @@ class StateGather:
                 continue
             key = MessageKey(self.incarnation, step, channel_of(proc.label))
             tensors = self.transport.recv(proc.label, key, self.timeout_s)
-            state.update(zip(proc.state, tensors))
+            state.update(zip(proc.state, one_dtype_per_storage(tensors)))
         return state
 
     def full(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The collected state keyed like the captured program (parallel mode's
         pieces put together)."""
         return self.split.artifacts.full_state(state)
+
+
+def one_dtype_per_storage(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors`, where several view one received buffer in different dtypes
+    (a message's float parameters and int64 buffers), with all but the first
+    dtype of each buffer copied out: `torch.save` refuses "multiple tensors
+    ... that view the same data as different types"."""
+    first_dtype: dict[int, torch.dtype] = {}
+    result = []
+    for tensor in tensors:
+        storage = tensor.untyped_storage().data_ptr()
+        dtype = first_dtype.setdefault(storage, tensor.dtype)
+        result.append(tensor if dtype == tensor.dtype else tensor.clone())
+    return result
 
 
 def control_channels(plan: SplitPlan, program: Program, me: Label

@@ -37,11 +37,8 @@ CHECKSUM_SUFFIX = ".sha256"
 
 def to_checkpoint(program: Program, state: Mapping[str, torch.Tensor], step: int,
                   info: Mapping[str, object] | None = None) -> dict:
-    keys = [spec.key for spec in program.inputs
-            if spec.kind in (InputKind.PARAM, InputKind.BUFFER)]
-    # Cached tables are not inputs of an embedding-cache split's program.
-    keys += [key for key in program.cached_tables if key not in keys]
-    model = {key: state[key].detach().cpu() for key in keys}
+    # What `model.state_dict()` holds: no non-persistent buffer.
+    model = {key: state[key].detach().cpu() for key in program.checkpoint_keys()}
     groups, opt_state, index = [], {}, 0
     for group in program.param_groups:
         indices = []
@@ -75,15 +72,15 @@ def from_checkpoint(program: Program, checkpoint: Mapping, source: str = "the ch
         raise CheckpointError(f"{source}: 'model' is a {type(model).__name__}, expected a "
                               f"dict of tensors")
     state = dict(program.initial_state)
-    missing = [s.key for s in program.inputs
-               if s.kind in (InputKind.PARAM, InputKind.BUFFER) and s.key not in model]
+    saved = [s for s in program.inputs if s.kind in (InputKind.PARAM, InputKind.BUFFER)
+             and s.key not in program.non_persistent_buffers]  # those the capture's own
+    missing = [s.key for s in saved if s.key not in model]
     if missing:
         raise CheckpointError(f"{source}: the checkpoint lacks {', '.join(missing[:5])}"
                               f"{' ...' if len(missing) > 5 else ''}; was it saved from this "
                               f"model?")
-    for spec in program.inputs:
-        if spec.kind in (InputKind.PARAM, InputKind.BUFFER):
-            state[spec.key] = _checked(model[spec.key], state[spec.key], spec.key, source)
+    for spec in saved:
+        state[spec.key] = _checked(model[spec.key], state[spec.key], spec.key, source)
     entries = optimizer.get("state", {}) if isinstance(optimizer, Mapping) else {}
     index = 0
     for group in program.param_groups:

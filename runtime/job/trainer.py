@@ -13,7 +13,7 @@ import torch
 
 from splitrun.splitter.labels import Label
 from splitrun.splitter.plan import ModeKind, SplitPlan
-from splitrun.splitter.program import Program
+from splitrun.splitter.program import BatchInput, Program
 from splitrun.splitter.splitting.graph_splitter import SplitProgram
 
 from ..checkpoints.gather import (
@@ -27,7 +27,7 @@ from ..cluster.rendezvous import Rendezvous
 from ..engine.process import ProcessRuntime
 from ..errors import JobFinished, PeerDied, PeerFailed, SplitrunError, TransportError
 from ..transport.contract import receive_contracts
-from .data import shard_batches
+from .data import ShardedSource, shard_batch, shard_batches
 from .member import JobMember
 from .metrics import StepMetrics
 from .progress import Progress
@@ -117,8 +117,8 @@ class Trainer:
         if self._finished:
             raise SplitrunError("step() after finish()")
         try:
-            outputs = self.process.run_step(self.steps_done, _feeds_of(batch),
-                                            _next_feeds_of(next_batch), hparams=hparams)
+            outputs = self.process.run_step(self.steps_done, self._feeds_of(batch),
+                                            self._next_feeds_of(next_batch), hparams=hparams)
         except TransportError as exc:
             lost = self.job.scheduler_unreachable()
             if lost is None or isinstance(exc, PeerDied):  # a peer's death says its own cause
@@ -153,12 +153,38 @@ class Trainer:
     def shard(self, batches):
         """The batches this process trains on: in parameter-server mode worker
         r of W gets rows [r*B/W, (r+1)*B/W) of every global batch; in general
-        mode every worker gets whole batches; servers get none."""
+        mode every worker gets whole batches; servers get none. A program
+        whose loss converts its own batches (`TorchRecInput.loss`) cuts and
+        converts TorchRec's batches its way."""
         if not self.job.is_worker:
             return iter(())
-        if self.plan.mode in (ModeKind.GENERAL, ModeKind.PARALLEL):
+        whole = self.plan.mode in (ModeKind.GENERAL, ModeKind.PARALLEL)
+        converter = self.source.batch_input
+        if converter is not None and not isinstance(batches, ShardedSource):
+            rank, num_workers = (0, 1) if whole else (self.job.rank,
+                                                      self.job.cluster.num_workers)
+            return _converted_shards(batches, converter, rank, num_workers)
+        if whole:
             return iter(batches)
         return shard_batches(batches, self.job.rank, self.job.cluster.num_workers)
+
+    def _feeds_of(self, batch) -> dict[str, torch.Tensor]:
+        """A batch as feeds; one the program's converter takes (a TorchRec
+        batch) converted first."""
+        converter = self.source.batch_input
+        if converter is not None and not _is_tensors(batch):
+            batch = converter.convert(batch)
+        return _feeds_of(batch)
+
+    def _next_feeds_of(self, batch) -> dict[str, torch.Tensor] | None:
+        """The next step's feeds, to prefetch for; None where there is no next
+        batch or it is no batch (it is refused at its own step)."""
+        if batch is None:
+            return None
+        try:
+            return self._feeds_of(batch)
+        except SplitrunError:
+            return None
 
     def save(self, path: str | os.PathLike) -> None:
         """Write a checkpoint of the whole job's state after the steps done so
@@ -297,15 +323,20 @@ def _waiting(process: ProcessRuntime) -> tuple[Label, float] | None:
     return waiting.peer, now - waiting.since
 
 
-def _next_feeds_of(batch) -> dict[str, torch.Tensor] | None:
-    """The next step's feeds, to prefetch for; None where there is no next
-    batch or it is no batch (it is refused at its own step)."""
-    if batch is None:
-        return None
-    try:
-        return _feeds_of(batch)
-    except SplitrunError:
-        return None
+def _converted_shards(batches, converter: BatchInput, rank: int, num_workers: int):
+    """Worker `rank`'s share of every global batch: cut and converted by
+    `converter` (a TorchRec batch), or sliced by rows (tensors already)."""
+    for batch in batches:
+        if _is_tensors(batch):
+            yield shard_batch(batch, rank, num_workers)
+        else:
+            yield from converter.shard([batch], rank, num_workers)
+
+
+def _is_tensors(batch) -> bool:
+    """A batch of feeds already: a dict, a tensor, or a sequence of tensors."""
+    return (isinstance(batch, (Mapping, torch.Tensor))
+            or (isinstance(batch, Sequence) and all(isinstance(t, torch.Tensor) for t in batch)))
 
 
 def _feeds_of(batch) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ import torch
 
 from ..errors import CaptureError
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "Adagrad", "from_torch"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "Adagrad", "PerParameter", "from_torch"]
 
 HPARAM_DTYPE = torch.float64
 
@@ -138,6 +138,26 @@ class Adagrad(Optimizer):
         state_sum = torch.addcmul(state["sum"], grad, grad, value=1)
         std = state_sum.sqrt() + self.eps
         return param + (_like(-clr, grad) * grad) / std, {"sum": state_sum}
+
+
+class PerParameter:
+    """Several optimizers in one step, each over its own parameters: the
+    tables with one, the dense layers with another, or each table its own.
+    Each part is a functional optimizer paired with its parameters (an
+    iterable of them, or a module: its parameters), or a `torch.optim`
+    optimizer (its param groups, their learning rates read live).
+
+        optim.PerParameter((optim.Adagrad(lr=0.1), rec.tables),
+                           torch.optim.Adam(model.over_arch.parameters(), lr=1e-3))
+
+    A parameter no part holds is not trained; one in two parts is refused."""
+
+    def __init__(self, *parts) -> None:
+        if not parts:
+            raise CaptureError("PerParameter needs at least one optimizer")
+        self.parts = tuple((p[0], list(p[1].parameters() if hasattr(p[1], "parameters")
+                                       else p[1])) if isinstance(p, tuple) and len(p) == 2
+                           else p for p in parts)
 
 
 _UNSUPPORTED_FLAGS = ("amsgrad", "capturable", "differentiable", "fused")

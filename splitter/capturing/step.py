@@ -40,7 +40,6 @@ from ..program import (
     InputSpec,
     OutputKind,
     OutputSpec,
-    ParamGroup,
     Program,
     node_annotation,
     set_node_annotation,
@@ -48,6 +47,7 @@ from ..program import (
 from . import optim
 from .bags import bags_as_lookups, coalesce_bag_gradients, drop_unused_bag_backwards
 from .cache_marks import cache_settings_of
+from .optimizer_groups import OptimizerGroups, optimizer_groups
 from .row_wise import sparse_update_for
 
 __all__ = ["capture", "LossFn"]
@@ -61,7 +61,7 @@ _aten = torch.ops.aten
 
 
 def capture(model: nn.Module, loss_fn: LossFn,
-            optimizer: optim.Optimizer | torch.optim.Optimizer | None,
+            optimizer: optim.Optimizer | torch.optim.Optimizer | optim.PerParameter | None,
             example_batch: torch.Tensor | Sequence[torch.Tensor], *,
             return_grads: bool = False) -> Program:
     """Capture `loss_fn(model, *batch)`, its backward and the optimizer update.
@@ -69,14 +69,17 @@ def capture(model: nn.Module, loss_fn: LossFn,
     `optimizer` is a functional optimizer from `splitrun.splitter.optim` (used
     for every trainable parameter) or a `torch.optim` optimizer (translated per
     param group; its learning rates are read every step, so torch LR schedulers
-    keep working). With `return_grads`, gradients are outputs too (for tests and
-    debugging; they then stay alive to the end of the step).
+    keep working), or `optim.PerParameter(...)`, several of those over their
+    own parameters; an optimizer `apply_optimizer_in_backward` attached to a
+    parameter trains that parameter (`optimizer_groups`). With `return_grads`,
+    gradients are outputs too (for tests and debugging; they then stay alive
+    to the end of the step).
     """
     batch = _flatten_batch(example_batch)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     _reject_uncapturable_modules(model)
-    groups = _optimizer_groups(optimizer, params)
+    groups = optimizer_groups(optimizer, params)
     trainable = [name for name, p in params.items()
                  if p.requires_grad and (optimizer is None or name in groups.param_group)]
     frozen = {name: p for name, p in params.items() if name not in set(trainable)}
@@ -125,6 +128,8 @@ def capture(model: nn.Module, loss_fn: LossFn,
                    param_groups=groups.describe(trainable),
                    cached_tables={key: cache_settings_of(module)
                                   for key, module in cached.items()},
+                   non_persistent_buffers=_non_persistent_buffers(model, buffers),
+                   batch_input=getattr(loss_fn, "batch_input", None),
                    recapture=lambda rows: capture(model, loss_fn, optimizer,
                                                   [b[:rows] for b in batch],
                                                   return_grads=return_grads))
@@ -141,6 +146,14 @@ def _flatten_batch(example_batch) -> list[torch.Tensor]:
                 f"be a tensor or a sequence of tensors (flatten dicts and nested "
                 f"structures before capture)")
     return batch
+
+
+def _non_persistent_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]
+                            ) -> frozenset[str]:
+    """The buffers `model.state_dict()` leaves out (`persistent=False`, as
+    TorchRec DLRM's `triu_indices`): checkpoints leave them out too."""
+    persistent = model.state_dict(keep_vars=True)
+    return frozenset(name for name in buffers if name not in persistent)
 
 
 def _reject_uncapturable_modules(model: nn.Module) -> None:
@@ -239,73 +252,6 @@ def _attribute_set(modules, name: str, value):
     finally:
         for module, own in saved:
             setattr(module, name, own)
-
-
-class _Groups:
-    """Which functional optimizer updates which parameter, and the lr feeds."""
-
-    def __init__(self) -> None:
-        self.functional: list[optim.Optimizer] = []
-        self.param_group: dict[str, int] = {}
-        # The torch optimizer the groups were read from (its lrs are read live).
-        self.torch_optimizer: torch.optim.Optimizer | None = None
-
-    def for_param(self, name: str) -> optim.Optimizer | None:
-        index = self.param_group.get(name)
-        return None if index is None else self.functional[index]
-
-    @staticmethod
-    def lr_key(index: int) -> str:
-        return "lr" if index == 0 else f"lr.{index}"
-
-    def describe(self, trainable: list[str]) -> tuple[ParamGroup, ...]:
-        """Each param group's optimizer, settings and parameters (in the order
-        of `trainable`), for checkpoints in torch's optimizer format."""
-        return tuple(
-            ParamGroup(type(functional).__name__, tuple(functional.state_names),
-                       tuple(n for n in trainable if self.param_group.get(n) == index),
-                       {k: v for k, v in vars(functional).items()
-                        if not k.startswith("_") and k != "state_names"})
-            for index, functional in enumerate(self.functional))
-
-    def hparams(self, step: int) -> dict[str, torch.Tensor]:
-        feeds = {}
-        if self.torch_optimizer is not None:
-            # The update runs in the graph, so the torch optimizer's step() is
-            # never called; tell its LR scheduler that steps do happen.
-            self.torch_optimizer._opt_called = True
-        for index, functional in enumerate(self.functional):
-            torch_optimizer = self.torch_optimizer
-            lr = (functional.lr if torch_optimizer is None
-                  else torch_optimizer.param_groups[index]["lr"])
-            feeds[self.lr_key(index)] = torch.tensor(float(lr), dtype=optim.HPARAM_DTYPE)
-        feeds["step"] = torch.tensor(float(step + 1), dtype=optim.HPARAM_DTYPE)
-        return feeds
-
-
-def _optimizer_groups(optimizer, params: dict[str, nn.Parameter]) -> _Groups:
-    groups = _Groups()
-    if optimizer is None:
-        return groups
-    if isinstance(optimizer, optim.Optimizer):
-        groups.functional.append(optimizer)
-        groups.param_group = {name: 0 for name, p in params.items() if p.requires_grad}
-        return groups
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise CaptureError(
-            f"optimizer must be a torch.optim optimizer or one of "
-            f"splitrun.splitter.optim's, got {type(optimizer).__name__}")
-    name_of = {id(p): name for name, p in params.items()}
-    groups.torch_optimizer = optimizer
-    for index, (functional, group_params) in enumerate(optim.from_torch(optimizer)):
-        groups.functional.append(functional)
-        for p in group_params:
-            if id(p) not in name_of:
-                raise CaptureError(
-                    f"{type(optimizer).__name__} param group {index} holds a tensor of "
-                    f"shape {tuple(p.shape)} that is not a parameter of the model")
-            groups.param_group[name_of[id(p)]] = index
-    return groups
 
 
 # -- tracing ------------------------------------------------------------------
@@ -448,7 +394,7 @@ class _StepBuilder:
         self.input_nodes[key] = node
         return node
 
-    def add_inputs(self, groups: _Groups | None) -> None:
+    def add_inputs(self, groups: OptimizerGroups | None) -> None:
         """All placeholders first: state, then hyperparameters, then the batch."""
         joint_inputs = [n for n in self.joint.graph.nodes if n.op == "placeholder"]
         self._primals = [n for n in joint_inputs if not n.name.startswith("tangents")]
@@ -506,7 +452,7 @@ class _StepBuilder:
     def _lookup(self, node: fx.Node) -> fx.Node:
         return self.env[node]
 
-    def append_updates(self, groups: _Groups, params: dict[str, nn.Parameter]) -> None:
+    def append_updates(self, groups: OptimizerGroups, params: dict[str, nn.Parameter]) -> None:
         for name in self.trainable:
             functional = groups.for_param(name)
             state_nodes = {s: self.input_nodes[f"{name}.{s}"] for s in functional.state_names}
@@ -616,7 +562,7 @@ class _StepBuilder:
         self.graph.output(tuple(by_name[spec.node] for spec in outputs))
         return tuple(self.inputs), tuple(outputs)
 
-    def example_inputs(self, params, frozen, batch, groups: _Groups) -> list[torch.Tensor]:
+    def example_inputs(self, params, frozen, batch, groups: OptimizerGroups) -> list[torch.Tensor]:
         hparams = groups.hparams(0) if groups.functional else {}
         values = []
         for spec in self.inputs:

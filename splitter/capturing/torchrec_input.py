@@ -8,19 +8,24 @@ runs FBGEMM's jagged operators, whose output shapes depend on the data.
 - every `EmbeddingBagCollection` in the model becomes a
   `CapturedEmbeddingBagCollection` holding the collection's own
   `nn.EmbeddingBag`s (the same parameters, so the same `state_dict` keys:
-  a checkpoint loads back into the TorchRec model); each feature is pooled
-  by its table's bag, and the result is TorchRec's `KeyedTensor`, as the
-  collection returns it. The bags are sparse (parameter-server mode serves
-  them) and can be cached (`place_embedding_cache(rec.tables, ...)`);
-- `rec.batch(dense, kjt, label)` turns each `KeyedJaggedTensor` of a batch
-  into tensors, per feature its ids and offsets (checked: every feature of
-  the tables is there and no other, every id is a row of its table; an error
-  names the key and the table), and `rec.loss(loss_fn)` is the loss the step
-  is captured with: it puts the features back together, as
-  `CapturedFeatures`, and calls `loss_fn(model, dense, features, label)`;
+  a checkpoint loads back into the TorchRec model); each table is looked up
+  once (all the features it pools at once: `torchrec_features`), and the
+  result is TorchRec's `KeyedTensor`, as the collection returns it. The bags
+  are sparse (parameter-server mode serves them) and can be cached
+  (`place_embedding_cache(rec.tables, ...)`, or one table by its TorchRec
+  name, `rec.tables["t_item"]`);
+- `rec.batch(dense, kjt, label)` (or `rec.batch(torchrec_batch)`, TorchRec's
+  `Batch`) turns each `KeyedJaggedTensor` of a batch into tensors, per table
+  its ids and offsets (checked, each problem named by key and table:
+  `torchrec_features.check_jagged`), and `rec.loss(loss_fn)` is the loss
+  the step is captured with: it puts the features back together, as
+  `CapturedFeatures` (inside a `Batch` where the batch was one), and calls
+  `loss_fn(model, dense, features, label)` (or `loss_fn(model, batch)`);
 - `rec.shard(global_batches, rank, num_workers)` gives worker `rank` its
   samples of every global batch (a jagged batch is cut by samples, not by
-  ids), converted.
+  ids), converted. A program captured with `rec.loss` knows `rec`, so
+  `trainer.shard(global_batches)` and `trainer.step(batch)` take the
+  TorchRec batches too.
 
     rec = TorchRecInput(model)
     place_embedding_cache(rec.tables, cache_rows=...)
@@ -34,42 +39,44 @@ runs FBGEMM's jagged operators, whose output shapes depend on the data.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from enum import Enum
 
 import torch
 from torch import nn
 
 from ..errors import CaptureError
+from .torchrec_features import (
+    CapturedFeatures,
+    TableInput,
+    batch_parts,
+    check_jagged,
+    check_lengths,
+    is_batch,
+    is_jagged,
+    make_batch,
+    num_samples,
+    samples,
+    table_lookups,
+)
 
 __all__ = ["TorchRecInput", "CapturedEmbeddingBagCollection", "CapturedFeatures"]
 
 
-@dataclass(frozen=True)
-class CapturedFeatures:
-    """A `KeyedJaggedTensor` as the captured step sees it: per feature key,
-    its ids (flat) and offsets (each sample's first id, and the end)."""
-
-    ids: dict[str, torch.Tensor]
-    offsets: dict[str, torch.Tensor]
-    weights: dict[str, torch.Tensor] | None = None
-
-    def keys(self) -> list[str]:
-        return list(self.ids)
-
-
 class CapturedEmbeddingBagCollection(nn.Module):
     """An `EmbeddingBagCollection`'s tables as splitrun captures them: its own
-    `nn.EmbeddingBag`s (`embedding_bags`, the same parameters), each feature
-    pooled by its table, returned as TorchRec's `KeyedTensor`."""
+    `nn.EmbeddingBag`s (`embedding_bags`, the same parameters), each table
+    looked up once for all the features it pools, returned as TorchRec's
+    `KeyedTensor`. `tables`: each table's `TableInput` (its key in
+    `rec.tables`), in the collection's order."""
 
-    def __init__(self, collection: nn.Module) -> None:
+    def __init__(self, collection: nn.Module, tables: list[TableInput]) -> None:
         super().__init__()
         self.embedding_bags = collection.embedding_bags
         self.configs = list(collection.embedding_bag_configs())
         self.is_weighted = bool(collection.is_weighted())
-        # feature -> its table's name, in the collection's output order.
-        self.feature_tables = {feature: config.name for config in self.configs
-                               for feature in config.feature_names}
+        self.tables = tables
+        # The collection's output order: each config's features in turn.
+        self.feature_names = [f for config in self.configs for f in config.feature_names]
         for bag in self.embedding_bags.values():
             bag.sparse = True  # row-wise gradients: servers and caches take them
 
@@ -77,156 +84,224 @@ class CapturedEmbeddingBagCollection(nn.Module):
         from torchrec import KeyedTensor
 
         if not isinstance(features, CapturedFeatures):
-            features = features_of(features)
-        pooled, dims = [], []
-        for feature, table in self.feature_tables.items():
-            bag = self.embedding_bags[table]
-            weights = None if features.weights is None else features.weights[feature]
-            offsets = features.offsets[feature]  # each sample's first id, and the end
-            pooled.append(bag(features.ids[feature],
-                              offsets if bag.include_last_offset else offsets[:-1],
-                              per_sample_weights=weights))
-            dims.append(bag.embedding_dim)
-        return KeyedTensor(keys=list(self.feature_tables), length_per_key=dims,
-                           values=torch.cat(pooled, 1))
+            features = table_lookups(features, self.tables)  # a KeyedJaggedTensor
+        pooled: dict[str, torch.Tensor] = {}
+        for table in self.tables:
+            bag = self.embedding_bags[table.name]
+            weights = features.weights[table.key] if table.is_weighted else None
+            offsets = features.offsets[table.key]  # each bag's start, and the end
+            bags = bag(features.ids[table.key],
+                       offsets if bag.include_last_offset else offsets[:-1],
+                       per_sample_weights=weights)
+            # One bag per sample and feature, feature after feature.
+            rows = bags.shape[0] // len(table.features)
+            for index, feature in enumerate(table.features):
+                pooled[feature] = (bags if len(table.features) == 1
+                                   else bags[index * rows:(index + 1) * rows])
+        return KeyedTensor(keys=self.feature_names,
+                           length_per_key=[pooled[f].shape[1] for f in self.feature_names],
+                           values=torch.cat([pooled[f] for f in self.feature_names], 1))
 
 
-def features_of(kjt) -> CapturedFeatures:
-    """A `KeyedJaggedTensor` as `CapturedFeatures` (per key: ids, offsets)."""
-    jagged = kjt.to_dict()
-    weights = None
-    if kjt.weights_or_none() is not None:
-        weights = {key: value.weights() for key, value in jagged.items()}
-    return CapturedFeatures({key: value.values().to(torch.int64) for key, value in jagged.items()},
-                            {key: value.offsets().to(torch.int64) for key, value in jagged.items()},
-                            weights)
+class _Arg(Enum):
+    """What one argument of a batch is."""
+
+    TENSOR = "tensor"
+    FEATURES = "KeyedJaggedTensor"
+    BATCH = "Batch"
 
 
 class TorchRecInput:
     """One TorchRec model, converted for capture (see the module docstring)."""
 
     def __init__(self, model: nn.Module) -> None:
-        from torchrec import EmbeddingBagCollection
+        from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
         self.model = model
-        self.collections: list[CapturedEmbeddingBagCollection] = []
-        for name, module in list(model.named_modules()):
-            if isinstance(module, EmbeddingBagCollection):
-                captured = CapturedEmbeddingBagCollection(module)
-                _replace(model, name, captured)
-                self.collections.append(captured)
-        if not self.collections:
+        found = [(name, module) for name, module in model.named_modules()
+                 if isinstance(module, (EmbeddingBagCollection, EmbeddingCollection))]
+        for name, module in found:
+            if isinstance(module, EmbeddingCollection):
+                features = [f for c in module.embedding_configs() for f in c.feature_names]
+                raise CaptureError(
+                    f"module {name or type(model).__name__!r} is a torchrec "
+                    f"EmbeddingCollection (features {', '.join(map(repr, features))}: one "
+                    f"embedding per id, not pooled), which TorchRecInput does not support "
+                    f"yet; it converts EmbeddingBagCollections only: pool those features "
+                    f"with an EmbeddingBagConfig, or train the sequence model without "
+                    f"splitrun")
+        if not found:
             raise CaptureError(f"{type(model).__name__} holds no torchrec "
                                f"EmbeddingBagCollection to convert")
-        self.feature_tables: dict[str, tuple[str, int]] = {}  # feature -> (table, rows)
-        for collection in self.collections:
-            rows = {c.name: c.num_embeddings for c in collection.configs}
-            for feature, table in collection.feature_tables.items():
-                self.feature_tables[feature] = (table, rows[table])
-        self.is_weighted = any(c.is_weighted for c in self.collections)
-        self._layout: tuple[bool, ...] | None = None  # which batch arguments are features
+        keys = _table_keys(found)
+        self.collections: list[CapturedEmbeddingBagCollection] = []
+        for name, module in found:
+            tables = [TableInput(keys[name, config.name], config.name,
+                                 name or type(model).__name__, tuple(config.feature_names),
+                                 config.num_embeddings, bool(module.is_weighted()))
+                      for config in module.embedding_bag_configs()]
+            captured = CapturedEmbeddingBagCollection(module, tables)
+            _replace(model, name, captured)
+            self.collections.append(captured)
+        self.table_inputs: list[TableInput] = [t for c in self.collections for t in c.tables]
+        self._layout: tuple[_Arg, ...] | None = None  # what each batch argument is
 
     @property
-    def tables(self) -> nn.ModuleList:
-        """Every table's `nn.EmbeddingBag` (for `place_embedding_cache`)."""
-        return nn.ModuleList(bag for c in self.collections for bag in c.embedding_bags.values())
+    def tables(self) -> nn.ModuleDict:
+        """Every table's `nn.EmbeddingBag`, by TorchRec's table name (for
+        `place_embedding_cache(rec.tables, ...)` or, one table,
+        `rec.tables["t_item"]`). A name two collections use is prefixed by
+        the collection's module path: `"sparse_arch__t_item"`."""
+        bags = {t.key: c.embedding_bags[t.name] for c in self.collections for t in c.tables}
+        return nn.ModuleDict(bags)
+
+    @property
+    def is_weighted(self) -> bool:
+        return any(t.is_weighted for t in self.table_inputs)
 
     # -- batches --
 
     def batch(self, *args) -> tuple[torch.Tensor, ...]:
         """A batch as capture and the trainer take it: each
-        `KeyedJaggedTensor` argument becomes, per feature (in the tables'
-        order), its ids and offsets (and weights, for a weighted collection)."""
-        from torchrec import KeyedJaggedTensor
-
-        layout = tuple(isinstance(a, KeyedJaggedTensor) for a in args)
-        if not any(layout):
-            raise CaptureError("TorchRecInput.batch: no KeyedJaggedTensor among the batch's "
-                               f"{len(args)} arguments")
-        if self._layout is not None and layout != self._layout:
+        `KeyedJaggedTensor` argument (or TorchRec `Batch`'s sparse features)
+        becomes, per table (in the tables' order), its ids and offsets (and
+        weights, for a weighted collection)."""
+        layout = tuple(_Arg.BATCH if is_batch(a) else _Arg.FEATURES if is_jagged(a)
+                       else _Arg.TENSOR for a in args)
+        if all(kind is _Arg.TENSOR for kind in layout):
+            raise CaptureError("TorchRecInput.batch: no KeyedJaggedTensor (nor TorchRec Batch) "
+                               f"among the batch's {len(args)} arguments")
+        # A `Batch` is its three parts: either form feeds the same step (the
+        # loss gets the form of the batch converted last before capture).
+        if self._layout is not None and _flat(layout) != _flat(self._layout):
             raise CaptureError(f"TorchRecInput.batch: this batch's arguments are laid out "
                                f"{_describe(layout)}, the captured step's "
                                f"{_describe(self._layout)}")
+        parts = _parts(args)
+        _check_samples(parts)
         self._layout = layout
         flat: list[torch.Tensor] = []
-        for arg, is_features in zip(args, layout):
-            if not is_features:
-                flat.append(arg)
+        for part in parts:
+            if not is_jagged(part):
+                flat.append(part)
                 continue
-            features = self._checked(arg)
-            for feature in self.feature_tables:
-                flat += [features.ids[feature], features.offsets[feature]]
-                if self.is_weighted:
-                    flat.append(features.weights[feature])
+            check_jagged(part, self.table_inputs)
+            features = table_lookups(part, self.table_inputs)
+            for table in self.table_inputs:
+                flat += [features.ids[table.key], features.offsets[table.key]]
+                if table.is_weighted:
+                    flat.append(features.weights[table.key])
         return tuple(flat)
 
-    def _checked(self, kjt) -> CapturedFeatures:
-        keys = list(kjt.keys())
-        for key in keys:
-            if key not in self.feature_tables:
-                taken = ", ".join(f"{f!r} (table {t!r})"
-                                  for f, (t, _) in self.feature_tables.items())
-                raise CaptureError(f"KeyedJaggedTensor key {key!r} is pooled by no table; the "
-                                   f"tables take {taken}")
-        for feature, (table, _) in self.feature_tables.items():
-            if feature not in keys:
-                raise CaptureError(f"KeyedJaggedTensor has no key {feature!r}, which table "
-                                   f"{table!r} pools; its keys: {', '.join(map(repr, keys))}")
-        features = features_of(kjt)
-        if self.is_weighted and features.weights is None:
-            raise CaptureError("the collection is weighted but the KeyedJaggedTensor has no "
-                               "weights")
-        for feature, (table, rows) in self.feature_tables.items():
-            ids = features.ids[feature]
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
-                bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-                raise CaptureError(f"KeyedJaggedTensor key {feature!r} looks up id {bad}, but "
-                                   f"its table {table!r} has {rows} rows (ids 0-{rows - 1})")
-        return features
+    def convert(self, batch) -> tuple[torch.Tensor, ...]:
+        """One batch as the step's tensors: a TorchRec `Batch`, or a
+        sequence of arguments (`rec.batch(*batch)`)."""
+        return self.batch(*_arguments(batch))
 
-    def shard(self, batches: Iterable[tuple], rank: int, num_workers: int
+    def shard(self, batches: Iterable, rank: int, num_workers: int
               ) -> Iterator[tuple[torch.Tensor, ...]]:
-        """Worker `rank`'s samples [rB/W, (r+1)B/W) of every global batch,
-        converted (`batch`): tensors cut by rows, `KeyedJaggedTensor`s by
-        samples."""
-        from torchrec import KeyedJaggedTensor
-
+        """Worker `rank`'s samples [rB/W, (r+1)B/W) of every global batch (a
+        sequence of arguments, or a TorchRec `Batch`), converted (`batch`):
+        tensors cut by rows, `KeyedJaggedTensor`s by samples."""
         for batch in batches:
-            parts = []
-            for arg in batch:
-                if isinstance(arg, KeyedJaggedTensor):
-                    size = arg.stride()
-                    parts.append(_samples(arg, *_rows(size, rank, num_workers)))
-                else:
-                    start, end = _rows(arg.shape[0], rank, num_workers)
-                    parts.append(arg[start:end])
-            yield self.batch(*parts)
+            args = _arguments(batch)
+            parts = _parts(args)
+            for part in parts:  # before cutting by samples
+                if is_jagged(part):
+                    check_lengths(part)
+            _check_samples(parts, "global ")
+            yield self.batch(*(_shard_of(arg, rank, num_workers) for arg in args))
 
     # -- the loss --
 
     def loss(self, loss_fn: Callable) -> Callable:
         """The loss to capture: `loss_fn(model, *batch)` with each
-        `KeyedJaggedTensor` argument given back as `CapturedFeatures`."""
+        `KeyedJaggedTensor` argument given back as `CapturedFeatures` (a
+        TorchRec `Batch` as a `Batch` holding them). A program captured with
+        it converts TorchRec batches itself (`Program.batch_input`)."""
         def captured_loss(model, *flat):
             if self._layout is None:
                 raise CaptureError("TorchRecInput.loss: convert a batch (rec.batch or "
                                    "rec.shard) before capture")
-            per_feature = 3 if self.is_weighted else 2
-            args, position = [], 0
-            for is_features in self._layout:
-                if not is_features:
-                    args.append(flat[position])
-                    position += 1
-                    continue
-                ids, offsets, weights = {}, {}, {} if self.is_weighted else None
-                for feature in self.feature_tables:
-                    ids[feature], offsets[feature] = flat[position], flat[position + 1]
-                    if weights is not None:
-                        weights[feature] = flat[position + 2]
-                    position += per_feature
-                args.append(CapturedFeatures(ids, offsets, weights))
+            position = 0
+
+            def take_features() -> CapturedFeatures:
+                nonlocal position
+                ids, offsets, weights = {}, {}, {}
+                for table in self.table_inputs:
+                    ids[table.key], offsets[table.key] = flat[position], flat[position + 1]
+                    position += 2
+                    if table.is_weighted:
+                        weights[table.key] = flat[position]
+                        position += 1
+                return CapturedFeatures(ids, offsets, weights or None)
+
+            def take_tensor() -> torch.Tensor:
+                nonlocal position
+                position += 1
+                return flat[position - 1]
+
+            args = []
+            for kind in self._layout:
+                if kind is _Arg.TENSOR:
+                    args.append(take_tensor())
+                elif kind is _Arg.FEATURES:
+                    args.append(take_features())
+                else:
+                    args.append(make_batch(take_tensor(), take_features(), take_tensor()))
             return loss_fn(model, *args)
+        captured_loss.batch_input = self
         return captured_loss
+
+
+def _arguments(batch) -> tuple:
+    """A batch's arguments: a TorchRec `Batch` is one argument."""
+    if is_batch(batch) or is_jagged(batch) or isinstance(batch, torch.Tensor):
+        return (batch,)
+    try:
+        return tuple(batch)
+    except TypeError:
+        raise CaptureError(f"a TorchRec batch is a torchrec.datasets.utils.Batch or a "
+                           f"sequence of tensors and KeyedJaggedTensors, got "
+                           f"{type(batch).__name__}") from None
+
+
+def _check_samples(parts: list, scope: str = "") -> None:
+    """Every argument of a batch holds the same samples: the jagged tensors'
+    samples and the tensors' rows."""
+    jagged = [(i, num_samples(p)) for i, p in enumerate(parts) if is_jagged(p)]
+    rows = [(i, p.shape[0]) for i, p in enumerate(parts)
+            if isinstance(p, torch.Tensor) and p.dim() > 0]
+    if not jagged:
+        return
+    index, expected = jagged[0]
+    for other, count in jagged[1:] + rows:
+        if count != expected:
+            what = "KeyedJaggedTensor" if is_jagged(parts[other]) else "tensor"
+            raise CaptureError(
+                f"a {scope}batch's KeyedJaggedTensor (part {index}) holds {expected} samples "
+                f"but its {what} part {other} has {count} rows; every part of a batch holds "
+                f"the same samples (the dense input, the sparse features and the labels)")
+
+
+def _parts(args) -> list:
+    """A batch's arguments with each TorchRec `Batch` opened into its three parts."""
+    return [part for arg in args for part in (batch_parts(arg) if is_batch(arg) else (arg,))]
+
+
+def _shard_of(arg, rank: int, num_workers: int):
+    """Worker `rank`'s share of one argument of a global batch."""
+    if is_batch(arg):
+        return make_batch(*(_rows_of(part, rank, num_workers) for part in batch_parts(arg)))
+    return _rows_of(arg, rank, num_workers)
+
+
+def _rows_of(arg, rank: int, num_workers: int):
+    """Worker `rank`'s share of one argument: samples of a jagged tensor, rows of a tensor."""
+    if is_jagged(arg):
+        return samples(arg, *_rows(num_samples(arg), rank, num_workers))
+    start, end = _rows(arg.shape[0], rank, num_workers)
+    return arg[start:end]
 
 
 def _rows(size: int, rank: int, num_workers: int) -> tuple[int, int]:
@@ -237,22 +312,18 @@ def _rows(size: int, rank: int, num_workers: int) -> tuple[int, int]:
     return rank * shard, (rank + 1) * shard
 
 
-def _samples(kjt, start: int, end: int):
-    """Samples [start, end) of every key of `kjt`."""
-    from torchrec import KeyedJaggedTensor
-
-    jagged = kjt.to_dict()
-    values, lengths, weights = [], [], []
-    for key in kjt.keys():
-        offsets = jagged[key].offsets()
-        first, last = int(offsets[start]), int(offsets[end])
-        values.append(jagged[key].values()[first:last])
-        lengths.append(jagged[key].lengths()[start:end])
-        if kjt.weights_or_none() is not None:
-            weights.append(jagged[key].weights()[first:last])
-    return KeyedJaggedTensor.from_lengths_sync(
-        kjt.keys(), torch.cat(values), torch.cat(lengths),
-        weights=torch.cat(weights) if weights else None)
+def _table_keys(found: list[tuple[str, nn.Module]]) -> dict[tuple[str, str], str]:
+    """(collection path, table name) -> the table's key in `rec.tables`: its
+    name, or, where two collections use it, the path's parts and the name
+    joined by "__" (a ModuleDict key holds no dots)."""
+    names = [config.name for _, module in found for config in module.embedding_bag_configs()]
+    keys = {}
+    for path, module in found:
+        for config in module.embedding_bag_configs():
+            shared = names.count(config.name) > 1
+            keys[path, config.name] = (f"{path.replace('.', '__')}__{config.name}" if shared
+                                       else config.name)
+    return keys
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -264,5 +335,10 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
-def _describe(layout: tuple[bool, ...]) -> str:
-    return "(" + ", ".join("KeyedJaggedTensor" if f else "tensor" for f in layout) + ")"
+def _flat(layout: tuple[_Arg, ...]) -> tuple[_Arg, ...]:
+    return tuple(kind for arg in layout for kind in (
+        (_Arg.TENSOR, _Arg.FEATURES, _Arg.TENSOR) if arg is _Arg.BATCH else (arg,)))
+
+
+def _describe(layout: tuple[_Arg, ...]) -> str:
+    return "(" + ", ".join(kind.value for kind in layout) + ")"

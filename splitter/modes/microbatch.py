@@ -552,7 +552,9 @@ class _Layout:
         return Program(module, full.inputs, tuple(specs), full.initial_state,
                        hparams_fn=full.hparams_fn,
                        grads={p: self.final[g].name for p, g in facts.grads.items()},
-                       param_groups=full.param_groups)
+                       param_groups=full.param_groups,
+                       non_persistent_buffers=full.non_persistent_buffers,
+                       batch_input=full.batch_input)
 
     def _lookup(self, m):
         """Where a copy for micro-batch `m` (None: a node run once) reads `value`."""

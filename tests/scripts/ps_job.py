@@ -33,7 +33,8 @@ from splitrun.splitter import ParameterServerMode
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--kind", default="dense", choices=["dense", "sparse"])
+    parser.add_argument("--kind", default="dense", choices=["dense", "sparse", "indexed"])
+    parser.add_argument("--dense", choices=["server", "worker"], default="server")
     parser.add_argument("--optimizer", default="adam")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--stop-after", type=int)
@@ -53,7 +54,7 @@ def main() -> int:
     program, batches = make(args.kind, args.optimizer, job.cluster.num_workers, args.steps,
                             width=args.width, lazy=True)
     mode = ParameterServerMode(gradient_bucket_bytes=args.gradient_bucket_bytes,
-                               staleness=args.staleness)
+                               staleness=args.staleness, dense=args.dense)
     trainer = job.start(program, mode, num_steps=args.steps, resume=args.resume)
     stop = args.stop_after or args.steps
     slow = job.is_worker and job.rank == args.slow_worker

@@ -40,5 +40,8 @@ def export_checkpoint(directory: str | os.PathLike, out: str | os.PathLike) -> d
         for path in paths:
             _set(result, path, opened.read_in_id_order(table, path, ids))
     result.get("splitrun", {}).pop("format", None)
+    # An optimizer without per-parameter state (plain SGD) wrote no entry;
+    # torch's `load_state_dict` still wants its "state".
+    result.setdefault("optimizer", {}).setdefault("state", {})
     plain.write_checkpoint(result, out)
     return result

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitrun.splitter.program import InputKind, Program
+from splitrun.splitter.program import Program
 
 from ..checksums import CHECKSUMS
 
@@ -62,12 +62,7 @@ def plain_path(path: Path) -> Path:
 def state_paths(program: Program) -> dict[str, Path]:
     """Where each state key of the captured program sits in the checkpoint,
     as `checkpoint.to_checkpoint` lays it out."""
-    paths: dict[str, Path] = {}
-    for spec in program.inputs:
-        if spec.kind in (InputKind.PARAM, InputKind.BUFFER):
-            paths[spec.key] = ("model", spec.key)
-    for key in program.cached_tables:
-        paths.setdefault(key, ("model", key))
+    paths: dict[str, Path] = {key: ("model", key) for key in program.checkpoint_keys()}
     index = 0
     for group in program.param_groups:
         for name in group.params:

@@ -153,8 +153,9 @@ class EmbeddingCacheMode(ParameterServerMode):
             elif user.target in ROW_WISE_UPDATES:
                 raise PlanError(
                     f"cached table {key!r} is trained with {user.target.__name__}; cached "
-                    f"tables support SGD, row-wise Adagrad and row-wise (lazy) Adam (their "
-                    f"row state travels with the row); give the table its own optimizer group")
+                    f"tables support SGD, Adagrad (element-wise) and lazy Adam on the rows "
+                    f"looked up (their row state travels with the row); give the table its "
+                    f"own optimizer group")
             else:
                 raise PlanError(
                     f"cached table {key!r} is read by {user.name} ({user.target}) besides its "
