@@ -10,8 +10,6 @@ from cluster import JOB_TIMEOUT_S, SCRIPTS
 from splitrun.runtime import run_threaded
 from splitrun.splitter import Cluster, EmbeddingCacheMode, ParameterServerMode, split_program
 
-pytestmark = pytest.mark.slow
-
 CACHE_JOB = SCRIPTS / "cache_job.py"
 
 

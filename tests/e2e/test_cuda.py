@@ -17,8 +17,7 @@ from parallel_models import capture_mlp, mlp_batches
 from ps_models import feeds as ps_feeds
 from ps_models import make as make_ps
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 TOLERANCE = 1e-4
 EXAMPLES = REPO / "examples"

@@ -7,8 +7,6 @@ import re
 import pytest
 from cluster import REPO
 
-pytestmark = pytest.mark.slow
-
 EXAMPLES = REPO / "examples"
 
 

@@ -19,8 +19,6 @@ import grpc
 import pytest
 from cluster import JOB_TIMEOUT_S, SCRIPTS, Proc, child_env, pid_alive, wait_exited
 
-pytestmark = pytest.mark.slow
-
 FAULT_JOB = SCRIPTS / "fault_job.py"
 # Kills of each kind (server 0, worker 1, the scheduler); 10 on demand, see above.
 KILL_REPEATS = int(os.environ.get("SPLITRUN_KILL_REPEATS", "3"))

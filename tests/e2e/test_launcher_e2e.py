@@ -12,8 +12,6 @@ from train_job import build
 
 from splitrun.launcher import cli
 
-pytestmark = pytest.mark.slow
-
 TRAIN_JOB = SCRIPTS / "train_job.py"
 # The launcher must notice a dead process and stop the rest within this long.
 FAULT_DEADLINE_S = 15.0

@@ -2,12 +2,10 @@
 
 import pytest
 import torch
-from cluster import JOB_TIMEOUT_S, REPO, splitrun
+from cluster import JOB_TIMEOUT_S, REPO, SCRIPTS, splitrun
 from parallel_models import capture_mlp, mlp_batches
 
-pytestmark = pytest.mark.slow
-
-SCRIPT = REPO / "tests" / "scripts" / "parallel_job.py"
+SCRIPT = SCRIPTS / "parallel_job.py"
 TOLERANCE = 1e-5
 
 

@@ -13,8 +13,6 @@ import torch
 from cluster import JOB_TIMEOUT_S, SCRIPTS, pid_alive
 from ps_models import feeds, make
 
-pytestmark = pytest.mark.slow
-
 PS_JOB = SCRIPTS / "ps_job.py"
 FAULT_DEADLINE_S = 15.0
 

@@ -20,8 +20,6 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from splitrun.launcher import cli
 from splitrun.runtime.checkpoints.sharded import CHECKSUMS, METADATA, ShardedCheckpoint
 
-pytestmark = pytest.mark.slow
-
 PS_JOB = SCRIPTS / "ps_job.py"
 CACHE_JOB = SCRIPTS / "cache_job.py"
 PARALLEL_JOB = SCRIPTS / "parallel_job.py"

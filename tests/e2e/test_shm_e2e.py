@@ -17,8 +17,6 @@ from cluster import JOB_TIMEOUT_S, SCRIPTS, assert_clean_output, pid_alive, wait
 
 from splitrun.runtime.transport.shm.ring import SHM_DIR
 
-pytestmark = pytest.mark.slow
-
 PS_JOB = SCRIPTS / "ps_job.py"
 FAULT_JOB = SCRIPTS / "fault_job.py"
 FAULT_DEADLINE_S = 15.0

@@ -27,8 +27,6 @@ from cluster import (
     wait_exited,
 )
 
-pytestmark = pytest.mark.slow
-
 ENDINGS_JOB = SCRIPTS / "endings.py"
 # Bounds the end of a job's processes once their launcher or template is gone.
 GONE_S = 30.0

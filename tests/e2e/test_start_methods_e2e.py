@@ -19,8 +19,6 @@ from splitrun.runtime.transport.shm.copy_tunables import (
     NON_TEMPORAL_TUNABLE,
 )
 
-pytestmark = pytest.mark.slow
-
 ENDINGS_JOB = SCRIPTS / "endings.py"
 # What the launcher says of each start of tests/scripts/endings.py but the
 # last, which ends cleanly (pids written as N).

@@ -9,14 +9,11 @@ Without TorchRec: a model with an int64 buffer saves with 2 workers and its
 dense parameters on them.
 """
 
-import pytest
 import torch
 from cluster import SCRIPTS
 from torchrec_models import make_dlrm, torchrec_reference
 
 from splitrun.launcher import cli
-
-pytestmark = pytest.mark.slow
 
 TORCHREC_JOB = SCRIPTS / "torchrec_job.py"
 PS_JOB = SCRIPTS / "ps_job.py"

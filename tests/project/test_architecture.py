@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 ROOMS = ("runtime", "splitter", "launcher")
 GENERATED = REPO / "runtime" / "rpc" / "wire"
 PRIVATE = re.compile(r"_[a-z]\w*")

@@ -15,12 +15,14 @@ import sys
 import threading
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-SCRIPTS = REPO / "tests" / "scripts"
-# The tests' helper modules and the examples' shared models: importable in pytest
-# through `pythonpath` in setup.cfg's [tool:pytest], and in the processes the tests
-# start through PYTHONPATH (set by `child_env`).
-IMPORT_PATH = (REPO / "tests", SCRIPTS, REPO / "examples")
+SUPPORT = pathlib.Path(__file__).resolve().parent
+REPO = SUPPORT.parents[1]
+SCRIPTS = SUPPORT / "scripts"
+# The tests' helper modules (tests/support/), the scripts they launch and the
+# examples' shared models: importable in pytest through `pythonpath` in setup.cfg's
+# [tool:pytest], and in the processes the tests start through PYTHONPATH (set by
+# `child_env`).
+IMPORT_PATH = (SUPPORT, SCRIPTS, REPO / "examples")
 # Bounds a whole small job (start, a dozen steps, finish) on a loaded 2-core machine.
 JOB_TIMEOUT_S = 180.0
 

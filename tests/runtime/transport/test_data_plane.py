@@ -12,11 +12,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import tls_files
 import torch
+from cluster import SCRIPTS
 
 from splitrun.runtime import MessageKey
 from splitrun.runtime.errors import TransportError
@@ -34,7 +34,6 @@ SETTINGS = GrpcSettings(connect_timeout_s=5.0, close_timeout_s=10.0, stream_idle
 RECV_TIMEOUT_S = 60.0
 # Bounds the peer process's start and its lines.
 PEER_TIMEOUT_S = 120.0
-SCRIPTS = Path(__file__).parent / "scripts"
 FLOAT_2x3 = {"w0->w1#0": ChannelContract(W0, ((torch.float32, (2, 3)),))}
 
 

@@ -9,6 +9,6 @@ import sys
 
 import fbgemm_gpu  # noqa: F401
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "pipeline_split.py"
+EXAMPLE = pathlib.Path(__file__).resolve().parents[3] / "examples" / "pipeline_split.py"
 sys.argv[0] = str(EXAMPLE)
 runpy.run_path(str(EXAMPLE), run_name="__main__")
