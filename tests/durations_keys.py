@@ -10,12 +10,12 @@ is scheduled as if it took 0.5 s or 15 s.
 
 --rekey gives a collected test without seconds the seconds of a recorded id
 no collected test has, with the same test name (and parameters) in a file of
-the same name anywhere under tests/, or of that name with `_e2e` (an
-end-to-end half split off into tests/e2e/): `tests/test_foo.py::test_x[a]`
--> `tests/launcher/test_foo.py::test_x[a]` or
-`tests/e2e/test_foo_e2e.py::test_x[a]`. A test that matches several stale
-ids is left alone and named. Exit status 1 if a collected test is still
-without seconds that --rekey could have given it.
+the same name anywhere under tests/, the one with `_e2e` at the end of its
+name and the one without counting as one (a file's end-to-end half is
+tests/e2e/test_foo_e2e.py): `tests/test_foo.py::test_x[a]` ->
+`tests/launcher/test_foo.py::test_x[a]` or `tests/e2e/test_foo_e2e.py::test_x[a]`.
+A test that matches several stale ids is left alone and named. Exit status 1
+if a collected test is still without seconds that --rekey could have given it.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ def collected() -> list[str]:
 
 
 def _stem_and_name(nodeid: str) -> tuple[str, str]:
+    """`tests/e2e/test_foo_e2e.py::test_x[a]` -> ("test_foo", "test_x[a]")."""
     path, _, name = nodeid.partition("::")
-    return pathlib.PurePosixPath(path).stem, name
+    return pathlib.PurePosixPath(path).stem.removesuffix("_e2e"), name
 
 
 def moves(stale: list[str], unrecorded: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -52,13 +53,10 @@ def moves(stale: list[str], unrecorded: list[str]) -> tuple[dict[str, str], list
     collected ids that matched several stale ones."""
     by_name = defaultdict(list)
     for nodeid in stale:
-        stem, name = _stem_and_name(nodeid)
-        by_name[stem, name].append(nodeid)
+        by_name[_stem_and_name(nodeid)].append(nodeid)
     found, ambiguous = {}, []
     for nodeid in unrecorded:
-        stem, name = _stem_and_name(nodeid)
-        candidates = by_name.get((stem, name), []) + (
-            by_name.get((stem.removesuffix("_e2e"), name), []) if stem.endswith("_e2e") else [])
+        candidates = by_name.get(_stem_and_name(nodeid), [])
         if len(candidates) == 1:
             found[candidates[0]] = nodeid
         elif candidates:

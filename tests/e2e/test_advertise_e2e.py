@@ -4,28 +4,11 @@ the job goes on waiting for a process it can reach."""
 
 from __future__ import annotations
 
-import socket
-
-import pytest
 from cluster import JOB_TIMEOUT_S, SCRIPTS
-
-from splitrun.runtime.cluster.scheduler import dial_back
 
 TRAIN_JOB = SCRIPTS / "train_job.py"
 
 
-def test_dial_back_names_why_an_address_cannot_be_reached():
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        port = listener.getsockname()[1]
-        assert dial_back(f"127.0.0.1:{port}", 5) is None
-        # Same port on another loopback address: nothing listens there.
-        assert "refused" in dial_back(f"127.0.0.2:{port}", 5).lower()
-    assert "not HOST:PORT" in dial_back("127.0.0.1:http", 5)
-
-
-@pytest.mark.slow
 def test_a_wrong_advertise_address_is_refused_at_join_and_the_job_waits(local_cluster,
                                                                        tmp_path):
     scheduler, address, token = local_cluster.scheduler(workers=1)

@@ -13,8 +13,6 @@ import time
 import pytest
 from cluster import REPO, Proc, child_env, pid_alive
 
-from splitrun.launcher.cli import main
-
 ray = pytest.importorskip("ray")
 from ray_head import RAY_ENV, RayHead, ray_on_two_hosts  # noqa: E402 - after the skip: it needs Ray
 
@@ -92,24 +90,6 @@ def _result(output: str) -> tuple[str, str, str]:
     return plan, loss, accuracy
 
 
-def test_bad_resources_are_refused_before_ray_starts(capsys):
-    code = main(["launch", "--backend", "ray", "--worker-resources", '{"GPU": -1}',
-                 str(EXAMPLES / "ps_train.py")])
-    assert code == 2
-    assert '--worker-resources: every amount must be a number > 0; got {"GPU": -1}' in \
-        capsys.readouterr().err
-
-
-def test_restarts_are_refused_saying_why_and_what_to_use(capsys):
-    code = main(["launch", "--backend", "ray", "--max-restarts", "1", "--checkpoint-every", "5",
-                 str(EXAMPLES / "ps_train.py")])
-    assert code == 2
-    err = capsys.readouterr().err
-    assert "not supported with --backend ray: a restart from the newest checkpoint" in err
-    assert "(splitrun launch --max-restarts N --checkpoint-every K)" in err
-
-
-@pytest.mark.slow
 def test_ps_train_on_ray_matches_the_local_backend(ray_head, local_cluster, main_job_three_epochs,
                                                    tmp_path):
     """Same results as the local backend (conftest.py's run of the same job:
@@ -140,7 +120,6 @@ def test_ps_train_on_ray_matches_the_local_backend(ray_head, local_cluster, main
     assert "all 3 processes finished" in launcher_log, launcher_log
 
 
-@pytest.mark.slow
 def test_pipeline_split_on_ray_equals_the_unsplit_step(ray_head, local_cluster):
     proc = _launch_ray(local_cluster, ray_head, EXAMPLES / "pipeline_split.py", "--steps", 15,
                        workers=3, servers=0)
@@ -151,7 +130,6 @@ def test_pipeline_split_on_ray_equals_the_unsplit_step(ray_head, local_cluster):
     _assert_nothing_left(_placements(output))
 
 
-@pytest.mark.slow
 def test_a_killed_actor_stops_the_job_naming_it(ray_head, local_cluster):
     # 100 epochs, 2200 steps (about a minute here): training when the actor is
     # killed at its first step line. Every process lists every epoch's batches
@@ -175,7 +153,6 @@ def test_a_killed_actor_stops_the_job_naming_it(ray_head, local_cluster):
     _assert_nothing_left(placements)
 
 
-@pytest.mark.slow
 def test_two_ray_nodes_servers_on_one_workers_on_the_other(tmp_path):
     """A Ray head in host a of the two-host harness (bench/hosts.py) offering
     `sr_server`, a second Ray node in host b offering `sr_worker`: the server
@@ -225,28 +202,6 @@ def _without_ray_settings(home) -> dict[str, str]:
     return env
 
 
-def test_a_job_no_node_can_hold_is_refused_by_the_option_that_fixes_it():
-    from splitrun.launcher.ray_cluster import RayBackendError, check_fits
-    from splitrun.splitter.labels import Role
-
-    nodes = [{"CPU": 2.0, "memory": 8e9}, {"CPU": 4.0, "GPU": 1.0}]
-    check_fits(nodes, {Role.WORKER: {"CPU": 1.0}, Role.SERVER: {"CPU": 4.0}},
-               {Role.WORKER: 2, Role.SERVER: 1})  # 6 CPUs: fits
-    with pytest.raises(RayBackendError, match=r'^Ray can never place this job: each worker asks '
-                                              r'\{"CPU": 1, "GPU": 2\} \(--worker-resources\), and '
-                                              r'no node .* \{"CPU": 4, "GPU": 1\}\); ask for less '
-                                              r'with --worker-resources'):
-        check_fits(nodes, {Role.WORKER: {"CPU": 1.0, "GPU": 2.0}, Role.SERVER: {"CPU": 1.0}},
-                   {Role.WORKER: 1, Role.SERVER: 1})
-    with pytest.raises(RayBackendError, match=r'^Ray can never place this job: it asks '
-                                              r'\{"CPU": 7\} in all \(2 workers x \{"CPU": 2\}, '
-                                              r'1 server x \{"CPU": 3\}\), and the cluster has '
-                                              r'\{"CPU": 6\}'):
-        check_fits(nodes, {Role.WORKER: {"CPU": 2.0}, Role.SERVER: {"CPU": 3.0}},
-                   {Role.WORKER: 2, Role.SERVER: 1})
-
-
-@pytest.mark.slow
 def test_a_cluster_that_can_never_place_the_job_says_so_at_once(ray_head, local_cluster):
     # The module's cluster offers 2 CPUs and sr_worker 3: four workers asking
     # one sr_worker and half a CPU each, and a server half a CPU, can never be
@@ -260,7 +215,6 @@ def test_a_cluster_that_can_never_place_the_job_says_so_at_once(ray_head, local_
     assert "could not place the job within" not in proc.output()
 
 
-@pytest.mark.slow
 def test_the_local_ray_the_launcher_starts_fits_the_job_and_leaves_no_token(tmp_path):
     # More CPUs asked than this machine has cores (each worker as many as it
     # has): the local Ray the launcher starts offers them as logical CPUs.
@@ -278,7 +232,6 @@ def test_the_local_ray_the_launcher_starts_fits_the_job_and_leaves_no_token(tmp_
     assert not (tmp_path / ".ray").exists(), "a token left in the home folder"
 
 
-@pytest.mark.slow
 def test_a_cluster_that_refuses_the_launchers_token_is_named_with_the_fix(tmp_path):
     head = RayHead(num_cpus=1, resources={}, env=child_env(), auth_token="a" * 64)
     try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 
 import grpc
-import pytest
 import torch
 from cluster import JOB_TIMEOUT_S, SCRIPTS
 from train_job import build
@@ -35,7 +34,6 @@ def raw_register(address: str, token: str, role: str, rank: int, advertise: str)
     return grpc.StatusCode.OK, ""
 
 
-@pytest.mark.slow
 def test_surplus_and_mistyped_joins_leave_a_running_job_untouched(local_cluster, tmp_path):
     scheduler, address, token_file = local_cluster.scheduler(workers=2)
     token = open(token_file).read().strip()

@@ -9,24 +9,9 @@ import sys
 import pytest
 from cluster import JOB_TIMEOUT_S, SCRIPTS, Proc, child_env
 
-from splitrun.launcher.child_env import thread_budget
 from splitrun.launcher.failures import count_of
-from splitrun.splitter.errors import SplitrunError
 
 
-def test_the_default_shares_the_cores_among_local_processes(monkeypatch):
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    cores = os.cpu_count() or 1
-    assert thread_budget(None, 1) == cores
-    assert thread_budget(None, cores * 4) == 1, "never below one thread"
-    assert thread_budget(3, 100) == 3, "an explicit budget wins"
-    with pytest.raises(SplitrunError, match="--threads-per-process must be >= 1, got 0"):
-        thread_budget(0, 1)
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert thread_budget(None, 100) == 3, "the user's OMP_NUM_THREADS wins over the default"
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("requested, expected", [(None, None), ("2", 2)])
 def test_every_process_runs_with_its_budget(tmp_path, requested, expected):
     extra = [] if requested is None else ["--threads-per-process", requested]

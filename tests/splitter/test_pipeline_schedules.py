@@ -1,6 +1,7 @@
 """Micro-batched general mode: the step cut into M micro-batches that flow
 through the stages on a schedule (GPipe, 1F1B), gradients summed, the
-optimizer once per step.
+optimizer once per step; in threads (each stage its own process, through the
+real launcher: tests/e2e/test_pipeline_schedules_e2e.py).
 
 Tolerance: the micro-batched step sums each gradient over micro-batches (and
 scales a mean loss's by 1/M) where the unsplit step sums over the whole batch
@@ -12,11 +13,9 @@ one of 6 steps (float32; the differences seen are ~1e-7).
 import pytest
 import torch
 import torch.nn.functional as F
-from cluster import SCRIPTS, assert_clean_output
 from models import TiedBigramLM, lm_loss, markov_batches
 from test_split_equivalence import PipelineMLP, mlp_loss
 from torch import nn
-from train_job import build
 
 from splitrun.runtime import run_threaded
 from splitrun.splitter import (
@@ -259,32 +258,6 @@ def test_bad_mode_settings_are_refused():
         GeneralMode(microbatches=0)
     assert GeneralMode(microbatches=2, schedule=PipelineSchedule.GPIPE).schedule \
         is PipelineSchedule.GPIPE
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("num_workers, schedule, model", [(2, "1f1b", "stages"),
-                                                          (3, "gpipe", "stages"),
-                                                          (2, "interleaved", "chunks")])
-def test_launched_microbatched_job_equals_the_unsplit_step(local_cluster, tmp_path,
-                                                          num_workers, schedule, model):
-    out = tmp_path / "result.pt"
-    steps = 8
-    proc = local_cluster.run(SCRIPTS / "train_job.py", "--model", model, "--optimizer", "adam",
-                             "--steps", steps,
-                             "--microbatches", 4, "--schedule", schedule, "--out", out,
-                             workers=num_workers)
-    assert f"all {num_workers} processes finished" in proc.output()
-    assert_clean_output(proc)
-    program, data = build(model, "adam", num_workers, steps)
-    history, state = program.train_unsplit(steps, feeds_of(data))
-    result = torch.load(out)
-    torch.testing.assert_close(result["losses"], torch.stack([h["loss"] for h in history]),
-                               **TOLERANCE)
-    assert result["state"].keys() == state.keys()
-    for key, value in state.items():
-        torch.testing.assert_close(result["state"][key], value, **TOLERANCE, msg=key)
-    first = next(iter(program.grads))
-    assert not torch.equal(state[first], program.initial_state[first])
 
 
 # -- interleaved 1F1B ---------------------------------------------------------------

@@ -1,14 +1,13 @@
 """Across machines: TLS on the scheduler (and, end to end, on the tensor
-service), no unencrypted bind off loopback unless asked, and the token kept
-off command lines. Traffic goes to 127.0.0.1 only."""
+service: tests/e2e/test_tls_e2e.py), no unencrypted bind off loopback unless
+asked, and the token kept off command lines. Traffic goes to 127.0.0.1 only."""
 
 import os
 import stat
 
 import pytest
 import tls_files
-import torch
-from cluster import JOB_TIMEOUT_S, SCRIPTS
+from cluster import SCRIPTS
 
 from splitrun.runtime.cluster.membership import SchedulerClient
 from splitrun.runtime.cluster.scheduler import Scheduler, SchedulerSettings
@@ -80,15 +79,3 @@ def test_scheduler_writes_its_token_to_a_private_file(local_cluster, tmp_path):
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     token = path.read_text().strip()
     assert len(token) >= 32 and token not in proc.output()
-
-
-@pytest.mark.slow
-def test_a_job_over_tls_equals_one_without(local_cluster, tmp_path, certificates):
-    from test_launcher_e2e import assert_same_as_unsplit
-
-    out = tmp_path / "result.pt"
-    proc = local_cluster.start("launch", "--workers", 2, *certificates[0].args(),
-                               SCRIPTS / "train_job.py", "--steps", 8, "--out", out)
-    assert proc.wait(JOB_TIMEOUT_S) == 0, proc.output()
-    assert_same_as_unsplit(out, "mlp", "adam", 2, 8)
-    assert torch.load(out)["losses"].numel() == 8

@@ -1,5 +1,6 @@
 """The shared-memory ring between two real processes: this test process at one
-end, tests/scripts/ring_peer.py at the other."""
+end, tests/support/scripts/ring_peer.py at the other. (A 1 GiB tensor through
+it: tests/e2e/test_shm_ring_e2e.py.)"""
 
 import hashlib
 import os
@@ -13,6 +14,7 @@ import threading
 import pytest
 import torch
 from cluster import SCRIPTS, Proc, pid_alive
+from ring_ends import PEER, RECV_S, START_S, attach, producer
 
 sys.path.insert(0, str(SCRIPTS))
 from ring_peer import ordered_message  # noqa: E402
@@ -38,11 +40,6 @@ from splitrun.runtime.transport.shm.ring import (
 )
 from splitrun.runtime.transport.shm.ring_segment import GIL_FREE_COPY_BYTES, copy_bytes
 
-PEER = SCRIPTS / "ring_peer.py"
-# Bounds a child's start-up (an interpreter importing torch) and its sends.
-START_S = 120.0
-# Bounds one receive: the child sends as soon as it is attached.
-RECV_S = 120.0
 SMALL_RING = 64 << 10
 
 
@@ -53,18 +50,6 @@ def prefix():
     left = [name for name in os.listdir(SHM_DIR) if name.startswith(prefix)]
     remove_job_segments(prefix)
     assert not left, f"files of the job left in {SHM_DIR}: {left}"
-
-
-def producer(prefix, capacity, *args, hold=False):
-    env = dict(os.environ, SPLITRUN_TEST_HOLD="1" if hold else "0")
-    proc = Proc([sys.executable, PEER, "produce", prefix, "w7-s0", capacity, *args], env=env)
-    proc.wait_for("created", START_S)
-    return proc
-
-
-def attach(prefix):
-    return RingReader.attach(prefix, "w7-s0", owner="server 0", peer="worker 7",
-                             timeout_s=START_S)
 
 
 def killed(proc):
@@ -102,27 +87,6 @@ def test_message_larger_than_the_ring_streams_through_it(prefix):
         want = bytes(range(256)) * (nbytes // 256)
         assert hashlib.sha256(buffer).digest() == hashlib.sha256(want).digest()
         reader.close()
-        assert proc.wait(START_S) == 0, proc.output()
-    finally:
-        proc.kill()
-
-
-@pytest.mark.xdist_group("one_gib")  # one at a time under pytest-xdist
-@pytest.mark.slow
-def test_a_1_gib_tensor(prefix):
-    numel = (1 << 30) // 4
-    proc = producer(prefix, 64 << 20, "int32", numel)
-    try:
-        reader = attach(prefix)
-        header, size = reader.recv_header(RECV_S)
-        assert (header, size) == (b"int32", 1 << 30)
-        received = torch.empty(numel, dtype=torch.int32)
-        reader.recv_payload_into_tensor(received, RECV_S)
-        reader.close()
-        step = 1 << 24
-        for start in range(0, numel, step):  # every element at its place
-            expected = torch.arange(start, min(start + step, numel), dtype=torch.int32)
-            assert torch.equal(received[start:start + step], expected), f"differs at {start}"
         assert proc.wait(START_S) == 0, proc.output()
     finally:
         proc.kill()

@@ -1,54 +1,46 @@
 """The transport contract, run against both transports: gRPC, and shared memory
 between peers on one host (a `RoutedTransport`, which must choose shared
-memory here). Messages arrive intact and in order, larger than the ring too (and a
-1 GiB one from another process), bad messages are refused with the receiver's
-reason and never reach the mailbox, and a peer that dies is named in the error.
-Nothing of a job is left under /dev/shm afterwards.
+memory here). Messages arrive intact and in order, larger than the ring too (a
+1 GiB one from another process: tests/e2e/test_transports_e2e.py), bad messages
+are refused with the receiver's reason and never reach the mailbox, and a peer
+that dies is named in the error. Nothing of a job is left under /dev/shm
+afterwards.
 
 Every wait is bounded; no sleep synchronises anything; timings decide nothing.
 """
 
 import dataclasses
-import hashlib
 import logging
 import os
 import signal
-import sys
 import time
 
 import pytest
 import torch
-from cluster import SCRIPTS, Proc, pid_alive
+from cluster import pid_alive
 from transport_pairs import (
-    BIG_TIMEOUT_S,
     INCARNATION,
+    KINDS,
     RECV_TIMEOUT_S,
     SETTINGS,
+    SMALL_RING,
     TOKEN,
     W0,
     W1,
     FLOAT_2x3,
     close_all,
     connect,
+    job_files,
     key,
+    make,
+    start_peer,
 )
 
 from splitrun.runtime import MessageKey, TransportError
 from splitrun.runtime.transport import ChannelContract
-from splitrun.runtime.transport.grpc import GrpcSettings, GrpcTransport
+from splitrun.runtime.transport.grpc import GrpcTransport
 from splitrun.runtime.transport.router import RoutedTransport, TransportChoice, TransportKind
 from splitrun.runtime.transport.shm.ring import SHM_DIR, new_job_prefix, remove_job_segments
-from splitrun.runtime.transport.shm.transport import ShmSettings
-from splitrun.splitter import Label
-
-# Small rings, so that ordinary test messages already stream through them in pieces.
-SMALL_RING = ShmSettings(ring_bytes=64 << 10, attach_timeout_s=10.0, send_timeout_s=30.0,
-                         message_timeout_s=60.0, poll_s=0.2)
-KINDS = ["grpc", "shm"]
-
-
-def job_files(prefix: str) -> list[str]:
-    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(prefix))
 
 
 @pytest.fixture
@@ -59,15 +51,6 @@ def prefix():
     left = job_files(prefix)
     remove_job_segments(prefix)
     assert left == [], f"files of the job left in {SHM_DIR}: {left}"
-
-
-def make(kind: str, label: Label, prefix: str, contracts=None,
-         ring: ShmSettings = SMALL_RING, settings: GrpcSettings = SETTINGS):
-    grpc = GrpcTransport(label, token=TOKEN, incarnation=INCARNATION, contracts=contracts,
-                         settings=settings)
-    if kind == "grpc":
-        return grpc
-    return RoutedTransport(grpc, prefix=prefix, choice=TransportChoice.SHM, settings=ring)
 
 
 W1_CONTRACTS = {
@@ -254,11 +237,6 @@ def test_a_refused_message_fails_the_sender_with_the_receivers_reason(pair, case
     a.close()  # already reported: close adds nothing
 
 
-def start_peer(kind: str, prefix: str, address: str, mode: str) -> Proc:
-    return Proc([sys.executable, SCRIPTS / "transport_peer.py", kind, prefix, TOKEN,
-                 INCARNATION, address, mode])
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_peer_that_dies_is_named_in_the_error(kind, prefix):
     a = make(kind, W0, prefix, W0_CONTRACTS)
@@ -288,28 +266,6 @@ def test_a_peer_that_dies_is_named_in_the_error(kind, prefix):
         except TransportError:
             pass  # already raised above
         remove_job_segments(prefix)  # what the killed process left: the launcher's job
-
-
-@pytest.mark.xdist_group("one_gib")  # one at a time under pytest-xdist
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_one_gib_tensor_crosses_from_another_process_intact(kind, prefix):
-    expected = {"big": ChannelContract(W1, ((torch.int64, (1 << 27,)),)),
-                "digest": ChannelContract(W1, ((torch.uint8, (16,)),))}
-    receiver = make(kind, W0, prefix, expected, ring=ShmSettings())
-    address = receiver.start()
-    sender = start_peer(kind, prefix, address, "big")
-    try:
-        receiver.set_peers({W1: sender.wait_for(r"^address (\S+)", 60).group(1)})
-        (big,) = receiver.recv(W1, key(0, "big"), BIG_TIMEOUT_S)
-        (digest,) = receiver.recv(W1, key(0, "digest"), RECV_TIMEOUT_S)
-        assert sender.wait(BIG_TIMEOUT_S) == 0, sender.output()
-        assert big.dtype == torch.int64 and big.shape == (1 << 27,)
-        assert hashlib.blake2b(memoryview(big.numpy()), digest_size=16).digest() == \
-            bytes(digest.tolist())
-    finally:
-        sender.kill()
-        receiver.close()
 
 
 def test_a_peer_that_sets_up_late_is_waited_for_over_shared_memory(prefix):

@@ -15,7 +15,7 @@ import argparse
 import sys
 
 import torch
-from test_scalar_param import NUM_STEPS, OPTIMIZERS, make
+from scalar_models import NUM_STEPS, OPTIMIZERS, make
 
 from splitrun.runtime.job import Job
 from splitrun.splitter import ParameterServerMode
