@@ -3,7 +3,7 @@ own error and step, quickly, and nothing is left running.
 
 The issue asks for 10 kills of each kind; each kill here is a whole job start
 (10-30 s on a loaded 2-core machine), so `make test` runs 3 of each and
-`SPLITRUN_KILL_REPEATS=10 pytest tests/test_faults_e2e.py -k killed` runs the
+`SPLITRUN_KILL_REPEATS=10 pytest tests/e2e/test_faults_e2e.py -k killed` runs the
 issue's 10 (see the README for its time).
 """
 

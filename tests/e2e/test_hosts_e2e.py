@@ -23,7 +23,7 @@ PROBE_START_S = 60.0
 # Epochs and the held-out accuracy each variant must reach. `address` trains the
 # main job to its 0.95 across the hosts (8 epochs, 176 steps: 0.9611 in one
 # process). `wildcard` differs only in what each process binds and advertises:
-# 3 epochs reach 0.9389 (tests/test_examples.py's run, checked at 0.9 there
+# 3 epochs reach 0.9389 (tests/e2e/test_examples.py's run, checked at 0.9 there
 # too), while 1 epoch reaches 0.875, so the job must still train every step.
 TRAINING = {"address": (8, 0.95), "wildcard": (3, 0.9)}
 

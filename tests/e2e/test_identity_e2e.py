@@ -54,7 +54,7 @@ def accuracy_line(output: str) -> str:
 @pytest.fixture(scope="module")
 def launched_reference(main_job_one_epoch):
     """examples/ps_train.py for one epoch through `splitrun launch`, 2 workers + 1
-    server (conftest.py's run, shared with tests/test_launcher_logs.py): its
+    server (conftest.py's run, shared with tests/e2e/test_launcher_logs_e2e.py): its
     checkpoint and held-out accuracy line."""
     return main_job_one_epoch.checkpoint, accuracy_line(main_job_one_epoch.output)
 

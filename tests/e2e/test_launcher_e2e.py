@@ -70,7 +70,7 @@ def test_killed_process_stops_the_job_and_leaves_no_child(local_cluster, tmp_pat
 
 def test_join_runs_a_job_without_the_launcher(local_cluster, tmp_path):
     """Joined processes on one host share memory under the scheduler's prefix
-    (tests/test_shm_e2e.py has the same after SIGKILLs)."""
+    (tests/e2e/test_shm_e2e.py has the same after SIGKILLs)."""
     from test_shm_e2e import job_files, job_prefix
 
     out = tmp_path / "result.pt"
@@ -141,7 +141,7 @@ def test_launch_help_shows_the_defaults_and_how_to_use_ray(capsys):
 
 def test_help_has_an_example(capsys):
     # The command's own parser, in this process (`python -m splitrun ... --help` as
-    # a process is tests/test_cli_options.py's).
+    # a process is tests/launcher/test_cli_options.py's).
     for command in ("launch", "plan", "join", "scheduler"):
         with pytest.raises(SystemExit) as exited:
             cli.main([command, "--help"])

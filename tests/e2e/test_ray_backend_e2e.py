@@ -157,9 +157,9 @@ def test_two_ray_nodes_servers_on_one_workers_on_the_other(tmp_path):
     """A Ray head in host a of the two-host harness (bench/hosts.py) offering
     `sr_server`, a second Ray node in host b offering `sr_worker`: the server
     runs on a, both workers on b, over the harness's 1 Gbit/s link, and the
-    job trains to its accuracy: 3 epochs reach 0.9389 (tests/test_examples.py's
+    job trains to its accuracy: 3 epochs reach 0.9389 (tests/e2e/test_examples.py's
     run, checked at 0.9 there too; 1 epoch reaches 0.875). The main job's 0.95
-    across two hosts is tests/test_hosts.py's."""
+    across two hosts is tests/e2e/test_hosts_e2e.py's."""
     from hosts import require_root, two_hosts
 
     require_root()

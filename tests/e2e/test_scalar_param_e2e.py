@@ -15,7 +15,7 @@ from scalar_models import NUM_STEPS, feeds, make
 @pytest.mark.parametrize("mode, optimizer", [("general", "adam"), ("ps", "adagrad")])
 def test_scalar_trained_through_the_launcher_equals_one_process(local_cluster, tmp_path, mode,
                                                                 optimizer):
-    """Real processes, real launcher (tests/scripts/scalar_job.py): the scalar
+    """Real processes, real launcher (tests/support/scripts/scalar_job.py): the scalar
     read on another process stays float32 and 0-dim and ends as in one process."""
     from cluster import SCRIPTS, assert_clean_output
 

@@ -38,7 +38,7 @@ def launch(local_cluster, tmp_path):
 @pytest.fixture
 def export(capsys):
     """`splitrun export DIRECTORY OUT`, run in this process (the command's own
-    function; `python -m splitrun` as a process is tests/test_cli_options.py's):
+    function; `python -m splitrun` as a process is tests/launcher/test_cli_options.py's):
     returns its exit status and what it wrote to stderr."""
     def export(directory, out):
         capsys.readouterr()
@@ -65,7 +65,7 @@ def test_ps_saved_with_two_servers_resumes_with_one_and_three(launch, ps_saved_a
                                                                tmp_path):
     _, directory = ps_saved_at_ten  # 2 workers, 2 servers, after step 10 of 20
     assert written_by(directory) == {"w0", "s0", "s1"}, "each server wrote its own file"
-    # The run that saved it, launched once for this test and tests/test_ps_e2e.py's.
+    # The run that saved it, launched once for this test and tests/e2e/test_ps_e2e.py's.
     straight = uninterrupted_ps_job("dense", "adam", steps=20, workers=2, servers=2)
     for servers in (1, 3):
         resumed = launch(PS_JOB, f"resumed{servers}", 2, servers, "--steps", 20,

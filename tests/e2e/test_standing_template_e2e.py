@@ -4,7 +4,7 @@ launcher stops them, reads how they ended and leaves none behind when it is
 SIGKILLed; two launchers use it at once; where it cannot serve a launch (gone,
 another environment, another nice value) the launch starts its own template and
 says why. (How
-each way of ending is reported: tests/test_start_methods_e2e.py, "standing".
+each way of ending is reported: tests/e2e/test_start_methods_e2e.py, "standing".
 conftest.py starts the standing template every launch of the suite uses.)"""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def served_by(template: StandingTemplateProc) -> dict[str, str]:
 
 
 def waiting_pids(proc, workers: int) -> dict[str, int]:
-    """The pids of each waiting worker (tests/scripts/endings.py --ending wait)
+    """The pids of each waiting worker (tests/support/scripts/endings.py --ending wait)
     and of the helper process it started in its group."""
     pids = {}
     for rank in range(workers):

@@ -20,7 +20,7 @@ from splitrun.runtime.transport.shm.copy_tunables import (
 )
 
 ENDINGS_JOB = SCRIPTS / "endings.py"
-# What the launcher says of each start of tests/scripts/endings.py but the
+# What the launcher says of each start of tests/support/scripts/endings.py but the
 # last, which ends cleanly (pids written as N).
 CAUSES = [
     "worker 0 (pid N) exited with code 3",

@@ -1,6 +1,6 @@
 """The launcher's side of the template process: which processes it forks.
 (Forked processes themselves, through the real launcher, are
-tests/test_start_methods_e2e.py's.)"""
+tests/e2e/test_start_methods_e2e.py's.)"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """TorchRec's own DLRM through `TorchRecInput`, split in threads (the
-splitter's loopback; tests/test_torchrec_e2e.py launches it): a table pooled
+splitter's loopback; tests/e2e/test_torchrec_e2e.py launches it): a table pooled
 by two features is one table, looked up once per step, trained in every mode
 and worker count equal to the unsplit step (one worker bit for bit), which
 equals plain single-process TorchRec; per-table optimizers and TorchRec's

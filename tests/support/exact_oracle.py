@@ -4,7 +4,7 @@ objective in whole bytes, written as an integer program and solved by HiGHS
 
 Enumerating every combination (`solver.brute_force`) is the plainest oracle,
 but a captured step has 1e10 to 1e30 combinations; the integer program finds
-the same optimum (tests/test_parallel_propagation.py checks that it does on
+the same optimum (tests/splitter/test_parallel_propagation.py checks that it does on
 problems small enough to enumerate) on steps of hundreds of variables.
 
 Whole bytes: every cost is rounded down to bytes (`cost.bytes_of`), dropping

@@ -3,7 +3,8 @@ step, and that one unique serves the lookup, the cache and the gradient;
 gradients leave a worker summed per unique id (embedding-cache mode, cached or
 not, and parameter-server mode's sparse gradients), and training results stay
 what they were (the one-worker and parameter-server equalities live in
-test_embedding_cache.py and test_embedding_bag.py).
+tests/runtime/engine/test_embedding_cache.py and
+tests/splitter/test_embedding_bag.py).
 """
 
 import operator

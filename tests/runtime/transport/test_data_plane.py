@@ -156,7 +156,7 @@ def test_tls_jobs_carry_tcp_over_tls(tmp_path):
 
 
 class Peer:
-    """tests/scripts/tcp_peer.py as worker 1, its lines read with a deadline."""
+    """tests/support/scripts/tcp_peer.py as worker 1, its lines read with a deadline."""
 
     def __init__(self, address: str, mode: str) -> None:
         self.proc = subprocess.Popen(

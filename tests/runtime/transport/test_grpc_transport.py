@@ -1,5 +1,5 @@
 """GrpcTransport over real sockets on 127.0.0.1, what the transport contract
-(tests/test_transports.py, run on gRPC and shared memory) does not cover:
+(tests/runtime/transport/test_transports.py, run on gRPC and shared memory) does not cover:
 chunking and the send queue's bound, a split program trained to the same
 numbers as the unsplit step, bad requests from a raw client refused with the
 right status and leaving the job alone, and waits and sends to a gone peer

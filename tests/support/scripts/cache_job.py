@@ -1,7 +1,7 @@
 """An embedding-cache job for the end-to-end tests, run by the real launcher.
 
-    PYTHONPATH=tests splitrun launch --workers 1 --servers 2 tests/scripts/cache_job.py \
-        --steps 20 --out r.pt
+    PYTHONPATH=tests/support splitrun launch --workers 1 --servers 2 \
+        tests/support/scripts/cache_job.py --steps 20 --out r.pt
 
 --stop-after N trains only up to step N (and --save writes a checkpoint there);
 --save-at N writes the checkpoint after step N instead and trains on (each

@@ -1,7 +1,7 @@
 """How a process started, and one way of ending per start of the job, for the
-tests of the launcher's start methods (tests/test_start_methods_e2e.py):
+tests of the launcher's start methods (tests/e2e/test_start_methods_e2e.py):
 
-    splitrun launch --workers 1 --max-restarts 6 tests/scripts/endings.py --dir DIR
+    splitrun launch --workers 1 --max-restarts 6 tests/support/scripts/endings.py --dir DIR
 
 Each start (one process) writes what it sees of itself to DIR/facts-K.json (K:
 the starts before it, counted by those files), then ends as ENDINGS[K] says.

@@ -1,7 +1,7 @@
 """A long-running job for the fault tests, run by the real launcher: it trains a
 small model over a few batches in a cycle, and can fail on purpose.
 
-    splitrun launch --workers 2 tests/scripts/fault_job.py --crash-rank 1 --crash-at 5
+    splitrun launch --workers 2 tests/support/scripts/fault_job.py --crash-rank 1 --crash-at 5
 
 --crash-rank R --crash-at N: worker R raises before its step N.
 --busy-rank R --busy-at N: worker R spins forever before its step N (its
@@ -99,7 +99,7 @@ def main() -> int:
     args = parser.parse_args()
 
     job = Job.from_env()
-    # Joined first, then the model code: a refused join (tests/test_register_e2e.py
+    # Joined first, then the model code: a refused join (tests/e2e/test_register_e2e.py
     # has four) exits without importing the splitter (~1 CPU-s each).
     from ps_models import make
     from train_job import build

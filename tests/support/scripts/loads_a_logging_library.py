@@ -1,7 +1,7 @@
 """examples/pipeline_split.py behind a leading import of fbgemm_gpu, a library
 that logs while it loads: the template imports it too (script_imports.py), and
 the processes forked from it must keep their log and progress lines
-(tests/test_launcher_logs.py)."""
+(tests/launcher/test_launcher_logs.py)."""
 
 import pathlib
 import runpy

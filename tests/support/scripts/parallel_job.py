@@ -1,10 +1,12 @@
 """A tensor-parallel training job for the end-to-end tests, run by the real launcher.
 
-    splitrun launch --workers 2 tests/scripts/parallel_job.py --steps 10 --out result.pt
-    splitrun launch --workers 4 tests/scripts/parallel_job.py --steps 5 --save ckpt.pt
-    splitrun launch --workers 4 tests/scripts/parallel_job.py --steps 5 --save ckpt.pt --save ckpt
-    splitrun launch --workers 2 tests/scripts/parallel_job.py --steps 10 --resume ckpt.pt
-    splitrun launch --workers 2 tests/scripts/parallel_job.py --backend torch_distributed ...
+    splitrun launch --workers 2 tests/support/scripts/parallel_job.py --steps 10 --out result.pt
+    splitrun launch --workers 4 tests/support/scripts/parallel_job.py --steps 5 --save ckpt.pt
+    splitrun launch --workers 4 tests/support/scripts/parallel_job.py --steps 5 --save ckpt.pt \
+        --save ckpt
+    splitrun launch --workers 2 tests/support/scripts/parallel_job.py --steps 10 --resume ckpt.pt
+    splitrun launch --workers 2 tests/support/scripts/parallel_job.py \
+        --backend torch_distributed ...
 
 The column- then row-parallel MLP of the parallel-mode tests. Worker 0 saves
 the losses, the final state (collected: full tensors) and its send counters to

@@ -1,7 +1,7 @@
 """A parameter-server job for the end-to-end tests, run by the real launcher.
 
-    PYTHONPATH=tests splitrun launch --workers 2 --servers 2 tests/scripts/ps_job.py \
-        --steps 20 --out r.pt
+    PYTHONPATH=tests/support splitrun launch --workers 2 --servers 2 \
+        tests/support/scripts/ps_job.py --steps 20 --out r.pt
 
 Worker 0 saves the final state gathered from every process to --out. With
 --stop-after N it trains only up to step N (and --save writes a checkpoint

@@ -1,4 +1,5 @@
-"""One end of a shared-memory ring in its own process, for tests/test_shm_ring.py.
+"""One end of a shared-memory ring in its own process, for tests/runtime/transport/test_shm_ring.py
+and tests/e2e/test_shm_ring_e2e.py.
 
     ring_peer.py produce PREFIX NAME CAPACITY KIND [ARG]
     ring_peer.py consume PREFIX NAME

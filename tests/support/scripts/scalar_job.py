@@ -1,8 +1,8 @@
 """A learnable temperature (a 0-dim float32 parameter) trained across processes,
-run by the real launcher (tests/test_scalar_param.py has the model):
+run by the real launcher (tests/support/scalar_models.py has the model):
 
-    splitrun launch --workers 2 tests/scripts/scalar_job.py --optimizer adam --out r.pt
-    splitrun launch --workers 2 --servers 1 tests/scripts/scalar_job.py --mode ps
+    splitrun launch --workers 2 tests/support/scripts/scalar_job.py --optimizer adam --out r.pt
+    splitrun launch --workers 2 --servers 1 tests/support/scripts/scalar_job.py --mode ps
 
 In general mode the scalar lives on worker 1 and is read on worker 0; in
 parameter-server mode it lives on the server. Worker 0 saves the final state

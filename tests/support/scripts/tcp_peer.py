@@ -1,4 +1,4 @@
-"""Worker 1 in its own process, for tests/test_data_plane.py.
+"""Worker 1 in its own process, for tests/runtime/transport/test_data_plane.py.
 
     tcp_peer.py TOKEN INCARNATION ADDRESS_OF_WORKER_0 MODE
 

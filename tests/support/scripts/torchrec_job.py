@@ -1,8 +1,8 @@
 """TorchRec's DLRM (a table pooled by two features) trained through
 `TorchRecInput` by the real launcher, for the end-to-end tests.
 
-    PYTHONPATH=tests splitrun launch --workers 2 --servers 1 tests/scripts/torchrec_job.py \
-        --mode cache --dense worker --steps 8 --out r.pt
+    PYTHONPATH=tests/support splitrun launch --workers 2 --servers 1 \
+        tests/support/scripts/torchrec_job.py --mode cache --dense worker --steps 8 --out r.pt
 
 --save PATH (each one: a .pt file, or else a sharded directory) saves after the
 last step; --torchrec-batches feeds TorchRec's `Batch` objects to

@@ -1,6 +1,6 @@
 """A training job for the end-to-end tests, run by the real launcher.
 
-    PYTHONPATH=examples splitrun launch --workers 3 tests/scripts/train_job.py \
+    PYTHONPATH=examples splitrun launch --workers 3 tests/support/scripts/train_job.py \
         --steps 12 --out result.pt [--microbatches 4 --schedule 1f1b]
 
 Worker 0 saves the losses and the final state gathered from every process to

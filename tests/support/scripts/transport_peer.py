@@ -1,4 +1,5 @@
-"""Worker 1 in its own process, for tests/test_transports.py.
+"""Worker 1 in its own process, for tests/runtime/transport/test_transports.py and
+tests/e2e/test_transports_e2e.py.
 
     transport_peer.py KIND PREFIX TOKEN INCARNATION ADDRESS_OF_WORKER_0 MODE
 
