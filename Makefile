@@ -18,7 +18,7 @@ $(STAMP): setup.cfg setup.py constraints.txt
 venv: $(STAMP) graphviz
 
 # graphviz's dot draws plan pictures (`splitrun plan --out plan.svg`, `make docs`,
-# tests/test_render.py). Installed quietly where it is missing and this runs as
+# tests/launcher/test_render.py). Installed quietly where it is missing and this runs as
 # root with apt-get (CI's Debian machines); elsewhere the line says how.
 graphviz:
 	@command -v dot >/dev/null 2>&1 || { \
@@ -57,9 +57,9 @@ lint: $(STAMP)
 test: lint graphviz
 	$(PY) tests/run_suites.py
 
-# Without the multi-process end-to-end tests.
+# Without the multi-process end-to-end tests (tests/e2e/, whose conftest marks them slow).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --ignore=tests/e2e
 
 # Regenerate the gRPC code in runtime/rpc/wire/ from proto/splitrun.proto.
 proto: $(STAMP)

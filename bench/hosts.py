@@ -77,7 +77,8 @@ def require_root() -> None:
         raise HostsError(
             f"the two-host harness needs root (network namespaces, veth, tc); this process "
             f"runs as uid {os.geteuid()}. Run the tests that use it as root (CI does), "
-            f"e.g. `sudo .venv/bin/python -m pytest tests/test_hosts.py`")
+            f"e.g. `sudo .venv/bin/python -m pytest tests/bench/test_hosts.py "
+            f"tests/e2e/test_hosts_e2e.py`")
     for tool in ("ip", "tc"):
         if not any(os.access(os.path.join(d, tool), os.X_OK)
                    for d in os.environ.get("PATH", "/usr/sbin:/sbin").split(os.pathsep)

@@ -1,4 +1,4 @@
-"""Shared test setup. Helper modules (tests/, tests/scripts/) and the examples'
+"""Shared test setup. Helper modules (tests/support/, tests/support/scripts/) and the examples'
 models (examples/) are importable through `pythonpath` in setup.cfg.
 
 Launched jobs are compared with references computed in this process bit for
@@ -7,7 +7,7 @@ launcher takes a user's OMP_NUM_THREADS as its thread budget, so setting it
 to this process's count makes every child compute as this process does.
 For the same reason launched jobs run on the CPU (SPLITRUN_DEVICE, the
 launcher's default device) also where a GPU is; the tests of the CUDA path
-(test_cuda.py) ask for `--device cuda`.
+(tests/e2e/test_cuda.py) ask for `--device cuda`.
 
 MKL chooses its GEMM kernels in each process; under heavy load a process
 now and then computes a few ulps apart from the others (on this project's
@@ -145,7 +145,7 @@ def local_cluster(tmp_path):
 
 class UninterruptedPsJobs:
     """`jobs(kind, optimizer, steps, workers, servers)`: what worker 0 of
-    tests/scripts/ps_job.py, launched (real launcher, real processes) and run
+    tests/support/scripts/ps_job.py, launched (real launcher, real processes) and run
     without interruption, wrote to --out. Each set of arguments is launched once
     per test session: several tests compare with the same uninterrupted job.
     Each run also writes a checkpoint after half its steps, in both formats,
@@ -201,7 +201,7 @@ def ps_saved_at_ten(uninterrupted_ps_job):
 
 @pytest.fixture(scope="session")
 def parallel_saved_at_five(tmp_path_factory):
-    """(a .pt file, a sharded directory): tests/scripts/parallel_job.py launched on
+    """(a .pt file, a sharded directory): tests/support/scripts/parallel_job.py launched on
     4 workers for 5 steps and saved at the end in both checkpoint formats; once per
     test session, for the plain and the sharded resume tests."""
     directory = tmp_path_factory.mktemp("parallel_saved_at_five")
@@ -228,10 +228,10 @@ class SavedRun:
 
 @pytest.fixture(scope="session")
 def cache_saved_at_ten(tmp_path_factory) -> SavedRun:
-    """tests/scripts/cache_job.py (Adagrad) on 1 worker and 2 servers with a
+    """tests/support/scripts/cache_job.py (Adagrad) on 1 worker and 2 servers with a
     40-row cache for 20 steps, saved after step 10 in both formats; launched
     once per test session, for the tests of its end and of resuming its
-    checkpoints (tests/test_cache_e2e.py, tests/test_sharded_checkpoint_e2e.py)."""
+    checkpoints (tests/e2e/test_cache_e2e.py, tests/e2e/test_sharded_checkpoint_e2e.py)."""
     directory = tmp_path_factory.mktemp("cache_saved_at_ten")
     run = SavedRun(directory / "run.pt", "", directory / "step10.pt", directory / "step10")
     cluster = LocalCluster(cwd=directory)
@@ -260,8 +260,8 @@ def main_job_one_epoch(tmp_path_factory) -> MainJobRun:
     `splitrun -v --log-dir DIR launch --metrics-dir DIR` (the global option
     before the subcommand, the other after it), saving a checkpoint at the end:
     launched once per test session, for the tests of the log and metrics files
-    (tests/test_launcher_logs.py) and as the reference the jobs started the
-    srun and torchrun ways must equal (tests/test_identity.py)."""
+    (tests/e2e/test_launcher_logs_e2e.py) and as the reference the jobs started the
+    srun and torchrun ways must equal (tests/e2e/test_identity_e2e.py)."""
     directory = tmp_path_factory.mktemp("main_job_one_epoch")
     run = MainJobRun("", directory / "logs", directory / "metrics", directory / "launch.pt")
     cluster = LocalCluster(cwd=directory)
@@ -279,8 +279,8 @@ def main_job_one_epoch(tmp_path_factory) -> MainJobRun:
 def main_job_three_epochs(tmp_path_factory) -> str:
     """The launcher's output of examples/ps_train.py for three epochs on 2
     workers and 1 server (`splitrun -v launch`, --min-accuracy 0.9): launched
-    once per test session, for the example's test (tests/test_examples.py) and
-    as the local run the Ray backend's must equal (tests/test_ray_backend.py;
+    once per test session, for the example's test (tests/e2e/test_examples.py) and
+    as the local run the Ray backend's must equal (tests/e2e/test_ray_backend_e2e.py;
     in its xdist group, so one worker launches it)."""
     directory = tmp_path_factory.mktemp("main_job_three_epochs")
     cluster = LocalCluster(cwd=directory)

@@ -1,0 +1,85 @@
+"""An embedding-cache job for the end-to-end tests, run by the real launcher.
+
+    PYTHONPATH=tests/support splitrun launch --workers 1 --servers 2 \
+        tests/support/scripts/cache_job.py --steps 20 --out r.pt
+
+--stop-after N trains only up to step N (and --save writes a checkpoint there);
+--save-at N writes the checkpoint after step N instead and trains on (each
+--save one: a .pt file, or else a sharded directory); --resume continues one.
+--bad-batch-at N --bad-batch KIND: the batch of step N is bad: `ids`, one id
+past its table; `type`, a string; `raises`, the batches' iterator raises there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from cache_models import make, make_sum_bags
+
+from splitrun.runtime.job import Job
+from splitrun.splitter import EmbeddingCacheMode
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--optimizer", default="adagrad")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--cache-rows", type=int, default=48)
+    parser.add_argument("--policy", default="lru")
+    parser.add_argument("--max-staleness", type=int, default=0)
+    parser.add_argument("--stop-after", type=int)
+    parser.add_argument("--save", action="append", default=[])
+    parser.add_argument("--save-at", type=int)
+    parser.add_argument("--resume")
+    parser.add_argument("--out")
+    parser.add_argument("--model", choices=["embeddings", "sum_bags"], default="embeddings")
+    parser.add_argument("--dense", choices=["server", "worker"], default="server")
+    parser.add_argument("--bad-batch-at", type=int)
+    parser.add_argument("--bad-batch", choices=["ids", "type", "raises"], default="ids")
+    args = parser.parse_args()
+
+    job = Job.from_env()
+    options = {"dense_on_servers": args.dense == "server"} if args.model == "sum_bags" else {}
+    program, batches = (make_sum_bags if args.model == "sum_bags" else make)(
+        args.optimizer, job.cluster.num_workers, args.steps, cache_rows=args.cache_rows,
+        policy=args.policy, max_staleness=args.max_staleness, **options)
+    trainer = job.start(program, EmbeddingCacheMode(dense=args.dense), num_steps=args.steps,
+                        resume=args.resume)
+    stop = args.stop_after or args.steps
+    mine = trainer.shard(batches[trainer.steps_done:stop])
+    if args.bad_batch_at is not None:
+        mine = spoiled(mine, args.bad_batch_at - trainer.steps_done, args.bad_batch)
+    for _ in trainer.run(mine):
+        if trainer.steps_done == args.save_at and job.is_worker:
+            for path in args.save:
+                trainer.save(path)
+    if args.save_at is None and job.is_worker:
+        for path in args.save:
+            trainer.save(path)
+    final_state = trainer.finish()
+    if job.is_driver and args.out:
+        torch.save({"state": final_state, "counters": trainer.cache_counters,
+                    "device": str(job.device)}, args.out)
+    return 0
+
+
+def spoiled(batches, at: int, kind: str):
+    """`batches` with the one at index `at` bad (see the module docstring)."""
+    for index, batch in enumerate(batches):
+        if index == at:
+            if kind == "raises":
+                raise ValueError(f"the data of batch {index} cannot be read")
+            if kind == "type":
+                batch = "not a batch"
+            else:
+                dense, ids, *rest = batch
+                ids = ids.clone()
+                ids[0, 0] = 10 ** 6  # past the table's rows
+                batch = (dense, ids, *rest)
+        yield batch
+
+
+if __name__ == "__main__":
+    sys.exit(main())
