@@ -117,8 +117,10 @@ def test_an_error_after_finish_is_the_scripts_own(local_cluster):
                                "--raise-after-finish")
     code = proc.wait(JOB_TIMEOUT_S)
     assert code == 1, proc.output()
+    # Worker 1 may still be finishing when the launcher judges: then it is stopped.
     assert re.search(r"worker 0 \(pid \d+\) exited with code 1 at step 4: ValueError: the "
-                     r"script's own error, after finish$", last_line(proc)), proc.output()
+                     r"script's own error, after finish(; stopped the other 1 process)?$",
+                     last_line(proc)), proc.output()
     assert "closed channel" not in proc.output()
     assert proc.output().count("Traceback (most recent call last)") == 1, proc.output()
 

@@ -1,5 +1,6 @@
 """`--log-dir` and `--metrics-dir` through the real launcher: one log file and
-one TensorBoard event file per process, and the event file holds the loss curve.
+one TensorBoard event file per process, and the event file holds the loss curve;
+a library that logs as it loads leaves a launched process's log lines alone.
 (The metrics' own arithmetic and the log lines' setup:
 tests/launcher/test_launcher_logs.py.)"""
 
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+from cluster import SCRIPTS
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from splitrun.runtime.job.metrics import channel_tag
@@ -62,3 +65,20 @@ def test_log_dir_and_metrics_dir_write_one_file_per_process(main_job_one_epoch):
         assert len(per_step) == NUM_STEPS and all(e.value > 0 for e in per_step), tag
     assert any(tag.startswith("recv_wait_s/") for tag in tags)
     assert any(tag.startswith("sent_bytes/") for tag in tags)
+
+
+@pytest.mark.parametrize("template", ["standing", "own"])
+def test_a_library_that_logs_as_it_loads_leaves_the_log_lines_alone(local_cluster, request,
+                                                                     template):
+    # fbgemm_gpu logs while it loads, which gives logging a default handler;
+    # the template imports it before forking, and a process's bootstrap must
+    # still configure its log lines and the driver's progress.
+    if template == "own":
+        request.getfixturevalue("own_template")
+    proc = local_cluster.run(SCRIPTS / "loads_a_logging_library.py", "--steps", 3, workers=3)
+    lines = proc.lines
+    assert any("template (pid" in line and "imported" in line and "fbgemm_gpu" in line
+               for line in lines), proc.output()
+    assert any(line.startswith("[worker 2] INFO ") and "joined as worker 2 " in line
+               for line in lines), proc.output()
+    assert any(line.startswith("[worker 0] step 3/3 ") for line in lines), proc.output()

@@ -1,8 +1,7 @@
 """What `--metrics-dir` writes per step (differences of the executor's counters,
 cache hit rates), and the log lines of a launched process: torch's fx advice
-dropped, a library that logs as it loads leaving them alone. (The files of
-`--log-dir` and `--metrics-dir` through the real launcher:
-tests/e2e/test_launcher_logs_e2e.py.)"""
+dropped. (The files of `--log-dir` and `--metrics-dir`, and a library that logs
+as it loads, through the real launcher: tests/e2e/test_launcher_logs_e2e.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-from cluster import SCRIPTS
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from splitrun.runtime.engine.executor import ExecutorStats
@@ -68,20 +66,3 @@ def test_torchs_is_fx_tracing_advice_is_not_printed_but_its_loggers_other_lines_
     assert done.returncode == 0 and "built" in output, output
     assert "another line of that logger" in output, output
     assert "is_fx_tracing will return true" not in output, output
-
-
-@pytest.mark.parametrize("template", ["standing", "own"])
-def test_a_library_that_logs_as_it_loads_leaves_the_log_lines_alone(local_cluster, request,
-                                                                     template):
-    # fbgemm_gpu logs while it loads, which gives logging a default handler;
-    # the template imports it before forking, and a process's bootstrap must
-    # still configure its log lines and the driver's progress.
-    if template == "own":
-        request.getfixturevalue("own_template")
-    proc = local_cluster.run(SCRIPTS / "loads_a_logging_library.py", "--steps", 3, workers=3)
-    lines = proc.lines
-    assert any("template (pid" in line and "imported" in line and "fbgemm_gpu" in line
-               for line in lines), proc.output()
-    assert any(line.startswith("[worker 2] INFO ") and "joined as worker 2 " in line
-               for line in lines), proc.output()
-    assert any(line.startswith("[worker 0] step 3/3 ") for line in lines), proc.output()
