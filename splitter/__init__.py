@@ -27,6 +27,7 @@ _EXPORTS = {
     "CaptureError": ".errors",
     "PlanError": ".errors",
     "PlanParseError": ".errors",
+    "RowInitError": ".errors",
     # the split
     "GraphSplitter": ".splitting.graph_splitter",
     "SplitProgram": ".splitting.graph_splitter",
@@ -50,6 +51,7 @@ _EXPORTS = {
     "EmbeddingCacheMode": ".modes.embedding_cache.mode",
     "CacheArtifacts": ".modes.embedding_cache.mode",
     "CachedTable": ".ops.cache",
+    "RowInit": ".ops.row_init",
     "CacheSettings": ".ops.cache",
     "EvictionPolicy": ".ops.cache",
     "ParallelMode": ".modes.parallel",

@@ -13,6 +13,7 @@ __all__ = [
     "CaptureError",
     "PlanError",
     "PlanParseError",
+    "RowInitError",
 ]
 
 
@@ -30,6 +31,10 @@ class CaptureError(SplitrunError):
 
 class PlanError(SplitrunError):
     """A split that cannot be made, or a plan that breaks its invariants."""
+
+
+class RowInitError(SplitrunError):
+    """A table's row initializer that is malformed or returns rows of the wrong shape."""
 
 
 class PlanParseError(PlanError):
