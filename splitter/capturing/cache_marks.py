@@ -8,6 +8,7 @@ from torch import nn
 
 from ..errors import CaptureError
 from ..ops.cache import CacheSettings, EvictionPolicy
+from ..ops.row_init import RowInit
 
 __all__ = ["place_embedding_cache", "cache_settings_of"]
 
@@ -16,14 +17,16 @@ _CACHE_ATTR = "_splitrun_cache"
 
 
 def place_embedding_cache(modules, *, cache_rows: int, policy: EvictionPolicy | str = "lru",
-                          max_staleness: int = 0):
+                          max_staleness: int = 0, init: RowInit | None = None):
     """Keep these `nn.Embedding` or `nn.EmbeddingBag` tables on the servers and
     cache `cache_rows` rows of each on every worker. `modules`: one table, or
     an iterable of them (an `nn.ModuleList` of tables). Bags take modes sum
     and mean; `padding_idx` works (that row is never updated), `max_norm`
-    does not."""
+    does not. `init` (`RowInit.normal(...)` etc.): the table's rows start
+    from it, made by each server for its own rows only, so the model may build
+    the table on the `meta` device (docs/embedding-cache.md)."""
     settings = CacheSettings(cache_rows, EvictionPolicy(policy) if isinstance(policy, str)
-                             else policy, max_staleness)
+                             else policy, max_staleness, init)
     tables = [modules] if isinstance(modules, nn.Module) and not isinstance(
         modules, (nn.ModuleList, nn.ModuleDict)) else list(
         modules.values() if isinstance(modules, nn.ModuleDict) else modules)

@@ -19,6 +19,7 @@ from enum import Enum
 import torch
 
 from ..errors import CaptureError, PlanError
+from .row_init import RowInit
 
 __all__ = ["EvictionPolicy", "CacheSettings", "CachedTable", "cached_lookup", "cached_bag",
            "cached_bag_gradient", "cached_update", "cached_bags", "cached_bags_update"]
@@ -39,6 +40,10 @@ class CacheSettings:
     # is older than this many steps (0: every step, exactly parameter-server mode);
     # the staleness rule of ParameterServerMode(staleness=s), for rows.
     max_staleness: int = 0
+    # How the table's rows start (row_init.RowInit): set, the servers make their
+    # own rows from it as they are first used and the model's tensor is never
+    # read (it may sit on the `meta` device); None: rows start as the model's.
+    init: RowInit | None = None
 
     def write_back(self, num_workers: int) -> bool:
         """One worker caching rows owns them while cached: updates stay in the
