@@ -3,8 +3,10 @@
 Local ops run on the process's device; a SEND hands tensors to the transport
 (never blocking on the receiver); a RECV waits on the mailbox with a deadline
 (the transport checked the message against its channel's receive contract
-when it arrived). Values are freed
-after their last use, as `torch.fx.Interpreter` does.
+when it arrived). The schedule runs as straight-line code generated once,
+at construction (`step_code`): locals, arguments written into each call,
+values freed by `del` after their last use, as `torch.fx`'s code generation
+does for a `GraphModule`. A failing op's error names its node and module.
 
 With a staleness bound s (`SplitPlan.staleness`, parameter-server mode), the
 receive of a data-sync channel at step c takes the newest version that has
@@ -38,6 +40,7 @@ from ..errors import MessageRejected, RecvTimeout, SplitrunError, StepFailed
 from ..transport.dtypes import nbytes_of
 from ..transport.protocol import MessageKey, Transport
 from ..transport.receiving import Receive, receiving
+from . import step_code
 from .tiles import find_tiled_runs
 
 __all__ = ["Executor", "ExecutorStats", "ChannelStats"]
@@ -97,39 +100,6 @@ class ExecutorStats:
         }
 
 
-class _Ref:
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
-def _binder(args, kwargs):
-    """A function env -> (args, kwargs) with node references filled in."""
-    flat = all(not isinstance(a, (list, tuple, dict)) for a in args)
-    if flat and not any(isinstance(v, (_Ref, list, tuple, dict)) for v in kwargs.values()):
-        refs = [(i, a.name) for i, a in enumerate(args) if isinstance(a, _Ref)]
-        template = list(args)
-
-        def bind_flat(env):
-            values = template.copy()
-            for i, name in refs:
-                values[i] = env[name]
-            return values, kwargs
-        return bind_flat
-
-    def resolve(obj, env):
-        if isinstance(obj, _Ref):
-            return env[obj.name]
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(resolve(o, env) for o in obj)
-        if isinstance(obj, dict):
-            return {k: resolve(v, env) for k, v in obj.items()}
-        return obj
-
-    return lambda env: (resolve(args, env), resolve(kwargs, env))
-
-
 def _forward_values(program: Program) -> frozenset[str]:
     """The names of the nodes the loss depends on: the forward's values."""
     loss = [o.node for o in program.outputs if o.kind is OutputKind.LOSS]
@@ -141,48 +111,6 @@ def _forward_values(program: Program) -> frozenset[str]:
             seen.add(node.name)
             stack.extend(node.all_input_nodes)
     return frozenset(seen)
-
-
-class _LiveBytes:
-    """The bytes of memory the forward's values a step computed or received
-    hold, and their peak: each storage counted once however many views share
-    it, never the storage of the state or the feeds the step started with."""
-
-    __slots__ = ("_counted", "_given", "_held", "_storages", "live", "peak")
-
-    def __init__(self, given, counted: frozenset[str]) -> None:
-        self._counted = counted
-        self._given = {v.untyped_storage().data_ptr() for v in given
-                       if isinstance(v, torch.Tensor)}
-        self._held: dict[str, int] = {}               # value name -> storage
-        self._storages: dict[int, list[int]] = {}    # storage -> [references, bytes]
-        self.live = self.peak = 0
-
-    def hold(self, name: str, value) -> None:
-        if name not in self._counted or not isinstance(value, torch.Tensor):
-            return
-        storage = value.untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer in self._given:
-            return
-        self._held[name] = pointer
-        entry = self._storages.get(pointer)
-        if entry is None:
-            self._storages[pointer] = [1, storage.nbytes()]
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-        else:
-            entry[0] += 1
-
-    def drop(self, name: str) -> None:
-        pointer = self._held.pop(name, None)
-        if pointer is None:
-            return
-        entry = self._storages[pointer]
-        entry[0] -= 1
-        if not entry[0]:
-            self.live -= entry[1]
-            del self._storages[pointer]
 
 
 class Executor:
@@ -237,53 +165,62 @@ class Executor:
     # -- setup --
 
     def _compile(self) -> None:
+        """Generate this process's step (`step_code`): everything the plan
+        decides, decided here once."""
         program, proc = self.program, self.proc
-        self._state_nodes = {key: program.input_for_key(key).node for key in proc.state}
-        self._feed_nodes = {key: program.input_for_key(key).node for key in proc.feeds}
-        self._output_nodes = {o.key: o.node for o in program.outputs if o.key in set(proc.outputs)}
-        self._state_updates = {}
+        state_nodes = {key: program.input_for_key(key).node for key in proc.state}
+        feed_nodes = {key: program.input_for_key(key).node for key in proc.feeds}
+        outputs = {o.key: o.node for o in program.outputs if o.key in set(proc.outputs)}
+        updates = {}
         for key in proc.state:
             spec = program.state_output(key)
             if spec is not None:
-                self._state_updates[key] = spec.node
-        self._constants = {n.name: getattr(program.graph_module, n.target)
-                           for n in self._nodes.values() if n.op == "get_attr"}
-        self._forward = _forward_values(program)
+                updates[key] = spec.node
+        constants = {n.name: getattr(program.graph_module, n.target)
+                     for n in self._nodes.values() if n.op == "get_attr"}
 
         ops = []
         for instr in proc.schedule:
             if instr.kind is OpKind.RUN:
                 node = self._nodes[instr.target]
-                args = fx.node.map_arg(node.args, lambda n: _Ref(n.name))
-                kwargs = dict(fx.node.map_arg(node.kwargs, lambda n: _Ref(n.name)))
-                if isinstance(kwargs.get("device"), torch.device):
-                    kwargs["device"] = self.device  # graphs are captured on CPU
                 target = self._bindings.get(node.target, node.target)
-                ops.append((OpKind.RUN, node.name, target, _binder(args, kwargs)))
+                ops.append(step_code.Op("run", node.name, target=target))
             else:
                 channel = self.plan.channel(instr.target)
                 if instr.kind is OpKind.SEND:
-                    ops.append((OpKind.SEND, channel.name, channel.dst, channel.values))
+                    ops.append(step_code.Op("send", channel.name, peer=channel.dst,
+                                            values=tuple(channel.values)))
                 else:
-                    ops.append((OpKind.RECV, channel.name, channel.src, channel.recv_names))
-        self._ops = ops
-        self._check_markers_bound()
-        self._free_after, last_use = self._last_uses(ops)
-        kept = set(self._output_nodes.values()) | set(self._state_updates.values())
-        scheduled = [self._nodes[name] if kind is OpKind.RUN and target is self._nodes[name].target
-                     else None for kind, name, target, _ in ops]
-        self._tiled = {}  # first index -> (last index, run)
+                    ops.append(step_code.Op(
+                        "recv", channel.name, peer=channel.src,
+                        values=tuple(channel.recv_names),
+                        bounded=channel.name in self._bounded,
+                        synced=channel.name in self._synced))
+        self._check_markers_bound(ops)
+        last_use = step_code.last_uses(ops, self._nodes)
+        kept = set(outputs.values()) | set(updates.values())
+        scheduled = [self._nodes[op.name] if op.kind == "run"
+                     and op.target is self._nodes[op.name].target else None for op in ops]
+        tiled = {}  # first index -> (last index, run)
         if self.device.type == "cpu":
-            self._tiled = {first: (last, run) for first, last, run in find_tiled_runs(
+            tiled = {first: (last, run) for first, last, run in find_tiled_runs(
                 scheduled, lambda name, i: name in kept or last_use.get(name, -1) > i)}
+        self._feed_keys = tuple(feed_nodes)
+        self._peaks: dict[tuple, int] = {}  # step shape -> peak activation bytes
+        self.code = step_code.generate(
+            title=self.label.describe(), ops=ops, nodes=self._nodes, state=state_nodes,
+            feeds=feed_nodes, constants=constants, outputs=outputs, updates=updates,
+            forward=_forward_values(program), tiled=tiled, device=self.device,
+            helpers={"send": self._send, "recv": self._receive,
+                     "recv_bounded": self._receive_bounded, "synced": self._keep_synced})
 
-    def _check_markers_bound(self) -> None:
+    def _check_markers_bound(self, ops) -> None:
         """Every marker op this process runs has a binding (a marker only
         stands for what the runtime binds it to; unbound, it would raise at
         its first run, in the middle of a step)."""
-        unbound = [(name, target) for kind, name, target, _ in self._ops
-                   if kind is OpKind.RUN and isinstance(target, FunctionType)
-                   and target in MARKERS]
+        unbound = [(op.name, op.target) for op in ops
+                   if op.kind == "run" and isinstance(op.target, FunctionType)
+                   and op.target in MARKERS]
         if unbound:
             nodes = ", ".join(f"{name} ({target.__name__}, bound to {MARKERS[target]})"
                               for name, target in unbound)
@@ -292,22 +229,6 @@ class Executor:
                 f"ops it has no binding for: {nodes}; run the split through "
                 f"ProcessRuntime (Job.start or run_threaded binds every marker a process "
                 f"runs), or pass Executor(bindings=...) for each")
-
-    def _last_uses(self, ops) -> tuple[list[list[str]], dict[str, int]]:
-        keep = set(self._output_nodes.values()) | set(self._state_updates.values())
-        last: dict[str, int] = {}
-        for index, (kind, name, _, payload) in enumerate(ops):
-            if kind is OpKind.RUN:
-                for arg in self._nodes[name].all_input_nodes:
-                    last[arg.name] = index
-            elif kind is OpKind.SEND:
-                for value in payload:
-                    last[value] = index
-        free_after: list[list[str]] = [[] for _ in ops]
-        for name, index in last.items():
-            if name not in keep and name not in self._constants:
-                free_after[index].append(name)
-        return free_after, last
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Take the state this process owns from `state` (a full or partial dict)."""
@@ -334,75 +255,39 @@ class Executor:
         started = time.perf_counter()
         if self._first_step is None:
             self._first_step = step
-        env: dict[str, object] = dict(self._constants)
-        for key, node in self._state_nodes.items():
-            env[node] = self.state[key]
-        for key, node in self._feed_nodes.items():
-            if key not in feeds:
-                raise SplitrunError(
-                    f"{self._tag} step {step}: feed {key!r} is missing; this process "
-                    f"reads {', '.join(self.proc.feeds)}")
-            env[node] = feeds[key].to(self.device, non_blocking=True)
+        missing = [key for key in self._feed_keys if key not in feeds]
+        if missing:
+            raise SplitrunError(
+                f"{self._tag} step {step}: feed {missing[0]!r} is missing; this process "
+                f"reads {', '.join(self.proc.feeds)}")
+        # A serving process's first receive waits for the next step: idle.
+        idle = first_recv_timeout_s is not None
+        first_timeout = first_recv_timeout_s if idle else self.recv_timeout_s
+        between = None if control is None else (
+            MessageKey(self.incarnation, step, control[0]), control[1])
+        shape = tuple((getattr(feeds[key], "shape", None), getattr(feeds[key], "dtype", None))
+                      for key in self._feed_keys)
+        peak = self._peaks.get(shape)
+        code = self.code
+        try:
+            if peak is not None:
+                outputs, updates = code.step(step, self.state, feeds, self.tile_pointwise,
+                                             self.recv_timeout_s, first_timeout, between, idle)
+            else:  # the first step of this shape also counts its activations' bytes
+                outputs, updates, peak = code.measured(
+                    step, self.state, feeds, self.tile_pointwise, self.recv_timeout_s,
+                    first_timeout, between, idle)
+                self._peaks[shape] = peak
+        except Exception as exc:
+            where = code.failed_at(exc)
+            if where is None:
+                raise
+            raise self._failure(step, where, exc) from exc
+        self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, peak)
 
-        index = 0
-        live = _LiveBytes(env.values(), self._forward)
-        while index < len(self._ops):
-            kind, name, target, payload = self._ops[index]
-            tiled = self._tiled.get(index) if self.tile_pointwise else None
-            if tiled is not None and tiled[1].can_tile(env):
-                last, run = tiled
-                self._run_tiled(step, run, env)
-                for done in range(index, last + 1):
-                    for dead in self._free_after[done]:
-                        env.pop(dead, None)
-                        live.drop(dead)
-                index = last + 1
-                continue
-            if kind is OpKind.RUN:
-                args, kwargs = payload(env)
-                try:
-                    value = env[name] = target(*args, **kwargs)
-                except Exception as exc:
-                    module = self.program.module_of(self._nodes[name])
-                    where = f" (module {module!r})" if module else ""
-                    raise StepFailed(
-                        f"{self._tag} step {step}: node {name}{where} "
-                        f"({getattr(target, '__name__', target)}) raised "
-                        f"{type(exc).__name__}: {exc}") from exc
-                live.hold(name, value)
-            elif kind is OpKind.SEND:
-                tensors = [env[v] for v in payload]
-                self.transport.send(target, MessageKey(self.incarnation, step, name), tensors)
-                counter = self.stats.sent[name]
-                counter.messages += 1
-                counter.bytes += nbytes_of(tensors)
-            else:
-                timeout, between_steps = self.recv_timeout_s, None
-                # A serving process's first receive waits for the next step: idle.
-                idle = first_recv_timeout_s is not None
-                if first_recv_timeout_s is not None:
-                    timeout, first_recv_timeout_s = first_recv_timeout_s, None
-                if control is not None:
-                    between_steps = (MessageKey(self.incarnation, step, control[0]), control[1])
-                    control = None
-                if name in self._bounded:
-                    self._receive_bounded(step, name, target, payload, env, timeout)
-                else:
-                    self._receive(step, name, target, payload, env, timeout, between_steps,
-                                  idle=idle)
-                    if self.keep_synced and name in self._synced:
-                        self._held[name] = (step, [env[n] for n in payload])
-                for received in payload:
-                    live.hold(received, env[received])
-            for dead in self._free_after[index]:
-                env.pop(dead, None)
-                live.drop(dead)
-            index += 1
-        self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, live.peak)
-
-        outputs = {key: self._owned(env[node]) for key, node in self._output_nodes.items()}
-        for key, node in self._state_updates.items():
-            self.state[key] = self._owned(env[node])
+        outputs = {key: self._owned(value) for key, value in outputs.items()}
+        for key, value in updates.items():
+            self.state[key] = self._owned(value)
         for channel, (version, tensors) in self._held.items():
             # Kept for later steps: must not hold the sender's ring room.
             self._held[channel] = (version, [self._owned(t) for t in tensors])
@@ -410,14 +295,29 @@ class Executor:
         self.stats.step_s += time.perf_counter() - started
         return outputs
 
-    def _run_tiled(self, step: int, run, env) -> None:
-        try:
-            run.run(env)
-        except Exception as exc:
-            raise StepFailed(
-                f"{self._tag} step {step}: the elementwise ops {', '.join(run.names)}, run "
-                f"tile by tile, raised {type(exc).__name__}: {exc} (Executor("
-                f"tile_pointwise=False) runs them op by op)") from exc
+    def _failure(self, step: int, where: step_code.Where, exc: Exception) -> StepFailed:
+        """The error of a step whose node (or tiled run) `where` raised `exc`."""
+        if where.tiled is not None:
+            return StepFailed(
+                f"{self._tag} step {step}: the elementwise ops {', '.join(where.tiled.names)}, "
+                f"run tile by tile, raised {type(exc).__name__}: {exc} (Executor("
+                f"tile_pointwise=False) runs them op by op)")
+        module = self.program.module_of(self._nodes[where.node])
+        place = f" (module {module!r})" if module else ""
+        return StepFailed(
+            f"{self._tag} step {step}: node {where.node}{place} "
+            f"({getattr(where.target, '__name__', where.target)}) raised "
+            f"{type(exc).__name__}: {exc}")
+
+    def _send(self, step: int, channel: str, dst: Label, tensors: list[torch.Tensor]) -> None:
+        self.transport.send(dst, MessageKey(self.incarnation, step, channel), tensors)
+        counter = self.stats.sent[channel]
+        counter.messages += 1
+        counter.bytes += nbytes_of(tensors)
+
+    def _keep_synced(self, channel: str, step: int, tensors: list[torch.Tensor]) -> None:
+        if self.keep_synced:
+            self._held[channel] = (step, tensors)
 
     def _owned(self, value):
         """`value`, copied if it views memory the transport lent for a receive:
@@ -432,8 +332,9 @@ class Executor:
         from whom, since when, and whether it still waits (`Receive.is_stuck`)."""
         return self._waiting
 
-    def _receive(self, step, channel, src, recv_names, env, timeout_s, control, *,
-                 idle: bool = False) -> None:
+    def _receive(self, step, channel, src, count, timeout_s, control,
+                 idle: bool = False) -> list[torch.Tensor]:
+        """Channel `channel`'s `count` tensors of step `step`, on this device."""
         key = MessageKey(self.incarnation, step, channel)
         waited = time.perf_counter()
         since = time.monotonic()
@@ -452,16 +353,19 @@ class Executor:
                 self._waiting = None
         waited = time.perf_counter() - waited
         self.stats.recv_wait_s += waited
-        if len(tensors) != len(recv_names):
+        if len(tensors) != count:
             raise MessageRejected(
                 f"{self._tag} step {step}: channel {channel!r} from {src.describe()} "
-                f"carried {len(tensors)} tensors, the plan expects {len(recv_names)}")
-        for name, tensor in zip(recv_names, tensors):
-            env[name] = tensor if tensor.device == self.device else tensor.to(self.device)
+                f"carried {len(tensors)} tensors, the plan expects {count}")
         counter = self.stats.received[channel]
         counter.messages += 1
         counter.bytes += nbytes_of(tensors)
         counter.wait_s += waited
+        return self._here(tensors)
+
+    def _here(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        device = self.device
+        return [t if t.device == device else t.to(device) for t in tensors]
 
     def synced_state(self) -> dict[str, torch.Tensor]:
         """The state the last step read through data-syncs (in parameter-server
@@ -475,7 +379,7 @@ class Executor:
                 state.update((key, tensors[index]) for index, key in keys)
         return state
 
-    def _receive_bounded(self, step, channel, src, recv_names, env, timeout_s) -> None:
+    def _receive_bounded(self, step, channel, src, count, timeout_s) -> list[torch.Tensor]:
         """A staleness-bounded data-sync receive (see the module's docstring):
         the newest version arrived, or a wait for version step - s if even
         that is older than the bound allows."""
@@ -485,15 +389,14 @@ class Executor:
         newest = self._take_newest(step, channel, src, max(held_version, self._first_step - 1))
         if newest is None and held_version < oldest_allowed:
             # Past the bound: wait for the oldest version it allows.
-            self._receive(oldest_allowed, channel, src, recv_names, env, timeout_s, None)
+            waited = self._receive(oldest_allowed, channel, src, count, timeout_s, None)
             newest = (self._take_newest(step, channel, src, oldest_allowed)
-                      or (oldest_allowed, [env[name] for name in recv_names]))
+                      or (oldest_allowed, waited))
         if newest is not None:
             self._held[channel] = newest
         version, tensors = self._held[channel]
         self._note_version(step, channel, version)
-        for name, tensor in zip(recv_names, tensors):
-            env[name] = tensor if tensor.device == self.device else tensor.to(self.device)
+        return self._here(tensors)
 
     def _take_newest(self, step, channel, src, after: int
                      ) -> tuple[int, list[torch.Tensor]] | None:
