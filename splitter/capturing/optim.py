@@ -6,7 +6,8 @@ Each update mirrors the single-tensor (`foreach=False`) algorithm of its
 rounding. With `foreach=True` the update is instead one call of torch's own
 multi-tensor kernel (`ops.multi_tensor.foreach_update`), equal to
 `torch.optim.X(..., foreach=True)` bit for bit; the splitter groups those
-calls per process (`splitting.update_groups`). Learning rate and step count are graph inputs (float64 scalars, as
+calls per process (`splitting.update_groups`).
+Learning rate and step count are graph inputs (float64 scalars, as
 torch computes them in Python floats), so schedules change them without a
 re-capture.
 """
