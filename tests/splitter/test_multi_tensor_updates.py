@@ -8,7 +8,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitrun.runtime import run_threaded
-from splitrun.splitter import Cluster, capture, check_plan, split_program
+from splitrun.splitter import (
+    Cluster,
+    ParameterServerMode,
+    capture,
+    check_plan,
+    place,
+    split_program,
+)
 from splitrun.splitter.ops.multi_tensor import foreach_update
 
 NUM_STEPS = 5
@@ -21,12 +28,14 @@ OPTIMIZERS = {
 }
 
 
-def _case(name):
+def _case(name, on_servers=False):
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
     generator = torch.Generator().manual_seed(4)
     data = [(torch.randn(8, 6, generator=generator),
              torch.randint(0, 3, (8,), generator=generator)) for _ in range(NUM_STEPS)]
+    if on_servers:
+        place(model, role="server")
     eager = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
     eager.load_state_dict(model.state_dict())
     program = capture(model, lambda m, x, y: F.cross_entropy(m(x), y),
@@ -50,3 +59,19 @@ def test_one_worker_equals_torch_foreach_bit_for_bit(name):
         reference.step()
     for key, param in eager.named_parameters():
         assert torch.equal(run.state[key], param.detach()), key
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("num_servers", [1, 2])
+def test_parameter_server_split_equals_unsplit_bit_for_bit(name, num_servers):
+    program, feeds, _ = _case(name, on_servers=True)
+    split = split_program(program, Cluster(1, num_servers), ParameterServerMode())
+    check_plan(split.plan, split.program)
+    for proc in split.plan.processes:
+        calls = [i for i in proc.schedule if i.target.startswith("foreach_update")]
+        assert len(calls) <= 1, f"{proc.label}: one multi-tensor call, got {calls}"
+    _, expected_state = program.train_unsplit(NUM_STEPS, feeds)
+    run = run_threaded(split, NUM_STEPS, feeds, recv_timeout_s=30)
+    for key, value in expected_state.items():
+        assert torch.equal(run.state[key], value), key
+    assert not torch.equal(run.state["0.weight"], program.initial_state["0.weight"])
