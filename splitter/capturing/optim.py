@@ -3,7 +3,11 @@ them into the step's graph as ordinary nodes labelled with the parameter's owner
 
 Each update mirrors the single-tensor (`foreach=False`) algorithm of its
 `torch.optim` namesake op for op, so a captured step tracks eager PyTorch to
-rounding. Learning rate and step count are graph inputs (float64 scalars, as
+rounding. With `foreach=True` the update is instead one call of torch's own
+multi-tensor kernel (`ops.multi_tensor.foreach_update`), equal to
+`torch.optim.X(..., foreach=True)` bit for bit; the splitter groups those
+calls per process (`splitting.update_groups`).
+Learning rate and step count are graph inputs (float64 scalars, as
 torch computes them in Python floats), so schedules change them without a
 re-capture.
 """
@@ -61,6 +65,7 @@ class SGD(Optimizer):
     weight_decay: float = 0.0
     nesterov: bool = False
     maximize: bool = False
+    foreach: bool = False
 
     def __post_init__(self) -> None:
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
@@ -90,6 +95,7 @@ class Adam(Optimizer):
     eps: float = 1e-8
     weight_decay: float = 0.0
     maximize: bool = False
+    foreach: bool = False
     state_names: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq")
     _decoupled: ClassVar[bool] = False
 
@@ -125,6 +131,7 @@ class Adagrad(Optimizer):
     initial_accumulator_value: float = 0.0
     eps: float = 1e-10
     maximize: bool = False
+    foreach: bool = False
     state_names: ClassVar[tuple[str, ...]] = ("sum",)
 
     def init_state(self, param):
@@ -175,20 +182,26 @@ def from_torch(optimizer: torch.optim.Optimizer) -> list[tuple[Optimizer, list[t
                     f"{kind.__name__} param group {index} sets {flag}=True, which "
                     f"splitrun's functional {kind.__name__} does not implement; "
                     f"turn it off")
+        # foreach=True: torch's multi-tensor kernels; None (torch's default,
+        # single-tensor on the CPU) and False: the single-tensor chain.
+        foreach = bool(group.get("foreach"))
         if kind is torch.optim.SGD:
             functional = SGD(lr=group["lr"], momentum=group["momentum"],
                              dampening=group["dampening"],
                              weight_decay=group["weight_decay"],
-                             nesterov=group["nesterov"], maximize=group["maximize"])
+                             nesterov=group["nesterov"], maximize=group["maximize"],
+                             foreach=foreach)
         elif kind in (torch.optim.Adam, torch.optim.AdamW):
             cls = AdamW if kind is torch.optim.AdamW else Adam
             functional = cls(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
-                             weight_decay=group["weight_decay"], maximize=group["maximize"])
+                             weight_decay=group["weight_decay"], maximize=group["maximize"],
+                             foreach=foreach)
         elif kind is torch.optim.Adagrad:
             functional = Adagrad(lr=group["lr"], lr_decay=group["lr_decay"],
                                  weight_decay=group["weight_decay"],
                                  initial_accumulator_value=group["initial_accumulator_value"],
-                                 eps=group["eps"], maximize=group["maximize"])
+                                 eps=group["eps"], maximize=group["maximize"],
+                                 foreach=foreach)
         else:
             raise CaptureError(
                 f"optimizer {kind.__name__} has no functional version in splitrun; "

@@ -34,6 +34,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from ..errors import CaptureError
 from ..labels import LABEL_ANNOTATION, MODULE_ANNOTATION, placement_of
 from ..ops.bags import bag_gradient
+from ..ops.multi_tensor import MULTI_TENSOR_UPDATES, foreach_update
 from ..ops.sparse_updates import ROW_WISE_UPDATES
 from ..program import (
     InputKind,
@@ -465,6 +466,10 @@ class _StepBuilder:
             if name in self.sparse_grads:
                 new_param, new_state = self._sparse_update(
                     functional, params[name], state_nodes, lr, owner, name)
+            elif getattr(functional, "foreach", False):
+                new_param, new_state = self._foreach_update(
+                    functional, params[name], self.input_nodes[name], self.grads[name],
+                    state_nodes, lr, self.input_nodes["step"], owner, name)
             else:
                 new_param, new_state = self._inline_update(
                     functional, params[name], self.input_nodes[name], self.grads[name],
@@ -521,6 +526,29 @@ class _StepBuilder:
             env[node] = new
         new_param, *new_states = results
         return new_param, dict(zip(state_names, new_states))
+
+    def _foreach_update(self, functional, param, param_node, grad_node, state_nodes,
+                        lr_node, step_node, owner, name):
+        """One `foreach_update` node of one parameter (the splitter groups them
+        per process) and a getitem per result."""
+        settings = {k: v for k, v in vars(functional).items()
+                    if not k.startswith("_") and k not in ("lr", "foreach", "state_names")}
+        state_names = tuple(state_nodes)
+        args = (param_node, grad_node, *state_nodes.values(), lr_node, step_node)
+        update = self.graph.call_function(
+            foreach_update, args,
+            {"optimizer": type(functional).__name__, "num_params": 1, **settings})
+        results = [self.graph.call_function(operator.getitem, (update, i))
+                   for i in range(1 + len(state_names))]
+        meta = torch.empty(tuple(param.shape), dtype=param.dtype, device="meta")
+        update.meta["val"] = tuple(meta for _ in results)
+        for node in (update, *results):
+            if owner is not None:
+                set_node_annotation(node, owner)
+            set_node_annotation(node, f"optimizer.{name}", MODULE_ANNOTATION)
+        for node in results:
+            node.meta["val"] = meta
+        return results[0], dict(zip(state_names, results[1:]))
 
     def _sparse_update(self, functional, param, state_nodes, lr_node, owner, name):
         """One row-wise update node (its output shapes depend on the data, so it
@@ -598,7 +626,8 @@ class _StepValues(FakeTensorProp):
             result = super().run_node(n)
             n.meta["val"] = None
             return result
-        if n.op == "call_function" and n.target in ROW_WISE_UPDATES:
+        if n.op == "call_function" and (n.target in ROW_WISE_UPDATES
+                                        or n.target in MULTI_TENSOR_UPDATES):
             with self._mode:
                 result = tuple(torch.empty(t.shape, dtype=t.dtype) for t in n.meta["val"])
             n.meta["val"] = result

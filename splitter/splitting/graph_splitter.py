@@ -8,6 +8,8 @@
 5. The mode fuses edges into channels; a process with no inbound channel gets a
    control edge from the default process (its per-step trigger).
 6. Each process's schedule is its nodes, sends and receives in global order.
+7. The mode's `postbuild` may adjust the plan; then each process's
+   multi-tensor updates are grouped (`update_groups`).
 
 Every process executes in the order of one global topological order and sends
 never block, so the global order is a valid sequential schedule for the whole
@@ -42,6 +44,7 @@ from ..plan.text import with_fingerprint
 from ..program import InputKind, OutputKind, Program
 from .mode import STEP_START, ChannelDraft, Edge, Mode, ModeArtifacts
 from .resolve import resolve_labels
+from .update_groups import group_updates
 
 __all__ = ["GraphSplitter", "SplitProgram", "split", "split_program"]
 
@@ -107,8 +110,8 @@ class GraphSplitter:
         data_syncs = tuple(DataSync(key, src, dst, name) for key, src, dst, name in sync_pairs)
         plan = SplitPlan(self.mode.kind, self.cluster, processes, tuple(channels),
                          data_syncs)
-        plan = with_fingerprint(self.mode.postbuild(plan, program, artifacts))
-        return SplitProgram(plan, program, artifacts)
+        plan, program = group_updates(self.mode.postbuild(plan, program, artifacts), program)
+        return SplitProgram(with_fingerprint(plan), program, artifacts)
 
     def _control_drafts(self, runs, drafts) -> list[ChannelDraft]:
         """A per-step trigger for every busy process nothing else feeds, and
