@@ -35,22 +35,22 @@ class RowSlots:
             self._slot_plus_one = np.zeros(size, dtype=dtype)
             self.used = 0
 
-    def find(self, local: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """The slots (int64) of the shard's rows `local` (int64 local indices,
-        checked by the caller to lie in the shard), and the local rows that got
-        their slot now (unique, ascending; None when none did): the caller
-        fills those before using them."""
-        slots = self._slot_plus_one.take(local).astype(np.int64)
-        if slots.size and slots.all():
-            slots -= 1
-            return slots, None
-        new = np.unique(local[slots == 0])
+    def find(self, local: np.ndarray, offset: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
+        """The slots (int64, plus `offset`: where the shard's buffer starts)
+        of the shard's rows `local` (int64 local indices, checked by the
+        caller to lie in the shard), and the local rows that got their slot
+        now (unique, ascending; None when none did): the caller fills those
+        before using them. Rows all seen before (the hot path): one gather,
+        one check, one subtraction."""
+        taken = self._slot_plus_one.take(local)
+        if taken.size and taken.all():
+            return np.subtract(taken, 1 - offset, dtype=np.int64), None
+        new = np.unique(local[taken == 0])
         self._slot_plus_one[new] = np.arange(self.used + 1, self.used + 1 + new.size,
                                              dtype=self._slot_plus_one.dtype)
         self.used += new.size
-        slots = self._slot_plus_one.take(local).astype(np.int64)
-        slots -= 1
-        return slots, (new if new.size else None)
+        taken = self._slot_plus_one.take(local)
+        return np.subtract(taken, 1 - offset, dtype=np.int64), (new if new.size else None)
 
     def present(self) -> tuple[np.ndarray, np.ndarray]:
         """(local rows that have a slot, their slots), by local row."""

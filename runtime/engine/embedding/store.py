@@ -320,10 +320,9 @@ class EmbeddingStore:
                 f"worker's sharding of the table differs from this server's")
         if shard.slots is None:
             return where
-        where, new = shard.slots.find(where)
+        where, new = shard.slots.find(where, shard.base)
         if new is not None:
             self._make_rows(shard, new)
-        where += shard.base
         return where
 
     def _check_ids(self, shard: _Shard, ids: torch.Tensor) -> None:
