@@ -42,14 +42,17 @@ class ProcessRuntime:
     torch.distributed process groups are formed (needed only by such splits).
     `hparams(step)`: where the step's hyperparameters come from, if not from
     the program's optimizer when asked (threads of one process share one
-    reading per step).
+    reading per step). `free_tables`: a server of an embedding-cache split
+    frees the whole cached tables once it holds its shard (`attach_cache`;
+    a process of its own only).
     """
 
     def __init__(self, split: SplitProgram, label: Label, transport: Transport, *,
                  incarnation: int = 0, device: str | torch.device = "cpu",
                  state: Mapping[str, torch.Tensor] | None = None, first_step: int = 0,
                  recv_timeout_s: float = 120.0, rendezvous: Rendezvous | None = None,
-                 hparams: Callable[[int], dict[str, torch.Tensor]] | None = None) -> None:
+                 hparams: Callable[[int], dict[str, torch.Tensor]] | None = None,
+                 free_tables: bool = False) -> None:
         self.split = split
         self.label = label
         self._hparams = split.program.hparams if hparams is None else hparams
@@ -61,7 +64,7 @@ class ProcessRuntime:
         # plan's messages in).
         self._cache = attach_cache(split, label, transport, incarnation, state=state,
                                    device=device, first_step=first_step,
-                                   timeout_s=recv_timeout_s)
+                                   timeout_s=recv_timeout_s, free_tables=free_tables)
         self._collectives = attach_collectives(split, label, rendezvous, device=device,
                                                timeout_s=recv_timeout_s)
         self._worker_average = attach_worker_all_reduce(split, label, rendezvous, device=device,

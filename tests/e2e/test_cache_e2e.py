@@ -104,3 +104,23 @@ def test_dense_on_workers_and_fused_bags_through_the_launcher(launch, tmp_path):
     resumed, _ = launch("resumed", 2, 1, "--steps", 20, "--resume", checkpoint, *sum_bags)
     for key, value in two["state"].items():
         assert torch.equal(resumed["state"][key], value), key
+
+
+def test_lazy_rows_through_the_launcher_equal_the_unsplit_step_and_reshard(launch, tmp_path):
+    """Rows from a row initializer, made by the servers as first pulled (the
+    model's own tables NaN): SGD on 1 worker and 2 servers equals the unsplit
+    step from `whole_table(init, ...)` bit for bit; its sharded checkpoint
+    (written by the servers, every row of each shard) resumes on 3 servers to
+    the same end."""
+    directory = tmp_path / "step10"
+    lazy = ("--optimizer", "sgd", "--cache-rows", 40, "--lazy-rows")
+    result, _ = launch("lazy", 1, 2, "--steps", 20, "--save-at", 10, "--save", directory,
+                       *lazy)
+    program, batches = make("sgd", 1, 20, cache_rows=None, sparse_tables=True, lazy_rows=True)
+    expected = program.train_unsplit(20, feeds(batches))[1]
+    assert result["state"].keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(result["state"][key], value), key
+    resumed, _ = launch("lazy_resumed", 1, 3, "--steps", 20, "--resume", directory, *lazy)
+    for key, value in expected.items():
+        assert torch.equal(resumed["state"][key], value), key

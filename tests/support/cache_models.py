@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitrun.splitter import capture, optim, place, place_embedding_cache
+from splitrun.splitter import RowInit, capture, optim, place, place_embedding_cache
+from splitrun.splitter.ops.row_init import whole_table
 
 NUM_TABLES = 2
 ROWS = 400
@@ -52,18 +53,32 @@ def click_batches(num_steps: int, seed: int = 0, exponent: float = 1.1,
     return batches
 
 
+# The row initializer of the lazy-rows variants (`make(..., lazy_rows=True)`).
+LAZY_INIT = RowInit.normal(std=0.5, seed=11)
+
+
 def make(optimizer: str, num_workers: int, num_steps: int, *, cache_rows: int | None = 48,
          policy: str = "lru", max_staleness: int = 0, sparse_tables: bool = False,
-         batch: int = GLOBAL_BATCH, lr: float = LR):
+         batch: int = GLOBAL_BATCH, lr: float = LR, lazy_rows: bool = False):
     """(program for one worker's shard, the global batches). With cache_rows the
     tables are cached; with sparse_tables they are sparse embeddings instead (the
-    whole-table and parameter-server references)."""
+    whole-table and parameter-server references). `lazy_rows`: the tables'
+    rows come from `LAZY_INIT`: cached, the servers make them lazily and the
+    model's own tables are left at a value no row has (NaN: read, it would
+    show); a reference's tables are `whole_table(LAZY_INIT, ...)`."""
     torch.manual_seed(0)
     model = TinyRecommender()
     place(model, role="server")
+    if lazy_rows:
+        with torch.no_grad():
+            for index, table in enumerate(model.tables):
+                table.weight.copy_(whole_table(LAZY_INIT, ROWS, DIM, f"tables.{index}.weight")
+                                   if cache_rows is None else torch.full_like(table.weight,
+                                                                              float("nan")))
     if cache_rows is not None:
         place_embedding_cache(model.tables, cache_rows=cache_rows, policy=policy,
-                              max_staleness=max_staleness)
+                              max_staleness=max_staleness,
+                              init=LAZY_INIT if lazy_rows else None)
     for table in model.tables:
         table.sparse = sparse_tables
     batches = click_batches(num_steps, batch=batch)

@@ -16,6 +16,7 @@ from splitrun.splitter.splitting.graph_splitter import SplitProgram
 
 from ...engine.embedding.attach import cached_tables_of
 from ...engine.embedding.sharding import RowSharding
+from ...engine.embedding.store import LocalRows
 from ...errors import CheckpointError
 from .layout import Path, ids_path, row_paths, state_paths
 from .read import ShardedCheckpoint, check_against, check_finite, read_step
@@ -61,8 +62,9 @@ def load_state(program: Program, directory: str | os.PathLike, keys: Iterable[st
     """The state one process starts from: the captured program's initial state
     with `keys` (captured-program keys this process owns) read from the
     checkpoint; of a key in `regions` (offsets, sizes) only that region, of
-    each table in `row_ranges` only those rows. Reads nothing else; returns
-    (state, step)."""
+    each table in `row_ranges` only those rows, as `LocalRows` (what the
+    server's store starts from; no process builds the whole table). Reads
+    nothing else; returns (state, step)."""
     opened = ShardedCheckpoint(directory)
     step = read_step(opened)
     paths = state_paths(program)
@@ -100,9 +102,8 @@ def load_state(program: Program, directory: str | os.PathLike, keys: Iterable[st
                 f"hash order than this version of splitrun uses; `splitrun export` it to a "
                 f"file and resume from that")
         for key, value in zip(rows.keys, values):
-            full = initial[key].clone()
-            full[rows.ids] = check_finite(opened, key, value)
-            state[key] = full
+            # This server's rows only (in its local order): no whole table.
+            state[key] = LocalRows(rows.first, check_finite(opened, key, value))
     return state, step
 
 

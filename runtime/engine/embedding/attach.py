@@ -21,7 +21,7 @@ from .client import EmbeddingClient
 from .protocol import PREFIX, reply_channel, request_channel
 from .store import EmbeddingStore
 
-__all__ = ["CacheParts", "attach_cache", "cached_tables_of"]
+__all__ = ["CacheParts", "attach_cache", "cached_tables_of", "free_whole_tables"]
 
 # A worker's step and the thread that plans its next step (`EmbeddingClient`)
 # share the GIL: each op of the step lets it go, and getting it back from the
@@ -52,9 +52,15 @@ def cached_tables_of(split: SplitProgram) -> ModeArtifacts | None:
 
 def attach_cache(split: SplitProgram, label: Label, transport: Transport, incarnation: int, *,
                  state: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
-                 first_step: int = 0, timeout_s: float = 120.0) -> CacheParts:
-    """`state`: where a checkpoint's tables are (whole); without them the
-    tables start from their values at capture."""
+                 first_step: int = 0, timeout_s: float = 120.0,
+                 free_tables: bool = False) -> CacheParts:
+    """`state`: where a checkpoint's tables are (whole, or a server's
+    `LocalRows`); without them the tables start from their values at capture
+    (or, with a row initializer, from it, lazily). `free_tables`: a server
+    frees the whole tables (and row states) once it has copied its shard:
+    their memory is given back, and every tensor sharing it (the model's
+    table on this process) holds 0 bytes from then on (only for a process of
+    its own: threads of one process share the model)."""
     cache = cached_tables_of(split)
     if cache is None:
         return CacheParts()
@@ -71,9 +77,33 @@ def attach_cache(split: SplitProgram, label: Label, transport: Transport, incarn
         return CacheParts(client=client, bindings=client.bindings())
     store = EmbeddingStore(tables, label, cluster, transport, incarnation, state,
                            first_step=first_step)
+    if free_tables:
+        free_whole_tables([*cache.initial.values(), *state.values()])
     transport.route(PREFIX, store.on_message)
     store.start()
     return CacheParts(store=store)
+
+
+def free_whole_tables(tensors) -> int:
+    """Give back the memory of `tensors` (whole tables a server copied its
+    shard of): their storage is resized to 0 bytes, so every tensor sharing
+    it (the model's parameter, the captured program's initial state) is
+    emptied at once and must not be read again. Returns the bytes freed."""
+    freed, seen = 0, set()
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+            continue
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        size = storage.nbytes()
+        try:
+            storage.resize_(0)
+        except RuntimeError:  # not resizable (a buffer torch does not own): kept
+            continue
+        freed += size
+    return freed
 
 
 def _receive_contracts(plan: SplitPlan, label: Label) -> dict[str, ChannelContract]:

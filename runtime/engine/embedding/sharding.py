@@ -114,6 +114,16 @@ class RowSharding:
     def shard_size(self, server: int) -> int:
         return self.bounds[server + 1] - self.bounds[server]
 
+    def ids_at(self, server: int, local: np.ndarray) -> torch.Tensor:
+        """The ids of server `server`'s local rows `local` (int64): the
+        inverse of `local_rows`."""
+        hashed = local + self.bounds[server]
+        hashed -= self._b
+        hashed %= self.num_rows
+        hashed *= self._a_inverse
+        hashed %= self.num_rows
+        return torch.from_numpy(hashed)
+
     def ids_of(self, server: int) -> torch.Tensor:
         """The ids server `server` holds, in local-index order."""
         hashed = torch.arange(self.bounds[server], self.bounds[server + 1], dtype=torch.int64)

@@ -6,6 +6,13 @@ of a row is applied before its later pull of the same row. With several
 workers, gradients of a step are applied once every worker's arrived (in
 worker order, averaged, as parameter-server mode does), and a pull or dump that
 needs a step's updates waits, parked, until they are applied.
+
+Lazy rows: a table with a row initializer (`CacheSettings.init`) gets no rows
+at start-up; a row gets a slot in its shard's buffer (`row_slots.RowSlots`)
+when a request first names it, made then from the initializer (its row-wise
+optimizer state from its starting value). A table without one starts from
+the model's values: the server copies its shard of them at start-up (the
+caller may then free the whole table, see `attach_cache`).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 
 from splitrun.splitter.labels import Cluster, Label
 from splitrun.splitter.ops.cache import CachedTable
+from splitrun.splitter.ops.row_init import RowInit
 from splitrun.splitter.ops.sparse_updates import IN_PLACE
 
 from ...errors import MessageRejected, SplitrunError
@@ -28,9 +36,10 @@ from ...transport.protocol import MessageKey, Transport
 from .huge_pages import empty_rows
 from .protocol import Gather, Item, Op, read_request, reply_channel, send_message
 from .row_copy import RowArray
+from .row_slots import RowSlots
 from .sharding import RowSharding
 
-__all__ = ["EmbeddingStore", "ShardSnapshot"]
+__all__ = ["EmbeddingStore", "ShardSnapshot", "LocalRows"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +57,16 @@ class ShardSnapshot:
     first_row: int
     ids: torch.Tensor                   # the ids of these rows
     tensors: dict[str, torch.Tensor]    # state key -> these rows (the table, its row state)
+
+
+@dataclass(frozen=True)
+class LocalRows:
+    """One server's rows of a table (or of one of its row states) in local
+    order, as a sharded checkpoint holds them: what a resumed server starts
+    from instead of the whole table."""
+
+    first_row: int                      # its first row in hash order
+    values: torch.Tensor                # [its rows, dim]
 
 
 # A sharded save: (directory, step, this server's shards) -> the writer's report.
@@ -81,6 +100,10 @@ class _Shard:
     group: _Group
     base: int                               # its first row in the group's buffer
     size: int                               # its rows
+    # Lazy rows: which buffer slot holds each local row (None: slot = local index).
+    slots: RowSlots | None = None
+    # Each row state's starting value (lazy rows' state starts as it).
+    state_start: dict[str, float] = field(default_factory=dict)
     pending: dict[int, dict[int, tuple]] = field(default_factory=dict)  # step -> worker -> grads
 
 
@@ -98,10 +121,26 @@ def _part_size(op: Op, shard: _Shard) -> int:
     return 4 if op is Op.GRADS else 1
 
 
+def _state_start(value: torch.Tensor | LocalRows | None) -> float:
+    """A row state's starting value (the optimizer makes it uniform: Adagrad's
+    initial accumulator, Adam's zeros), read off its initial tensor where
+    that holds values (not on `meta`, not freed)."""
+    if isinstance(value, LocalRows):
+        value = value.values
+    if value is None or value.device.type == "meta" or value.numel() == 0 or \
+            value.untyped_storage().nbytes() == 0:
+        return 0.0
+    return float(value.reshape(-1)[0])
+
+
 class EmbeddingStore:
+    """`initial`: each table's (and row state's) starting values, whole or
+    this server's `LocalRows` (a checkpoint's); a table with a row
+    initializer and no `LocalRows` there starts empty, its rows lazy."""
+
     def __init__(self, tables: list[CachedTable], label: Label, cluster: Cluster,
                  transport: Transport, incarnation: int,
-                 initial: Mapping[str, torch.Tensor], first_step: int = 0) -> None:
+                 initial: Mapping[str, torch.Tensor | LocalRows], first_step: int = 0) -> None:
         self.label = label
         self.cluster = cluster
         self.transport = transport
@@ -121,16 +160,18 @@ class EmbeddingStore:
                             for n in first.state_names})
             base = 0
             for table, sharding, size in zip(group_tables, shardings, sizes):
-                ids = sharding.ids_of(label.rank)
                 rows = group.rows[base:base + size]
-                torch.index_select(initial[table.key], 0, ids, out=rows)
-                state = {}
-                for name in table.state_names:
-                    state[name] = group.state[name][base:base + size]
-                    torch.index_select(initial[f"{table.key}.{name}"], 0, ids, out=state[name])
-                shard_of[table.key] = _Shard(table, sharding, rows, state, first_step - 1,
-                                             table.settings.write_back(cluster.num_workers),
-                                             group, base, size)
+                state = {name: group.state[name][base:base + size] for name in table.state_names}
+                lazy = table.settings.init is not None and \
+                    not isinstance(initial.get(table.key), LocalRows)
+                if not lazy:
+                    self._copy_shard(table, sharding, rows, state, initial)
+                shard_of[table.key] = _Shard(
+                    table, sharding, rows, state, first_step - 1,
+                    table.settings.write_back(cluster.num_workers), group, base, size,
+                    RowSlots(size) if lazy else None,
+                    {name: _state_start(initial.get(f"{table.key}.{name}"))
+                     for name in table.state_names})
                 base += size
         self.shards = [shard_of[table.key] for table in tables]
         # Row-wise update calls run (one per group and step with several workers).
@@ -144,6 +185,28 @@ class EmbeddingStore:
         self.requests_served = 0
         self._request_hook: Callable[[int], None] | None = None
         self._save_handler: SaveHandler | None = None
+
+    def _copy_shard(self, table: CachedTable, sharding: RowSharding, rows: torch.Tensor,
+                    state: dict[str, torch.Tensor],
+                    initial: Mapping[str, torch.Tensor | LocalRows]) -> None:
+        """This server's rows of `table` (and their state) from `initial`."""
+        ids = None
+        for key, out in ((table.key, rows),
+                         *((f"{table.key}.{n}", state[n]) for n in table.state_names)):
+            value = initial[key]
+            if isinstance(value, LocalRows):
+                if value.first_row != sharding.bounds[self.label.rank] or \
+                        tuple(value.values.shape) != tuple(out.shape):
+                    raise SplitrunError(
+                        f"{self._tag} table {key}: the rows given from row "
+                        f"{value.first_row}, shape {list(value.values.shape)}, are not this "
+                        f"server's rows (from row {sharding.bounds[self.label.rank]}, shape "
+                        f"{list(out.shape)})")
+                out.copy_(value.values)
+            else:
+                if ids is None:
+                    ids = sharding.ids_of(self.label.rank)
+                torch.index_select(value, 0, ids, out=out)
 
     def set_request_hook(self, hook: Callable[[int], None] | None) -> None:
         """Call `hook(step)` in the serving thread before each request of that
@@ -245,14 +308,59 @@ class EmbeddingStore:
 
     def _group_rows(self, shard: _Shard, ids: torch.Tensor) -> np.ndarray:
         """Where the rows of `ids` lie in their shard's group buffer, checked
-        to be this server's rows of the shard's table."""
-        where = shard.sharding.local_rows(ids, self.label.rank, shard.base)
-        if where.size and (where.min() < shard.base or where.max() >= shard.base + shard.size):
+        to be this server's rows of the shard's table (lazy rows named for
+        the first time get their slot and starting values here)."""
+        self._check_ids(shard, ids)
+        offset = shard.base if shard.slots is None else 0
+        where = shard.sharding.local_rows(ids, self.label.rank, offset)
+        if where.size and (where.min() < offset or where.max() >= offset + shard.size):
             raise MessageRejected(
                 f"{self._tag} an embedding request names ids of {shard.table.key} this server "
                 f"does not hold (its {shard.size} rows of {shard.table.num_rows}); the "
                 f"worker's sharding of the table differs from this server's")
+        if shard.slots is None:
+            return where
+        where, new = shard.slots.find(where, shard.base)
+        if new is not None:
+            self._make_rows(shard, new)
         return where
+
+    def _check_ids(self, shard: _Shard, ids: torch.Tensor) -> None:
+        if ids.dtype != torch.int64:
+            raise MessageRejected(f"{self._tag} table {shard.table.key}: ids must be int64, "
+                                  f"got {ids.dtype}")
+        values = ids.numpy()
+        if values.size and (values.min() < 0 or values.max() >= shard.table.num_rows):
+            bad = values.min() if values.min() < 0 else values.max()
+            raise MessageRejected(f"{self._tag} table {shard.table.key}: id {int(bad)} is "
+                                  f"outside its rows [0, {shard.table.num_rows})")
+
+    def _make_rows(self, shard: _Shard, new: np.ndarray) -> None:
+        """Starting values of the lazy rows `new` (local, ascending), whose
+        slots were just handed out: the last `len(new)` slots, in that order."""
+        table, init = shard.table, shard.table.settings.init
+        start = shard.base + shard.slots.used - new.size
+        end = start + new.size
+        ids = shard.sharding.ids_at(self.label.rank, new)
+        shard.group.rows[start:end] = _init_rows(init, ids, table)
+        for name in table.state_names:
+            shard.group.state[name][start:end] = shard.state_start[name]
+
+    def _local_order(self, shard: _Shard, name: str | None = None) -> torch.Tensor:
+        """All of this server's rows of `shard`'s table (or of its row state
+        `name`) in local order: a copy (lazy rows never used made from the
+        initializer, their state from its starting value)."""
+        source = shard.rows if name is None else shard.state[name]
+        if shard.slots is None:
+            return source.clone()
+        table = shard.table
+        if name is None:
+            out = _init_rows(table.settings.init, shard.sharding.ids_of(self.label.rank), table)
+        else:
+            out = torch.full((shard.size, table.dim), shard.state_start[name], dtype=table.dtype)
+        local, slots = shard.slots.present()
+        out[torch.from_numpy(local)] = source[torch.from_numpy(slots)]
+        return out
 
     def _parts(self, tensors: list[torch.Tensor], shards: list[_Shard], op: Op
                ) -> list[list[torch.Tensor]]:
@@ -289,8 +397,8 @@ class EmbeddingStore:
                     reply += [Gather(arrays[n], where) for n in shard.table.state_names]
         else:
             for shard in shards:
-                reply += [shard.rows.clone(),
-                          *(shard.state[n].clone() for n in shard.table.state_names)]
+                reply += [self._local_order(shard),
+                          *(self._local_order(shard, n) for n in shard.table.state_names)]
         send_message(self.transport, src,
                      MessageKey(self.incarnation, key.step, reply_channel(self.label)), reply)
 
@@ -301,8 +409,10 @@ class EmbeddingStore:
         snapshots = []
         for shard in self.shards:
             rank = self.label.rank
-            tensors = {shard.table.key: shard.rows}
-            tensors.update({f"{shard.table.key}.{n}": shard.state[n]
+            # Every row of the shard (lazy rows not used yet from the initializer):
+            # any server count reads the directory back.
+            tensors = {shard.table.key: self._local_order(shard)}
+            tensors.update({f"{shard.table.key}.{n}": self._local_order(shard, n)
                             for n in shard.table.state_names})
             snapshots.append(ShardSnapshot(shard.table.key, shard.table.num_rows,
                                            shard.sharding.bounds[rank],
@@ -347,3 +457,7 @@ class EmbeddingStore:
                                   lr, step_count, *(group.state[n] for n in table.state_names),
                                   is_coalesced=num_workers == 1, **table.optimizer_settings)
         self.update_calls += 1
+
+
+def _init_rows(init: RowInit, ids: torch.Tensor, table: CachedTable) -> torch.Tensor:
+    return init.rows(ids, table.dim, table.key, num_rows=table.num_rows, dtype=table.dtype)

@@ -18,7 +18,7 @@ from splitrun.runtime.engine.embedding.client import EmbeddingClient
 from splitrun.runtime.engine.embedding.protocol import PREFIX
 from splitrun.runtime.engine.embedding.row_cache import RowCache
 from splitrun.runtime.engine.embedding.store import EmbeddingStore
-from splitrun.runtime.errors import SplitrunError
+from splitrun.runtime.errors import MessageRejected, SplitrunError
 from splitrun.splitter import (
     CachedTable,
     CacheSettings,
@@ -29,6 +29,7 @@ from splitrun.splitter import (
     Label,
     ParameterServerMode,
     PlanError,
+    RowInit,
     capture,
     optim,
     place_embedding_cache,
@@ -46,8 +47,8 @@ def cached_run(optimizer, num_workers, num_servers, steps=NUM_STEPS, **options):
     return run_threaded(split_prog, steps, feeds(batches), recv_timeout_s=30), batches
 
 
-def whole_table_run(optimizer, steps=NUM_STEPS):
-    program, batches = make(optimizer, 1, steps, cache_rows=None, sparse_tables=True)
+def whole_table_run(optimizer, steps=NUM_STEPS, **options):
+    program, batches = make(optimizer, 1, steps, cache_rows=None, sparse_tables=True, **options)
     return program.train_unsplit(steps, feeds(batches))[1]
 
 
@@ -70,6 +71,74 @@ def test_one_worker_equals_whole_tables_in_one_process(optimizer, num_servers):
         assert counters["evictions"] > 0, f"{table}: the cache must really evict"
         assert 0 < counters["hit_rate"] < 1
         assert counters["bytes_pushed"] > 0 and counters["bytes_pulled"] > 0
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+@pytest.mark.parametrize("num_servers", [1, 2])
+def test_lazy_rows_one_worker_equals_the_whole_table_from_the_same_initializer(optimizer,
+                                                                                num_servers):
+    # The model's tables are NaN in the split run: every row comes from the
+    # initializer on the servers, made when first pulled.
+    run, _ = cached_run(optimizer, 1, num_servers, cache_rows=40, lazy_rows=True)
+    expected = whole_table_run(optimizer, lazy_rows=True)
+    assert run.state.keys() == expected.keys()
+    for key, value in expected.items():
+        if optimizer == "sgd":
+            assert torch.equal(run.state[key], value), f"{key} differs"
+        else:
+            torch.testing.assert_close(run.state[key], value, rtol=0, atol=1e-6, msg=key)
+    assert not any(run.state[key].isnan().any() for key in expected)
+
+
+def test_lazy_rows_two_workers_equal_parameter_server_mode():
+    run, _ = cached_run("adagrad", 2, 2, cache_rows=40, policy="lfu", lazy_rows=True)
+    expected = ps_run("adagrad", 2, 2, lazy_rows=True)
+    for key, value in expected.items():
+        assert torch.equal(run.state[key], value), f"{key} differs"
+
+
+def test_lazy_rows_get_memory_only_when_first_named():
+    table = CachedTable("emb.weight", 1000, 4, torch.float32,
+                        CacheSettings(4, init=RowInit.uniform(seed=3)), "adagrad", {}, ("sum",),
+                        "batch.0")
+    cluster = Cluster(1, 2)
+    labels = cluster.labels()
+    hub = LoopbackHub(labels)
+    meta = {table.key: torch.empty(1000, 4, device="meta"),
+            f"{table.key}.sum": torch.full((1000, 4), 0.25)}
+    store = EmbeddingStore([table], labels[1], cluster, hub.transport(labels[1]), 0, meta)
+    shard = store.shards[0]
+    assert shard.slots.used == 0
+    mine = shard.sharding.ids_of(labels[1].rank)[:3]
+    where = store._group_rows(shard, torch.cat([mine, mine[:1]]))
+    assert shard.slots.used == 3 and where.tolist() == [0, 1, 2, 0]
+    assert torch.equal(shard.group.rows[:3],
+                       RowInit.uniform(seed=3).rows(mine, 4, table.key, num_rows=1000))
+    assert torch.equal(shard.group.state["sum"][:3], torch.full((3, 4), 0.25))
+    # The shard in local order (a dump, a checkpoint): used rows as they are,
+    # the others from the initializer.
+    ids = shard.sharding.ids_of(labels[1].rank)
+    whole = RowInit.uniform(seed=3).rows(ids, 4, table.key, num_rows=1000)
+    shard.group.rows[1] += 1
+    expected = whole.clone()
+    expected[1] += 1
+    assert torch.equal(store._local_order(shard), expected)
+
+
+@pytest.mark.parametrize("ids, says", [
+    (torch.tensor([1, -2]), r"\[server 0\] table emb.weight: id -2 is outside its rows "
+                            r"\[0, 20\)"),
+    (torch.tensor([1, 2], dtype=torch.int32), r"\[server 0\] table emb.weight: ids must be "
+                                              r"int64, got torch.int32")])
+def test_a_bad_id_is_one_line_naming_table_and_server(ids, says):
+    table = _table(rows=20)
+    cluster = Cluster(1, 1)
+    labels = cluster.labels()
+    hub = LoopbackHub(labels)
+    store = EmbeddingStore([table], labels[1], cluster, hub.transport(labels[1]), 0,
+                           {table.key: torch.zeros(20, 2)})
+    with pytest.raises(MessageRejected, match=says):
+        store._group_rows(store.shards[0], ids)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])

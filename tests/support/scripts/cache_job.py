@@ -6,6 +6,8 @@
 --stop-after N trains only up to step N (and --save writes a checkpoint there);
 --save-at N writes the checkpoint after step N instead and trains on (each
 --save one: a .pt file, or else a sharded directory); --resume continues one.
+--lazy-rows: the tables' rows come from a row initializer, made by the servers
+as first used (the model's own tables are NaN).
 --bad-batch-at N --bad-batch KIND: the batch of step N is bad: `ids`, one id
 past its table; `type`, a string; `raises`, the batches' iterator raises there.
 """
@@ -38,10 +40,14 @@ def main() -> int:
     parser.add_argument("--dense", choices=["server", "worker"], default="server")
     parser.add_argument("--bad-batch-at", type=int)
     parser.add_argument("--bad-batch", choices=["ids", "type", "raises"], default="ids")
+    parser.add_argument("--lazy-rows", action="store_true",
+                        help="tables from cache_models.LAZY_INIT, their rows made lazily")
     args = parser.parse_args()
 
     job = Job.from_env()
     options = {"dense_on_servers": args.dense == "server"} if args.model == "sum_bags" else {}
+    if args.lazy_rows:
+        options["lazy_rows"] = True
     program, batches = (make_sum_bags if args.model == "sum_bags" else make)(
         args.optimizer, job.cluster.num_workers, args.steps, cache_rows=args.cache_rows,
         policy=args.policy, max_staleness=args.max_staleness, **options)
