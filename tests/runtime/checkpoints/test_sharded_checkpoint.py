@@ -15,8 +15,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from splitrun.runtime.checkpoints import sharded as sc
 from splitrun.runtime.checkpoints.periodic import latest_checkpoint, periodic_path, prune_periodic
 from splitrun.runtime.checkpoints.plain import load_checkpoint
-from splitrun.runtime.errors import CheckpointError
 from splitrun.runtime.engine.embedding.store import LocalRows
+from splitrun.runtime.errors import CheckpointError
 from splitrun.splitter import capture, optim
 
 TABLE = "0.weight"  # stands for a row-sharded table here: 8 rows of 6
