@@ -57,29 +57,38 @@ class ReferencePolicy:
         self.num_admitted = 0
         self.num_expired = 0
         self._heap: list[tuple[int, int, int]] = []       # (frequency, last, id), lazily valid
+        # With an age limit: step -> the ids last touched (rows) or seen (waiting) then.
+        self._rows_at: dict[int, set[int]] = {}
+        self._waiting_at: dict[int, set[int]] = {}
 
     def step(self, step: int, ids: Iterable[int]) -> StepOutcome:
         k, age, budget = (self.policy.admit_after, self.policy.expire_after_steps,
                           self.policy.row_budget)
         expired = []
         if age is not None:
-            expired = sorted(i for i, (_, last) in self.rows.items() if step - last > age)
-            for i in expired:
-                del self.rows[i]
-            self.waiting = {i: v for i, v in self.waiting.items() if step - v[1] <= age}
+            for last in [s for s in self._rows_at if step - s > age]:
+                for i in self._rows_at.pop(last):
+                    del self.rows[i]
+                    expired.append(i)
+            for last in [s for s in self._waiting_at if step - s > age]:
+                for i in self._waiting_at.pop(last):
+                    del self.waiting[i]
         admitted, touched = [], 0
         for i in sorted(set(int(i) for i in ids)):
             if i in self.rows:
-                frequency, _ = self.rows[i]
+                frequency, last = self.rows[i]
                 self.rows[i] = (frequency + 1, step)
+                self._moved(self._rows_at, i, last, step)
                 self._push(i)
                 touched += 1
                 continue
-            seen = self.waiting.pop(i, (0, 0))[0] + 1
-            if seen >= k:
-                admitted.append((i, seen))
+            seen, last = self.waiting.pop(i, (0, None))
+            self._moved(self._waiting_at, i, last, None)
+            if seen + 1 >= k:
+                admitted.append((i, seen + 1))
             else:
-                self.waiting[i] = (seen, step)
+                self.waiting[i] = (seen + 1, step)
+                self._moved(self._waiting_at, i, None, step)
         if budget is not None and len(self.rows) + len(admitted) > budget:
             if touched + len(admitted) > budget:
                 raise RowBudgetError(budget_message(self.table, self.server, budget, touched,
@@ -87,6 +96,7 @@ class ReferencePolicy:
             expired += self._least_used(len(self.rows) + len(admitted) - budget, step)
         for i, seen in admitted:
             self.rows[i] = (seen, step)
+            self._moved(self._rows_at, i, None, step)
             self._push(i)
         self.num_admitted += len(admitted)
         self.num_expired += len(expired)
@@ -94,6 +104,16 @@ class ReferencePolicy:
             self._heap = [(f, last, i) for i, (f, last) in self.rows.items()]
             heapq.heapify(self._heap)
         return StepOutcome([i for i, _ in admitted], expired)
+
+    def _moved(self, buckets: dict[int, set[int]], i: int, old: int | None,
+               new: int | None) -> None:
+        """Id `i` moves from step `old`'s bucket to step `new`'s (None: none)."""
+        if self.policy.expire_after_steps is None:
+            return
+        if old is not None:
+            buckets[old].discard(i)
+        if new is not None:
+            buckets.setdefault(new, set()).add(i)
 
     def _push(self, i: int) -> None:
         if self.policy.row_budget is not None:
@@ -111,6 +131,7 @@ class ReferencePolicy:
                 held.append((frequency, last, i))
                 continue
             del self.rows[i]
+            self._moved(self._rows_at, i, last, None)
             dropped.append(i)
         for entry in held:
             heapq.heappush(self._heap, entry)

@@ -108,7 +108,7 @@ class DynamicRows:
             expired.append(self._expire_least_used(len(self.live) + admitted.size - budget,
                                                    step))
         self._admit(admitted, seen, step)
-        self.expired_ids = np.concatenate(expired)
+        self.expired_ids = np.sort(np.concatenate(expired))
         self.counters.expired += self.expired_ids.size
         self.counters.admitted += admitted.size
         self._count()
@@ -123,9 +123,10 @@ class DynamicRows:
         found = slots >= 0
         if found.all():
             return torch.index_select(self.rows, 0, torch.from_numpy(slots), out=out)
-        where = torch.from_numpy(np.flatnonzero(found))
-        out[where] = self.rows.index_select(0, torch.from_numpy(slots.compress(found)))
-        out[torch.from_numpy(np.flatnonzero(~found))] = self._initial(flat.compress(~found))
+        out.index_copy_(0, torch.from_numpy(np.flatnonzero(found)),
+                        self.rows.index_select(0, torch.from_numpy(slots.compress(found))))
+        out.index_copy_(0, torch.from_numpy(np.flatnonzero(~found)),
+                        self._initial(flat.compress(~found)))
         return out
 
     def apply(self, ids: torch.Tensor | np.ndarray, grads: torch.Tensor, lr, step_count) -> None:
