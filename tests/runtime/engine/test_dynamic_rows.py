@@ -224,3 +224,14 @@ def test_a_checkpoint_past_the_budget_is_refused_with_the_numbers():
     small = DynamicRows("t", DIM, DynamicTable(row_budget=20), server=0)
     with pytest.raises(RowBudgetError, match="gives it 50 rows but its row budget is 20"):
         small.restore([store.snapshot()], IdSharding(1))
+
+
+def test_the_workers_cache_refuses_a_dynamic_table_in_one_line():
+    from splitrun.runtime.engine.embedding.row_cache import RowCache
+    from splitrun.splitter import CachedTable, CacheSettings
+    table = CachedTable("user.weight", 1, DIM, torch.float32,
+                        CacheSettings(16, dynamic=DynamicTable(admit_after=2)), "sgd", {}, (),
+                        None)
+    with pytest.raises(CacheError, match="table 'user.weight' is dynamic.*do not serve dynamic "
+                       "tables yet"):
+        RowCache(table)
