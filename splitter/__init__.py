@@ -52,6 +52,7 @@ _EXPORTS = {
     "CacheArtifacts": ".modes.embedding_cache.mode",
     "CachedTable": ".ops.cache",
     "RowInit": ".ops.row_init",
+    "DynamicTable": ".ops.dynamic_table",
     "CacheSettings": ".ops.cache",
     "EvictionPolicy": ".ops.cache",
     "ParallelMode": ".modes.parallel",

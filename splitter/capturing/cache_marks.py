@@ -8,6 +8,7 @@ from torch import nn
 
 from ..errors import CaptureError
 from ..ops.cache import CacheSettings, EvictionPolicy
+from ..ops.dynamic_table import DynamicTable
 from ..ops.row_init import RowInit
 
 __all__ = ["place_embedding_cache", "cache_settings_of"]
@@ -17,16 +18,23 @@ _CACHE_ATTR = "_splitrun_cache"
 
 
 def place_embedding_cache(modules, *, cache_rows: int, policy: EvictionPolicy | str = "lru",
-                          max_staleness: int = 0, init: RowInit | None = None):
+                          max_staleness: int = 0, init: RowInit | None = None,
+                          dynamic: DynamicTable | None = None):
     """Keep these `nn.Embedding` or `nn.EmbeddingBag` tables on the servers and
     cache `cache_rows` rows of each on every worker. `modules`: one table, or
     an iterable of them (an `nn.ModuleList` of tables). Bags take modes sum
     and mean; `padding_idx` works (that row is never updated), `max_norm`
     does not. `init` (`RowInit.normal(...)` etc.): the table's rows start
     from it, made by each server for its own rows only, so the model may build
-    the table on the `meta` device (docs/embedding-cache.md)."""
+    the table on the `meta` device (docs/embedding-cache.md). `dynamic`
+    (`DynamicTable(...)`): the table has no row count, its ids are any int64;
+    the model's table is a placeholder of the rows' width (docs/embedding-
+    cache.md, "Dynamic tables")."""
+    if dynamic is not None and not isinstance(dynamic, DynamicTable):
+        raise CaptureError(f"place_embedding_cache(dynamic=...) takes a DynamicTable, got "
+                           f"{type(dynamic).__name__}")
     settings = CacheSettings(cache_rows, EvictionPolicy(policy) if isinstance(policy, str)
-                             else policy, max_staleness, init)
+                             else policy, max_staleness, init, dynamic)
     tables = [modules] if isinstance(modules, nn.Module) and not isinstance(
         modules, (nn.ModuleList, nn.ModuleDict)) else list(
         modules.values() if isinstance(modules, nn.ModuleDict) else modules)

@@ -19,6 +19,7 @@ from enum import Enum
 import torch
 
 from ..errors import CaptureError, PlanError
+from .dynamic_table import DynamicTable
 from .row_init import RowInit
 
 __all__ = ["EvictionPolicy", "CacheSettings", "CachedTable", "cached_lookup", "cached_bag",
@@ -44,6 +45,9 @@ class CacheSettings:
     # own rows from it as they are first used and the model's tensor is never
     # read (it may sit on the `meta` device); None: rows start as the model's.
     init: RowInit | None = None
+    # A table without a row count (dynamic_table.DynamicTable): ids are any
+    # int64, rows are made on first sight by the id's server; None: bounded.
+    dynamic: DynamicTable | None = None
 
     def write_back(self, num_workers: int) -> bool:
         """One worker caching rows owns them while cached: updates stay in the
