@@ -121,9 +121,15 @@ class Trainer:
                                             self._next_feeds_of(next_batch), hparams=hparams)
         except TransportError as exc:
             lost = self.job.scheduler_unreachable()
-            if lost is None or isinstance(exc, PeerDied):  # a peer's death says its own cause
+            if lost is None:
                 self.job.report_failure(exc)
                 raise
+            if isinstance(exc, PeerDied):
+                # A peer's death says its own cause (it may have hosted the
+                # scheduler), but that peer may as well have died of the
+                # scheduler's loss: the line says both, the death first.
+                self.job.report_failure(exc)
+                raise PeerDied(f"{exc}; the scheduler is unreachable too: {lost}") from exc
             # The scheduler's loss ended a peer first: that is the cause.
             raise PeerFailed(f"job failed: {lost} (then: {exc})") from exc
         except BaseException as exc:
