@@ -1,4 +1,4 @@
-"""A worker's embedding caches and their conversation with the servers.
+"""A worker's embedding caches: what each step needs from the servers.
 
 It binds the graph's marker ops: `cached_bags` plans every table of the step
 against its cache at once (evicting, writing dirty rows back, pulling
@@ -12,6 +12,9 @@ do the same for one table; `cached_bag_gradient` sums a bag's gradient per
 unique id; `cached_update` applies a table's row-wise optimizer (with
 several workers: its gradients go to the servers, every table's in one
 message per server once the step's last table is in).
+
+The messages themselves (one per server for every table: pushes, pulls,
+prefetches) are `server_exchange.py`'s.
 
 The cache plans a step without sorting its ids (`RowCache.plan`: each
 lookup's slot from the id -> slot map; only the misses are made distinct); a
@@ -40,12 +43,9 @@ Consistency model:
 
 from __future__ import annotations
 
-import itertools
 import logging
-import time
 from collections.abc import Mapping
 
-import numpy as np
 import torch
 
 from splitrun.splitter.labels import Cluster, Label
@@ -62,22 +62,13 @@ from splitrun.splitter.ops.cache import (
 )
 from splitrun.splitter.ops.sparse_updates import IN_PLACE
 
-from ...errors import CacheError
 from ...transport.dtypes import nbytes_of
-from ...transport.protocol import MessageKey, Transport
+from ...transport.protocol import Transport
 from .fused_bags import FusedBags
 from .plans_ahead import PlansAhead
-from .protocol import (
-    Gather,
-    Item,
-    Op,
-    nbytes_of_items,
-    reply_channel,
-    request,
-    request_channel,
-    send_message,
-)
+from .protocol import Gather, Op, nbytes_of_items
 from .row_cache import BatchPlan, RowCache
+from .server_exchange import Parts, ServerExchange
 from .sharding import RowSharding
 from .step_ids import StepIds
 
@@ -85,9 +76,7 @@ __all__ = ["EmbeddingClient"]
 
 logger = logging.getLogger(__name__)
 
-# No ids: a table's empty part of a message.
-_NO_ROWS = torch.empty(0, dtype=torch.int64)
-_NO_IDS = _NO_ROWS.numpy()
+
 class EmbeddingClient:
     def __init__(self, tables: list[CachedTable], label: Label, cluster: Cluster,
                  transport: Transport, incarnation: int, *, device: torch.device | str = "cpu",
@@ -103,7 +92,6 @@ class EmbeddingClient:
         self.write_back = {t.key: t.settings.write_back(cluster.num_workers) for t in tables}
         self.index = {t.key: i for i, t in enumerate(tables)}
         self.sharding = {t.key: RowSharding(t.num_rows, cluster.num_servers) for t in tables}
-        self.servers = [Label.server(k) for k in range(cluster.num_servers)]
         self.fused = {group: FusedBags([self.caches[key] for key in group])
                       for group in fused_groups}
         # A table one worker caches whole is resident: slot = id, every row
@@ -115,22 +103,16 @@ class EmbeddingClient:
         self._step = first_step
         self._next_feeds: Mapping[str, torch.Tensor] | None = None
         self._plans: dict[str, BatchPlan] = {}
-        # Prefetch requests not yet answered: (server, seq, [(table, ids)], the
-        # step they were asked at: their rows are fresh for it).
-        self._prefetch_requests: list[tuple[Label, int, list[tuple[str, torch.Tensor]], int]] = []
-        # Prefetched rows per table: [(ids, reply tensors, step they are fresh for)].
-        self._prefetched: dict[str, list[tuple[torch.Tensor, list[torch.Tensor], int]]] = {}
         # Write-through: this step's gradients per server, sent once every
         # such table's are in.
-        self._gradients: dict[Label, list[tuple[str, list[Item]]]] = {}
+        self._gradients: dict[Label, Parts] = {}
         self._num_write_through = sum(not w for w in self.write_back.values())
-        # Seconds blocked for rows: for replies to prefetches (what the
-        # prefetch did not hide) and to pulls made in the step itself.
-        self.waits = {"prefetched": 0.0, "pulled": 0.0}
-        self._seq = itertools.count()
+        self.exchange = ServerExchange(self.caches, self.write_back, self.index, self.sharding,
+                                       label, cluster.num_servers, transport, incarnation,
+                                       timeout_s=timeout_s)
         # The next step's plans, made while this one computes (`_plan_ahead`).
-        self.ahead = PlansAhead(self.caches, self._exchange, owner=label,
-                                timeout_s=timeout_s, waits=self.waits)
+        self.ahead = PlansAhead(self.caches, self.exchange.exchange, owner=label,
+                                timeout_s=timeout_s, waits=self.exchange.waits)
 
     def begin_step(self, step: int, next_feeds: Mapping[str, torch.Tensor] | None) -> None:
         """The step about to run, and the next step's feeds if known: the
@@ -147,59 +129,16 @@ class EmbeddingClient:
     def counters(self) -> dict[str, dict]:
         return {key: cache.counters.as_dict() for key, cache in self.caches.items()}
 
+    @property
+    def waits(self) -> dict[str, float]:
+        """Seconds blocked for rows: for replies to prefetches (what the
+        prefetch did not hide) and to pulls made in the step itself."""
+        return self.exchange.waits
+
     def hit_rate(self) -> float:
         hits = sum(c.counters.last_step.get("hits", 0) for c in self.caches.values())
         unique = sum(c.counters.last_step.get("unique_ids", 0) for c in self.caches.values())
         return hits / unique if unique else 0.0
-
-    # -- messages --
-
-    def _request(self, server: Label, op: Op, step: int,
-                 parts: list[tuple[str, list[Item]]], extra=()) -> int:
-        """One request to `server` about the tables of `parts` (each table's
-        tensors, rows `Gather`ed into the message as it is sent); its
-        sequence number, which keys the reply."""
-        seq = next(self._seq)
-        message = request(op, step, [self.index[table] for table, _ in parts],
-                          [tensors for _, tensors in parts], extra)
-        send_message(self.transport, server,
-                     MessageKey(self.incarnation, seq, request_channel(self.label)), message)
-        return seq
-
-    def _reply(self, server: Label, seq: int, waited: str | None = None) -> list[torch.Tensor]:
-        """The reply to request `seq`; the time blocked for it is added to
-        `self.waits[waited]`."""
-        started = time.perf_counter()
-        reply = self.transport.recv(server, MessageKey(self.incarnation, seq,
-                                                       reply_channel(server)), self.timeout_s)
-        if waited is not None:
-            self.waits[waited] += time.perf_counter() - started
-        return reply
-
-    def _reply_parts(self, server: Label, seq: int, tables: list[str], waited: str | None
-                     ) -> list[list[torch.Tensor]]:
-        """A pull's reply, split by table: rows, and the row state of
-        write-back tables."""
-        reply = self._reply(server, seq, waited)
-        parts, start = [], 0
-        for table in tables:
-            size = 1 + (len(self.caches[table].table.state_names) if self.write_back[table]
-                        else 0)
-            parts.append(reply[start:start + size])
-            start += size
-        if start != len(reply):
-            raise CacheError(f"[{self.label.describe()}] {server.describe()} answered a pull of "
-                             f"{len(tables)} tables with {len(reply)} tensors, expected {start}")
-        return parts
-
-    def _by_server(self, table: str, ids: torch.Tensor, *, every_server: bool = False):
-        """(server, positions in `ids` of the ids it holds) for each server
-        holding some of `ids` (`every_server`: each one), in rank order.
-        Positions, not masks: `index_select` gathers faster than a mask."""
-        by_server = self.sharding[table].positions_by_server(ids)
-        for server, positions in zip(self.servers, by_server):
-            if every_server or positions.numel():
-                yield server, positions
 
     # -- bound to the graph's marker ops --
 
@@ -287,12 +226,12 @@ class EmbeddingClient:
             return
         cache = self.caches[table]
         ids = torch.arange(cache.table.num_rows)
-        requests = [(server, positions, self._request(server, Op.PULL, self._step, [
+        requests = [(server, positions, self.exchange.request(server, Op.PULL, self._step, [
             (table, [ids.index_select(0, positions)])]))
-            for server, positions in self._by_server(table, ids)]
+            for server, positions in self.exchange.by_server(table, ids)]
         pulled = 0
         for server, positions, seq in requests:
-            (reply,) = self._reply_parts(server, seq, [table], "pulled")
+            (reply,) = self.exchange.reply_parts(server, seq, [table], "pulled")
             cache.install(positions, reply[0], dict(zip(cache.table.state_names, reply[1:])),
                           fresh_for=self._step)
             pulled += nbytes_of(reply)
@@ -328,7 +267,8 @@ class EmbeddingClient:
             self._plans[table] = plan
             plans.append(plan)
         planned_ahead = self._plan_ahead(keys) if ahead else set()
-        self._prefetch([table for table in keys if table not in planned_ahead])
+        self.exchange.prefetch([table for table in keys if table not in planned_ahead],
+                              self._next_feeds, self._step)
         return plans
 
     def _plan_now(self, lookups: list[tuple[str, torch.Tensor]],
@@ -343,9 +283,9 @@ class EmbeddingClient:
             plans.append(cache.plan(ids, self._step, write_back=self.write_back[table],
                                     max_staleness=cache.table.settings.max_staleness))
         plans += planned.values()
-        pushed = self._write_back([(t, p.evicted_ids, p.evicted_slots)
-                                   for t, p in zip(keys, plans)])
-        pulled = self._pull(list(zip(keys, plans)))
+        pushed = self.exchange.write_back([(t, p.evicted_ids, p.evicted_slots)
+                                           for t, p in zip(keys, plans)], self._step)
+        pulled = self.exchange.pull(list(zip(keys, plans)), self._step)
         return {table: (plan, pulled.get(table, 0), pushed.get(table, 0))
                 for table, plan in zip(keys, plans)}
 
@@ -407,7 +347,7 @@ class EmbeddingClient:
         values = summed.cpu()
         pushed = 0
         # Every server hears from every worker each step.
-        for server, positions in self._by_server(table, ids, every_server=True):
+        for server, positions in self.exchange.by_server(table, ids, every_server=True):
             items = [ids.index_select(0, positions), Gather(values, positions),
                      lr.cpu(), step.cpu()]
             self._gradients.setdefault(server, []).append((table, items))
@@ -415,196 +355,10 @@ class EmbeddingClient:
         cache.counters.bytes_pushed += pushed
         cache.counters.last_step["bytes_pushed"] = pushed
         if sum(len(parts) for parts in self._gradients.values()) == (
-                self._num_write_through * len(self.servers)):
+                self._num_write_through * len(self.exchange.servers)):
             gradients, self._gradients = self._gradients, {}
             for server, parts in gradients.items():
-                self._request(server, Op.GRADS, self._step, parts)
-
-    # -- pulls, pushes, prefetch --
-
-    def _receive_prefetched(self, tables: list[str]) -> int:
-        """Take the replies of prefetch requests that hold rows of `tables`
-        (their other tables' rows are kept for those tables' lookups); the
-        bytes received."""
-        wanted, pending, received = set(tables), [], 0
-        for server, seq, parts, asked_at in self._prefetch_requests:
-            if not wanted & {table for table, _ in parts}:
-                pending.append((server, seq, parts, asked_at))
-                continue
-            replies = self._reply_parts(server, seq, [table for table, _ in parts], "prefetched")
-            for (table, ids), reply in zip(parts, replies):
-                self._prefetched.setdefault(table, []).append((ids, reply, asked_at))
-                received += nbytes_of(reply)
-        self._prefetch_requests = pending
-        return received
-
-    def _pull(self, plans: list[tuple[str, BatchPlan]]) -> dict[str, int]:
-        """Install the rows the plans need: from prefetch replies where they
-        hold them, from the servers otherwise (one request per server for
-        every table); bytes pulled per table."""
-        pulled = dict.fromkeys((table for table, _ in plans), 0)
-        self._receive_prefetched(list(pulled))
-        needed = {}
-        for table, plan in plans:
-            cache = self.caches[table]
-            ids, slots = plan.pull_ids, plan.pull_slots
-            for prefetched_ids, reply, fresh_for in self._prefetched.pop(table, []):
-                pulled[table] += nbytes_of(reply)
-                if ids.numel() == 0:
-                    continue
-                # Both sorted and unique: where each prefetched id is in `ids`, if there.
-                position = torch.searchsorted(ids, prefetched_ids).clamp_(max=ids.numel() - 1)
-                found = ids.index_select(0, position) == prefetched_ids
-                if not bool(found.all()):  # some were cached meanwhile
-                    got = found.nonzero().reshape(-1)
-                    position = position.index_select(0, got)
-                    reply = [t.index_select(0, got) for t in reply]
-                cache.install(slots.index_select(0, position), reply[0],
-                              dict(zip(cache.table.state_names, reply[1:])), fresh_for=fresh_for)
-                keep = torch.ones_like(ids, dtype=torch.bool).index_fill_(0, position, False)
-                ids, slots = ids.masked_select(keep), slots.masked_select(keep)
-            needed[table] = (ids, slots)
-        for table, count in self._fetch(needed, self._step, waited="pulled").items():
-            pulled[table] += count
-        return pulled
-
-    def _exchange(self, plans: list[tuple[str, BatchPlan]], step: int, waited: str | None
-                  ) -> tuple[dict[str, int], dict[str, int]]:
-        """Write back the plans' evicted rows and pull their misses, fresh for
-        `step`: one message per server for both (`_fetch`); (bytes pulled,
-        bytes pushed) per table. Nothing may write the evicted slots before:
-        their rows are gathered into the messages as they are sent."""
-        pushes, pushed = self._push_parts([(t, p.evicted_ids, p.evicted_slots)
-                                           for t, p in plans])
-        pulled = self._fetch({t: (p.pull_ids, p.pull_slots) for t, p in plans}, step, waited,
-                             pushes)
-        return pulled, pushed
-
-    def _fetch(self, needed: dict[str, tuple[torch.Tensor, torch.Tensor]], step: int,
-               waited: str | None,
-               pushes: dict[Label, list[tuple[str, list[Item]]]] | None = None
-               ) -> dict[str, int]:
-        """Pull each table's ids (sorted) from the servers into its cache's
-        slots, one request per server for every table, fresh for `step`;
-        bytes pulled per table. `pushes` (`_push_parts`), rows to write back
-        first, ride in the same message (PUSH_PULL) where every table pulled
-        from that server is written back; else in a PUSH before it."""
-        pulled = dict.fromkeys(needed, 0)
-        # Per server: (table, the ids it holds, their slots).
-        by_server: dict[Label, list[tuple[str, np.ndarray, np.ndarray]]] = {}
-        for table, (ids, slots) in needed.items():
-            if ids.numel() == 0:
-                continue
-            parts = self.sharding[table].split_by_server(ids.numpy(), slots.numpy())
-            for server, (server_ids, server_slots) in zip(self.servers, parts):
-                if server_ids.size:
-                    by_server.setdefault(server, []).append((table, server_ids, server_slots))
-        pushes = pushes or {}
-        requests = []
-        for server in self.servers:
-            parts, push = by_server.get(server, []), dict(pushes.get(server, ()))
-            if push and not (parts and all(self.write_back[table] for table, _, _ in parts)):
-                self._request(server, Op.PUSH, step, list(push.items()))
-                push = {}
-            if not parts:
-                continue
-            if not push:
-                requests.append((server, parts, self._request(
-                    server, Op.PULL, step,
-                    [(table, [torch.from_numpy(ids)]) for table, ids, _ in parts])))
-                continue
-            # Tables pushed to this server and pulled from it, then pushed only.
-            pulled_here = {table for table, _, _ in parts}
-            parts += [(table, _NO_IDS, _NO_IDS) for table in push if table not in pulled_here]
-            requests.append((server, parts, self._request(server, Op.PUSH_PULL, step, [
-                (table, [*(push.get(table) or self._no_push(table)), torch.from_numpy(ids)])
-                for table, ids, _ in parts])))
-        for server, parts, seq in requests:
-            replies = self._reply_parts(server, seq, [table for table, _, _ in parts], waited)
-            for (table, _, slots), reply in zip(parts, replies):
-                cache = self.caches[table]
-                pulled[table] = pulled.get(table, 0) + nbytes_of(reply)
-                if slots.size:
-                    cache.install(torch.from_numpy(slots), reply[0],
-                                  dict(zip(cache.table.state_names, reply[1:])),
-                                  fresh_for=None if self.write_back[table] else step)
-        return pulled
-
-    def _no_push(self, table: str) -> list[torch.Tensor]:
-        """A PUSH_PULL's part for a table with no rows to write back."""
-        cache = self.caches[table]
-        rows = torch.empty(0, cache.table.dim, dtype=cache.table.dtype)
-        return [_NO_ROWS, rows, *(rows for _ in cache.table.state_names)]
-
-    def _prefetch(self, tables: list[str]) -> None:
-        """Ask now for the next batch's missing rows of `tables`, in one
-        request per server, so the replies travel while this step computes.
-        Only where a row read a step early is allowed: one worker (its cache
-        holds the only writes), or staleness >= 1."""
-        if self._next_feeds is None:
-            return
-        wanted = []
-        for table in tables:
-            cache = self.caches[table]
-            feed = cache.table.ids_feed
-            settings = cache.table.settings
-            if feed is None or feed not in self._next_feeds or (
-                    not self.write_back[table] and (settings.max_staleness < 1
-                                                    or settings.policy is EvictionPolicy.NONE)):
-                continue
-            next_ids = self._next_feeds[feed].reshape(-1).to("cpu", torch.int64)
-            try:
-                wanted.append((table, cache.uncached_ids(next_ids)))
-            except CacheError:  # ids past the table: refused at their own step, not this one
-                continue
-        by_server: dict[Label, list[tuple[str, torch.Tensor]]] = {}
-        for table, ids in wanted:
-            for server, positions in self._by_server(table, ids):
-                by_server.setdefault(server, []).append((table, ids.index_select(0, positions)))
-        for server, parts in by_server.items():
-            seq = self._request(server, Op.PULL, self._step,
-                                [(table, [ids]) for table, ids in parts])
-            self._prefetch_requests.append((server, seq, parts, self._step))
-
-    def _write_back(self, evicted: list[tuple[str, torch.Tensor, torch.Tensor]],
-                    step: int | None = None) -> dict[str, int]:
-        """Push the rows of each table's `ids` (in cache `slots`, not yet
-        overwritten) to their servers, one message per server for every
-        table; bytes pushed per table."""
-        by_server, pushed = self._push_parts(evicted)
-        for server, parts in by_server.items():
-            self._request(server, Op.PUSH, self._step if step is None else step, parts)
-        return pushed
-
-    def _push_parts(self, evicted: list[tuple[str, torch.Tensor, torch.Tensor]]
-                    ) -> tuple[dict[Label, list[tuple[str, list[Item]]]], dict[str, int]]:
-        """The parts of the write-back of each table's `ids` (in cache
-        `slots`) by server, the rows to be gathered as their message is sent;
-        bytes pushed per table."""
-        by_server: dict[Label, list[tuple[str, list[Item]]]] = {}
-        pushed = {}
-        for table, ids, slots in evicted:
-            if not self.write_back[table] or ids.numel() == 0:
-                continue
-            cache = self.caches[table]
-            pushed[table] = 0
-            parts = self.sharding[table].split_by_server(ids.numpy(), slots.numpy())
-            for server, (server_ids, server_slots) in zip(self.servers, parts):
-                if not server_ids.size:
-                    continue
-                # Gathered from the cache straight into the message as it is sent
-                # (below, before any slot is written over).
-                if cache.row_array is not None:  # the cache's views, a plan's slots
-                    rows = [cache.row_array, *(cache.state_arrays[n]
-                                               for n in cache.table.state_names)]
-                    where = server_slots
-                else:
-                    rows = [cache.rows, *(cache.state[n] for n in cache.table.state_names)]
-                    where = torch.from_numpy(server_slots)
-                items = [torch.from_numpy(server_ids), *(Gather(r, where) for r in rows)]
-                by_server.setdefault(server, []).append((table, items))
-                pushed[table] += nbytes_of_items(items)
-        return by_server, pushed
+                self.exchange.request(server, Op.GRADS, self._step, parts)
 
     # -- end of training, checkpoints --
 
@@ -613,16 +367,13 @@ class EmbeddingClient:
         so a later dump sees them."""
         self.ahead.settle_all()
         dirty = [(table, *cache.dirty_slots()) for table, cache in self.caches.items()]
-        for table, pushed in self._write_back(dirty).items():
+        for table, pushed in self.exchange.write_back(dirty, self._step).items():
             self.caches[table].counters.bytes_pushed += pushed
 
     def drain_prefetch(self) -> None:
         """Take the replies of prefetches no step will use (the last batch's)."""
         self.ahead.settle_all()
-        for server, seq, _, _ in self._prefetch_requests:
-            self._reply(server, seq)
-        self._prefetch_requests = []
-        self._prefetched.clear()
+        self.exchange.drain_prefetch()
 
     def save_rows(self, directory: str, steps_done: int) -> dict[str, bytes]:
         """Worker 0, for a sharded checkpoint: every server writes its rows of
@@ -631,9 +382,9 @@ class EmbeddingClient:
         self.drain_prefetch()
         self.flush()
         path = torch.frombuffer(bytearray(directory.encode()), dtype=torch.uint8)
-        requests = [(server, self._request(server, Op.SAVE, steps_done, [], [path]))
-                    for server in self.servers]
-        return {str(server): bytes(self._reply(server, seq)[0].numpy())
+        requests = [(server, self.exchange.request(server, Op.SAVE, steps_done, [], [path]))
+                    for server in self.exchange.servers]
+        return {str(server): bytes(self.exchange.reply(server, seq)[0].numpy())
                 for server, seq in requests}
 
     def dump(self, steps_done: int) -> dict[str, torch.Tensor]:
@@ -644,10 +395,11 @@ class EmbeddingClient:
         for table in self.tables:
             rows = torch.empty(table.num_rows, table.dim, dtype=table.dtype)
             state = {n: torch.empty_like(rows) for n in table.state_names}
-            requests = [(server, self._request(server, Op.DUMP, steps_done, [(table.key, [])]))
-                        for server in self.servers]
+            requests = [(server, self.exchange.request(server, Op.DUMP, steps_done,
+                                                       [(table.key, [])]))
+                        for server in self.exchange.servers]
             for server, seq in requests:
-                reply = self._reply(server, seq)
+                reply = self.exchange.reply(server, seq)
                 ids = self.sharding[table.key].ids_of(server.rank)
                 rows[ids] = reply[0]
                 for name, value in zip(table.state_names, reply[1:]):
