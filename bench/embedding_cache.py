@@ -306,8 +306,11 @@ def run_job(args: argparse.Namespace) -> None:
     if job.is_worker:
         hidden = recsys_cache.HiddenModel.build(spec)
         batches = recsys_cache.global_batches(spec, hidden, job_args.batch_size, job_args.steps)
-    # No final state: the whole tables' dump is no part of a training step.
-    trainer = job.start(program, recsys_cache.cache_mode(job_args), gather_state=False)
+    # No final state by default: the whole tables' dump is no part of a
+    # training step. `--final-state gather`: worker 0 receives it whole;
+    # `views`: into a sharded checkpoint, the tables handed back as views.
+    trainer = job.start(program, recsys_cache.cache_mode(job_args),
+                        gather_state=args.final_state != "none")
     profiler = _StepProfiler(pathlib.Path(args.profile_dir) / "worker0", args.profile_after) if (
         args.profile_dir and job.is_driver) else None
     if args.profile_dir and job.label.role.value == "server" and job.rank == 0:
@@ -329,10 +332,17 @@ def run_job(args: argparse.Namespace) -> None:
         profiler.stop()
     if job.is_driver:
         threads["after_steps"][len(stamps) - 1] = threads_sched_ns()
-    trainer.finish()
+    finished = time.perf_counter()
+    views = args.final_state == "views"
+    final_state = trainer.finish(save_to=args.final_dir if views else None,
+                                 gather_tables_up_to=0 if views else None)
     if job.is_driver:
         counters = trainer.cache_counters.values()
         print(BENCH_PREFIX + json.dumps({
+            "final_state": args.final_state, "finish_s": time.perf_counter() - finished,
+            "final_state_mb": _final_state_mb(final_state),
+            "views": sorted(k for k, v in (final_state or {}).items()
+                            if not isinstance(v, torch.Tensor)),
             "stamps": stamps, "waits": waits, "threads": threads,
             "hits": sum(c["hits"] for c in counters),
             "unique_ids": sum(c["unique_ids"] for c in counters),
@@ -340,6 +350,12 @@ def run_job(args: argparse.Namespace) -> None:
             "bytes_pushed": sum(c["bytes_pushed"] for c in counters),
             "table_steps_planned_ahead": sum(c["planned_ahead"] for c in counters),
             "table_steps": len(counters) * len(stamps[1:])}), flush=True)
+
+
+def _final_state_mb(state: dict | None) -> float:
+    """What the final state holds in memory on worker 0 (views: nothing)."""
+    tensors = [v for v in (state or {}).values() if isinstance(v, torch.Tensor)]
+    return round(sum(t.numel() * t.element_size() for t in tensors) / 2**20, 1)
 
 
 class _StepProfiler:
@@ -746,6 +762,9 @@ def main() -> None:
                         help="--part profile: the jobs to profile (default: all)")
     parser.add_argument("--profile-after", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--final-state", choices=["none", "gather", "views"], default="none",
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--final-dir", help=argparse.SUPPRESS)
     parser.add_argument("job_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:

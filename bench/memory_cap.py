@@ -18,6 +18,11 @@ the cgroups are removed at the end.
   tables sharded table-wise, each process capped the same: each must hold
   its shard (half the tables) and builds the model first.
 
+`--final-state gather views` adds a run each in which the worker ends with
+`finish()` gathering the whole state (as examples/recsys_cache.py does) or
+with `finish(save_to=..., gather_tables_up_to=0)`: the tables as views of a
+sharded checkpoint the servers write, never whole on the worker.
+
     sudo python bench/memory_cap.py [--cap-mb 1024] [--rows 1000000] [--steps 40]
 """
 
@@ -136,13 +141,17 @@ class _LocalHost:
                                 **kwargs)
 
 
-def run_splitrun(args, workdir: pathlib.Path, cap_bytes: int) -> dict:
-    cgroup = MemoryCgroup(f"splitrun-memcap-{os.getpid()}-worker", cap_bytes)
+def run_splitrun(args, workdir: pathlib.Path, cap_bytes: int, final_state: str) -> dict:
+    """`final_state`: none (the job keeps no final state), gather (worker 0
+    receives it whole at finish) or views (finish saves a sharded checkpoint
+    and hands the tables back as views of it)."""
+    cgroup = MemoryCgroup(f"splitrun-memcap-{os.getpid()}-worker-{final_state}", cap_bytes)
     try:
         hosts = SimpleNamespace(a=_LocalHost(), b=_LocalHost(cgroup))
-        command = [str(HERE.parent / "embedding_cache.py"), "--job", "--", *job_args(args)]
-        run_dir = workdir / "splitrun"
+        run_dir = workdir / f"splitrun-{final_state}"
         run_dir.mkdir()
+        command = [str(HERE.parent / "embedding_cache.py"), "--job", "--final-state",
+                   final_state, "--final-dir", str(run_dir / "final"), "--", *job_args(args)]
         result = {"finished": False}
         try:
             logs = run_joined_job(hosts, run_dir, workers=1, servers=2, job_command=command,
@@ -154,7 +163,10 @@ def run_splitrun(args, workdir: pathlib.Path, cap_bytes: int) -> dict:
                           (len(stamps) - 1 - WARMUP_STEPS) * BATCH
                           / (stamps[-1] - stamps[WARMUP_STEPS]), 1),
                       "hit_rate_per_unique_id": round(bench["hits"] / bench["unique_ids"], 4),
-                      "mb_pulled_per_step": round(bench["bytes_pulled"] / len(stamps) / 1e6, 2)}
+                      "mb_pulled_per_step": round(bench["bytes_pulled"] / len(stamps) / 1e6, 2),
+                      "finish_s": round(bench["finish_s"], 1),
+                      "final_state_mb_on_worker0": bench["final_state_mb"],
+                      "final_state_views": len(bench["views"])}
         except RuntimeError as exc:
             result["error"] = str(exc)[-2000:]
         result["worker_memory"] = cgroup.report()
@@ -211,6 +223,10 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=DIM)
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--skip-dmp", action="store_true")
+    parser.add_argument("--final-state", nargs="+", choices=["none", "gather", "views"],
+                        default=["none"], help="what the splitrun job's finish() hands "
+                        "worker 0, one capped run each: none, the whole state gathered, or "
+                        "the tables as views of a sharded checkpoint")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("memory cgroups need root: run with sudo")
@@ -221,7 +237,10 @@ def main() -> None:
               "tables_mb": round(tables_bytes / 2**20, 1), "cap_mb_per_process": args.cap_mb,
               "tables_over_cap": round(tables_bytes / cap, 2)}
     with tempfile.TemporaryDirectory(prefix="splitrun-bench-memcap-") as workdir:
-        report["splitrun_cache_mode"] = run_splitrun(args, pathlib.Path(workdir), cap)
+        for final_state in args.final_state:
+            key = "splitrun_cache_mode" + ("" if final_state == "none" else
+                                           f"_final_state_{final_state}")
+            report[key] = run_splitrun(args, pathlib.Path(workdir), cap, final_state)
     if not args.skip_dmp:
         report["torchrec_dmp_2_processes"] = run_dmp(args, cap)
     report["total_s"] = round(time.perf_counter() - started, 1)

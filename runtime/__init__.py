@@ -28,6 +28,7 @@ from splitrun.splitter.lazy_exports import lazy_exports
 _EXPORTS = {
     "CacheError": ".errors",
     "CheckpointError": ".errors",
+    "ShardedTable": ".checkpoints",
     "ClusterError": ".errors",
     "JobFinished": ".errors",
     "MessageRejected": ".errors",

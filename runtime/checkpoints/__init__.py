@@ -15,6 +15,7 @@ _EXPORTS = {
     "write_checkpoint": ".plain",
     "ShardedCheckpoint": ".sharded",
     "export_checkpoint": ".sharded",
+    "ShardedTable": ".sharded",
     "latest_checkpoint": ".periodic",
     "Checkpointer": ".saving",
     "resume_state": ".saving",

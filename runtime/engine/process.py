@@ -9,7 +9,7 @@ one through its methods, so there is one way a process is put together.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 
@@ -162,11 +162,13 @@ class ProcessRuntime:
         client = self._cache.client
         return None if client is None else client.hit_rate()
 
-    def dump_tables(self, steps_done: int) -> dict[str, torch.Tensor]:
-        """Worker 0 of an embedding-cache split: every cached table and its row
-        state, whole, from the servers (dirty rows written back first)."""
+    def dump_tables(self, steps_done: int, tables: Collection[str] | None = None
+                    ) -> dict[str, torch.Tensor]:
+        """Worker 0 of an embedding-cache split: every cached table (of
+        `tables`, if given) and its row state, whole, from the servers (dirty
+        rows written back first)."""
         client = self._cache.client
-        return {} if client is None else client.dump(steps_done)
+        return {} if client is None else client.dump(steps_done, tables)
 
     def save_rows(self, directory: str, steps_done: int) -> dict[str, bytes]:
         """Worker 0 of an embedding-cache split: every server writes its rows

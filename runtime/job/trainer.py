@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from splitrun.splitter.labels import Label
+from splitrun.splitter.ops.cache import CachedTable
 from splitrun.splitter.plan import ModeKind, SplitPlan
 from splitrun.splitter.program import BatchInput, Program
 from splitrun.splitter.splitting.graph_splitter import SplitProgram
@@ -23,6 +24,7 @@ from ..checkpoints.gather import (
     final_state_channel,
 )
 from ..checkpoints.saving import Checkpointer
+from ..checkpoints.sharded import ShardedCheckpoint, ShardedTable, is_directory_path, state_paths
 from ..cluster.rendezvous import Rendezvous
 from ..engine.process import ProcessRuntime
 from ..errors import JobFinished, PeerDied, PeerFailed, SplitrunError, TransportError
@@ -239,7 +241,8 @@ class Trainer:
     def _on_control(self, sender: Label, tensors: list[torch.Tensor]) -> None:
         self._checkpointer.answer(sender, tensors, self.steps_done)
 
-    def finish(self) -> dict[str, torch.Tensor] | None:
+    def finish(self, *, save_to: str | os.PathLike | None = None,
+               gather_tables_up_to: int | None = None) -> dict[str, torch.Tensor] | None:
         """End training on this process and leave the job.
 
         Workers report how many steps they ran; servers serve until then. With
@@ -247,19 +250,30 @@ class Trainer:
         returns it (a dict like `program.initial_state`); other processes return
         None. Every process waits at a final barrier before closing, so no
         message is sent to a process that is gone.
+
+        `save_to`: the workers first save the final state there, as `save`
+        does (a sharded directory: every process writes what it owns).
+        `gather_tables_up_to` (bytes; needs a sharded `save_to`): a cached
+        table larger than this, and each of its row states, is not gathered:
+        worker 0's dict holds a `ShardedTable` over `save_to` instead, which
+        reads rows by id (`view[ids]`) or whole (`view.load()`), so no process
+        ever holds the whole table. Every process passes the same arguments.
         """
+        _check_finish_arguments(save_to, gather_tables_up_to)
         if self._finished:
             return self.final_state
         self._finished = True
         job, transport, timeout = self.job, self.job.transport, self.job.settings.finish_timeout_s
         try:
             if job.is_worker:
+                if save_to is not None:
+                    self._checkpointer.save(save_to, self.steps_done)
                 transport.flush(timeout)
                 job.client.report_finished(job.label, self.steps_done)
             else:
                 self._serve()
             if self.gather_state:
-                self._gather_state()
+                self._gather_state(save_to, gather_tables_up_to)
             transport.flush(timeout)
             job.client.barrier("finish", job.label, timeout)
             job.client.report_done(job.label)
@@ -282,14 +296,53 @@ class Trainer:
             job.close()
         return self.final_state
 
-    def _gather_state(self) -> None:
+    def _gather_state(self, save_to: str | os.PathLike | None,
+                      gather_tables_up_to: int | None) -> None:
         if self.job.is_driver:
+            large = [table for table in self.split.artifacts.tables
+                     if gather_tables_up_to is not None
+                     and _table_bytes(table) > gather_tables_up_to]
             state = self._gather.collect(final_state_channel, self.steps_done)
-            state.update(self.process.dump_tables(self.steps_done))
+            state.update(self.process.dump_tables(
+                self.steps_done, {table.key for table in self.split.artifacts.tables}
+                - {table.key for table in large}))
             self.final_state = self._gather.full(state)
+            if large:
+                self.final_state.update(_views(save_to, large, self.source))
         else:
             self._gather.send(final_state_channel(self.job.label), self.steps_done)
             self.process.drain_prefetch()
+
+
+def _check_finish_arguments(save_to, gather_tables_up_to) -> None:
+    if gather_tables_up_to is None:
+        return
+    if isinstance(gather_tables_up_to, bool) or not isinstance(gather_tables_up_to, int) \
+            or gather_tables_up_to < 0:
+        raise SplitrunError(f"finish(gather_tables_up_to=...) is a size in bytes >= 0, got "
+                            f"{gather_tables_up_to!r}")
+    if save_to is None or not is_directory_path(save_to):
+        raise SplitrunError(f"finish(gather_tables_up_to={gather_tables_up_to}) hands the "
+                            f"larger tables back as views of a sharded checkpoint: give "
+                            f"save_to=<a directory> (got {save_to!r})")
+
+
+def _table_bytes(table: CachedTable) -> int:
+    """A cached table's rows and their row state, whole."""
+    return table.num_rows * table.dim * table.dtype.itemsize * (1 + len(table.state_names))
+
+
+def _views(directory: str | os.PathLike, tables: Sequence[CachedTable], source: Program
+           ) -> dict[str, ShardedTable]:
+    """The final state's entries of `tables`, as views of the checkpoint just
+    saved in `directory`: each table and each of its row states."""
+    opened = ShardedCheckpoint(directory)
+    paths = state_paths(source)
+    views = {}
+    for table in tables:
+        for key in (table.key, *(f"{table.key}.{name}" for name in table.state_names)):
+            views[key] = ShardedTable(directory, table.key, paths[key], checkpoint=opened)
+    return views
 
 
 def start_trainer(job: JobMember, split: SplitProgram, *,

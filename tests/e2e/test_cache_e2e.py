@@ -124,3 +124,25 @@ def test_lazy_rows_through_the_launcher_equal_the_unsplit_step_and_reshard(launc
     resumed, _ = launch("lazy_resumed", 1, 3, "--steps", 20, "--resume", directory, *lazy)
     for key, value in expected.items():
         assert torch.equal(resumed["state"][key], value), key
+
+
+def test_tables_past_the_gather_limit_come_back_as_views_of_the_final_checkpoint(launch,
+                                                                                 tmp_path):
+    """`finish(save_to=DIR, gather_tables_up_to=0)`: no table is gathered;
+    worker 0 gets each table and its Adagrad sums as a `ShardedTable` over
+    the sharded checkpoint the workers just saved, whose rows (read by id or
+    whole) equal the unsplit step's; the dense parameters come whole."""
+    directory = tmp_path / "final"
+    result, _ = launch("viewed", 1, 2, "--steps", 12, "--finish-to", directory,
+                       "--gather-up-to", 0)
+    program, batches = make("adagrad", 1, 12, cache_rows=None, sparse_tables=True)
+    expected = program.train_unsplit(12, feeds(batches))[1]
+    tables = sorted(key for key in expected if key.startswith("tables."))
+    assert result["views"] == tables and len(tables) > 2  # each table and its sums
+    assert result["state"].keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(result["state"][key], value), key
+    probe = torch.tensor([[3, 0, 3], [17, 1, 2]])  # cache_job.PROBE_IDS
+    for key in tables:
+        assert torch.equal(result["probed"][key], expected[key][probe]), key
+    assert (directory / ".metadata").exists()

@@ -31,7 +31,8 @@ every file they read; `CheckpointError` names the file and what is wrong.
 
 The parts: `layout` (what sits where), `write` (one process's files and its
 report), `commit` (the metadata and the checksum file), `read` (a verified
-directory), `resume` (one process's part back), `export` (one plain file).
+directory), `resume` (one process's part back), `export` (one plain file),
+`table_view` (a table's rows read by id, as `finish()` hands a large one back).
 """
 
 from .commit import finish_checkpoint, start_checkpoint
@@ -48,9 +49,11 @@ from .layout import (
 )
 from .read import ShardedCheckpoint
 from .resume import RowRange, load_for, load_state
+from .table_view import ShardedTable
 from .write import driver_objects, owned_pieces, row_pieces, write_pieces
 
 __all__ = ["Piece", "CHECKSUMS", "METADATA", "is_directory_path", "state_paths",
            "fqn_of", "row_paths", "ids_path", "write_pieces", "finish_checkpoint",
            "ShardedCheckpoint", "export_checkpoint", "RowRange", "load_state",
-           "driver_objects", "start_checkpoint", "owned_pieces", "row_pieces", "load_for"]
+           "driver_objects", "start_checkpoint", "owned_pieces", "row_pieces", "load_for",
+           "ShardedTable"]

@@ -44,7 +44,7 @@ Consistency model:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 
@@ -387,12 +387,16 @@ class EmbeddingClient:
         return {str(server): bytes(self.exchange.reply(server, seq)[0].numpy())
                 for server, seq in requests}
 
-    def dump(self, steps_done: int) -> dict[str, torch.Tensor]:
-        """Worker 0: every table and its row state, whole, from the servers."""
+    def dump(self, steps_done: int, tables: Collection[str] | None = None
+             ) -> dict[str, torch.Tensor]:
+        """Worker 0: every table (of `tables`, if given) and its row state,
+        whole, from the servers."""
         self.drain_prefetch()
         self.flush()
         result = {}
         for table in self.tables:
+            if tables is not None and table.key not in tables:
+                continue
             rows = torch.empty(table.num_rows, table.dim, dtype=table.dtype)
             state = {n: torch.empty_like(rows) for n in table.state_names}
             requests = [(server, self.exchange.request(server, Op.DUMP, steps_done,

@@ -2,7 +2,7 @@
 (as processes write them), read back piece by piece with another cut, exported
 to a plain file that plain PyTorch loads, and refused with one line naming the
 file when corrupt, incomplete or of another model; a restart picks the newest
-complete periodic one."""
+complete periodic one; a table's rows read by id (`ShardedTable`)."""
 
 import os
 
@@ -15,8 +15,10 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from splitrun.runtime.checkpoints import sharded as sc
 from splitrun.runtime.checkpoints.periodic import latest_checkpoint, periodic_path, prune_periodic
 from splitrun.runtime.checkpoints.plain import load_checkpoint
+from splitrun.runtime.engine.embedding.sharding import RowSharding
 from splitrun.runtime.engine.embedding.store import LocalRows
-from splitrun.runtime.errors import CheckpointError
+from splitrun.runtime.errors import CheckpointError, SplitrunError
+from splitrun.runtime.job.trainer import _check_finish_arguments
 from splitrun.splitter import capture, optim
 
 TABLE = "0.weight"  # stands for a row-sharded table here: 8 rows of 6
@@ -257,3 +259,84 @@ def test_a_restart_resumes_from_the_newest_complete_periodic_checkpoint(tmp_path
     prune_periodic(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["step-000000020", "step-000000030",
                                             "step-000000040"]
+
+
+# -- ShardedTable: a table's rows read by id, as finish() hands a large one back --
+
+
+def write_rows(directory, program, state, num_servers=3, ids=None):
+    """The table's rows as the servers write them: in the hash order of
+    `RowSharding`, each server its contiguous slice (or in the order `ids`)."""
+    paths = sc.state_paths(program)
+    num_rows = state[TABLE].shape[0]
+    order = RowSharding(num_rows, 1).ids_of(0) if ids is None else ids
+    objects, counts = sc.driver_objects(program, 3, {"cluster": "test"})
+    w0 = list(counts) + [sc.Piece.whole(paths[key], value) for key, value in state.items()
+                         if key not in TABLE_KEYS]
+    reports = {}
+    bounds = [k * num_rows // num_servers for k in range(num_servers + 1)]
+    for server in range(num_servers):
+        first, end = bounds[server], bounds[server + 1]
+        pieces = [sc.Piece(sc.ids_path(TABLE), (num_rows,), (first,), order[first:end])]
+        pieces += [sc.Piece(sc.row_paths(TABLE, paths[key]), tuple(state[key].shape),
+                            (first, 0), state[key][order[first:end]]) for key in TABLE_KEYS]
+        reports[f"s{server}-rows"] = sc.write_pieces(directory, f"s{server}-rows", pieces)
+    sc.start_checkpoint(directory)
+    reports["w0"] = sc.write_pieces(directory, "w0", w0, objects)
+    sc.finish_checkpoint(directory, reports)
+
+
+def view(directory, program, key):
+    return sc.ShardedTable(directory, TABLE, sc.state_paths(program)[key])
+
+
+def test_rows_read_by_id_equal_the_saved_table_whatever_the_servers(tmp_path):
+    program, state = trained()
+    for num_servers in (1, 2, 3):
+        directory = tmp_path / f"on{num_servers}"
+        write_rows(directory, program, state, num_servers)
+        for key in TABLE_KEYS:
+            table = view(directory, program, key)
+            assert table.shape == tuple(state[key].shape) and table.dtype == state[key].dtype
+            ids = torch.tensor([[7, 0, 7], [3, 3, 1]], dtype=torch.int32)  # repeats, any shape
+            assert torch.equal(table[ids], state[key][ids.long()]), key
+            assert table[torch.tensor([], dtype=torch.int64)].shape == (0, 6)
+            assert torch.equal(table.load(), state[key]), key
+
+
+@pytest.mark.parametrize("ids, says", [
+    (torch.tensor([2, 8]), r"id 8 is outside the table's 8 rows \(ids 0-7\)"),
+    (torch.tensor([-1]), r"id -1 is outside the table's 8 rows \(ids 0-7\)"),
+    (torch.tensor([1.0]), r"rows are read by an integer tensor of ids, got a float32 tensor"),
+    ([1, 2], r"rows are read by an integer tensor of ids, got list")])
+def test_bad_ids_are_refused_in_one_line(tmp_path, ids, says):
+    program, state = trained()
+    write_rows(tmp_path / "ckpt", program, state)
+    with pytest.raises(CheckpointError, match=rf"ShardedTable\('{TABLE}', .*\): {says}$"):
+        view(tmp_path / "ckpt", program, TABLE)[ids]
+
+
+def test_rows_stored_in_another_order_are_refused_not_read_wrong(tmp_path):
+    program, state = trained()
+    write_rows(tmp_path / "ckpt", program, state, ids=torch.arange(8))
+    with pytest.raises(CheckpointError, match=r"the ids stored with the rows are not in the "
+                                              r"servers' hash order"):
+        view(tmp_path / "ckpt", program, TABLE)[torch.tensor([1])]
+
+
+def test_a_tensor_that_is_no_table_is_named(tmp_path):
+    program, state = trained()
+    write_rows(tmp_path / "ckpt", program, state)
+    with pytest.raises(CheckpointError, match=r"holds no rows of table '2.bias' at "
+                                              r"'model.2.bias'"):
+        sc.ShardedTable(tmp_path / "ckpt", "2.bias", ("model", "2.bias"))
+
+
+@pytest.mark.parametrize("save_to, limit, says", [
+    (None, 0, r"give save_to=<a directory> \(got None\)"),
+    ("final.pt", 10, r"give save_to=<a directory> \(got 'final.pt'\)"),
+    ("final", -1, r"a size in bytes >= 0, got -1"),
+    ("final", True, r"a size in bytes >= 0, got True")])
+def test_finish_refuses_a_gather_limit_without_a_directory(save_to, limit, says):
+    with pytest.raises(SplitrunError, match=says):
+        _check_finish_arguments(save_to, limit)

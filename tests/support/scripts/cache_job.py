@@ -8,6 +8,9 @@
 --save one: a .pt file, or else a sharded directory); --resume continues one.
 --lazy-rows: the tables' rows come from a row initializer, made by the servers
 as first used (the model's own tables are NaN).
+--finish-to DIR --gather-up-to BYTES: `finish(save_to=DIR, gather_tables_up_to=BYTES)`;
+worker 0 writes each table handed back as a view loaded whole, the keys that
+were views, and the rows of PROBE_IDS read through each view.
 --bad-batch-at N --bad-batch KIND: the batch of step N is bad: `ids`, one id
 past its table; `type`, a string; `raises`, the batches' iterator raises there.
 """
@@ -20,8 +23,12 @@ import sys
 import torch
 from cache_models import make, make_sum_bags
 
+from splitrun.runtime import ShardedTable
 from splitrun.runtime.job import Job
 from splitrun.splitter import EmbeddingCacheMode
+
+# Rows read through a table's view (`--gather-up-to`): repeats, any shape.
+PROBE_IDS = torch.tensor([[3, 0, 3], [17, 1, 2]])
 
 
 def main() -> int:
@@ -40,6 +47,8 @@ def main() -> int:
     parser.add_argument("--dense", choices=["server", "worker"], default="server")
     parser.add_argument("--bad-batch-at", type=int)
     parser.add_argument("--bad-batch", choices=["ids", "type", "raises"], default="ids")
+    parser.add_argument("--finish-to")
+    parser.add_argument("--gather-up-to", type=int)
     parser.add_argument("--lazy-rows", action="store_true",
                         help="tables from cache_models.LAZY_INIT, their rows made lazily")
     args = parser.parse_args()
@@ -64,10 +73,14 @@ def main() -> int:
     if args.save_at is None and job.is_worker:
         for path in args.save:
             trainer.save(path)
-    final_state = trainer.finish()
+    final_state = trainer.finish(save_to=args.finish_to, gather_tables_up_to=args.gather_up_to)
     if job.is_driver and args.out:
-        torch.save({"state": final_state, "counters": trainer.cache_counters,
-                    "device": str(job.device)}, args.out)
+        views = {key: value for key, value in final_state.items()
+                 if isinstance(value, ShardedTable)}
+        torch.save({"state": {**final_state, **{key: view.load() for key, view in views.items()}},
+                    "views": sorted(views), "probed": {key: view[PROBE_IDS]
+                                                       for key, view in views.items()},
+                    "counters": trainer.cache_counters, "device": str(job.device)}, args.out)
     return 0
 
 
