@@ -2,13 +2,14 @@
 memory cap on its worker below the size of its tables, where TorchRec's
 DistributedModelParallel, under the same cap per process, cannot. Prints JSON.
 
-The job is examples/recsys_cache.py's DLRM with large tables (8 tables of
-1 M rows x 64 by default: 2.05 GB of float32 rows), plain SGD, LRU caches of
-5 % on the worker, the MLPs on the worker. A memory cgroup is made for each
-capped process (cgroup v2 `memory.max` where the memory controller is on the
-unified hierarchy, else v1 `memory.limit_in_bytes`; needs root), the process
-enters it before it starts (`sh -c 'echo $$ > cgroup.procs; exec ...'`), and
-the cgroups are removed at the end.
+The job is examples/recsys_cache.py's DLRM with large tables (8 tables of 1
+M rows x 64 by default: 2.05 GB of float32 rows), plain SGD (`--optimizer
+adagrad`: its sums beside every row), LRU caches of 5 % on the worker, the
+MLPs on the worker. A memory cgroup is made for each capped process (cgroup
+v2 `memory.max` where the memory controller is on the unified hierarchy,
+else v1 `memory.limit_in_bytes`; needs root), the process enters it before
+it starts (`sh -c 'echo $$ > cgroup.procs; exec ...'`), and the cgroups are
+removed at the end.
 
 - splitrun: `splitrun scheduler`, 2 servers and 1 worker through `splitrun
   join` (servers uncapped: they hold the tables), the worker capped. It
@@ -61,7 +62,8 @@ _CGROUP_ROOT = pathlib.Path("/sys/fs/cgroup")
 def job_args(args) -> list[str]:
     return ["--tables", str(args.tables), "--rows", str(args.rows), "--dim", str(args.dim),
             "--batch-size", str(BATCH), "--ids-per-table", "16", "--bottom", "64", "--top", "64",
-            "--zipf", "1.05", "--optimizer", "sgd", "--policy", "lru", "--cache-fraction", "0.05",
+            "--zipf", "1.05", "--optimizer", args.optimizer, "--policy", "lru",
+            "--cache-fraction", "0.05",
             "--steps", str(args.steps)]
 
 
@@ -223,6 +225,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=DIM)
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--skip-dmp", action="store_true")
+    parser.add_argument("--optimizer", choices=["sgd", "adagrad"], default="sgd",
+                        help="adagrad: every row carries its sums too (twice the bytes)")
     parser.add_argument("--final-state", nargs="+", choices=["none", "gather", "views"],
                         default=["none"], help="what the splitrun job's finish() hands "
                         "worker 0, one capped run each: none, the whole state gathered, or "

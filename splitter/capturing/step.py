@@ -103,7 +103,7 @@ def capture(model: nn.Module, loss_fn: LossFn,
     program_inputs, program_outputs = builder.finish(return_grads)
 
     gm = fx.GraphModule(torch.nn.Module(), builder.graph, class_name="CapturedStep")
-    _propagate_fake_values(gm, builder.example_inputs(params, frozen, batch, groups))
+    _propagate_fake_values(gm, builder.example_inputs(params, frozen, batch, groups, cached))
 
     initial_state: dict[str, torch.Tensor] = {}
     for name in trainable:
@@ -114,7 +114,9 @@ def capture(model: nn.Module, loss_fn: LossFn,
         initial_state[name] = value if name in cached else value.clone()
         functional = groups.for_param(name)
         if functional is not None:
-            for state_name, value in functional.init_state(initial_state[name]).items():
+            state = (row_state_of(functional, value) if name in cached
+                     else functional.init_state(value))
+            for state_name, value in state.items():
                 initial_state[f"{name}.{state_name}"] = value
     for name, tensor in frozen.items():
         initial_state[name] = tensor.detach().clone()
@@ -209,6 +211,20 @@ def _state_owners(model: nn.Module) -> dict[str, str]:
 
     visit(model, "", None)
     return owners
+
+
+def row_state_of(functional, table: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A cached table's starting optimizer state without its memory: the
+    state of its first row broadcast over every row (an expanded view of one
+    row: a table of any size costs one row here; the servers copy or make
+    their own rows of it). Whole where the optimizer's state differs between
+    rows."""
+    if table.dim() == 0 or table.shape[0] < 2:
+        return functional.init_state(table)
+    first = functional.init_state(table[:2])
+    if not all(torch.equal(value[0], value[1]) for value in first.values()):
+        return functional.init_state(table)
+    return {name: value[:1].expand(table.shape) for name, value in first.items()}
 
 
 def _cached_tables(model: nn.Module) -> dict[str, nn.Embedding | nn.EmbeddingBag]:
@@ -590,7 +606,8 @@ class _StepBuilder:
         self.graph.output(tuple(by_name[spec.node] for spec in outputs))
         return tuple(self.inputs), tuple(outputs)
 
-    def example_inputs(self, params, frozen, batch, groups: OptimizerGroups) -> list[torch.Tensor]:
+    def example_inputs(self, params, frozen, batch, groups: OptimizerGroups, cached
+                       ) -> list[torch.Tensor]:
         hparams = groups.hparams(0) if groups.functional else {}
         values = []
         for spec in self.inputs:
@@ -599,8 +616,10 @@ class _StepBuilder:
             elif spec.kind is InputKind.BUFFER:
                 values.append(frozen[spec.key].detach())
             elif spec.kind is InputKind.OPT_STATE:
-                values.append(groups.for_param(spec.param).init_state(
-                    params[spec.param].detach())[spec.state_name])
+                functional, param = groups.for_param(spec.param), params[spec.param].detach()
+                state = (row_state_of(functional, param) if spec.param in cached
+                         else functional.init_state(param))
+                values.append(state[spec.state_name])
             elif spec.kind is InputKind.HPARAM:
                 values.append(hparams[spec.key])
             else:

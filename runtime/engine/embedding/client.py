@@ -76,6 +76,9 @@ __all__ = ["EmbeddingClient"]
 
 logger = logging.getLogger(__name__)
 
+# The most bytes of rows (with their row state) one message of a flush holds.
+FLUSH_MESSAGE_BYTES = 8 << 20
+
 
 class EmbeddingClient:
     def __init__(self, tables: list[CachedTable], label: Label, cluster: Cluster,
@@ -364,10 +367,30 @@ class EmbeddingClient:
 
     def flush(self) -> None:
         """Write every dirty row back (write-back mode); requests stay in order,
-        so a later dump sees them."""
+        so a later dump sees them. In messages of at most `FLUSH_MESSAGE_BYTES`
+        of rows: caches of hundreds of MB never go back as one message built
+        in memory beside them (a message that large does not fit in a
+        shared-memory ring, so it is copied out first)."""
         self.ahead.settle_all()
-        dirty = [(table, *cache.dirty_slots()) for table, cache in self.caches.items()]
-        for table, pushed in self.exchange.write_back(dirty, self._step).items():
+        parts, size = [], 0  # the next messages' rows, every table's (one per server)
+        for table, cache in self.caches.items():
+            ids, slots = cache.dirty_slots()
+            row_bytes = cache.table.dim * cache.table.dtype.itemsize * (
+                1 + len(cache.table.state_names))
+            start = 0
+            while start < ids.numel():
+                take = min(ids.numel() - start, max(1, (FLUSH_MESSAGE_BYTES - size) // row_bytes))
+                parts.append((table, ids[start:start + take], slots[start:start + take]))
+                size += take * row_bytes
+                start += take
+                if size + row_bytes > FLUSH_MESSAGE_BYTES:
+                    self._write_back_counted(parts)
+                    parts, size = [], 0
+        if parts:
+            self._write_back_counted(parts)
+
+    def _write_back_counted(self, parts: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        for table, pushed in self.exchange.write_back(parts, self._step).items():
             self.caches[table].counters.bytes_pushed += pushed
 
     def drain_prefetch(self) -> None:

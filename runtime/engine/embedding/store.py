@@ -234,22 +234,33 @@ class EmbeddingStore:
     def _serve(self) -> None:
         while not self._stop.is_set():
             try:
-                key, src, tensors = self._inbox.get(timeout=_IDLE_POLL_S)
+                request = self._inbox.get(timeout=_IDLE_POLL_S)
             except queue.Empty:
                 continue
-            try:
-                if self._request_hook is not None:
-                    self._request_hook(read_request(tensors)[1])
-                self._handle(key, src, tensors)
-                self.requests_served += 1
-            except BaseException as exc:  # noqa: BLE001 - the job must learn about it
-                self.error = exc
-                logger.error("%s embedding request %s from %s failed: %s", self._tag, key,
-                             src.describe(), exc)
-                self.transport.abort(SplitrunError(
-                    f"{self._tag} embedding store failed on a request from "
-                    f"{src.describe()}: {exc}"))
+            if not self._serve_one(*request):
                 return
+            # Drop the request before waiting for the next one: a message lent
+            # from a shared-memory ring holds its room until its tensors are
+            # gone, and the next message (a flush's write-back larger than the
+            # room left) may need that room to arrive at all.
+            del request
+
+    def _serve_one(self, key: MessageKey, src: Label, tensors: list[torch.Tensor]) -> bool:
+        """Handle one request; False once the store has failed (the job is told)."""
+        try:
+            if self._request_hook is not None:
+                self._request_hook(read_request(tensors)[1])
+            self._handle(key, src, tensors)
+            self.requests_served += 1
+            return True
+        except BaseException as exc:  # noqa: BLE001 - the job must learn about it
+            self.error = exc
+            logger.error("%s embedding request %s from %s failed: %s", self._tag, key,
+                         src.describe(), exc)
+            self.transport.abort(SplitrunError(
+                f"{self._tag} embedding store failed on a request from "
+                f"{src.describe()}: {exc}"))
+            return False
 
     def _handle(self, key: MessageKey, src: Label, tensors: list[torch.Tensor]) -> None:
         op, step, indices, rest = read_request(tensors)

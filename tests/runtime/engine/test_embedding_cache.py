@@ -7,6 +7,7 @@ staleness, the held-out log-loss stays within 1% of it.
 """
 
 import collections
+import time
 
 import pytest
 import torch
@@ -95,6 +96,25 @@ def test_lazy_rows_two_workers_equal_parameter_server_mode():
     expected = ps_run("adagrad", 2, 2, lazy_rows=True)
     for key, value in expected.items():
         assert torch.equal(run.state[key], value), f"{key} differs"
+
+
+@pytest.mark.parametrize("optimizer, state", [("adagrad", {"sum": 0.0}),
+                                              ("adam", {"exp_avg": 0.0, "exp_avg_sq": 0.0})])
+def test_capture_makes_no_whole_row_state_for_a_cached_table(optimizer, state):
+    # The table's starting state is one row broadcast over its rows: a table
+    # of any size costs one row at capture; a plain parameter's state is whole.
+    program, _ = make(optimizer, 1, 1, cache_rows=40)
+    for index in range(2):
+        table = program.initial_state[f"tables.{index}.weight"]
+        for name, start in state.items():
+            value = program.initial_state[f"tables.{index}.weight.{name}"]
+            assert value.shape == table.shape and value.dtype == table.dtype
+            assert value.untyped_storage().nbytes() <= 2 * table.shape[1] * table.element_size()
+            assert torch.equal(value, torch.full_like(table, start)), name
+    for key in ("dense.weight", "top.0.weight"):
+        for name in state:
+            value = program.initial_state[f"{key}.{name}"]
+            assert value.untyped_storage().nbytes() == value.numel() * value.element_size()
 
 
 def test_lazy_rows_get_memory_only_when_first_named():
@@ -248,6 +268,42 @@ def test_a_server_refuses_rows_it_does_not_hold_and_says_which_table():
             assert bool((store.shards[0].rows == 0).all())
         finally:
             store.stop()
+
+
+def test_a_server_lets_go_of_a_request_once_served_not_when_the_next_comes():
+    """A request lent from a shared-memory ring holds its room there until its
+    tensors are gone; a store that kept its last request while waiting for the
+    next one hung a sharded save of Adagrad tables (the flush's write-back,
+    larger than the room left, could never arrive)."""
+    import gc
+    import weakref
+
+    from splitrun.runtime.engine.embedding.protocol import Op, request, request_channel
+    from splitrun.runtime.transport.protocol import MessageKey
+
+    table = _table(rows=20, cache_rows=4)
+    cluster = Cluster(1, 1)
+    worker, server = cluster.labels()
+    hub = LoopbackHub(cluster.labels())
+    store = EmbeddingStore([table], server, cluster, hub.transport(server), 0,
+                           {table.key: torch.zeros(20, 2)})
+    store.start()
+    try:
+        rows = torch.ones(3, 2)
+        held = weakref.ref(rows)
+        store.on_message(MessageKey(0, 0, request_channel(worker)), worker,
+                         request(Op.PUSH, 0, [0], [[torch.tensor([1, 5, 7]), rows]]))
+        del rows
+        deadline = time.monotonic() + 10
+        while (store.requests_served < 1 or held() is not None) and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.01)
+        assert store.requests_served == 1 and store.error is None
+        assert held() is None, "the served request's tensors are still referenced"
+        assert torch.equal(store.shards[0].rows[store.shards[0].sharding.local_index(
+            torch.tensor([1, 5, 7]), 0)], torch.ones(3, 2))
+    finally:
+        store.stop()
 
 
 def test_lru_and_lfu_evict_different_rows_and_never_a_pinned_one():
@@ -458,6 +514,27 @@ def test_a_plans_write_back_and_pull_share_one_message_per_server(monkeypatch):
     # Once the caches are full, each step's rows move in one message per server
     # (the last PUSHes: the final flush of dirty rows).
     assert ops[Op.PUSH_PULL] >= 8 and ops[Op.PUSH] <= 2, ops
+
+
+def test_a_flush_goes_back_in_bounded_messages_and_loses_no_row(monkeypatch):
+    """The final flush of dirty rows is cut into messages of at most
+    FLUSH_MESSAGE_BYTES of rows (here 10 rows of Adagrad's 4 floats and 4
+    sums), every table's packed together: still the unsplit step's state."""
+    from splitrun.runtime.engine.embedding import client as client_module
+
+    sizes, send = [], client_module.EmbeddingClient._write_back_counted
+
+    def recording(self, parts):
+        sizes.append(sum(ids.numel() for _, ids, _ in parts))
+        return send(self, parts)
+    monkeypatch.setattr(client_module.EmbeddingClient, "_write_back_counted", recording)
+    monkeypatch.setattr(client_module, "FLUSH_MESSAGE_BYTES", 10 * 4 * 4 * 2)
+    run, _ = cached_run("adagrad", 1, 2, steps=6, cache_rows=40)
+    expected = whole_table_run("adagrad", steps=6)
+    for key, value in expected.items():
+        assert torch.equal(run.state[key], value), f"{key} differs"
+    # Two tables of 40 cached rows, most dirty: every message full but the last.
+    assert sum(sizes) > 40 and max(sizes) == 10 and min(sizes[:-1]) == 10, sizes
 
 
 def test_one_planning_thread_plans_ahead_and_ends_with_the_job(monkeypatch):
