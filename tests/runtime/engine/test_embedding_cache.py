@@ -7,7 +7,6 @@ staleness, the held-out log-loss stays within 1% of it.
 """
 
 import collections
-import time
 
 import pytest
 import torch
@@ -275,7 +274,7 @@ def test_a_server_lets_go_of_a_request_once_served_not_when_the_next_comes():
     tensors are gone; a store that kept its last request while waiting for the
     next one hung a sharded save of Adagrad tables (the flush's write-back,
     larger than the room left, could never arrive)."""
-    import gc
+    import threading
     import weakref
 
     from splitrun.runtime.engine.embedding.protocol import Op, request, request_channel
@@ -289,17 +288,13 @@ def test_a_server_lets_go_of_a_request_once_served_not_when_the_next_comes():
                            {table.key: torch.zeros(20, 2)})
     store.start()
     try:
-        rows = torch.ones(3, 2)
-        held = weakref.ref(rows)
+        rows, released = torch.ones(3, 2), threading.Event()
+        weakref.finalize(rows, released.set)
         store.on_message(MessageKey(0, 0, request_channel(worker)), worker,
                          request(Op.PUSH, 0, [0], [[torch.tensor([1, 5, 7]), rows]]))
         del rows
-        deadline = time.monotonic() + 10
-        while (store.requests_served < 1 or held() is not None) and time.monotonic() < deadline:
-            gc.collect()
-            time.sleep(0.01)
+        assert released.wait(10), "the served request's tensors are still referenced"
         assert store.requests_served == 1 and store.error is None
-        assert held() is None, "the served request's tensors are still referenced"
         assert torch.equal(store.shards[0].rows[store.shards[0].sharding.local_index(
             torch.tensor([1, 5, 7]), 0)], torch.ones(3, 2))
     finally:
