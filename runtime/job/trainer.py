@@ -301,7 +301,7 @@ class Trainer:
         if self.job.is_driver:
             large = [table for table in self.split.artifacts.tables
                      if gather_tables_up_to is not None
-                     and _table_bytes(table) > gather_tables_up_to]
+                     and table.num_rows * table.row_bytes > gather_tables_up_to]
             state = self._gather.collect(final_state_channel, self.steps_done)
             state.update(self.process.dump_tables(
                 self.steps_done, {table.key for table in self.split.artifacts.tables}
@@ -325,11 +325,6 @@ def _check_finish_arguments(save_to, gather_tables_up_to) -> None:
         raise SplitrunError(f"finish(gather_tables_up_to={gather_tables_up_to}) hands the "
                             f"larger tables back as views of a sharded checkpoint: give "
                             f"save_to=<a directory> (got {save_to!r})")
-
-
-def _table_bytes(table: CachedTable) -> int:
-    """A cached table's rows and their row state, whole."""
-    return table.num_rows * table.dim * table.dtype.itemsize * (1 + len(table.state_names))
 
 
 def _views(directory: str | os.PathLike, tables: Sequence[CachedTable], source: Program

@@ -79,6 +79,11 @@ class CachedTable:
     # the other tables of its group (`cached_bags_update`); set by the mode.
     fused: bool = False
 
+    @property
+    def row_bytes(self) -> int:
+        """One row with its optimizer state, as it is stored and sent."""
+        return self.dim * self.dtype.itemsize * (1 + len(self.state_names))
+
 
 def cached_lookup(ids: torch.Tensor, *, table: str) -> torch.Tensor:
     """Rows of `table` for `ids`, from the worker's cache (bound by the runtime)."""

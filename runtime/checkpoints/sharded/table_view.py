@@ -18,7 +18,7 @@ import torch
 
 from ...engine.embedding.sharding import RowSharding
 from ...errors import CheckpointError
-from .layout import Path, fqn_of, ids_path, row_paths
+from .layout import Path, dtype_name, fqn_of, ids_path, row_paths
 from .read import ShardedCheckpoint
 
 __all__ = ["ShardedTable"]
@@ -44,10 +44,6 @@ class ShardedTable:
         self.shape = tuple(md.size)
         self.dtype = md.properties.dtype
         self._hash = RowSharding(self.shape[0], 1)
-
-    @property
-    def nbytes(self) -> int:
-        return self.shape[0] * self.shape[1] * self.dtype.itemsize
 
     def __repr__(self) -> str:
         return (f"ShardedTable({self.table!r}, {fqn_of(self.path)!r}, shape={list(self.shape)}, "
@@ -96,5 +92,5 @@ class ShardedTable:
 
 def _kind(value) -> str:
     if isinstance(value, torch.Tensor):
-        return f"a {str(value.dtype).removeprefix('torch.')} tensor"
+        return f"a {dtype_name(value.dtype)} tensor"
     return type(value).__name__

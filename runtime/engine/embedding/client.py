@@ -375,8 +375,7 @@ class EmbeddingClient:
         parts, size = [], 0  # the next messages' rows, every table's (one per server)
         for table, cache in self.caches.items():
             ids, slots = cache.dirty_slots()
-            row_bytes = cache.table.dim * cache.table.dtype.itemsize * (
-                1 + len(cache.table.state_names))
+            row_bytes = cache.table.row_bytes
             start = 0
             while start < ids.numel():
                 take = min(ids.numel() - start, max(1, (FLUSH_MESSAGE_BYTES - size) // row_bytes))

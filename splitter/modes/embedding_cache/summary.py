@@ -31,9 +31,7 @@ def cached_table_entries(program: Program, tables: Sequence[CachedTable]
             lookups[table] = lookups.get(table, 0) + count
     entries = []
     for table in tables:
-        itemsize = torch.empty((), dtype=table.dtype).element_size()
-        row_bytes = table.dim * itemsize * (1 + len(table.state_names))
-        entries.append(CachedTableEntry(table.key, table.num_rows, row_bytes,
+        entries.append(CachedTableEntry(table.key, table.num_rows, table.row_bytes,
                                         lookups.get(table.key, 0), table.settings.cache_rows,
                                         table.settings.policy.value))
     return tuple(entries)
