@@ -13,8 +13,11 @@ MKL chooses its GEMM kernels in each process; under heavy load a process
 now and then computes a few ulps apart from the others (on this project's
 2-core machine about one job in 150 under load 6-12). Naming the code
 branch the CPU runs anyway (MKL_CBWR, MKL's conditional numerical
-reproducibility) leaves every value as it was and removed that: see
-docs/architecture.md#bit-for-bit. It is set here, before this process's
+reproducibility) removed most of that; one job in a later CI run still
+strayed, so the branch is named STRICT (results that depend neither on the
+threads MKL splits a GEMM over nor on the data's alignment) and MKL may not
+pick fewer threads than asked (MKL_DYNAMIC): see
+docs/architecture.md#bit-for-bit. Both are set here, before this process's
 first GEMM, for this process and every job it launches.
 """
 
@@ -30,7 +33,8 @@ from scheduling import LongestFirstScheduling, UnitsFile, recorder_from_env, uni
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 # MKL reads it at its first call; ATen's capability names the branch MKL runs here.
 if (cpu_capability := torch.backends.cpu.get_cpu_capability()) in ("AVX512", "AVX2"):
-    os.environ.setdefault("MKL_CBWR", cpu_capability)
+    os.environ.setdefault("MKL_CBWR", f"{cpu_capability},STRICT")
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 os.environ.setdefault("SPLITRUN_DEVICE", "cpu")
 UNITS_DIR = pytest.StashKey[tempfile.TemporaryDirectory]()
 

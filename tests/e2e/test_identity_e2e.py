@@ -5,6 +5,7 @@ tests/runtime/cluster/test_identity.py.)"""
 
 from __future__ import annotations
 
+import re
 import socket
 import sys
 
@@ -38,12 +39,23 @@ def flat_tensors(value, prefix="") -> dict[str, torch.Tensor]:
     return {}
 
 
-def assert_same_checkpoints(path, reference):
+def joined(output: str) -> list[str]:
+    """How each process computed: its label, threads and CPU kernels."""
+    return re.findall(r"joined as .*", output)
+
+
+def assert_same_checkpoints(path, reference, output, reference_output):
+    """Bit for bit; a failure names every differing entry with its largest
+    difference and how each run's processes computed."""
     got = flat_tensors(torch.load(path, weights_only=True))
     expected = flat_tensors(torch.load(reference, weights_only=True))
     assert got.keys() == expected.keys() and len(got) > 6
-    for key, value in expected.items():
-        assert torch.equal(got[key], value), f"{key} differs from the splitrun launch run"
+    differ = {key: (got[key] - value).abs().max().item() for key, value in expected.items()
+              if not torch.equal(got[key], value)}
+    assert not differ, (
+        f"{len(differ)} of {len(expected)} entries differ from the splitrun launch run "
+        f"(largest difference each): {differ}\nthis run's processes: {joined(output)}\n"
+        f"the launch run's: {joined(reference_output)}")
 
 
 def accuracy_line(output: str) -> str:
@@ -55,8 +67,9 @@ def accuracy_line(output: str) -> str:
 def launched_reference(main_job_one_epoch):
     """examples/ps_train.py for one epoch through `splitrun launch`, 2 workers + 1
     server (conftest.py's run, shared with tests/e2e/test_launcher_logs_e2e.py): its
-    checkpoint and held-out accuracy line."""
-    return main_job_one_epoch.checkpoint, accuracy_line(main_job_one_epoch.output)
+    checkpoint, held-out accuracy line and output."""
+    return (main_job_one_epoch.checkpoint, accuracy_line(main_job_one_epoch.output),
+            main_job_one_epoch.output)
 
 
 def start_tasks(tmp_path, argv_of_task, env_of_task, num_tasks) -> list[Proc]:
@@ -77,7 +90,7 @@ def start_tasks(tmp_path, argv_of_task, env_of_task, num_tasks) -> list[Proc]:
 
 
 def test_slurm_tasks_train_the_main_job_like_splitrun_launch(tmp_path, launched_reference):
-    reference, accuracy = launched_reference
+    reference, accuracy, reference_output = launched_reference
     out = tmp_path / "slurm.pt"
     # The host comes from the step's node list; the port from SPLITRUN_SCHEDULER_PORT
     # (SLURM_JOB_ID's port, 20000-29999, is below the kernel's free ports here).
@@ -95,7 +108,7 @@ def test_slurm_tasks_train_the_main_job_like_splitrun_launch(tmp_path, launched_
     procs = start_tasks(tmp_path, argv_of, env_of, 3)
     assert f"hosting the scheduler at localhost:{port}" in procs[0].output()
     assert accuracy_line(procs[0].output()) == accuracy
-    assert_same_checkpoints(out, reference)
+    assert_same_checkpoints(out, reference, "".join(proc.output() for proc in procs), reference_output)
 
 
 def test_torchrun_processes_train_the_main_job_like_splitrun_launch(tmp_path,
@@ -103,7 +116,7 @@ def test_torchrun_processes_train_the_main_job_like_splitrun_launch(tmp_path,
     """As `torchrun --nproc-per-node 3 examples/ps_train.py` starts it: no splitrun
     command, the servers counted by SPLITRUN_NUM_SERVERS. (The script runs through
     the bootstrap only so that its log lines show; it adds no variables.)"""
-    reference, accuracy = launched_reference
+    reference, accuracy, reference_output = launched_reference
     out = tmp_path / "torchrun.pt"
     master_port = free_port() - 1  # torchrun's store would hold MASTER_PORT
 
@@ -121,20 +134,20 @@ def test_torchrun_processes_train_the_main_job_like_splitrun_launch(tmp_path,
     assert f"hosting the scheduler at 127.0.0.1:{master_port + 1}" in procs[0].output()
     assert "joined as server 0" in procs[2].output()
     assert accuracy_line(procs[0].output()) == accuracy
-    assert_same_checkpoints(out, reference)
+    assert_same_checkpoints(out, reference, "".join(proc.output() for proc in procs), reference_output)
 
 
 def test_real_torchrun_trains_the_main_job_like_splitrun_launch(tmp_path, launched_reference):
     """`torchrun --nproc-per-node 3 examples/ps_train.py`, torchrun's own agent
     on 127.0.0.1 (its store on MASTER_PORT, the scheduler on another port)."""
-    reference, accuracy = launched_reference
+    reference, accuracy, reference_output = launched_reference
     out = tmp_path / "torchrun.pt"
     master_port = free_port()
     scheduler_port = free_port()
     while scheduler_port == master_port:
         scheduler_port = free_port()
     env = child_env({ENV.TOKEN: TOKEN, ENV.NUM_SERVERS: "1",
-                     ENV.SCHEDULER_PORT: str(scheduler_port)})
+                     ENV.SCHEDULER_PORT: str(scheduler_port), ENV.LOG_LEVEL: "INFO"})
     for variable in (ENV.SCHEDULER, ENV.ROLE, ENV.RANK):
         env.pop(variable, None)
     proc = Proc([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
@@ -145,7 +158,7 @@ def test_real_torchrun_trains_the_main_job_like_splitrun_launch(tmp_path, launch
     finally:
         proc.kill()
     assert accuracy_line(proc.output()) == accuracy
-    assert_same_checkpoints(out, reference)
+    assert_same_checkpoints(out, reference, proc.output(), reference_output)
 
 
 def test_when_task_0_fails_its_peers_are_told_why(tmp_path):
