@@ -10,11 +10,15 @@ which reads lines from its stdin, a pipe only the launcher holds:
 
     prefix /dev/shm splitrun-0123456789abcdef-
     pid 4242
+    done
 
 At end of file (the launcher closed the pipe, or died, any way) it waits until
 every pid it was given is gone (bounded by `WAIT_FOR_PIDS_S`), so that no
 process of the job creates a file after it looked, then removes every file
 under each directory whose name starts with a prefix it was given, and exits.
+It says so on stderr only when the launcher did not write `done` first (a
+launcher that saw its job end removes the job's files itself: the step
+files it kept until then are no leak to report).
 Only the standard library and the job files' module (which needs no torch)
 are imported: it starts in milliseconds and costs no torch import beside the
 job's processes. It ignores SIGINT and SIGHUP (a Ctrl-C
@@ -24,6 +28,7 @@ closes the pipe).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import subprocess
@@ -84,14 +89,16 @@ class Janitor:
 
     def close(self, wait: bool = True) -> None:
         """Close the pipe: the janitor removes the files once the children are
-        gone, and exits; with `wait`, this waits for that (bounded)."""
+        gone, and exits; with `wait` (the job ended and this launcher lives on
+        to remove its files too), quietly, and this waits for that (bounded)."""
         process = self._process
         if process is None or process.stdin.closed:
             return
-        try:
+        with contextlib.suppress(OSError):  # it died: nothing to tell it
+            if wait:
+                process.stdin.write(b"done\n")
+        with contextlib.suppress(OSError):
             process.stdin.close()
-        except OSError:
-            pass
         if wait:
             self.wait(CLOSE_TIMEOUT_S)
 
@@ -123,12 +130,15 @@ def main() -> int:
         signal.signal(sig, signal.SIG_IGN)
     prefixes: list[tuple[str, str]] = []
     pids: list[int] = []
+    launcher_done = False
     for line in sys.stdin.buffer:  # until end of file: the launcher is done or gone
         words = line.decode(errors="replace").split()
         if len(words) == 3 and words[0] == "prefix":
             prefixes.append((words[1], words[2]))
         elif len(words) == 2 and words[0] == "pid" and words[1].isdigit():
             pids.append(int(words[1]))
+        elif words == ["done"]:
+            launcher_done = True
     deadline = time.monotonic() + WAIT_FOR_PIDS_S
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(_POLL_S)
@@ -136,7 +146,7 @@ def main() -> int:
         if not JOB_PREFIX_PATTERN.match(prefix):
             continue  # Janitor.watch sends none such; no file is removed by another
         removed = remove_job_segments(prefix, directory)
-        if removed:
+        if removed and not launcher_done:
             sys.stderr.write(f"[splitrun] janitor removed {len(removed)} shared-memory files "
                              f"of job {prefix} left under {directory}\n")
     return 0

@@ -289,9 +289,10 @@ def test_closing_before_the_first_send_reads_as_closed_not_dead(prefix, monkeypa
     reader.close()
 
 
-def test_the_janitor_removes_the_prefix_once_the_watched_processes_are_gone(tmp_path):
+def test_the_janitor_removes_the_prefix_once_the_watched_processes_are_gone(tmp_path, capfd):
     """The launcher's janitor (launcher/janitor.py): after its pipe closes it
-    waits for every watched pid, then removes the job's files, only those."""
+    waits for every watched pid, then removes the job's files, only those,
+    and says so (its launcher is gone)."""
     from splitrun.launcher.janitor import Janitor
 
     prefix = new_job_prefix()
@@ -319,8 +320,28 @@ def test_the_janitor_removes_the_prefix_once_the_watched_processes_are_gone(tmp_
     assert janitor.pid is not None and not pid_alive(janitor.pid)
     assert not any(path.exists() for path in mine)
     assert other.exists(), "another job's file was removed"
+    assert f"janitor removed 2 shared-memory files of job {prefix}" in capfd.readouterr().err
     with pytest.raises(ValueError, match="not a job prefix"):
         Janitor().watch(str(tmp_path), "../etc-", 1)
+
+
+def test_the_janitor_is_quiet_after_a_launcher_that_saw_its_job_end(tmp_path, capfd):
+    """A launcher whose job ended closes the janitor with `wait`: the janitor
+    still removes what is left (the launcher's own step files, which it removes
+    itself too), but reports no leak."""
+    from splitrun.launcher.janitor import Janitor
+
+    prefix = new_job_prefix()
+    step_file = tmp_path / f"{prefix}w0.step"
+    step_file.write_bytes(b"x")
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=START_S)
+    janitor = Janitor()
+    janitor.watch(str(tmp_path), prefix, child.pid)
+    janitor.close(wait=True)
+    assert janitor.pid is not None and not pid_alive(janitor.pid)
+    assert not step_file.exists()
+    assert "janitor removed" not in capfd.readouterr().err
 
 
 def test_large_pieces_copy_through_torch_and_small_ones_as_views():
