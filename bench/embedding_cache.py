@@ -287,6 +287,8 @@ GOAL_OF_CEILING = 0.85
 # Bounds one launched job (start, data, steps, shutdown) on 2 cores.
 RUN_TIMEOUT_S = 900
 BENCH_PREFIX = "BENCH "
+# Each server's line at the end: its peak RSS and the rows its store made.
+MEMORY_PREFIX = "SERVER_MEMORY "
 # --part profile: steps profiled after the warm-up, and rows of each table kept.
 PROFILED_STEPS = 10
 PROFILE_ROWS = 25
@@ -336,6 +338,13 @@ def run_job(args: argparse.Namespace) -> None:
     views = args.final_state == "views"
     final_state = trainer.finish(save_to=args.final_dir if views else None,
                                  gather_tables_up_to=0 if views else None)
+    if job.label.role.value == "server":  # a server serves the steps within finish()
+        rows_made = trainer.process.store_rows
+        print(MEMORY_PREFIX + json.dumps({
+            "server": job.rank, "peak_rss_mb": round(
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "rows_made": sum(made for made, _ in rows_made.values()),
+            "shard_rows": sum(rows for _, rows in rows_made.values())}), flush=True)
     if job.is_driver:
         counters = trainer.cache_counters.values()
         print(BENCH_PREFIX + json.dumps({

@@ -53,15 +53,16 @@ def _start_scheduler(host, run_dir: pathlib.Path, workers: int, servers: int,
 
 
 def run_joined_job(hosts, run_dir: pathlib.Path, *, workers: int, servers: int,
-                   job_command: Sequence[str], what: str,
-                   timeout_s: float) -> list[pathlib.Path]:
+                   job_command: Sequence[str], what: str, timeout_s: float,
+                   server_hosts: Sequence | None = None) -> list[pathlib.Path]:
     """Run `job_command` (script and its arguments) as `servers` servers on host a
-    and `workers` workers on host b; the logs, servers first (so worker 0's is
-    `logs[servers]`)."""
+    (or server r on `server_hosts[r]`) and `workers` workers on host b; the
+    logs, servers first (so worker 0's is `logs[servers]`)."""
     a, b = hosts.a, hosts.b
     token = run_dir / "job.token"
     scheduler, address = _start_scheduler(a, run_dir, workers, servers, token)
-    members = [(a, "server", rank) for rank in range(servers)]
+    members = [(a if server_hosts is None else server_hosts[rank], "server", rank)
+               for rank in range(servers)]
     members += [(b, "worker", rank) for rank in range(workers)]
     processes, logs = [], []
     for host, role, rank in members:

@@ -24,7 +24,15 @@ removed at the end.
 with `finish(save_to=..., gather_tables_up_to=0)`: the tables as views of a
 sharded checkpoint the servers write, never whole on the worker.
 
+`--servers 4 --server-cap-mb M` caps every server too (each in its cgroup),
+and prints the bound each server's peak should stay within (1.2 x its share
+of the rows and their state + 400 MB); TorchRec DMP then runs one process per
+server, each capped at M. With `--row-init` no process writes a whole table
+(each server makes its rows from the row initializer when first used):
+
     sudo python bench/memory_cap.py [--cap-mb 1024] [--rows 1000000] [--steps 40]
+    sudo python bench/memory_cap.py --tables 16 --optimizer adagrad --row-init \
+        --servers 4 --server-cap-mb 2700
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from types import SimpleNamespace
 HERE = pathlib.Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
+from embedding_cache import BENCH_PREFIX, MEMORY_PREFIX  # noqa: E402
 from joined_job import run_joined_job  # noqa: E402
 
 CAP_MB = 1024
@@ -55,7 +64,6 @@ WARMUP_STEPS = 10
 BATCH = 1024
 # Bounds each job (start, steps, shutdown) on 2 cores.
 RUN_TIMEOUT_S = 1200
-BENCH_PREFIX = "BENCH "
 _CGROUP_ROOT = pathlib.Path("/sys/fs/cgroup")
 
 
@@ -64,7 +72,14 @@ def job_args(args) -> list[str]:
             "--batch-size", str(BATCH), "--ids-per-table", "16", "--bottom", "64", "--top", "64",
             "--zipf", "1.05", "--optimizer", args.optimizer, "--policy", "lru",
             "--cache-fraction", "0.05",
-            "--steps", str(args.steps)]
+            "--steps", str(args.steps), *(["--row-init"] if args.row_init else [])]
+
+
+def rows_and_state_bytes(args) -> int:
+    """The declared tables' rows and their optimizer state (Adagrad: one sum
+    per element, as many bytes again)."""
+    rows = args.tables * args.rows * args.dim * 4
+    return rows * (2 if args.optimizer == "adagrad" else 1)
 
 
 # -- memory cgroups --------------------------------------------------------------------
@@ -148,6 +163,9 @@ def run_splitrun(args, workdir: pathlib.Path, cap_bytes: int, final_state: str) 
     receives it whole at finish) or views (finish saves a sharded checkpoint
     and hands the tables back as views of it)."""
     cgroup = MemoryCgroup(f"splitrun-memcap-{os.getpid()}-worker-{final_state}", cap_bytes)
+    server_cgroups = [] if args.server_cap_mb is None else [
+        MemoryCgroup(f"splitrun-memcap-{os.getpid()}-server{rank}-{final_state}",
+                     args.server_cap_mb * 2**20) for rank in range(args.servers)]
     try:
         hosts = SimpleNamespace(a=_LocalHost(), b=_LocalHost(cgroup))
         run_dir = workdir / f"splitrun-{final_state}"
@@ -156,9 +174,12 @@ def run_splitrun(args, workdir: pathlib.Path, cap_bytes: int, final_state: str) 
                    final_state, "--final-dir", str(run_dir / "final"), "--", *job_args(args)]
         result = {"finished": False}
         try:
-            logs = run_joined_job(hosts, run_dir, workers=1, servers=2, job_command=command,
-                                  what="splitrun under the cap", timeout_s=RUN_TIMEOUT_S)
-            bench = _bench_line(logs[2].read_text(errors="replace"))
+            logs = run_joined_job(hosts, run_dir, workers=1, servers=args.servers,
+                                  job_command=command, what="splitrun under the caps",
+                                  timeout_s=RUN_TIMEOUT_S,
+                                  server_hosts=[_LocalHost(c) for c in server_cgroups] or None)
+            bench = _prefixed_line(logs[args.servers].read_text(errors="replace"),
+                                   BENCH_PREFIX)
             stamps = bench["stamps"]
             result = {"finished": True, "steps": len(stamps) - 1,
                       "samples_per_s_after_warmup": round(
@@ -168,27 +189,47 @@ def run_splitrun(args, workdir: pathlib.Path, cap_bytes: int, final_state: str) 
                       "mb_pulled_per_step": round(bench["bytes_pulled"] / len(stamps) / 1e6, 2),
                       "finish_s": round(bench["finish_s"], 1),
                       "final_state_mb_on_worker0": bench["final_state_mb"],
-                      "final_state_views": len(bench["views"])}
+                      "final_state_views": len(bench["views"]),
+                      # Each server's peak RSS (VmHWM) and the rows its store made.
+                      "servers": [_prefixed_line(log.read_text(errors="replace"),
+                                                 MEMORY_PREFIX)
+                                  for log in logs[:args.servers]]}
         except RuntimeError as exc:
             result["error"] = str(exc)[-2000:]
         result["worker_memory"] = cgroup.report()
+        if server_cgroups:
+            # The goal: each server's peak within 1.2 x its share of the rows
+            # and their state + 400 MB (an idle process with torch is ~400).
+            share_mb = rows_and_state_bytes(args) / args.servers / 2**20
+            result["server_rows_and_state_mb_each"] = round(share_mb, 1)
+            result["server_peak_bound_mb"] = round(1.2 * share_mb + 400, 1)
+            result["server_memory"] = [c.report() for c in server_cgroups]
         return result
     finally:
         cgroup.remove()
+        for server_cgroup in server_cgroups:
+            server_cgroup.remove()
 
 
-def run_dmp(args, cap_bytes: int) -> dict:
+def run_dmp(args, cap_bytes: int, world_size: int) -> dict:
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False,
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                          wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=RUN_TIMEOUT_S))
     cgroups = [MemoryCgroup(f"splitrun-memcap-{os.getpid()}-dmp{rank}", cap_bytes)
-               for rank in range(2)]
+               for rank in range(world_size)]
+    # The anchor builds TorchRec's model from the plain one (whole tables in
+    # every process, as examples/recsys_cache.py's TorchRec form does) and
+    # trains its tables with FBGEMM's exact SGD (no state) whatever --optimizer:
+    # less memory than an Adagrad job needs.
+    dmp_args = [a for a in job_args(args) if a != "--row-init"]
     try:
         processes = [subprocess.Popen(cgroup.wrap(
             [sys.executable, str(HERE.parent / "torchrec_anchors.py"), "dmp", "--rank",
-             str(rank), "--world-size", "2", "--store", f"127.0.0.1:{store.port}", "--",
-             *job_args(args)]), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             str(rank), "--world-size", str(world_size), "--store",
+             f"127.0.0.1:{store.port}", "--", *dmp_args]),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for rank, cgroup in enumerate(cgroups)]
         outputs = []
         for process in processes:
@@ -209,11 +250,11 @@ def run_dmp(args, cap_bytes: int) -> dict:
         del store
 
 
-def _bench_line(text: str) -> dict:
+def _prefixed_line(text: str, prefix: str) -> dict:
     for line in text.splitlines():
-        if BENCH_PREFIX in line:
-            return json.loads(line.split(BENCH_PREFIX, 1)[1])
-    raise RuntimeError(f"no {BENCH_PREFIX.strip()} line:\n{text[-3000:]}")
+        if prefix in line:
+            return json.loads(line.split(prefix, 1)[1])
+    raise RuntimeError(f"no {prefix.strip()} line:\n{text[-3000:]}")
 
 
 def main() -> None:
@@ -224,6 +265,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=ROWS)
     parser.add_argument("--dim", type=int, default=DIM)
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--servers", type=int, default=2)
+    parser.add_argument("--server-cap-mb", type=int,
+                        help="cap each server too (MiB; default: servers uncapped); TorchRec "
+                             "DMP then runs as many processes as servers, each under this cap")
+    parser.add_argument("--row-init", action="store_true",
+                        help="the tables start from a row initializer: each server makes its "
+                             "own rows as they are first used, no process writes a whole table")
     parser.add_argument("--skip-dmp", action="store_true")
     parser.add_argument("--optimizer", choices=["sgd", "adagrad"], default="sgd",
                         help="adagrad: every row carries its sums too (twice the bytes)")
@@ -239,14 +287,24 @@ def main() -> None:
     started = time.perf_counter()
     report = {"benchmark": "memory_cap", "job": " ".join(job_args(args)),
               "tables_mb": round(tables_bytes / 2**20, 1), "cap_mb_per_process": args.cap_mb,
-              "tables_over_cap": round(tables_bytes / cap, 2)}
+              "tables_over_cap": round(tables_bytes / cap, 2), "servers": args.servers}
+    if args.server_cap_mb is not None:
+        state_bytes = rows_and_state_bytes(args)
+        report.update({"server_cap_mb": args.server_cap_mb,
+                       "rows_and_state_mb": round(state_bytes / 2**20, 1),
+                       "rows_and_state_over_server_cap": round(
+                           state_bytes / (args.server_cap_mb * 2**20), 2)})
     with tempfile.TemporaryDirectory(prefix="splitrun-bench-memcap-") as workdir:
         for final_state in args.final_state:
             key = "splitrun_cache_mode" + ("" if final_state == "none" else
                                            f"_final_state_{final_state}")
             report[key] = run_splitrun(args, pathlib.Path(workdir), cap, final_state)
     if not args.skip_dmp:
-        report["torchrec_dmp_2_processes"] = run_dmp(args, cap)
+        if args.server_cap_mb is None:
+            report["torchrec_dmp_2_processes"] = run_dmp(args, cap, 2)
+        else:
+            report[f"torchrec_dmp_{args.servers}_processes"] = run_dmp(
+                args, args.server_cap_mb * 2**20, args.servers)
     report["total_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(report, indent=2))
 

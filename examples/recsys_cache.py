@@ -79,6 +79,7 @@ from splitrun.runtime.datasets import (
 from splitrun.runtime.job import Job
 from splitrun.splitter import (
     EmbeddingCacheMode,
+    RowInit,
     TorchRecInput,
     capture,
     optim,
@@ -430,14 +431,21 @@ def build(args: argparse.Namespace, num_workers: int, *, tables_here: bool = Tru
     (`TorchRecDLRM`, fed KeyedJaggedTensors), converted for capture by
     `TorchRecInput`. `tables_here=False` (workers): the tables' starting
     values are the servers' alone, so a worker leaves them unwritten and they
-    take no memory there (its caches pull rows from the servers)."""
+    take no memory there (its caches pull rows from the servers). With
+    `--row-init` no process writes them: each server makes its rows from the
+    row initializer as they are first used."""
     spec = DataSpec(table_rows(args), args.ids_per_table, args.zipf)
     if args.batch_size % num_workers:
         raise SystemExit(f"--batch-size {args.batch_size} must divide among "
                          f"{num_workers} workers")
     shard = args.batch_size // num_workers
+    if args.row_init and args.model == "torchrec":
+        raise SystemExit("--row-init goes with --model dlrm (the TorchRec form copies its "
+                         "tables from the plain model's)")
+    init = RowInit.normal(std=EMBEDDING_INIT_STD, seed=TABLE_SEED) if args.row_init else None
     torch.manual_seed(MODEL_SEED)
-    model = DLRM(spec.rows, args.dim, args.bottom, args.top, init_tables=tables_here)
+    model = DLRM(spec.rows, args.dim, args.bottom, args.top,
+                 init_tables=tables_here and init is None)
     loss, convert, tables = click_loss, _as_it_is, list(model.tables)
     if args.model == "torchrec":
         model = TorchRecDLRM(spec.rows, args.dim, args.bottom, args.top).load_dlrm(model)
@@ -452,7 +460,7 @@ def build(args: argparse.Namespace, num_workers: int, *, tables_here: bool = Tru
     cache_rows = [cache_rows_for(n, shard, args) for n in spec.rows]
     for table, rows in zip(tables, cache_rows):
         place_embedding_cache(table, cache_rows=rows, policy=args.policy,
-                              max_staleness=args.max_staleness)
+                              max_staleness=args.max_staleness, init=init)
     # One optimizer for everything: cached tables take SGD or Adagrad (element-wise
     # on the rows looked up: one accumulator per element, not per row).
     optimizer = OPTIMIZERS[args.optimizer](lr=args.lr)
@@ -511,6 +519,10 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", choices=["dlrm", "torchrec"], default="dlrm",
                         help="the model's form: plain torch bags, or TorchRec's "
                              "EmbeddingBagCollection fed KeyedJaggedTensors")
+    parser.add_argument("--row-init", action="store_true",
+                        help="the tables' rows start from a row initializer (normal, the "
+                             "same scale) that each server applies to its own rows when "
+                             "first used: no process writes a whole table, servers neither")
     parser.add_argument("--dense", choices=["worker", "server"], default="worker",
                         help="where the MLPs live: replicated on the workers (all-reduced) "
                              "or on the servers")

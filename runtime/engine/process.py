@@ -200,6 +200,12 @@ class ProcessRuntime:
                     raise
                 served = store.requests_served
 
+    @property
+    def store_rows(self) -> dict[str, tuple[int, int]]:
+        """A server of an embedding-cache split: per table, (rows its store
+        has made or copied, its shard's rows); empty elsewhere."""
+        return {} if self._cache.store is None else self._cache.store.rows_made()
+
     def set_store_hook(self, hook) -> None:
         """A server of an embedding-cache split: `hook(step)` runs in its table
         store's serving thread before each request (`EmbeddingStore.set_request_hook`)."""

@@ -108,7 +108,8 @@ def test_slurm_tasks_train_the_main_job_like_splitrun_launch(tmp_path, launched_
     procs = start_tasks(tmp_path, argv_of, env_of, 3)
     assert f"hosting the scheduler at localhost:{port}" in procs[0].output()
     assert accuracy_line(procs[0].output()) == accuracy
-    assert_same_checkpoints(out, reference, "".join(proc.output() for proc in procs), reference_output)
+    assert_same_checkpoints(out, reference, "".join(proc.output() for proc in procs),
+                            reference_output)
 
 
 def test_torchrun_processes_train_the_main_job_like_splitrun_launch(tmp_path,
@@ -134,7 +135,8 @@ def test_torchrun_processes_train_the_main_job_like_splitrun_launch(tmp_path,
     assert f"hosting the scheduler at 127.0.0.1:{master_port + 1}" in procs[0].output()
     assert "joined as server 0" in procs[2].output()
     assert accuracy_line(procs[0].output()) == accuracy
-    assert_same_checkpoints(out, reference, "".join(proc.output() for proc in procs), reference_output)
+    assert_same_checkpoints(out, reference, "".join(proc.output() for proc in procs),
+                            reference_output)
 
 
 def test_real_torchrun_trains_the_main_job_like_splitrun_launch(tmp_path, launched_reference):

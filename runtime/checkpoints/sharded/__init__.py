@@ -3,7 +3,9 @@ which every process writes what it owns; nothing is gathered anywhere.
 
     DIR/__w0_0.distcp        worker 0's pieces (what only it holds), step, param groups
     DIR/__s1_0.distcp        server 1's parameters and optimizer state
-    DIR/__s1-rows_0.distcp   server 1's rows of the cached tables
+    DIR/__s1-rows_0.distcp   the ids of server 1's rows of the cached tables
+    DIR/__s1-rows.N_0.distcp those rows, one file per table and row state (each
+                             made as it is written: no server holds all at once)
     DIR/.metadata            DCP's metadata, written once, by worker 0, last but one
     DIR/checksums.sha256     sha256 of every file above (`sha256sum -c` format), last
 

@@ -95,12 +95,13 @@ def ids_path(table: str) -> Path:
 @dataclass(frozen=True)
 class Piece:
     """A part of one checkpoint tensor a process holds: `tensor` sits at
-    `offsets` in a tensor of shape `size`."""
+    `offsets` in a tensor of shape `size` (or a server's `RowsToWrite`,
+    made when written)."""
 
     path: Path
     size: tuple[int, ...]
     offsets: tuple[int, ...]
-    tensor: torch.Tensor
+    tensor: torch.Tensor  # or RowsToWrite (write.py)
 
     @classmethod
     def whole(cls, path: Path, tensor: torch.Tensor) -> Piece:

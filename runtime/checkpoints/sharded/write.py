@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from splitrun.splitter.program import Program
 from splitrun.splitter.splitting.mode import ModeArtifacts
 
-from ...engine.embedding.store import ShardSnapshot
+from ...engine.embedding.store import RowsToWrite, ShardSnapshot
 from ..plain import file_sha256, writing
 from .layout import (
     FORMAT,
@@ -66,21 +66,45 @@ class _Resolver(SavePlanner):
         return new_plan
 
     def resolve_data(self, write_item: WriteItem):
-        return self._data[write_item.index]
+        value = self._data[write_item.index]
+        if isinstance(value, RowsToWrite):
+            return value.make().contiguous()
+        return value
 
 
 def write_pieces(directory: str | os.PathLike, name: str, pieces: Sequence[Piece],
                  objects: Mapping[Path, object] | None = None) -> bytes:
     """Write this process's pieces (and plain `objects`, as DCP byte items)
-    into `directory` as DCP data files prefixed `__{name}_`. Returns the JSON
-    report `finish_checkpoint` builds the metadata from."""
+    into `directory` as DCP data files prefixed `__{name}_`; a piece of rows
+    made when written (`RowsToWrite`, a server's shard of a cached table) goes
+    into a file of its own, `__{name}.N_`, made just before and freed once
+    written (DCP's writer keeps every tensor of a file until the file is
+    done). Returns the JSON report `finish_checkpoint` builds the metadata from."""
     directory = os.fspath(directory)
+    deferred = [piece for piece in pieces if isinstance(piece.tensor, RowsToWrite)]
+    plain = [piece for piece in pieces if not isinstance(piece.tensor, RowsToWrite)]
+    described, files = ([], {}) if deferred and not (plain or objects) else \
+        _write_file(directory, name, plain, objects)
+    for number, piece in enumerate(deferred, start=1):
+        more, more_files = _write_file(directory, f"{name}.{number}", [piece])
+        described += more
+        files.update(more_files)
+    return json.dumps({"name": name, "items": described, "files": files}).encode()
+
+
+def _write_file(directory: str, name: str, pieces: Sequence[Piece],
+                objects: Mapping[Path, object] | None = None
+                ) -> tuple[list[dict], dict[str, str]]:
+    """One DCP data file of `pieces` and `objects`: what each item is and
+    where it went, and the file's sha256 (by file name)."""
     items, data, described = [], {}, []
     for piece in pieces:
-        tensor = piece.tensor.detach().cpu().contiguous()
+        tensor = piece.tensor
+        if not isinstance(tensor, RowsToWrite):
+            tensor = tensor.detach().cpu().contiguous()
         index = MetadataIndex(fqn_of(piece.path), piece.offsets)
         items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(torch.Size(piece.offsets), tensor.shape),
+            chunk=ChunkStorageMetadata(torch.Size(piece.offsets), torch.Size(tensor.shape)),
             properties=TensorProperties(dtype=tensor.dtype), size=torch.Size(piece.size))))
         data[index] = tensor
         described.append({"path": list(piece.path), "dtype": dtype_name(tensor.dtype),
@@ -104,10 +128,9 @@ def write_pieces(directory: str | os.PathLike, name: str, pieces: Sequence[Piece
         for entry in described:
             info = where[(fqn_of(tuple(entry["path"])), tuple(entry.get("offsets", ())))]
             entry.update(file=info.relative_path, offset=info.offset, length=info.length)
-        files = sorted({entry["file"] for entry in described})
-        report = {"name": name, "items": described,
-                  "files": {f: file_sha256(os.path.join(directory, f)) for f in files}}
-    return json.dumps(report).encode()
+        files = {f: file_sha256(os.path.join(directory, f))
+                 for f in sorted({entry["file"] for entry in described})}
+    return described, files
 
 
 def driver_objects(program: Program, step: int, info: Mapping[str, object]
@@ -154,5 +177,5 @@ def row_pieces(program: Program, shards: Sequence[ShardSnapshot]) -> list[Piece]
         for key, rows in shard.tensors.items():
             pieces.append(Piece(row_paths(shard.table, paths[key]),
                                 (shard.num_rows, *rows.shape[1:]),
-                                (shard.first_row,) + (0,) * (rows.dim() - 1), rows))
+                                (shard.first_row,) + (0,) * (len(rows.shape) - 1), rows))
     return pieces

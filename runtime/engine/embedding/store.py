@@ -48,6 +48,17 @@ _IDLE_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
+class RowsToWrite:
+    """A shard's rows (or one of its row states) in local order, made only
+    when a checkpoint writes them (`make()`), one table at a time: a server
+    never holds a copy of every shard at once."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor]
+
+
+@dataclass(frozen=True)
 class ShardSnapshot:
     """A server's rows of one table, for a sharded checkpoint: rows
     [first_row, first_row + len(ids)) of the table in hash order."""
@@ -56,7 +67,7 @@ class ShardSnapshot:
     num_rows: int                       # rows of the whole table
     first_row: int
     ids: torch.Tensor                   # the ids of these rows
-    tensors: dict[str, torch.Tensor]    # state key -> these rows (the table, its row state)
+    tensors: dict[str, RowsToWrite]     # state key -> these rows (the table, its row state)
 
 
 @dataclass(frozen=True)
@@ -207,6 +218,13 @@ class EmbeddingStore:
                 if ids is None:
                     ids = sharding.ids_of(self.label.rank)
                 torch.index_select(value, 0, ids, out=out)
+
+    def rows_made(self) -> dict[str, tuple[int, int]]:
+        """Per table: (rows of this server's shard that have values now, the
+        shard's rows). Lazy rows count once first used; a shard copied at
+        start-up has all of them."""
+        return {shard.table.key: (shard.size if shard.slots is None else shard.slots.used,
+                                  shard.size) for shard in self.shards}
 
     def set_request_hook(self, hook: Callable[[int], None] | None) -> None:
         """Call `hook(step)` in the serving thread before each request of that
@@ -421,10 +439,14 @@ class EmbeddingStore:
         for shard in self.shards:
             rank = self.label.rank
             # Every row of the shard (lazy rows not used yet from the initializer):
-            # any server count reads the directory back.
-            tensors = {shard.table.key: self._local_order(shard)}
-            tensors.update({f"{shard.table.key}.{n}": self._local_order(shard, n)
-                            for n in shard.table.state_names})
+            # any server count reads the directory back. Made as written, in
+            # this thread (no update runs meanwhile).
+            shape = (shard.size, shard.table.dim)
+            tensors = {shard.table.key: RowsToWrite(
+                shape, shard.table.dtype, lambda shard=shard: self._local_order(shard))}
+            tensors.update({f"{shard.table.key}.{n}": RowsToWrite(
+                shape, shard.table.dtype, lambda shard=shard, n=n: self._local_order(shard, n))
+                for n in shard.table.state_names})
             snapshots.append(ShardSnapshot(shard.table.key, shard.table.num_rows,
                                            shard.sharding.bounds[rank],
                                            shard.sharding.ids_of(rank), tensors))

@@ -5,6 +5,7 @@ file when corrupt, incomplete or of another model; a restart picks the newest
 complete periodic one; a table's rows read by id (`ShardedTable`)."""
 
 import os
+import weakref
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from splitrun.runtime.checkpoints import sharded as sc
 from splitrun.runtime.checkpoints.periodic import latest_checkpoint, periodic_path, prune_periodic
 from splitrun.runtime.checkpoints.plain import load_checkpoint
 from splitrun.runtime.engine.embedding.sharding import RowSharding
-from splitrun.runtime.engine.embedding.store import LocalRows
+from splitrun.runtime.engine.embedding.store import LocalRows, RowsToWrite
 from splitrun.runtime.errors import CheckpointError, SplitrunError
 from splitrun.runtime.job.trainer import _check_finish_arguments
 from splitrun.splitter import capture, optim
@@ -46,10 +47,12 @@ def hash_order(num_rows):
     return torch.randperm(num_rows, generator=torch.Generator().manual_seed(7))
 
 
-def write(directory, program, state, step=3, *, rows=False):
+def write(directory, program, state, step=3, *, rows=False, made_later=None):
     """As a job writes it: "w0" the step, param groups and a part of each
     tensor, "s0" the rest; with `rows`, the table in hash order by two
-    servers. Returns the ids in hash order."""
+    servers (each rows tensor passed through `made_later`, if given: a
+    server's rows made as they are written). Returns the ids in hash order."""
+    made_later = made_later or (lambda value: value)
     paths = sc.state_paths(program)
     objects, counts = sc.driver_objects(program, step, {"cluster": "test"})
     w0, s0, table = list(counts), [], {}
@@ -68,7 +71,7 @@ def write(directory, program, state, step=3, *, rows=False):
         for name, (first, end) in (("s0-rows", (0, 3)), ("s1-rows", (3, 8))):
             pieces = [sc.Piece(sc.ids_path(TABLE), (8,), (first,), ids[first:end])]
             pieces += [sc.Piece(sc.row_paths(TABLE, paths[key]), (8, 6), (first, 0),
-                                state[key][ids[first:end]]) for key in TABLE_KEYS]
+                                made_later(state[key][ids[first:end]])) for key in TABLE_KEYS]
             table[name] = sc.write_pieces(directory, name, pieces)
     sc.start_checkpoint(directory)
     reports = {"w0": sc.write_pieces(directory, "w0", w0, objects),
@@ -138,6 +141,27 @@ def test_rows_in_hash_order_reshard_to_any_number_of_servers(tmp_path, num_serve
 def test_rows_saved_in_hash_order_load_whole_in_another_mode(tmp_path):
     program, state = trained()
     write(tmp_path / "ckpt", program, state, rows=True)
+    loaded, _ = sc.load_state(program, tmp_path / "ckpt", TABLE_KEYS)
+    for key in TABLE_KEYS:
+        assert torch.equal(loaded[key], state[key]), key
+
+
+def test_rows_made_as_written_are_made_one_at_a_time_and_load_back(tmp_path):
+    """A server's rows go into the checkpoint as `RowsToWrite`: each is made
+    when its file is written, after the one before was written and freed."""
+    program, state = trained()
+    held_when_made, alive = [], weakref.WeakSet()
+
+    def made_later(value):
+        def make():
+            held_when_made.append(len(alive))
+            copy = value.clone()
+            alive.add(copy)
+            return copy
+        return RowsToWrite(tuple(value.shape), value.dtype, make)
+
+    write(tmp_path / "ckpt", program, state, rows=True, made_later=made_later)
+    assert held_when_made == [0] * (2 * len(TABLE_KEYS))
     loaded, _ = sc.load_state(program, tmp_path / "ckpt", TABLE_KEYS)
     for key in TABLE_KEYS:
         assert torch.equal(loaded[key], state[key]), key

@@ -128,9 +128,11 @@ def test_lazy_rows_get_memory_only_when_first_named():
     store = EmbeddingStore([table], labels[1], cluster, hub.transport(labels[1]), 0, meta)
     shard = store.shards[0]
     assert shard.slots.used == 0
+    assert store.rows_made() == {table.key: (0, 500)}
     mine = shard.sharding.ids_of(labels[1].rank)[:3]
     where = store._group_rows(shard, torch.cat([mine, mine[:1]]))
     assert shard.slots.used == 3 and where.tolist() == [0, 1, 2, 0]
+    assert store.rows_made() == {table.key: (3, 500)}
     assert torch.equal(shard.group.rows[:3],
                        RowInit.uniform(seed=3).rows(mine, 4, table.key, num_rows=1000))
     assert torch.equal(shard.group.state["sum"][:3], torch.full((3, 4), 0.25))
