@@ -11,10 +11,12 @@ else v1 `memory.limit_in_bytes`; needs root), the process enters it before
 it starts (`sh -c 'echo $$ > cgroup.procs; exec ...'`), and the cgroups are
 removed at the end.
 
-- splitrun: `splitrun scheduler`, 2 servers and 1 worker through `splitrun
-  join` (servers uncapped: they hold the tables), the worker capped. It
-  leaves the tables' starting values to the servers (`build(...,
-  tables_here=False)`: never written, never paged in) and caches rows.
+- splitrun: `splitrun scheduler`, 2 servers (`--servers`) and 1 worker
+  through `splitrun join`, the worker capped (the servers too with
+  `--server-cap-mb`). It leaves the tables' starting values to the servers
+  (`build(..., tables_here=False)`: never written, never paged in) and
+  caches rows. Each server prints its peak RSS (VmHWM) and the rows its
+  store made.
 - TorchRec DMP: 2 processes (gloo; bench/torchrec_anchors.py dmp), the
   tables sharded table-wise, each process capped the same: each must hold
   its shard (half the tables) and builds the model first.

@@ -66,7 +66,8 @@ def run_job(argv: list[str]) -> None:
     job = Job.from_env()
     _, program, spec, _, _ = recsys_cache.build(args, job.cluster.num_workers,
                                                 tables_here=not job.is_worker)
-    trainer = job.start(program, recsys_cache.cache_mode(args))
+    # No final state: gathering the tables is no part of start-up.
+    trainer = job.start(program, recsys_cache.cache_mode(args), gather_state=False)
     stamps = [time.monotonic()]
     if job.is_worker:
         generator = torch.Generator().manual_seed(0)
@@ -115,7 +116,9 @@ def main() -> None:
         for gb, row_init in cases:
             key = f"{'row_init' if row_init else 'plain_torch'}_{gb:g}_gb"
             runs.setdefault(key, []).append(launch(rows_for(gb), row_init))
-    report = {"benchmark": "startup_size", "job": " ".join(job_args(0, True)),
+    report = {"benchmark": "startup_size",
+              "job": " ".join(job_args(0, True)).replace("--rows 0", "--rows <per size>"),
+              "rows_per_table": {f"{gb:g}_gb": rows_for(gb) for gb, _ in cases},
               "processes": "1 worker, 2 servers (splitrun launch)", "runs": runs}
     for key, results in runs.items():
         done = [r for r in results if r["finished"]]
