@@ -25,8 +25,16 @@ import os
 import tempfile
 from dataclasses import dataclass, replace
 
-import pytest
-import torch
+# Set before torch loads OpenMP, which reads it then. The suite runs more
+# threads than cores (4 test workers, jobs of 3-5 processes of 2 threads on
+# 2 cores); OpenMP threads that spin while they wait then take the cores from
+# the threads with work: three such processes side by side ran a GEMM loop in
+# 10-18 s, now and then over 60 s, and in 3-6 s with PASSIVE (alone: 2.0 s
+# and 2.15 s). How threads wait changes no value.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from cluster import REPO, SCRIPTS, LocalCluster, StandingTemplateProc
 from scheduling import LongestFirstScheduling, UnitsFile, recorder_from_env, unit_of
 

@@ -47,11 +47,17 @@ def export(capsys):
     return export
 
 
-def written_by(directory) -> set[str]:
-    """The processes whose data files the checkpoint lists."""
+def data_files(directory) -> list[str]:
+    """The writers' names of the checkpoint's data files (`__NAME_0.distcp`)."""
     lines = (directory / CHECKSUMS).read_text().split("\n")
     names = [line.split()[1] for line in lines if line.strip()]
-    return {name.removeprefix("__").rsplit("_", 1)[0] for name in names if name != METADATA}
+    return [name.removeprefix("__").rsplit("_", 1)[0] for name in names if name != METADATA]
+
+
+def written_by(directory) -> set[str]:
+    """The processes whose data files the checkpoint lists (a server's rows
+    of each table and row state are files of their own, `s0-rows.N`)."""
+    return {name.split(".", 1)[0] for name in data_files(directory)}
 
 
 def assert_equal_states(got, expected, atol):
@@ -92,6 +98,12 @@ def test_cache_saved_with_two_servers_resumes_with_one_and_three(launch, export,
                                                                   cache_saved_at_ten, tmp_path):
     directory = cache_saved_at_ten.sharded  # 1 worker, 2 servers, after step 10 of 20
     assert written_by(directory) == {"w0", "s0", "s1", "s0-rows", "s1-rows"}
+    # Each server's ids in one file, then its rows of each table and their
+    # Adagrad sums one file each: made as they are written.
+    per_server = 2 * len(make_cache("adagrad", 1, 1)[0].cached_tables)
+    assert sorted(data_files(directory)) == sorted(
+        ["w0", "s0", "s1", "s0-rows", "s1-rows"]
+        + [f"s{rank}-rows.{n}" for rank in (0, 1) for n in range(1, per_server + 1)])
     # One worker: the uninterrupted job equals whole-table training bit for bit
     # (test_cache_e2e), so the resumed ones are compared with that.
     program, batches = make_cache("adagrad", 1, 20, cache_rows=None, sparse_tables=True)
