@@ -34,7 +34,7 @@ server, each capped at M. With `--row-init` no process writes a whole table
 
     sudo python bench/memory_cap.py [--cap-mb 1024] [--rows 1000000] [--steps 40]
     sudo python bench/memory_cap.py --tables 16 --optimizer adagrad --row-init \
-        --servers 4 --server-cap-mb 2700
+        --servers 4 --server-cap-mb 2600 --cap-mb 2048
 """
 
 from __future__ import annotations
@@ -77,11 +77,15 @@ def job_args(args) -> list[str]:
             "--steps", str(args.steps), *(["--row-init"] if args.row_init else [])]
 
 
+def tables_bytes(args) -> int:
+    """The declared tables' rows (float32)."""
+    return args.tables * args.rows * args.dim * 4
+
+
 def rows_and_state_bytes(args) -> int:
     """The declared tables' rows and their optimizer state (Adagrad: one sum
     per element, as many bytes again)."""
-    rows = args.tables * args.rows * args.dim * 4
-    return rows * (2 if args.optimizer == "adagrad" else 1)
+    return tables_bytes(args) * (2 if args.optimizer == "adagrad" else 1)
 
 
 # -- memory cgroups --------------------------------------------------------------------
@@ -285,11 +289,10 @@ def main() -> None:
     if os.geteuid() != 0:
         raise SystemExit("memory cgroups need root: run with sudo")
     cap = args.cap_mb * 2**20
-    tables_bytes = args.tables * args.rows * args.dim * 4
     started = time.perf_counter()
     report = {"benchmark": "memory_cap", "job": " ".join(job_args(args)),
-              "tables_mb": round(tables_bytes / 2**20, 1), "cap_mb_per_process": args.cap_mb,
-              "tables_over_cap": round(tables_bytes / cap, 2), "servers": args.servers}
+              "tables_mb": round(tables_bytes(args) / 2**20, 1), "cap_mb_per_process": args.cap_mb,
+              "tables_over_cap": round(tables_bytes(args) / cap, 2), "servers": args.servers}
     if args.server_cap_mb is not None:
         state_bytes = rows_and_state_bytes(args)
         report.update({"server_cap_mb": args.server_cap_mb,
