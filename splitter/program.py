@@ -16,6 +16,7 @@ import torch
 from torch import fx
 
 from .errors import PlanError
+from .initial_state import InitialState
 from .labels import LABEL_ANNOTATION, MODULE_ANNOTATION
 
 __all__ = [
@@ -126,7 +127,8 @@ class Program:
     graph_module: fx.GraphModule
     inputs: tuple[InputSpec, ...]
     outputs: tuple[OutputSpec, ...]
-    initial_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Made where taken (`InitialState`): capture copies nothing.
+    initial_state: InitialState = field(default_factory=InitialState)
     hparams_fn: Callable[[int], dict[str, torch.Tensor]] | None = None
     # parameter -> name of the node computing its (dense) gradient
     grads: dict[str, str] = field(default_factory=dict)
@@ -159,6 +161,8 @@ class Program:
         return keys + [key for key in self.cached_tables if key not in keys]
 
     def __post_init__(self) -> None:
+        if not isinstance(self.initial_state, InitialState):
+            self.initial_state = InitialState(self.initial_state)
         returned = [getattr(n, "name", None) for n in self.graph.output_node().args[0]]
         declared = [spec.node for spec in self.outputs]
         if returned != declared:

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from splitrun.splitter.initial_state import copy_state
 from splitrun.splitter.program import InputKind, Program
 
 from ..errors import CheckpointError
@@ -71,7 +72,7 @@ def from_checkpoint(program: Program, checkpoint: Mapping, source: str = "the ch
     if not isinstance(model, Mapping):
         raise CheckpointError(f"{source}: 'model' is a {type(model).__name__}, expected a "
                               f"dict of tensors")
-    state = dict(program.initial_state)
+    state = copy_state(program.initial_state)
     saved = [s for s in program.inputs if s.kind in (InputKind.PARAM, InputKind.BUFFER)
              and s.key not in program.non_persistent_buffers]  # those the capture's own
     missing = [s.key for s in saved if s.key not in model]

@@ -212,7 +212,8 @@ class Executor:
             feeds=feed_nodes, constants=constants, outputs=outputs, updates=updates,
             forward=_forward_values(program), tiled=tiled, device=self.device,
             helpers={"send": self._send, "recv": self._receive,
-                     "recv_bounded": self._receive_bounded, "synced": self._keep_synced})
+                     "recv_bounded": self._receive_bounded, "synced": self._keep_synced,
+                     "put_state": self._put_state})
 
     def _check_markers_bound(self, ops) -> None:
         """Every marker op this process runs has a binding (a marker only
@@ -318,6 +319,12 @@ class Executor:
     def _keep_synced(self, channel: str, step: int, tensors: list[torch.Tensor]) -> None:
         if self.keep_synced:
             self._held[channel] = (step, tensors)
+
+    def _put_state(self, key: str, value: torch.Tensor) -> None:
+        """A new state value, in place as soon as the step makes it: the old
+        one is freed at its last use. A step that fails after this keeps the
+        values it had made (as torch's optimizers, updating in place, do)."""
+        self.state[key] = self._owned(value)
 
     def _owned(self, value):
         """`value`, copied if it views memory the transport lent for a receive:

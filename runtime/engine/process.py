@@ -13,6 +13,7 @@ from collections.abc import Callable, Collection, Mapping
 
 import torch
 
+from splitrun.splitter.initial_state import InitialState
 from splitrun.splitter.labels import Label
 from splitrun.splitter.splitting.graph_splitter import SplitProgram
 
@@ -42,9 +43,10 @@ class ProcessRuntime:
     torch.distributed process groups are formed (needed only by such splits).
     `hparams(step)`: where the step's hyperparameters come from, if not from
     the program's optimizer when asked (threads of one process share one
-    reading per step). `free_tables`: a server of an embedding-cache split
-    frees the whole cached tables once it holds its shard (`attach_cache`;
-    a process of its own only).
+    reading per step). `free_model` (a server of its own process only:
+    threads of one process share the model): once it holds its own state,
+    the server frees the model's tensors (`InitialState.take`) and the whole
+    cached tables (`attach_cache`): the model on it then holds 0 bytes.
     """
 
     def __init__(self, split: SplitProgram, label: Label, transport: Transport, *,
@@ -52,19 +54,26 @@ class ProcessRuntime:
                  state: Mapping[str, torch.Tensor] | None = None, first_step: int = 0,
                  recv_timeout_s: float = 120.0, rendezvous: Rendezvous | None = None,
                  hparams: Callable[[int], dict[str, torch.Tensor]] | None = None,
-                 free_tables: bool = False) -> None:
+                 free_model: bool = False) -> None:
         self.split = split
         self.label = label
         self._hparams = split.program.hparams if hparams is None else hparams
         # Steps allocate large outputs afresh: keep freed memory for reuse.
         keep_freed_memory()
         state = split.program.initial_state if state is None else state
+        # The state this process owns, made now (only it); the model's own
+        # tensors freed before the optimizer state is made.
+        own = list(split.plan.process(label).state)
+        if isinstance(state, InitialState):
+            taken = state.take(own, free_sources=free_model, taker=label.describe())
+            state = state.copy()
+            state.update(taken)
         # The embedding store must take requests before any can arrive, so
         # it is attached before the executor (and before the caller lets the
         # plan's messages in).
         self._cache = attach_cache(split, label, transport, incarnation, state=state,
                                    device=device, first_step=first_step,
-                                   timeout_s=recv_timeout_s, free_tables=free_tables)
+                                   timeout_s=recv_timeout_s, free_tables=free_model)
         self._collectives = attach_collectives(split, label, rendezvous, device=device,
                                                timeout_s=recv_timeout_s)
         self._worker_average = attach_worker_all_reduce(split, label, rendezvous, device=device,

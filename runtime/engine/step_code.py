@@ -220,9 +220,25 @@ def generate(*, title: str, ops: Sequence[Op], nodes: Mapping[str, fx.Node],
     `outputs`/`updates`: key -> the node delivered or kept as new state;
     `forward`: the values counted as activations; `tiled`: first index ->
     (last index, run) of runs tried tile by tile (`tiles.TiledRun`);
-    `helpers`: the executor's `send`, `recv`, `recv_bounded` and `synced`."""
-    kept = set(outputs.values()) | set(updates.values())
+    `helpers`: the executor's `send`, `recv`, `recv_bounded`, `synced` and
+    `put_state` (a new state value, put in place where it is made; the
+    step returns only the updates no op makes)."""
+    # A new state value is put in place as soon as it is made (`put_state`),
+    # so the old one is freed at its last use, not at the end of the step (a
+    # server holds one copy of its parameters and moments, not two); putting
+    # it is one more use. Unchanged state (an update that is its input) is
+    # returned at the end, as outputs are.
+    made_at = {op.name: i for i, op in enumerate(ops) if op.kind == "run"}
+    made_at.update({v: i for i, op in enumerate(ops) if op.kind == "recv" for v in op.values})
+    put_early: dict[str, list[str]] = {}
+    for key, node in updates.items():
+        if node in made_at:
+            put_early.setdefault(node, []).append(key)
+    returned_updates = {k: n for k, n in updates.items() if n not in made_at}
+    kept = set(outputs.values()) | set(returned_updates.values())
     last = last_uses(ops, nodes)
+    for name in put_early:
+        last[name] = max(last.get(name, -1), made_at[name])
     free_after: list[list[str]] = [[] for _ in ops]
     for name, index in last.items():
         if name not in kept and name not in constants:
@@ -252,6 +268,14 @@ def generate(*, title: str, ops: Sequence[Op], nodes: Mapping[str, fx.Node],
                         if name in forward:
                             writer.line(indent, f"_live.drop({name!r})")
 
+        def put_free(indent, made, names):
+            # What was read last frees first; a new state value is put, then freed.
+            free(indent, [n for n in names if n not in put_early])
+            for name in made:
+                for key in put_early.get(name, ()):
+                    writer.line(indent, f"_put_state({key!r}, {_value(name)})")
+            free(indent, [n for n in names if n in put_early])
+
         def one(indent, index):
             op = ops[index]
             if op.kind == "run":
@@ -279,7 +303,8 @@ def generate(*, title: str, ops: Sequence[Op], nodes: Mapping[str, fx.Node],
                                         f"[{', '.join(_value(n) for n in op.values)}])")
                 if measure:
                     hold(indent, op.values)
-            free(indent, free_after[index])
+            made = [op.name] if op.kind == "run" else op.values if op.kind == "recv" else ()
+            put_free(indent, made, free_after[index])
 
         name = "measured" if measure else "step"
         writer.line(0, f"def {name}(step, state, feeds, tile, timeout, first_timeout, between, "
@@ -306,11 +331,12 @@ def generate(*, title: str, ops: Sequence[Op], nodes: Mapping[str, fx.Node],
                 writer.line(1, f"if tile and {run_name}.can_tile(_env := {{{env}}}):")
                 writer.line(2, f"{run_name}.run(_env)", Where(tiled=run))
                 for n in members:
-                    if n.name in kept or last.get(n.name, -1) > stop:
+                    if n.name in kept or n.name in put_early or last.get(n.name, -1) > stop:
                         writer.line(2, f"{_value(n.name)} = _env[{n.name!r}]")
                 writer.line(2, "del _env")
-                free(2, [n for i in range(index, stop + 1) for n in free_after[i]
-                         if n not in produced])
+                put_free(2, [n.name for n in members],
+                         [n for i in range(index, stop + 1) for n in free_after[i]
+                          if n not in produced or n in put_early])
                 writer.line(1, "else:")
                 writer.line(2, "_env = None")
                 for i in range(index, stop + 1):
@@ -320,7 +346,7 @@ def generate(*, title: str, ops: Sequence[Op], nodes: Mapping[str, fx.Node],
             one(1, index)
             index += 1
         results = (f"{{{', '.join(f'{k!r}: {_value(n)}' for k, n in outputs.items())}}}, "
-                   f"{{{', '.join(f'{k!r}: {_value(n)}' for k, n in updates.items())}}}")
+                   f"{{{', '.join(f'{k!r}: {_value(n)}' for k, n in returned_updates.items())}}}")
         writer.line(1, f"return {results}{', _live.peak' if measure else ''}")
 
     emit(False)

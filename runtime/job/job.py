@@ -196,8 +196,8 @@ class Job(JobMember):
         trainer = start_trainer(self, split, state=state, first_step=first_step,
                                 rendezvous=rendezvous, gather_state=gather_state,
                                 num_steps=num_steps, source=program,
-                                # A server of its own process keeps only its shards.
-                                free_tables=not self.is_worker)
+                                # A server of its own process keeps only its own state.
+                                free_model=not self.is_worker)
         logger.info("[%s] plan %s: %s", self.label.describe(), plan.fingerprint, summary)
         return trainer
 

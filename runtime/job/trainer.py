@@ -346,7 +346,7 @@ def start_trainer(job: JobMember, split: SplitProgram, *,
                   num_steps: int | None = None, source: Program | None = None,
                   hparams: Callable[[int], dict[str, torch.Tensor]] | None = None,
                   on_outputs: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
-                  free_tables: bool = False) -> Trainer:
+                  free_model: bool = False) -> Trainer:
     """Assemble `job`'s share of `split` and return its trainer: the one way a
     process is put into a job, by `Job.start` and `run_threaded` alike. The
     channels outside the plan (checkpoints, the final state) are registered
@@ -356,7 +356,7 @@ def start_trainer(job: JobMember, split: SplitProgram, *,
     process = ProcessRuntime(split, label, transport, incarnation=job.incarnation,
                              device=job.device, state=state, first_step=first_step,
                              recv_timeout_s=job.settings.recv_timeout_s,
-                             rendezvous=rendezvous, hparams=hparams, free_tables=free_tables)
+                             rendezvous=rendezvous, hparams=hparams, free_model=free_model)
     job.watch_waits(lambda: _waiting(process))  # the scheduler names a peer it waits on
     # Set up: from here on a step that does not advance can stall a peer.
     job.report_progress(first_step)

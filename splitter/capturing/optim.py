@@ -48,7 +48,14 @@ class Optimizer(ABC):
     state_names: ClassVar[tuple[str, ...]] = ()
 
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {name: torch.zeros_like(param) for name in self.state_names}
+        return {name: self.init_state_entry(param, name) for name in self.state_names}
+
+    def init_state_entry(self, param: torch.Tensor, name: str) -> torch.Tensor:
+        """One entry of `init_state(param)`, made alone: a process makes only
+        the state it owns, one tensor at a time."""
+        if type(self).init_state is not Optimizer.init_state:  # a subclass's own
+            return self.init_state(param)[name]
+        return torch.zeros_like(param)
 
     @abstractmethod
     def update(self, param: torch.Tensor, grad: torch.Tensor,
@@ -134,8 +141,8 @@ class Adagrad(Optimizer):
     foreach: bool = False
     state_names: ClassVar[tuple[str, ...]] = ("sum",)
 
-    def init_state(self, param):
-        return {"sum": torch.full_like(param, self.initial_accumulator_value)}
+    def init_state_entry(self, param, name):
+        return torch.full_like(param, self.initial_accumulator_value)
 
     def update(self, param, grad, state, lr, step):
         grad = -grad if self.maximize else grad

@@ -17,6 +17,7 @@ import operator
 import re
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from functools import partial
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -32,6 +33,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ..errors import CaptureError
+from ..initial_state import Deferred, InitialState
 from ..labels import LABEL_ANNOTATION, MODULE_ANNOTATION, placement_of
 from ..ops.bags import bag_gradient
 from ..ops.multi_tensor import MULTI_TENSOR_UPDATES, foreach_update
@@ -105,21 +107,27 @@ def capture(model: nn.Module, loss_fn: LossFn,
     gm = fx.GraphModule(torch.nn.Module(), builder.graph, class_name="CapturedStep")
     _propagate_fake_values(gm, builder.example_inputs(params, frozen, batch, groups, cached))
 
-    initial_state: dict[str, torch.Tensor] = {}
+    # Nothing is copied here: each process makes the state it owns when it
+    # takes it (`InitialState`). A cached table is never copied: it may be
+    # larger than a worker's memory, and only the servers keep (copies of)
+    # its rows. The model must not change after capture.
+    initial_state = InitialState()
     for name in trainable:
-        # A cached table is not copied: it may be larger than a worker's memory,
-        # and only the servers keep (copies of) its rows. Its module must not
-        # change it after capture.
         value = params[name].detach()
-        initial_state[name] = value if name in cached else value.clone()
+        initial_state[name] = value if name in cached else Deferred(value, torch.clone)
         functional = groups.for_param(name)
-        if functional is not None:
-            state = (row_state_of(functional, value) if name in cached
-                     else functional.init_state(value))
-            for state_name, value in state.items():
-                initial_state[f"{name}.{state_name}"] = value
+        if functional is None:
+            continue
+        if name in cached:
+            for state_name, state in row_state_of(functional, value).items():
+                initial_state[f"{name}.{state_name}"] = state
+            continue
+        for state_name in functional.state_names:
+            initial_state[f"{name}.{state_name}"] = Deferred(
+                value, partial(functional.init_state_entry, name=state_name),
+                reads_values=False)
     for name, tensor in frozen.items():
-        initial_state[name] = tensor.detach().clone()
+        initial_state[name] = Deferred(tensor.detach(), torch.clone)
     # The gradient of every trainable parameter: modes that move the update
     # elsewhere (parameter server) find it through these.
     return Program(gm, program_inputs, program_outputs, initial_state,
@@ -334,11 +342,9 @@ def _trace_joint(model, loss_fn, trainable, params, frozen, batch) -> fx.GraphMo
                 f"{list(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
         return (loss,)
 
-    # Tracing reads no value. A cached table's stand-in is left unwritten (its
-    # pages never touched): a table larger than a worker's memory costs none.
-    cached = _cached_tables(model)
-    args = [(torch.empty_like(params[n]) if n in cached else params[n].detach().clone()
-             ).requires_grad_(True) for n in trainable]
+    # Tracing reads no value. The parameters' stand-ins are left unwritten
+    # (their pages never touched): a model larger than memory costs none.
+    args = [torch.empty_like(params[n]).requires_grad_(True) for n in trainable]
     args += [t.detach() for t in frozen.values()]
     args += [b.detach() for b in batch]
     try:
@@ -617,9 +623,11 @@ class _StepBuilder:
                 values.append(frozen[spec.key].detach())
             elif spec.kind is InputKind.OPT_STATE:
                 functional, param = groups.for_param(spec.param), params[spec.param].detach()
-                state = (row_state_of(functional, param) if spec.param in cached
-                         else functional.init_state(param))
-                values.append(state[spec.state_name])
+                if spec.param in cached:
+                    values.append(row_state_of(functional, param)[spec.state_name])
+                else:  # only its shape is read: left unwritten
+                    like = functional.init_state_entry(param.to("meta"), spec.state_name)
+                    values.append(torch.empty_like(like, device=param.device))
             elif spec.kind is InputKind.HPARAM:
                 values.append(hparams[spec.key])
             else:

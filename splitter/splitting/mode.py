@@ -16,6 +16,7 @@ from types import MappingProxyType
 
 import torch
 
+from ..initial_state import copy_state
 from ..labels import Cluster, Label
 from ..plan.model import ChannelKind, ModeKind, SplitPlan
 from ..program import OutputKind, OutputSpec, Program
@@ -105,9 +106,10 @@ class ModeArtifacts:
 
     def split_state(self, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A state keyed like the captured program (a checkpoint's, the initial
-        one) as the rewritten program's state. The same, unless the mode keeps
-        state in pieces (parallel mode's shards)."""
-        return dict(full)
+        one) as the rewritten program's state. The same (nothing made of an
+        `InitialState`), unless the mode keeps state in pieces (parallel
+        mode's shards)."""
+        return copy_state(full)
 
     def full_state(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The inverse of `split_state`: what checkpoints and `finish()` hold."""

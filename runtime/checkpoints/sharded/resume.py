@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitrun.splitter.initial_state import copy_state
 from splitrun.splitter.labels import Label, Role
 from splitrun.splitter.program import Program
 from splitrun.splitter.splitting.graph_splitter import SplitProgram
@@ -69,28 +70,28 @@ def load_state(program: Program, directory: str | os.PathLike, keys: Iterable[st
     step = read_step(opened)
     paths = state_paths(program)
     initial = program.initial_state
-    state = dict(initial)
+    state = copy_state(initial)  # nothing made: a process takes its own
     regions = regions or {}
     for key in sorted(set(keys)):
         if key not in paths:
             continue
         if key in regions and opened.tensor_md(paths[key]) is not None:
-            check_against(opened, paths[key], key, initial[key])
+            check_against(opened, paths[key], key, initial.like(key))
             offsets, sizes = regions[key]
             value = check_finite(opened, key, opened.read([(paths[key], offsets, sizes)])[0])
             full = initial[key].clone()
             _region(full, offsets, sizes).copy_(value)
             state[key] = full
         else:
-            state[key] = _read_key(opened, key, paths[key], initial[key])
+            state[key] = _read_key(opened, key, paths[key], initial.like(key))
     for rows in row_ranges:
         if opened.tensor_md(ids_path(rows.table)) is None:  # saved in another mode: plain
             for key in rows.keys:
-                state[key] = _read_key(opened, key, paths[key], initial[key])
+                state[key] = _read_key(opened, key, paths[key], initial.like(key))
             continue
         requests = [(ids_path(rows.table), (rows.first,), (rows.end - rows.first,))]
         for key in rows.keys:
-            expected = initial[key]
+            expected = initial.like(key)
             check_against(opened, row_paths(rows.table, paths[key]), key, expected)
             requests.append((row_paths(rows.table, paths[key]),
                              (rows.first,) + (0,) * (expected.dim() - 1),

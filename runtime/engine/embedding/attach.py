@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitrun.splitter.initial_state import free_storages
 from splitrun.splitter.labels import Label, Role
 from splitrun.splitter.plan import SplitPlan
 from splitrun.splitter.splitting.graph_splitter import SplitProgram
@@ -21,7 +22,7 @@ from .client import EmbeddingClient
 from .protocol import PREFIX, reply_channel, request_channel
 from .store import EmbeddingStore
 
-__all__ = ["CacheParts", "attach_cache", "cached_tables_of", "free_whole_tables"]
+__all__ = ["CacheParts", "attach_cache", "cached_tables_of"]
 
 # A worker's step and the thread that plans its next step (`EmbeddingClient`)
 # share the GIL: each op of the step lets it go, and getting it back from the
@@ -78,32 +79,10 @@ def attach_cache(split: SplitProgram, label: Label, transport: Transport, incarn
     store = EmbeddingStore(tables, label, cluster, transport, incarnation, state,
                            first_step=first_step)
     if free_tables:
-        free_whole_tables([*cache.initial.values(), *state.values()])
+        free_storages([*cache.initial.values(), *state.values()])
     transport.route(PREFIX, store.on_message)
     store.start()
     return CacheParts(store=store)
-
-
-def free_whole_tables(tensors) -> int:
-    """Give back the memory of `tensors` (whole tables a server copied its
-    shard of): their storage is resized to 0 bytes, so every tensor sharing
-    it (the model's parameter, the captured program's initial state) is
-    emptied at once and must not be read again. Returns the bytes freed."""
-    freed, seen = 0, set()
-    for tensor in tensors:
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
-            continue
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() in seen or storage.nbytes() == 0:
-            continue
-        seen.add(storage.data_ptr())
-        size = storage.nbytes()
-        try:
-            storage.resize_(0)
-        except RuntimeError:  # not resizable (a buffer torch does not own): kept
-            continue
-        freed += size
-    return freed
 
 
 def _receive_contracts(plan: SplitPlan, label: Label) -> dict[str, ChannelContract]:

@@ -118,7 +118,8 @@ class EmbeddingCacheMode(ParameterServerMode):
             if spec.key in removed_inputs:
                 graph.erase_node(nodes[spec.node])
         graph.output(tuple(node for _, node in outputs))
-        initial = {k: v for k, v in program.initial_state.items() if k not in removed_inputs}
+        initial = program.initial_state.subset(
+            k for k in program.initial_state if k not in removed_inputs)
         # The tables start on the servers from these (or from a checkpoint).
         tables_initial = {k: program.initial_state[k] for k in removed_inputs}
         rewritten = dataclasses.replace(

@@ -4,6 +4,7 @@ import ast
 import inspect
 import re
 import traceback
+import weakref
 
 import pytest
 import torch
@@ -116,3 +117,38 @@ def test_a_steps_peak_is_measured_once_per_step_shape():
     executor.run_step(3, smaller)
     assert calls == [0, 2]
     assert executor.stats.peak_activation_bytes == peak
+
+
+def test_a_new_state_value_replaces_the_old_one_as_soon_as_it_is_made():
+    """So a process holds one copy of its parameters and moments during the
+    update, not the old and the new ones until the step ends."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    batch = (torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    program = capture(net, lambda m, x, y: F.cross_entropy(m(x), y),
+                      torch.optim.Adam(net.parameters(), lr=1e-2), batch)
+    split = split_program(program, Cluster(num_workers=1))
+    executor = Executor(split.plan, split.program, W0,
+                        LoopbackHub(split.plan.labels).transport(W0), tile_pointwise=False)
+    executor.load_state(split.program.initial_state)
+    keys = [spec.key for spec in split.program.inputs if spec.kind is InputKind.BATCH]
+    feeds = {**split.program.hparams(0), **dict(zip(keys, batch))}
+    source = executor.code.source
+    order = sorted(executor.state, key=lambda k: source.index(f"_put_state({k!r}"))
+    first, last = order[0], order[-1]
+    old_first = weakref.ref(executor.state[first])
+    put = executor.code.step.__globals__["_put_state"]
+    seen = []
+
+    def recording(key, value):
+        if key == last:  # every other key is put already, its old value gone
+            seen.append((old_first() is None, executor.state[first] is not None))
+        put(key, value)
+
+    for function in (executor.code.step, executor.code.measured):
+        function.__globals__["_put_state"] = recording
+    expected = program.train_unsplit(1, lambda _: dict(zip(keys, batch)))[1]
+    executor.run_step(0, feeds)
+    assert seen == [(True, True)]
+    for key, value in expected.items():
+        assert torch.equal(executor.state[key], value), key
