@@ -45,7 +45,13 @@ class RecvTimeout(TransportError):
 class PeerDied(TransportError):
     """A peer's end of the connection to it went away without a close: the
     peer died. This process fails because of it, as with `PeerFailed`: the
-    launcher names the dead process, not this one."""
+    launcher names the dead process, not this one. `peer`: the dead one,
+    where known (the scheduler names it, and its memory, when it went near
+    its memory cap)."""
+
+    def __init__(self, message: str, peer=None) -> None:
+        super().__init__(message)
+        self.peer = peer
 
 
 class MessageRejected(TransportError):

@@ -54,7 +54,7 @@ class InProcessMembership:
     def report_done(self, label: Label) -> None:
         """Nothing waits for the members to leave: the caller joins the threads."""
 
-    def report_failure(self, label: Label, message: str) -> None:
+    def report_failure(self, label: Label, message: str, dead_peer: Label | None = None) -> None:
         """`label` failed: every other member stops, told why."""
         with self._cond:
             if self._failure is not None:

@@ -20,6 +20,7 @@ from ..rpc.service import TOKEN_METADATA_KEY
 from ..rpc.tls import TlsFiles
 from ..rpc.wire import splitrun_pb2 as pb
 from ..rpc.wire import splitrun_pb2_grpc as pb_grpc
+from .process_memory import own_memory
 from .scheduler import SETTING_UP, SHM_PREFIX_KEY
 
 __all__ = ["Registration", "SchedulerClient", "Heartbeat"]
@@ -101,12 +102,16 @@ class SchedulerClient:
     def heartbeat(self, label: Label, step: int, timeout_s: float,
                   waiting: tuple[Label, float] | None = None) -> pb.JobStatus:
         peer, waiting_s = waiting if waiting is not None else (None, 0.0)
+        rss, peak, limit = own_memory()
         return self._call("Heartbeat", pb.HeartbeatRequest(
             label=str(label), step=step, waiting_on="" if peer is None else str(peer),
-            waiting_s=waiting_s), timeout_s=timeout_s)
+            waiting_s=waiting_s, rss_bytes=rss, peak_rss_bytes=peak,
+            memory_limit_bytes=limit), timeout_s=timeout_s)
 
-    def report_failure(self, label: Label, message: str) -> None:
-        self._call("ReportFailure", pb.FailureReport(label=str(label), message=message))
+    def report_failure(self, label: Label, message: str, dead_peer: Label | None = None) -> None:
+        self._call("ReportFailure", pb.FailureReport(
+            label=str(label), message=message,
+            dead_peer="" if dead_peer is None else str(dead_peer)))
 
     def report_finished(self, label: Label, num_steps: int) -> pb.JobStatus:
         return self._call("ReportFinished", pb.FinishedReport(label=str(label),

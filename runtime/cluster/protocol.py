@@ -18,8 +18,9 @@ class Membership(Protocol):
     def report_done(self, label: Label) -> None:
         """`label` finished and leaves."""
 
-    def report_failure(self, label: Label, message: str) -> None:
-        """`label` failed; every other process is stopped, told why."""
+    def report_failure(self, label: Label, message: str, dead_peer: Label | None = None) -> None:
+        """`label` failed (of `dead_peer`'s death, where known); every other
+        process is stopped, told why."""
 
     def barrier(self, name: str, label: Label, timeout_s: float) -> None:
         """Wait until every process reached the barrier `name`."""

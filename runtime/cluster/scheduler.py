@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from splitrun.splitter.errors import LabelError
 from splitrun.splitter.labels import Label, Role
 
 from ..errors import ClusterError
@@ -29,6 +30,7 @@ from ..rpc.tls import TlsFiles
 from ..rpc.wire import splitrun_pb2 as pb
 from ..rpc.wire import splitrun_pb2_grpc as pb_grpc
 from ..transport.shm.job_files import new_job_prefix, remove_job_segments
+from .process_memory import mib
 
 __all__ = ["SchedulerSettings", "Scheduler", "SHM_PREFIX_KEY", "TOKEN_METADATA_KEY"]
 
@@ -40,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 # How often the monitor looks for silent processes.
 _MONITOR_PERIOD_S = 0.2
+# A silent process whose last peak RSS was this share of its memory cgroup's
+# limit or more is named as likely OOM-killed.
+NEAR_MEMORY_LIMIT = 0.8
 _TOKEN_HINT = ("processes of this job get the token from SPLITRUN_TOKEN (set by splitrun "
                "launch; for splitrun join, from the file splitrun scheduler wrote)")
 # Upper bound on any single blocking call a client may ask for.
@@ -92,6 +97,10 @@ class _Member:
     waiting_s: float = 0.0      # ...for this long, as of `last_seen`
     finished_steps: int | None = None
     done: bool = False
+    # Its memory as its last heartbeat said (bytes; 0: not known, no limit).
+    rss_bytes: int = 0
+    peak_rss_bytes: int = 0
+    memory_limit_bytes: int = 0
 
 
 @dataclass
@@ -376,6 +385,8 @@ class Scheduler(pb_grpc.SchedulerServicer):
             if request.step != member.step or not member.step_since:
                 member.step, member.step_since = request.step, member.last_seen
             member.waiting_on, member.waiting_s = request.waiting_on, request.waiting_s
+            member.rss_bytes, member.peak_rss_bytes = request.rss_bytes, request.peak_rss_bytes
+            member.memory_limit_bytes = request.memory_limit_bytes
             return self._status()
 
     def ReportFailure(self, request, context):
@@ -387,10 +398,28 @@ class Scheduler(pb_grpc.SchedulerServicer):
                 self._fail(str(stalled.label), self._stall_verdict(
                     stalled, member, member.waiting_s, time.monotonic(),
                     f" (its receive timed out: {one_line(request.message, 200)})"))
+            elif (dead := self._dead_near_its_cap(request.dead_peer)) is not None:
+                # Killed near its memory cap: it leaves no words, its peers' are a symptom.
+                seen = one_line(request.message, 200)
+                self._fail(str(dead.label), f"{dead.label.describe()} (pid {dead.pid} on "
+                                            f"{dead.host}) died ({_at_step(dead.step, 'last')}; "
+                                            f"{label.describe()} saw: {seen})"
+                                            f"{_memory_said(dead)}")
             else:
                 self._fail(str(label), f"{label.describe()} failed {_at_step(member.step)}: "
                                        f"{one_line(request.message)}")
             return self._status()
+
+    def _dead_near_its_cap(self, dead_peer: str) -> _Member | None:
+        """The member a failure report says died, if its last heartbeat was
+        near its memory cgroup's limit."""
+        if not dead_peer:
+            return None
+        try:
+            dead = self._state.members.get(Label.parse(dead_peer))
+        except LabelError:
+            return None
+        return dead if dead is not None and _near_memory_limit(dead) else None
 
     def ReportFinished(self, request, context):
         label = self._label(request.label, context)
@@ -472,7 +501,8 @@ class Scheduler(pb_grpc.SchedulerServicer):
                         self._fail(str(member.label),
                                    f"{member.label.describe()} (pid {member.pid} on "
                                    f"{member.host}) sent no heartbeat for {silent:.1f} s "
-                                   f"({_at_step(member.step, 'last')}); it died or hangs")
+                                   f"({_at_step(member.step, 'last')}); it died or hangs"
+                                   f"{_memory_said(member)}")
                         break
                 else:
                     self._find_stalled(now)
@@ -548,3 +578,27 @@ def dial_back(address: str, timeout_s: float) -> str | None:
         return f"no answer within {timeout_s:g} s"
     except OSError as exc:
         return exc.strerror or str(exc)
+
+
+def _memory_said(member: _Member) -> str:
+    """What the silent process's last heartbeat said of its memory. A process
+    killed by the OOM killer (its cgroup's or the machine's) leaves no words
+    of its own, and its cgroup can be read only on its host: a peak near its
+    cgroup's limit is named as the likely cause."""
+    if not member.rss_bytes:
+        return ""
+    said = (f"; its last heartbeat said RSS {mib(member.rss_bytes)} (peak "
+            f"{mib(member.peak_rss_bytes)})")
+    if not member.memory_limit_bytes:
+        return said
+    said += f" of its memory cgroup's limit {mib(member.memory_limit_bytes)}"
+    if _near_memory_limit(member):
+        said += (f": likely killed by the OOM killer (its cgroup's memory.events on "
+                 f"{member.host} counts it); give it more memory, or spread the state over "
+                 f"more servers")
+    return said
+
+
+def _near_memory_limit(member: _Member) -> bool:
+    limit = member.memory_limit_bytes
+    return bool(limit) and max(member.rss_bytes, member.peak_rss_bytes) >= NEAR_MEMORY_LIMIT * limit

@@ -16,7 +16,7 @@ from ..cluster.hosted import HostedScheduler
 from ..cluster.membership import Heartbeat
 from ..cluster.protocol import Membership
 from ..cluster.step_file import StepFile
-from ..errors import ClusterError, JobFinished, PeerFailed, RecvTimeout
+from ..errors import ClusterError, JobFinished, PeerDied, PeerFailed, RecvTimeout
 from ..transport.protocol import Transport
 from .settings import JobSettings
 
@@ -136,7 +136,9 @@ class JobMember:
         try:
             if self._heartbeat is not None:
                 self._heartbeat.beat_now(waiting)
-            self.client.report_failure(self.label, f"{type(error).__name__}: {first_line}")
+            self.client.report_failure(self.label, f"{type(error).__name__}: {first_line}",
+                                       dead_peer=getattr(error, "peer", None)
+                                       if isinstance(error, PeerDied) else None)
         except ClusterError:
             logger.warning("[%s] could not report the failure to the scheduler",
                            self.label.describe())

@@ -131,7 +131,8 @@ class Trainer:
                 # scheduler), but that peer may as well have died of the
                 # scheduler's loss: the line says both, the death first.
                 self.job.report_failure(exc)
-                raise PeerDied(f"{exc}; the scheduler is unreachable too: {lost}") from exc
+                raise PeerDied(f"{exc}; the scheduler is unreachable too: {lost}",
+                               peer=exc.peer) from exc
             # The scheduler's loss ended a peer first: that is the cause.
             raise PeerFailed(f"job failed: {lost} (then: {exc})") from exc
         except BaseException as exc:

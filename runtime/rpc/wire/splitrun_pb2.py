@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0esplitrun.proto\x12\x08splitrun\"*\n\nTensorMeta\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"\xb0\x01\n\x08\x45nvelope\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07\x63hannel\x18\x03 \x01(\t\x12\x0b\n\x03src\x18\x04 \x01(\t\x12%\n\x07tensors\x18\x05 \x03(\x0b\x32\x14.splitrun.TensorMeta\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\x15\n\rlittle_endian\x18\x07 \x01(\x08\x12\x10\n\x08metadata\x18\x08 \x01(\x0c\";\n\x05\x43hunk\x12$\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x12.splitrun.Envelope\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x0e\n\x0c\x44\x65liverReply\"\r\n\x0bPingRequest\"\x1a\n\tPingReply\x12\r\n\x05label\x18\x01 \x01(\t\"Y\n\x0fRegisterRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x03\"z\n\rRegisterReply\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x13\n\x0bnum_workers\x18\x03 \x01(\x05\x12\x13\n\x0bnum_servers\x18\x04 \x01(\x05\x12\x1c\n\x14heartbeat_interval_s\x18\x05 \x01(\x01\"A\n\x04Peer\x12\r\n\x05label\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x03\"7\n\x13WaitForPeersRequest\x12\r\n\x05label\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"*\n\tPeerTable\x12\x1d\n\x05peers\x18\x01 \x03(\x0b\x32\x0e.splitrun.Peer\"H\n\x11SubmitPlanRequest\x12\r\n\x05label\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0f\n\x07summary\x18\x03 \x01(\t\"\x11\n\x0fSubmitPlanReply\"\x9e\x01\n\tJobStatus\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.splitrun.JobStatus.State\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x14\n\x0c\x66\x61iled_label\x18\x03 \x01(\t\x12\x11\n\tnum_steps\x18\x04 \x01(\x03\".\n\x05State\x12\x0b\n\x07RUNNING\x10\x00\x12\n\n\x06\x46\x41ILED\x10\x01\x12\x0c\n\x08\x46INISHED\x10\x02\"V\n\x10HeartbeatRequest\x12\r\n\x05label\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nwaiting_on\x18\x03 \x01(\t\x12\x11\n\twaiting_s\x18\x04 \x01(\x01\"/\n\rFailureReport\x12\r\n\x05label\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"2\n\x0e\x46inishedReport\x12\r\n\x05label\x18\x01 \x01(\t\x12\x11\n\tnum_steps\x18\x02 \x01(\x03\"\x1b\n\nDoneReport\x12\r\n\x05label\x18\x01 \x01(\t\"\x0b\n\tDoneReply\"*\n\x0cKvPutRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\"\x0c\n\nKvPutReply\".\n\x0cKvGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"\x1b\n\nKvGetReply\x12\r\n\x05value\x18\x01 \x01(\x0c\"@\n\x0e\x42\x61rrierRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05label\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\x0e\n\x0c\x42\x61rrierReply2\xb3\x01\n\rTensorService\x12\x32\n\x07\x44\x65liver\x12\x0f.splitrun.Chunk\x1a\x16.splitrun.DeliverReply\x12:\n\rDeliverStream\x12\x0f.splitrun.Chunk\x1a\x16.splitrun.DeliverReply(\x01\x12\x32\n\x04Ping\x12\x15.splitrun.PingRequest\x1a\x13.splitrun.PingReply2\xf7\x04\n\tScheduler\x12>\n\x08Register\x12\x19.splitrun.RegisterRequest\x1a\x17.splitrun.RegisterReply\x12\x42\n\x0cWaitForPeers\x12\x1d.splitrun.WaitForPeersRequest\x1a\x13.splitrun.PeerTable\x12\x44\n\nSubmitPlan\x12\x1b.splitrun.SubmitPlanRequest\x1a\x19.splitrun.SubmitPlanReply\x12<\n\tHeartbeat\x12\x1a.splitrun.HeartbeatRequest\x1a\x13.splitrun.JobStatus\x12=\n\rReportFailure\x12\x17.splitrun.FailureReport\x1a\x13.splitrun.JobStatus\x12?\n\x0eReportFinished\x12\x18.splitrun.FinishedReport\x1a\x13.splitrun.JobStatus\x12\x37\n\nReportDone\x12\x14.splitrun.DoneReport\x1a\x13.splitrun.DoneReply\x12\x35\n\x05KvPut\x12\x16.splitrun.KvPutRequest\x1a\x14.splitrun.KvPutReply\x12\x35\n\x05KvGet\x12\x16.splitrun.KvGetRequest\x1a\x14.splitrun.KvGetReply\x12;\n\x07\x42\x61rrier\x12\x18.splitrun.BarrierRequest\x1a\x16.splitrun.BarrierReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0esplitrun.proto\x12\x08splitrun\"*\n\nTensorMeta\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"\xb0\x01\n\x08\x45nvelope\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07\x63hannel\x18\x03 \x01(\t\x12\x0b\n\x03src\x18\x04 \x01(\t\x12%\n\x07tensors\x18\x05 \x03(\x0b\x32\x14.splitrun.TensorMeta\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\x15\n\rlittle_endian\x18\x07 \x01(\x08\x12\x10\n\x08metadata\x18\x08 \x01(\x0c\";\n\x05\x43hunk\x12$\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x12.splitrun.Envelope\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x0e\n\x0c\x44\x65liverReply\"\r\n\x0bPingRequest\"\x1a\n\tPingReply\x12\r\n\x05label\x18\x01 \x01(\t\"Y\n\x0fRegisterRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x03\"z\n\rRegisterReply\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x13\n\x0bnum_workers\x18\x03 \x01(\x05\x12\x13\n\x0bnum_servers\x18\x04 \x01(\x05\x12\x1c\n\x14heartbeat_interval_s\x18\x05 \x01(\x01\"A\n\x04Peer\x12\r\n\x05label\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x03\"7\n\x13WaitForPeersRequest\x12\r\n\x05label\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"*\n\tPeerTable\x12\x1d\n\x05peers\x18\x01 \x03(\x0b\x32\x0e.splitrun.Peer\"H\n\x11SubmitPlanRequest\x12\r\n\x05label\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0f\n\x07summary\x18\x03 \x01(\t\"\x11\n\x0fSubmitPlanReply\"\x9e\x01\n\tJobStatus\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.splitrun.JobStatus.State\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x14\n\x0c\x66\x61iled_label\x18\x03 \x01(\t\x12\x11\n\tnum_steps\x18\x04 \x01(\x03\".\n\x05State\x12\x0b\n\x07RUNNING\x10\x00\x12\n\n\x06\x46\x41ILED\x10\x01\x12\x0c\n\x08\x46INISHED\x10\x02\"\x9d\x01\n\x10HeartbeatRequest\x12\r\n\x05label\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nwaiting_on\x18\x03 \x01(\t\x12\x11\n\twaiting_s\x18\x04 \x01(\x01\x12\x11\n\trss_bytes\x18\x05 \x01(\x03\x12\x16\n\x0epeak_rss_bytes\x18\x06 \x01(\x03\x12\x1a\n\x12memory_limit_bytes\x18\x07 \x01(\x03\"B\n\rFailureReport\x12\r\n\x05label\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tdead_peer\x18\x03 \x01(\t\"2\n\x0e\x46inishedReport\x12\r\n\x05label\x18\x01 \x01(\t\x12\x11\n\tnum_steps\x18\x02 \x01(\x03\"\x1b\n\nDoneReport\x12\r\n\x05label\x18\x01 \x01(\t\"\x0b\n\tDoneReply\"*\n\x0cKvPutRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\"\x0c\n\nKvPutReply\".\n\x0cKvGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"\x1b\n\nKvGetReply\x12\r\n\x05value\x18\x01 \x01(\x0c\"@\n\x0e\x42\x61rrierRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05label\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\x0e\n\x0c\x42\x61rrierReply2\xb3\x01\n\rTensorService\x12\x32\n\x07\x44\x65liver\x12\x0f.splitrun.Chunk\x1a\x16.splitrun.DeliverReply\x12:\n\rDeliverStream\x12\x0f.splitrun.Chunk\x1a\x16.splitrun.DeliverReply(\x01\x12\x32\n\x04Ping\x12\x15.splitrun.PingRequest\x1a\x13.splitrun.PingReply2\xf7\x04\n\tScheduler\x12>\n\x08Register\x12\x19.splitrun.RegisterRequest\x1a\x17.splitrun.RegisterReply\x12\x42\n\x0cWaitForPeers\x12\x1d.splitrun.WaitForPeersRequest\x1a\x13.splitrun.PeerTable\x12\x44\n\nSubmitPlan\x12\x1b.splitrun.SubmitPlanRequest\x1a\x19.splitrun.SubmitPlanReply\x12<\n\tHeartbeat\x12\x1a.splitrun.HeartbeatRequest\x1a\x13.splitrun.JobStatus\x12=\n\rReportFailure\x12\x17.splitrun.FailureReport\x1a\x13.splitrun.JobStatus\x12?\n\x0eReportFinished\x12\x18.splitrun.FinishedReport\x1a\x13.splitrun.JobStatus\x12\x37\n\nReportDone\x12\x14.splitrun.DoneReport\x1a\x13.splitrun.DoneReply\x12\x35\n\x05KvPut\x12\x16.splitrun.KvPutRequest\x1a\x14.splitrun.KvPutReply\x12\x35\n\x05KvGet\x12\x16.splitrun.KvGetRequest\x1a\x14.splitrun.KvGetReply\x12;\n\x07\x42\x61rrier\x12\x18.splitrun.BarrierRequest\x1a\x16.splitrun.BarrierReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -61,30 +61,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOBSTATUS']._serialized_end=1006
   _globals['_JOBSTATUS_STATE']._serialized_start=960
   _globals['_JOBSTATUS_STATE']._serialized_end=1006
-  _globals['_HEARTBEATREQUEST']._serialized_start=1008
-  _globals['_HEARTBEATREQUEST']._serialized_end=1094
-  _globals['_FAILUREREPORT']._serialized_start=1096
-  _globals['_FAILUREREPORT']._serialized_end=1143
-  _globals['_FINISHEDREPORT']._serialized_start=1145
-  _globals['_FINISHEDREPORT']._serialized_end=1195
-  _globals['_DONEREPORT']._serialized_start=1197
-  _globals['_DONEREPORT']._serialized_end=1224
-  _globals['_DONEREPLY']._serialized_start=1226
-  _globals['_DONEREPLY']._serialized_end=1237
-  _globals['_KVPUTREQUEST']._serialized_start=1239
-  _globals['_KVPUTREQUEST']._serialized_end=1281
-  _globals['_KVPUTREPLY']._serialized_start=1283
-  _globals['_KVPUTREPLY']._serialized_end=1295
-  _globals['_KVGETREQUEST']._serialized_start=1297
-  _globals['_KVGETREQUEST']._serialized_end=1343
-  _globals['_KVGETREPLY']._serialized_start=1345
-  _globals['_KVGETREPLY']._serialized_end=1372
-  _globals['_BARRIERREQUEST']._serialized_start=1374
-  _globals['_BARRIERREQUEST']._serialized_end=1438
-  _globals['_BARRIERREPLY']._serialized_start=1440
-  _globals['_BARRIERREPLY']._serialized_end=1454
-  _globals['_TENSORSERVICE']._serialized_start=1457
-  _globals['_TENSORSERVICE']._serialized_end=1636
-  _globals['_SCHEDULER']._serialized_start=1639
-  _globals['_SCHEDULER']._serialized_end=2270
+  _globals['_HEARTBEATREQUEST']._serialized_start=1009
+  _globals['_HEARTBEATREQUEST']._serialized_end=1166
+  _globals['_FAILUREREPORT']._serialized_start=1168
+  _globals['_FAILUREREPORT']._serialized_end=1234
+  _globals['_FINISHEDREPORT']._serialized_start=1236
+  _globals['_FINISHEDREPORT']._serialized_end=1286
+  _globals['_DONEREPORT']._serialized_start=1288
+  _globals['_DONEREPORT']._serialized_end=1315
+  _globals['_DONEREPLY']._serialized_start=1317
+  _globals['_DONEREPLY']._serialized_end=1328
+  _globals['_KVPUTREQUEST']._serialized_start=1330
+  _globals['_KVPUTREQUEST']._serialized_end=1372
+  _globals['_KVPUTREPLY']._serialized_start=1374
+  _globals['_KVPUTREPLY']._serialized_end=1386
+  _globals['_KVGETREQUEST']._serialized_start=1388
+  _globals['_KVGETREQUEST']._serialized_end=1434
+  _globals['_KVGETREPLY']._serialized_start=1436
+  _globals['_KVGETREPLY']._serialized_end=1463
+  _globals['_BARRIERREQUEST']._serialized_start=1465
+  _globals['_BARRIERREQUEST']._serialized_end=1529
+  _globals['_BARRIERREPLY']._serialized_start=1531
+  _globals['_BARRIERREPLY']._serialized_end=1545
+  _globals['_TENSORSERVICE']._serialized_start=1548
+  _globals['_TENSORSERVICE']._serialized_end=1727
+  _globals['_SCHEDULER']._serialized_start=1730
+  _globals['_SCHEDULER']._serialized_end=2361
 # @@protoc_insertion_point(module_scope)

@@ -146,24 +146,32 @@ class JobStatus(_message.Message):
     def __init__(self, state: _Optional[_Union[JobStatus.State, str]] = ..., reason: _Optional[str] = ..., failed_label: _Optional[str] = ..., num_steps: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("label", "step", "waiting_on", "waiting_s")
+    __slots__ = ("label", "step", "waiting_on", "waiting_s", "rss_bytes", "peak_rss_bytes", "memory_limit_bytes")
     LABEL_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WAITING_ON_FIELD_NUMBER: _ClassVar[int]
     WAITING_S_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     label: str
     step: int
     waiting_on: str
     waiting_s: float
-    def __init__(self, label: _Optional[str] = ..., step: _Optional[int] = ..., waiting_on: _Optional[str] = ..., waiting_s: _Optional[float] = ...) -> None: ...
+    rss_bytes: int
+    peak_rss_bytes: int
+    memory_limit_bytes: int
+    def __init__(self, label: _Optional[str] = ..., step: _Optional[int] = ..., waiting_on: _Optional[str] = ..., waiting_s: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ...) -> None: ...
 
 class FailureReport(_message.Message):
-    __slots__ = ("label", "message")
+    __slots__ = ("label", "message", "dead_peer")
     LABEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DEAD_PEER_FIELD_NUMBER: _ClassVar[int]
     label: str
     message: str
-    def __init__(self, label: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    dead_peer: str
+    def __init__(self, label: _Optional[str] = ..., message: _Optional[str] = ..., dead_peer: _Optional[str] = ...) -> None: ...
 
 class FinishedReport(_message.Message):
     __slots__ = ("label", "num_steps")

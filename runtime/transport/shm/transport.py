@@ -172,7 +172,7 @@ class _IncomingRing:
                              peer.describe(), exc)
             elif not owner.is_closing:
                 owner.fail(PeerDied(f"{owner.tag} {peer.describe()} died (its end of the "
-                                    f"shared-memory ring is gone): {exc}"))
+                                    f"shared-memory ring is gone): {exc}", peer=peer))
         except RingError as exc:
             if not owner.is_closing:
                 owner.fail(TransportError(f"{owner.tag} {peer.describe()} broke the "
@@ -434,9 +434,9 @@ class ShmTransport:
     def _send_failed(self, key: MessageKey, dst: Label, exc: RingError) -> TransportError:
         """A ring's failure in a send: the endpoint fails with it, named (a
         `PeerDied` where the peer dropped its end)."""
-        kind = PeerDied if isinstance(exc, RingPeerGone) else TransportError
-        error = kind(f"{self.tag} sending {key} to {dst.describe()} over shared memory "
-                     f"failed: {exc}")
+        message = f"{self.tag} sending {key} to {dst.describe()} over shared memory failed: {exc}"
+        error = (PeerDied(message, peer=dst) if isinstance(exc, RingPeerGone)
+                 else TransportError(message))
         self.endpoint.fail(error)
         return error
 
