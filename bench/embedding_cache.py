@@ -176,7 +176,7 @@ def simulate(policy: EvictionPolicy, ids: torch.Tensor, capacity: int, num_rows:
     for step in range(window.stop):
         batch = ids[step]
         if step in window:
-            lookup_hits += int((cache.slot_of_id[batch] >= 0).sum())
+            lookup_hits += int((cache.slots_or_missing(batch) >= 0).sum())
         plan = cache.plan(batch, step, write_back=True, max_staleness=0)
         if step in window:
             unique_total += plan.num_unique

@@ -10,6 +10,11 @@ kernel backs memory with huge pages only on request (THP `madvise`, the
 common default), a large buffer asks for them before its pages are first
 touched; elsewhere (other systems, other devices, small buffers) the buffer
 is an ordinary one. Only where memory lies changes, never a value.
+
+The reverse for maps indexed by id (`small_page_zeros`): ids land far apart,
+so each first touch would back a whole 2 MiB page (512x a 4 KiB one); numpy
+asks huge pages for its own large arrays, so those maps are anonymous
+mappings of their own that ask for none.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ import ctypes
 import mmap
 import sys
 
+import numpy as np
 import torch
 
-__all__ = ["empty_rows", "zeros_rows"]
+__all__ = ["empty_rows", "small_page_zeros", "zeros_rows"]
 
 _HUGE_PAGE = 1 << 21
 # Smaller buffers gain little (a few pages) and could waste most of a page.
@@ -64,3 +70,15 @@ def empty_rows(shape, dtype: torch.dtype, device: torch.device | str = "cpu") ->
 def zeros_rows(shape, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """`torch.zeros`, on huge pages where it is large and they can be had."""
     return empty_rows(shape, dtype, device).zero_()
+
+
+def small_page_zeros(size: int, dtype) -> np.ndarray:
+    """`np.zeros(size, dtype)` backed by 4 KiB pages as they are first
+    written (an anonymous mapping: the kernel's zero page until then)."""
+    dtype = np.dtype(dtype)
+    nbytes = max(size * dtype.itemsize, 1)
+    mapping = mmap.mmap(-1, nbytes)
+    array = np.frombuffer(mapping, dtype=dtype, count=size)  # keeps `mapping` alive
+    if _MADVISE is not None and hasattr(mmap, "MADV_NOHUGEPAGE"):
+        mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    return array

@@ -4,8 +4,10 @@ eviction policy. It only decides and stores; `client.py` talks to
 the servers.
 
 All bookkeeping is vectorized over a batch's lookups, which it never sorts:
-`slot_of_id` is a dense int64 map over the table (8 bytes a row) that gives
-each lookup its slot, only the misses are made distinct, and eviction picks
+a dense map over the table gives each lookup its slot (slot + 1 per id, 0 for
+none, int32: 4 bytes a row, `small_page_zeros`, so backed 4 KiB page by page
+as ids are first seen, not at start: a worker's map of a table of any size costs the
+pages its ids touch), only the misses are made distinct, and eviction picks
 the candidate slots with the smallest policy keys (LRU: last use, read off
 an order kept step by step, `use_order.py`; LFU: lookups, then last use).
 The maps live in CPU tensors (the client and the tests read them) and a plan
@@ -26,7 +28,7 @@ import torch
 from splitrun.splitter.ops.cache import CachedTable, EvictionPolicy
 
 from ...errors import CacheError
-from .huge_pages import zeros_rows
+from .huge_pages import small_page_zeros, zeros_rows
 from .row_copy import RowArray, copy_rows_
 from .step_ids import StepIds
 from .use_order import UseOrder
@@ -176,7 +178,8 @@ class RowCache:
         self.state = {name: zeros_rows(shape, table.dtype, self.device)
                       for name in table.state_names}
         self._keep_row_arrays()
-        self.slot_of_id = torch.full((table.num_rows,), -1, dtype=torch.int64)
+        self._slot_plus_one = small_page_zeros(
+            table.num_rows, np.int32 if self.capacity < (1 << 31) - 1 else np.int64)
         self.id_of_slot = torch.full((self.capacity,), -1, dtype=torch.int64)
         self.last_used = torch.full((self.capacity,), -1, dtype=torch.int64)
         # Slots fill in order and are never freed (a victim's slot is reused
@@ -188,7 +191,8 @@ class RowCache:
         self.dirty = torch.zeros(self.capacity, dtype=torch.bool)
         # LFU counts every id's lookups over the whole run, cached or not, so a
         # row's history survives its eviction.
-        self.frequency = (torch.zeros(table.num_rows, dtype=torch.int64)
+        # Backed page by page, as the slot map is.
+        self.frequency = (torch.from_numpy(small_page_zeros(table.num_rows, np.int64))
                           if self.policy is EvictionPolicy.LFU else None)
         self.counters = TableCounters()
         # A scratch bitmap over the slots (all False between plans).
@@ -221,7 +225,7 @@ class RowCache:
         if self.capacity != self.table.num_rows:
             raise CacheError(f"table {self.table.key!r}: a cache of {self.capacity} rows "
                              f"cannot hold all {self.table.num_rows}")
-        self.slot_of_id = torch.arange(self.capacity)
+        self._slot_plus_one = np.arange(1, self.capacity + 1, dtype=self._slot_plus_one.dtype)
         self.id_of_slot = torch.arange(self.capacity)
         self.filled = self.capacity
 
@@ -261,10 +265,10 @@ class RowCache:
         flat = ids.ids if step_ids is not None else ids.reshape(-1).to("cpu", torch.int64)
         self.check_ids(flat)
         # Numpy views of the maps: the same memory (see the module's doc).
-        slot_of_id, id_of_slot = self.slot_of_id.numpy(), self.id_of_slot.numpy()
+        slot_plus_one, id_of_slot = self._slot_plus_one, self.id_of_slot.numpy()
         last_used, marks = self.last_used.numpy(), self._slot_marks.numpy()
         lookups = flat.numpy()
-        slots = slot_of_id.take(lookups)
+        slots = np.subtract(slot_plus_one.take(lookups), 1, dtype=np.int64)
         cached = slots >= 0
         hit_slots = slots.compress(cached)
         marks[hit_slots] = True  # the hits' slots: counted, and pinned below
@@ -273,7 +277,7 @@ class RowCache:
             # gradient sums per unique id with the same unique.
             step_ids = step_ids if step_ids is not None else StepIds.of(flat)
             unique = step_ids.unique.numpy()
-            miss_ids = unique.compress(slot_of_id.take(unique) < 0)
+            miss_ids = unique.compress(slot_plus_one.take(unique) == 0)
             num_unique = unique.size
         else:
             miss_ids = _distinct(lookups.compress(~cached))
@@ -299,13 +303,13 @@ class RowCache:
         evicted_dirty = dirty.take(evicted)
         dirty_slots = evicted.compress(evicted_dirty)
         dirty_ids = evicted_ids.compress(evicted_dirty)
-        slot_of_id[evicted_ids] = -1
+        slot_plus_one[evicted_ids] = 0
         id_of_slot[new_slots] = miss_ids
-        slot_of_id[miss_ids] = new_slots
+        slot_plus_one[miss_ids] = new_slots + 1
         dirty[new_slots] = False
         if miss_ids.size:  # the missed lookups' new slots (the hits' did not move)
             missed = np.flatnonzero(~cached)
-            slots[missed] = slot_of_id.take(lookups.take(missed))
+            slots[missed] = slot_plus_one.take(lookups.take(missed)) - 1
         # Every slot the batch uses, once each, in slot order: its hits' and
         # its new ones (a few thousand writes instead of one per lookup).
         marks[new_slots] = True
@@ -321,7 +325,7 @@ class RowCache:
             pull_ids = unique  # no reuse
         elif stale_ids.size:
             pull_ids = _distinct(np.concatenate([miss_ids, stale_ids]))
-        pull_slots = slot_of_id.take(pull_ids)
+        pull_slots = np.subtract(slot_plus_one.take(pull_ids), 1, dtype=np.int64)
         tensor = torch.from_numpy
         return BatchPlan(flat, tensor(slots), num_unique, tensor(pull_ids), tensor(pull_slots),
                          tensor(dirty_ids), tensor(dirty_slots), evicted.size, tensor(used),
@@ -331,7 +335,7 @@ class RowCache:
         """The distinct ids of `ids` (flat, int64) not cached now, sorted."""
         self.check_ids(ids)
         lookups = ids.numpy()
-        missing = self.slot_of_id.numpy().take(lookups) < 0
+        missing = self._slot_plus_one.take(lookups) == 0
         return torch.from_numpy(_distinct(lookups.compress(missing)))
 
     def _room(self, needed: int, pinned: np.ndarray, step: int
@@ -423,11 +427,22 @@ class RowCache:
         return self.rows.index_select(0, slots).reshape(*shape, self.table.dim)
 
     def slots_of(self, ids: torch.Tensor) -> torch.Tensor:
-        slots = self.slot_of_id.index_select(0, ids.reshape(-1).to("cpu", torch.int64))
+        slots = self.slots_or_missing(ids)
         if bool((slots < 0).any()):
             raise CacheError(f"table {self.table.key!r}: a gradient for rows that are not "
                                 f"cached (the lookup and the update disagree)")
         return slots
+
+    @property
+    def slot_of_id(self) -> torch.Tensor:
+        """Every id's slot, -1 for none: a whole int64 copy of the map, for
+        tests and debugging (it touches every page of it)."""
+        return torch.from_numpy(np.subtract(self._slot_plus_one, 1, dtype=np.int64))
+
+    def slots_or_missing(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slot of each of `ids` (int64, CPU, flat), -1 where not cached."""
+        taken = self._slot_plus_one.take(ids.reshape(-1).to("cpu", torch.int64).numpy())
+        return torch.from_numpy(np.subtract(taken, 1, dtype=np.int64))
 
     def mark_dirty(self, slots: torch.Tensor) -> None:
         """The rows in `slots` (CPU) were updated here: written back when they leave."""
@@ -441,6 +456,6 @@ class RowCache:
 
     def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mask of cached ids, their rows) for ids that may or may not be cached."""
-        slots = self.slot_of_id[ids]
+        slots = self.slots_or_missing(ids).reshape(ids.shape)
         mask = slots >= 0
         return mask, self.rows[slots[mask].to(self.device)]

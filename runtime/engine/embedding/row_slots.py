@@ -9,14 +9,17 @@ operating system backs its pages only once they are touched, so a server's
 memory grows with the rows used (page by page), not with the rows declared.
 
 The map holds slot + 1 per local row (0: no slot yet) in an int32 array made
-by `np.zeros` (itself backed lazily); a request's rows cost one gather and
-one check on top of the hashing (`find`). Used by `EmbeddingStore`; a store
-of unbounded ids can keep its own map and reuse `fill_new`'s contract.
+by `small_page_zeros` (backed 4 KiB page by page as rows are first named); a
+request's rows cost one gather and one check on top of the hashing (`find`).
+Used by `EmbeddingStore`; a store of unbounded ids can keep its own map and
+reuse `fill_new`'s contract.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from .huge_pages import small_page_zeros
 
 __all__ = ["RowSlots"]
 
@@ -32,7 +35,7 @@ class RowSlots:
             self._slot_plus_one = np.arange(1, size + 1, dtype=dtype)
             self.used = size
         else:
-            self._slot_plus_one = np.zeros(size, dtype=dtype)
+            self._slot_plus_one = small_page_zeros(size, dtype)
             self.used = 0
 
     def find(self, local: np.ndarray, offset: int = 0) -> tuple[np.ndarray, np.ndarray | None]:

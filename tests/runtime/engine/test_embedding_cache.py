@@ -146,6 +146,28 @@ def test_lazy_rows_get_memory_only_when_first_named():
     assert torch.equal(store._local_order(shard), expected)
 
 
+def _rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.parametrize("policy", [EvictionPolicy.LRU, EvictionPolicy.LFU])
+def test_a_workers_cache_of_a_huge_table_costs_the_pages_its_ids_touch(policy):
+    """Its id -> slot map (and LFU's counts) are backed page by page as ids are
+    first seen: 500 M declared rows cost nothing at start, and a step's ids
+    the pages they fall in."""
+    rows = 500_000_000
+    before = _rss_mb()
+    cache = RowCache(CachedTable("emb.weight", rows, 2, torch.float32,
+                                 CacheSettings(1000, policy), "sgd", {}, (), "batch.0"))
+    assert _rss_mb() - before < 50, "the map was written whole at start"
+    ids = torch.arange(0, rows, rows // 200, dtype=torch.int64)  # 200 ids, 200 pages apart
+    plan = cache.plan(ids, 0, write_back=True, max_staleness=0)
+    assert plan.num_unique == 200 and torch.equal(cache.slots_or_missing(ids), plan.lookup_slots)
+    assert _rss_mb() - before < 50
+    assert torch.equal(cache.slots_or_missing(torch.tensor([1, ids[3]])), torch.tensor([-1, 3]))
+
+
 @pytest.mark.parametrize("ids, says", [
     (torch.tensor([1, -2]), r"\[server 0\] table emb.weight: id -2 is outside its rows "
                             r"\[0, 20\)"),
