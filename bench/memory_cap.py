@@ -153,7 +153,7 @@ def _memory_hierarchy() -> tuple[int, pathlib.Path]:
 
 # -- the two jobs --------------------------------------------------------------------
 
-class _LocalHost:
+class LocalHost:
     address = "127.0.0.1"
 
     def __init__(self, cgroup: MemoryCgroup | None = None) -> None:
@@ -173,7 +173,7 @@ def run_splitrun(args, workdir: pathlib.Path, cap_bytes: int, final_state: str) 
         MemoryCgroup(f"splitrun-memcap-{os.getpid()}-server{rank}-{final_state}",
                      args.server_cap_mb * 2**20) for rank in range(args.servers)]
     try:
-        hosts = SimpleNamespace(a=_LocalHost(), b=_LocalHost(cgroup))
+        hosts = SimpleNamespace(a=LocalHost(), b=LocalHost(cgroup))
         run_dir = workdir / f"splitrun-{final_state}"
         run_dir.mkdir()
         command = [str(HERE.parent / "embedding_cache.py"), "--job", "--final-state",
@@ -183,7 +183,7 @@ def run_splitrun(args, workdir: pathlib.Path, cap_bytes: int, final_state: str) 
             logs = run_joined_job(hosts, run_dir, workers=1, servers=args.servers,
                                   job_command=command, what="splitrun under the caps",
                                   timeout_s=RUN_TIMEOUT_S,
-                                  server_hosts=[_LocalHost(c) for c in server_cgroups] or None)
+                                  server_hosts=[LocalHost(c) for c in server_cgroups] or None)
             bench = _prefixed_line(logs[args.servers].read_text(errors="replace"),
                                    BENCH_PREFIX)
             stamps = bench["stamps"]

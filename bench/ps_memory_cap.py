@@ -139,20 +139,9 @@ def _memory_lines(text: str) -> list[dict]:
             if MEMORY_PREFIX in line]
 
 
-class _LocalHost:
-    address = "127.0.0.1"
-
-    def __init__(self, cgroup=None) -> None:
-        self.cgroup = cgroup
-
-    def popen(self, command, **kwargs):
-        return subprocess.Popen(command if self.cgroup is None else self.cgroup.wrap(command),
-                                **kwargs)
-
-
 def run_splitrun(args, workdir: pathlib.Path, cap_bytes: int) -> dict:
     from joined_job import run_joined_job
-    from memory_cap import MemoryCgroup
+    from memory_cap import LocalHost, MemoryCgroup
 
     cgroups = [MemoryCgroup(f"splitrun-psmemcap-{os.getpid()}-server{rank}", cap_bytes)
                for rank in range(SERVERS)]
@@ -162,11 +151,11 @@ def run_splitrun(args, workdir: pathlib.Path, cap_bytes: int) -> dict:
                    str(args.width), "--steps", str(args.steps), "--save-to",
                    str(workdir / "final")]
         try:
-            logs = run_joined_job(SimpleNamespace(a=_LocalHost(), b=_LocalHost()), workdir,
+            logs = run_joined_job(SimpleNamespace(a=LocalHost(), b=LocalHost()), workdir,
                                   workers=1, servers=SERVERS, job_command=command,
                                   what="splitrun's servers under the caps",
                                   timeout_s=RUN_TIMEOUT_S,
-                                  server_hosts=[_LocalHost(c) for c in cgroups])
+                                  server_hosts=[LocalHost(c) for c in cgroups])
             lines = [line for log in logs for line in _memory_lines(log.read_text())]
             result = {"finished": True, "processes": lines,
                       "checkpoint_files": sorted(p.name for p in (workdir / "final").glob("*"))}

@@ -124,34 +124,36 @@ def _median(values) -> float:
     return round(statistics.median(values), 2)
 
 
+def _against_one_process(runs: list[dict], single: list[float], rate: str,
+                         half_batch_ms: float, goal: str) -> dict:
+    """Split runs (2 workers + 1 server) against one process, medians."""
+    split = statistics.median(r[rate] for r in runs)
+    return {f"split_2w_1s_{rate}": round(split, 2),
+            f"one_process_{rate}": _median(single),
+            "split_vs_one_process": round(split / statistics.median(single), 3),
+            "busy_ms_per_step": [r["busy_ms_per_step"] for r in runs],
+            "worker_half_batch_eager_1_thread_ms": half_batch_ms, "goal": goal}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--epochs", type=int, default=20, help="the main job's epochs (its own default)")
+    parser.add_argument("--epochs", type=int, default=20,
+                        help="the main job's epochs (its own default)")
     args = parser.parse_args()
     started = time.perf_counter()
     report: dict = {"benchmark": "step_overhead", "repeats": args.repeats,
                     "threads_of_this_process": torch.get_num_threads()}
 
-    runs = [gpu.main_job("cpu", args.epochs) for _ in range(args.repeats)]
-    single = [gpu.one_process("cpu", args.epochs) for _ in range(args.repeats)]
-    split = _median(r["samples_s"] for r in runs)
-    report["main_job"] = {
-        "split_2w_1s_samples_s": split, "one_process_samples_s": _median(single),
-        "split_vs_one_process": round(split / statistics.median(single), 3),
-        "busy_ms_per_step": [r["busy_ms_per_step"] for r in runs],
-        "worker_half_batch_eager_1_thread_ms": main_job_half_batch_ms(),
-        "goal": "split >= 0.7x one process; a worker's busy ms <= 1.3x the eager half batch"}
-
-    runs = [gpu.ps_bench_model("cpu", PS_STEPS) for _ in range(args.repeats)]
-    single = [ps_model_one_process() for _ in range(args.repeats)]
-    split = _median(r["steps_s"] for r in runs)
-    report["ps_bench_model"] = {
-        "split_2w_1s_steps_s": split, "one_process_steps_s": _median(single),
-        "split_vs_one_process": round(split / statistics.median(single), 3),
-        "busy_ms_per_step": [r["busy_ms_per_step"] for r in runs],
-        "worker_half_batch_eager_1_thread_ms": ps_model_half_batch_ms(),
-        "goal": "split >= 0.7x one process with 2 threads"}
+    report["main_job"] = _against_one_process(
+        [gpu.main_job("cpu", args.epochs) for _ in range(args.repeats)],
+        [gpu.one_process("cpu", args.epochs) for _ in range(args.repeats)], "samples_s",
+        main_job_half_batch_ms(),
+        "split >= 0.7x one process; a worker's busy ms <= 1.3x the eager half batch")
+    report["ps_bench_model"] = _against_one_process(
+        [gpu.ps_bench_model("cpu", PS_STEPS) for _ in range(args.repeats)],
+        [ps_model_one_process() for _ in range(args.repeats)], "steps_s",
+        ps_model_half_batch_ms(), "split >= 0.7x one process with 2 threads")
 
     runs = [pipeline_example() for _ in range(args.repeats)]
     split = _median(r["split_steps_s"] for r in runs)
