@@ -23,6 +23,7 @@ __all__ = [
     "ClusterError",
     "CacheError",
     "CheckpointError",
+    "MemoryCapError",
     "JobFinished",
 ]
 
@@ -93,6 +94,11 @@ class ClusterError(SplitrunError):
 class CacheError(SplitrunError):
     """An embedding table or cache that cannot be served as asked (too many
     rows, an id outside its table, a cache too small for one batch)."""
+
+
+class MemoryCapError(SplitrunError):
+    """State a process is about to make that its memory cap (its memory
+    cgroup's limit) cannot hold: said before it is made, not an OOM kill."""
 
 
 class CheckpointError(SplitrunError):

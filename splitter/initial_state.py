@@ -92,6 +92,16 @@ class InitialState(MutableMapping):
             return entry
         return entry.source if entry.reads_values else self[key]
 
+    def nbytes(self, key: str) -> int:
+        """The bytes the entry holds once made, found without making it."""
+        entry = self._entries[key]
+        if not isinstance(entry, Deferred):
+            return entry.nbytes if isinstance(entry, torch.Tensor) else 0
+        try:
+            return entry.make(entry.source.to("meta")).nbytes
+        except (RuntimeError, NotImplementedError):  # a make that needs values: the source's
+            return entry.source.numel() * entry.source.element_size()
+
     def take(self, keys, *, free_sources: bool = False, taker: str = "a process"
              ) -> dict[str, torch.Tensor]:
         """The entries of `keys`, made. With `free_sources` (a process of its

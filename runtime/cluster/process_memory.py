@@ -7,10 +7,14 @@ failure line (`launcher/memory_watch.py`) and by every process's heartbeat
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from functools import cache
 
+from ..errors import MemoryCapError
+
 __all__ = ["cgroup_bytes", "events_file", "mib", "memory_cgroup_of", "oom_kills",
-           "own_memory", "process_memory_kb", "VMSTAT"]
+           "own_memory", "own_memory_limit", "process_memory_kb", "refuse_beyond_memory_cap",
+           "VMSTAT"]
 
 VMSTAT = "/proc/vmstat"
 # A v1 limit this large means none (the kernel's "unlimited" rounds to a page).
@@ -119,3 +123,26 @@ def own_memory() -> tuple[int, int, int]:
     limit = None if cgroup is None else cgroup_bytes(cgroup, "memory.max",
                                                      "memory.limit_in_bytes")
     return (status.get("VmRSS", 0) << 10, status.get("VmHWM", 0) << 10, limit or 0)
+
+
+def own_memory_limit() -> int | None:
+    """This process's memory cgroup's limit in bytes; None for none."""
+    cgroup = memory_cgroup_of(os.getpid())
+    return None if cgroup is None else cgroup_bytes(cgroup, "memory.max",
+                                                    "memory.limit_in_bytes")
+
+
+def refuse_beyond_memory_cap(needed: Mapping[str, int], who: str, what: str, fix: str,
+                             limit: int | None = None) -> None:
+    """Raise `MemoryCapError` when the bytes of `needed` (name -> bytes this
+    process is about to hold) alone pass its memory cap (`limit`, else its
+    memory cgroup's): it could only be OOM-killed on the way, without words."""
+    limit = own_memory_limit() if limit is None else limit
+    total = sum(needed.values())
+    if not limit or total <= limit:
+        return
+    largest = sorted(needed.items(), key=lambda item: -item[1])[:3]
+    names = ", ".join(f"{name!r} {mib(size)}" for name, size in largest)
+    raise MemoryCapError(
+        f"{who} {what} need {mib(total)} ({len(needed)} tensors; the largest {names}) but its "
+        f"memory cgroup's limit is {mib(limit)}: it cannot hold them; {fix}")

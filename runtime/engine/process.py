@@ -17,6 +17,7 @@ from splitrun.splitter.initial_state import InitialState
 from splitrun.splitter.labels import Label
 from splitrun.splitter.splitting.graph_splitter import SplitProgram
 
+from ..cluster.process_memory import refuse_beyond_memory_cap
 from ..cluster.rendezvous import Rendezvous
 from ..errors import RecvTimeout
 from ..transport.protocol import MessageKey, Transport
@@ -65,6 +66,11 @@ class ProcessRuntime:
         # tensors freed before the optimizer state is made.
         own = list(split.plan.process(label).state)
         if isinstance(state, InitialState):
+            refuse_beyond_memory_cap(
+                {key: state.nbytes(key) for key in own}, f"[{label.describe()}]",
+                "the parameters and optimizer state it owns", "give it more memory, or "
+                "spread the parameters over more servers (place(model, role=\"server\") "
+                "balances them by size)")
             taken = state.take(own, free_sources=free_model, taker=label.describe())
             state = state.copy()
             state.update(taken)

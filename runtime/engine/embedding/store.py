@@ -31,6 +31,7 @@ from splitrun.splitter.ops.cache import CachedTable
 from splitrun.splitter.ops.row_init import RowInit
 from splitrun.splitter.ops.sparse_updates import IN_PLACE
 
+from ...cluster.process_memory import refuse_beyond_memory_cap
 from ...errors import MessageRejected, SplitrunError
 from ...transport.protocol import MessageKey, Transport
 from .huge_pages import empty_rows
@@ -161,6 +162,16 @@ class EmbeddingStore:
         members: dict[tuple, list[CachedTable]] = {}
         for table in tables:
             members.setdefault(_group_key(table), []).append(table)
+        # A shard copied at start-up (no row initializer) is written whole, now.
+        refuse_beyond_memory_cap(
+            {table.key: RowSharding(table.num_rows, cluster.num_servers).shard_size(label.rank)
+             * table.dim * table.dtype.itemsize * (1 + len(table.state_names))
+             for table in tables if table.settings.init is None
+             or isinstance(initial.get(table.key), LocalRows)},
+            self._tag, "its shards of the cached tables (rows and their optimizer state)",
+            "give the tables a row initializer (place_embedding_cache(..., init=RowInit."
+            "normal(...)): rows get memory when first used), more memory, or more servers "
+            "(each holds 1/S of every table's rows)")
         shard_of = {}
         for group_tables in members.values():
             shardings = [RowSharding(t.num_rows, cluster.num_servers) for t in group_tables]

@@ -168,6 +168,34 @@ def test_a_workers_cache_of_a_huge_table_costs_the_pages_its_ids_touch(policy):
     assert torch.equal(cache.slots_or_missing(torch.tensor([1, ids[3]])), torch.tensor([-1, 3]))
 
 
+def test_a_shard_beyond_the_servers_memory_cap_is_refused_and_lazy_rows_are_not(monkeypatch):
+    """A shard copied at start-up is written whole: one its server's memory
+    cgroup cannot hold is refused naming the server, the table and the
+    numbers. Rows from a row initializer get memory when used: they start."""
+    from splitrun.runtime.cluster import process_memory
+    from splitrun.runtime.errors import MemoryCapError
+
+    cluster = Cluster(1, 2)
+    labels = cluster.labels()
+    plain = CachedTable("emb.weight", 1000, 4, torch.float32, CacheSettings(4), "adagrad", {},
+                        ("sum",), "batch.0")
+    initial = {plain.key: torch.zeros(1000, 4), f"{plain.key}.sum": torch.zeros(1000, 4)}
+    monkeypatch.setattr(process_memory, "own_memory_limit", lambda: 500 * 4 * 4 * 2 - 1)
+    hub = LoopbackHub(labels)
+    with pytest.raises(MemoryCapError, match=r"^\[server 0\] its shards of the cached tables "
+                       r"\(rows and their optimizer state\) need 0.0 MiB \(1 tensors; the "
+                       r"largest 'emb.weight' 0.0 MiB\) but its memory cgroup's limit is 0.0 "
+                       r"MiB: it cannot hold them; give the tables a row initializer"):
+        EmbeddingStore([plain], labels[1], cluster, hub.transport(labels[1]), 0, initial)
+    lazy = CachedTable("emb.weight", 1000, 4, torch.float32,
+                       CacheSettings(4, init=RowInit.uniform(seed=3)), "adagrad", {}, ("sum",),
+                       "batch.0")
+    meta = {lazy.key: torch.empty(1000, 4, device="meta"),
+            f"{lazy.key}.sum": torch.zeros(1000, 4)}
+    store = EmbeddingStore([lazy], labels[1], cluster, hub.transport(labels[1]), 0, meta)
+    assert store.rows_made() == {lazy.key: (0, 500)}
+
+
 @pytest.mark.parametrize("ids, says", [
     (torch.tensor([1, -2]), r"\[server 0\] table emb.weight: id -2 is outside its rows "
                             r"\[0, 20\)"),

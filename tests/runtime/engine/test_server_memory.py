@@ -3,11 +3,16 @@ parameters and optimizer state, frees the model's tensors (a process of its
 own), and puts each new value in place as the step makes it, so the old one
 is freed at its last use, not at the end of the step."""
 
+import re
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from splitrun.runtime import LoopbackHub, ProcessRuntime
+from splitrun.runtime.cluster import process_memory
+from splitrun.runtime.errors import MemoryCapError
 from splitrun.splitter import Cluster, Label, ParameterServerMode, capture, place, split_program
 
 S0, S1 = Label.server(0), Label.server(1)
@@ -44,3 +49,25 @@ def test_a_server_sharing_its_process_leaves_the_model_alone():
     hub = LoopbackHub(split.plan.labels)
     ProcessRuntime(split, S0, hub.transport(S0))
     assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+
+
+def test_state_beyond_the_memory_cap_is_refused_before_it_is_made(monkeypatch):
+    """Where a process's own state alone passes its memory cgroup's limit, it
+    says so, naming itself, the numbers and the fix, instead of being
+    OOM-killed on the way; nothing of the model is freed."""
+    model, split = ps_split()
+    own = split.plan.process(S1).state
+    owned = sum(split.program.initial_state.nbytes(key) for key in own)
+    assert owned == sum(split.program.initial_state[key].nbytes for key in own)
+    monkeypatch.setattr(process_memory, "own_memory_limit", lambda: owned - 1)
+    hub = LoopbackHub(split.plan.labels)
+    with pytest.raises(MemoryCapError) as raised:
+        ProcessRuntime(split, S1, hub.transport(S1), free_model=True)
+    assert re.fullmatch(
+        r"\[server 1\] the parameters and optimizer state it owns need [\d.]+ MiB \(\d+ "
+        r"tensors; the largest '\S+' [\d.]+ MiB, .*\) but its memory cgroup's limit is "
+        r"[\d.]+ MiB: it cannot hold them; give it more memory, or spread the parameters "
+        r"over more servers .*", str(raised.value)), str(raised.value)
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    monkeypatch.setattr(process_memory, "own_memory_limit", lambda: owned)
+    ProcessRuntime(split, S1, hub.transport(S1), free_model=True)  # exactly fits: runs
