@@ -6,7 +6,9 @@ killed. Prints JSON.
 The model: `--layers` x Linear(`--width`, `--width`) (32 x 4096 by default:
 2 048 MB of parameters, 6 146 MB with Adam's two moments), every parameter
 on a server (`place(model, role="server")`, spread by size), Adam, a
-regression loss on random batches. `splitrun scheduler`, 2 servers and 1
+regression loss on random batches, the gradients sent in buckets of
+`--gradient-bucket-mb` (64; 0: one message a step), so a server holds one
+bucket's gradients at a time. `splitrun scheduler`, 2 servers and 1
 worker through `splitrun join` (bench/joined_job.py), each server in a memory
 cgroup of its own (`--server-cap-mb`; bench/memory_cap.py's `MemoryCgroup`),
 the worker uncapped. Each process prints its peak RSS (VmHWM) after building
@@ -17,13 +19,13 @@ their parameters and moments into a sharded checkpoint at the end
 The baseline is what a user would run instead on one machine of that size:
 the same model, batch and `torch.optim.Adam` in one process, capped the same.
 
-    sudo python bench/ps_memory_cap.py [--layers 32] [--width 4096] [--server-cap-mb 5000]
+    sudo python bench/ps_memory_cap.py [--layers 32] [--width 4096] [--server-cap-mb 4400]
 
-Measured here (2 cores, 24 GiB): each server peaked at 4 786 MB and trained under
-its 5 000 MB cap (1.23x below the whole); the one process was OOM-killed. A
-server holds its share of parameters and moments, its gradients (one message),
-one layer's new values and the runtime: 2 servers hold at most ~1.5x one
-server's memory of parameters and Adam state.
+Measured here (2 cores, 24 GiB): each server peaked at 4 146-4 274 MB and
+trained under its 4 400 MB cap (the whole is 1.40x the cap); the one process
+was OOM-killed. With the gradients in one message (`--gradient-bucket-mb 0`) a
+server peaked at 4 786 MB. Beyond its share of parameters and moments a server
+holds a bucket of gradients, one layer's new values and the runtime.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ sys.path.insert(0, str(HERE.parent))
 
 LAYERS = 32
 WIDTH = 4096
-SERVER_CAP_MB = 5000
+SERVER_CAP_MB = 4400
+GRADIENT_BUCKET_MB = 64
 STEPS = 3
 BATCH = 16
 SERVERS = 2
@@ -97,8 +100,9 @@ def run_job(args) -> None:
     place(model, role="server")
     shard = BATCH // job.cluster.num_workers
     program = capture(model, loss_fn, optimizer, (x[:shard], y[:shard]))
-    trainer = job.start(program, ParameterServerMode(), num_steps=args.steps,
-                        gather_state=False)
+    bucket = None if not args.gradient_bucket_mb else args.gradient_bucket_mb << 20
+    trainer = job.start(program, ParameterServerMode(gradient_bucket_bytes=bucket),
+                        num_steps=args.steps, gather_state=False)
     started_mb = peak_rss_mb()
     owned = trainer.process.state
     owned_mb = round(sum(v.nbytes for v in owned.values()) / 2**20, 1)
@@ -149,7 +153,8 @@ def run_splitrun(args, workdir: pathlib.Path, cap_bytes: int) -> dict:
     try:
         command = [str(HERE), "--job", "--layers", str(args.layers), "--width",
                    str(args.width), "--steps", str(args.steps), "--save-to",
-                   str(workdir / "final")]
+                   str(workdir / "final"), "--gradient-bucket-mb",
+                   str(getattr(args, "gradient_bucket_mb", 0))]
         try:
             logs = run_joined_job(SimpleNamespace(a=LocalHost(), b=LocalHost()), workdir,
                                   workers=1, servers=SERVERS, job_command=command,
@@ -191,6 +196,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--server-cap-mb", type=int, default=SERVER_CAP_MB,
                         help="each server's memory cap, and the baseline's (MiB)")
+    parser.add_argument("--gradient-bucket-mb", type=int, default=GRADIENT_BUCKET_MB,
+                        help="send the gradients in buckets of this many MiB (0: one "
+                             "message): a server then holds one bucket's gradients at a time")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--one-process", action="store_true", help=argparse.SUPPRESS)
@@ -206,6 +214,7 @@ def main() -> None:
     cap = args.server_cap_mb * 2**20
     report = {"benchmark": "ps_memory_cap", "layers": args.layers, "width": args.width,
               "batch": BATCH, "steps": args.steps, "servers": SERVERS,
+              "gradient_bucket_mb": args.gradient_bucket_mb,
               "parameters_mb": round(params_mb, 1),
               "parameters_and_adam_mb": round(3 * params_mb, 1),
               "server_cap_mb": args.server_cap_mb,
