@@ -154,7 +154,7 @@ def run_splitrun(args, workdir: pathlib.Path, cap_bytes: int) -> dict:
         command = [str(HERE), "--job", "--layers", str(args.layers), "--width",
                    str(args.width), "--steps", str(args.steps), "--save-to",
                    str(workdir / "final"), "--gradient-bucket-mb",
-                   str(getattr(args, "gradient_bucket_mb", 0))]
+                   str(args.gradient_bucket_mb)]
         try:
             logs = run_joined_job(SimpleNamespace(a=LocalHost(), b=LocalHost()), workdir,
                                   workers=1, servers=SERVERS, job_command=command,

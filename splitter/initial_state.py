@@ -43,15 +43,17 @@ class InitialState(MutableMapping):
 
     def __init__(self, entries: Mapping[str, torch.Tensor | Deferred] | None = None) -> None:
         self._entries: dict[str, torch.Tensor | Deferred] = dict(entries or {})
-        self._freed_by: str | None = None
+        # Who freed the model's tensors, shared by every copy and subset (the
+        # tensors are gone for all of them).
+        self._freed_by: list[str] = []
 
     def __getitem__(self, key: str) -> torch.Tensor:
         entry = self._entries[key]
         if not isinstance(entry, Deferred):
             return entry
-        if entry.reads_values and self._freed_by is not None:
+        if entry.reads_values and self._freed_by:
             raise SplitrunError(
-                f"initial state {key!r} is gone: {self._freed_by} freed the model's tensors "
+                f"initial state {key!r} is gone: {self._freed_by[0]} freed the model's tensors "
                 f"once it held its own state; read the trained state from "
                 f"`trainer.finish()` on worker 0 instead")
         return entry.make(entry.source)
@@ -74,9 +76,7 @@ class InitialState(MutableMapping):
 
     def copy(self) -> InitialState:
         """Another mapping over the same entries (nothing made)."""
-        other = InitialState(self._entries)
-        other._freed_by = self._freed_by
-        return other
+        return self.subset(self._entries)
 
     def subset(self, keys) -> InitialState:
         """The entries of `keys` (nothing made)."""
@@ -117,7 +117,7 @@ class InitialState(MutableMapping):
         if free_sources:
             free_storages(entry.source for entry in self._entries.values()
                           if isinstance(entry, Deferred))
-            self._freed_by = taker
+            self._freed_by.append(taker)
         taken.update({key: self[key] for key in keys if key not in taken})
         return {key: taken[key] for key in keys}
 

@@ -119,10 +119,8 @@ def own_memory() -> tuple[int, int, int]:
     """This process's (RSS, peak RSS, its memory cgroup's limit), in bytes; 0
     for what cannot be read, and a limit of 0 for none."""
     status = process_memory_kb(os.getpid())
-    cgroup = memory_cgroup_of(os.getpid())
-    limit = None if cgroup is None else cgroup_bytes(cgroup, "memory.max",
-                                                     "memory.limit_in_bytes")
-    return (status.get("VmRSS", 0) << 10, status.get("VmHWM", 0) << 10, limit or 0)
+    return (status.get("VmRSS", 0) << 10, status.get("VmHWM", 0) << 10,
+            own_memory_limit() or 0)
 
 
 def own_memory_limit() -> int | None:

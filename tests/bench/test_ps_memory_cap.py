@@ -16,7 +16,7 @@ MIB = 1 << 20
 
 
 def run(tmp_path, layers: int, width: int, cap_mb: int) -> dict:
-    args = argparse.Namespace(layers=layers, width=width, steps=2)
+    args = argparse.Namespace(layers=layers, width=width, steps=2, gradient_bucket_mb=0)
     return ps_memory_cap.run_splitrun(args, tmp_path, cap_mb * MIB)
 
 
