@@ -160,10 +160,14 @@ class ProcessRuntime:
 
     @property
     def cache_counters(self) -> dict[str, dict]:
-        """Per cached table: lookups, unique ids, hits, misses, evictions and
-        bytes pulled and pushed (totals and the last step's); empty without a cache."""
-        client = self._cache.client
-        return {} if client is None else client.counters
+        """A worker, per cached table: lookups, unique ids, hits, misses,
+        evictions and bytes pulled and pushed (totals and the last step's); a
+        server, per dynamic table: its rows' counters (`DynamicCounters`);
+        empty elsewhere."""
+        client, store = self._cache.client, self._cache.store
+        if client is not None:
+            return client.counters
+        return {} if store is None else store.dynamic_counters()
 
     @property
     def cache_waits(self) -> dict[str, float]:

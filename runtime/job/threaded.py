@@ -50,7 +50,8 @@ class ThreadedRun:
     history: list[dict[str, torch.Tensor]]  # per step: outputs of all processes
     state: dict[str, torch.Tensor]          # final state, whole (gathered by worker 0)
     stats: dict[Label, ExecutorStats]
-    cache_counters: dict[Label, dict] = field(default_factory=dict)  # per worker, per table
+    # Per worker, per cached table; per server, per dynamic table.
+    cache_counters: dict[Label, dict] = field(default_factory=dict)
     # Per process: the state it holds at the end, as it holds it (parallel
     # mode: its members' pieces, keyed `key@wN`).
     held: dict[Label, dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -100,7 +101,7 @@ def run_threaded(split: SplitProgram, num_steps: int,
     final_state = _run_threads(trainers, membership, batches_of,
                                join_timeout_s=num_steps * recv_timeout_s + _JOIN_GRACE_S)
     counters = {label: trainer.cache_counters for label, trainer in trainers.items()
-                if trainer.process.has_cache}
+                if trainer.process.has_cache or trainer.cache_counters}
     return ThreadedRun(history, final_state,
                        {label: trainer.stats for label, trainer in trainers.items()}, counters,
                        {label: trainer.process.state for label, trainer in trainers.items()})

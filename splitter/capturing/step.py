@@ -343,8 +343,9 @@ def _trace_joint(model, loss_fn, trainable, params, frozen, batch) -> fx.GraphMo
         return (loss,)
 
     # Tracing reads no value. The parameters' stand-ins are left unwritten
-    # (their pages never touched): a model larger than memory costs none.
-    args = [torch.empty_like(params[n]).requires_grad_(True) for n in trainable]
+    # (their pages never touched): a model larger than memory costs none. A
+    # table on `meta` (its rows made by the servers) is traced on the CPU.
+    args = [_stand_in(params[n]).requires_grad_(True) for n in trainable]
     args += [t.detach() for t in frozen.values()]
     args += [b.detach() for b in batch]
     try:
@@ -355,6 +356,12 @@ def _trace_joint(model, loss_fn, trainable, params, frozen, batch) -> fx.GraphMo
     except Exception as exc:
         where = failure_site.get("where", f"module {type(model).__name__!r}")
         raise _capture_error(exc, where) from exc
+
+
+def _stand_in(param: torch.Tensor) -> torch.Tensor:
+    """An unwritten tensor like `param`, on the CPU where `param` is on `meta`."""
+    device = torch.device("cpu") if param.device.type == "meta" else param.device
+    return torch.empty(tuple(param.shape), dtype=param.dtype, device=device)
 
 
 def _capture_error(exc: Exception, where: str) -> CaptureError:
@@ -666,5 +673,6 @@ def _propagate_fake_values(gm: fx.GraphModule, example_inputs: list[torch.Tensor
     """Give every node a `meta["val"]` (shape and dtype), which the splitter
     uses for byte counts and the runtime for envelopes."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake_inputs = [mode.from_tensor(t) for t in example_inputs]
+    fake_inputs = [mode.from_tensor(_stand_in(t) if t.device.type == "meta" else t)
+                   for t in example_inputs]
     _StepValues(gm, mode).propagate_dont_convert_inputs(*fake_inputs)

@@ -51,8 +51,10 @@ class CacheSettings:
 
     def write_back(self, num_workers: int) -> bool:
         """One worker caching rows owns them while cached: updates stay in the
-        cache until the row goes back. Otherwise gradients go to the servers."""
-        return num_workers == 1 and self.policy is not EvictionPolicy.NONE
+        cache until the row goes back. Otherwise gradients go to the servers
+        (always for a dynamic table: its servers own admission and expiry)."""
+        return (num_workers == 1 and self.policy is not EvictionPolicy.NONE
+                and self.dynamic is None)
 
     def __post_init__(self) -> None:
         if self.cache_rows < 1:

@@ -62,15 +62,18 @@ from splitrun.splitter.ops.cache import (
 )
 from splitrun.splitter.ops.sparse_updates import IN_PLACE
 
+from ...errors import CacheError
 from ...transport.dtypes import nbytes_of
 from ...transport.protocol import Transport
 from .fused_bags import FusedBags
+from .id_sharding import IdSharding
 from .plans_ahead import PlansAhead
 from .protocol import Gather, Op, nbytes_of_items
 from .row_cache import BatchPlan, RowCache
 from .server_exchange import Parts, ServerExchange
 from .sharding import RowSharding
 from .step_ids import StepIds
+from .step_rows import StepRows
 
 __all__ = ["EmbeddingClient"]
 
@@ -91,10 +94,13 @@ class EmbeddingClient:
         self.transport = transport
         self.incarnation = incarnation
         self.timeout_s = timeout_s
-        self.caches = {t.key: RowCache(t, device) for t in tables}
+        # A dynamic table's rows are the step's own, pulled every step (step_rows.py).
+        self.caches = {t.key: StepRows(t, device) if t.settings.dynamic is not None
+                       else RowCache(t, device) for t in tables}
         self.write_back = {t.key: t.settings.write_back(cluster.num_workers) for t in tables}
         self.index = {t.key: i for i, t in enumerate(tables)}
-        self.sharding = {t.key: RowSharding(t.num_rows, cluster.num_servers) for t in tables}
+        self.sharding = {t.key: IdSharding(cluster.num_servers) if t.settings.dynamic is not None
+                         else RowSharding(t.num_rows, cluster.num_servers) for t in tables}
         self.fused = {group: FusedBags([self.caches[key] for key in group])
                       for group in fused_groups}
         # A table one worker caches whole is resident: slot = id, every row
@@ -401,6 +407,11 @@ class EmbeddingClient:
         """Worker 0, for a sharded checkpoint: every server writes its rows of
         every table into `directory` (after the dirty rows went back and every
         step's updates are in); their reports, by server."""
+        dynamic = [t.key for t in self.tables if t.settings.dynamic is not None]
+        if dynamic:
+            raise CacheError(f"[{self.label.describe()}] a sharded checkpoint cannot hold "
+                             f"dynamic tables yet ({', '.join(dynamic)}): save without one, or "
+                             f"take the live rows and their ids from trainer.finish()")
         self.drain_prefetch()
         self.flush()
         path = torch.frombuffer(bytearray(directory.encode()), dtype=torch.uint8)
@@ -419,6 +430,9 @@ class EmbeddingClient:
         for table in self.tables:
             if tables is not None and table.key not in tables:
                 continue
+            if table.settings.dynamic is not None:
+                result.update(self._dump_dynamic(table, steps_done))
+                continue
             rows = torch.empty(table.num_rows, table.dim, dtype=table.dtype)
             state = {n: torch.empty_like(rows) for n in table.state_names}
             requests = [(server, self.exchange.request(server, Op.DUMP, steps_done,
@@ -432,4 +446,19 @@ class EmbeddingClient:
                     state[name][ids] = value
             result[table.key] = rows
             result.update({f"{table.key}.{n}": v for n, v in state.items()})
+        return result
+
+    def _dump_dynamic(self, table, steps_done: int) -> dict[str, torch.Tensor]:
+        """A dynamic table's live rows, their ids (`<key>.ids`, ascending)
+        and row state, from every server."""
+        requests = [(server, self.exchange.request(server, Op.DUMP, steps_done,
+                                                   [(table.key, [])]))
+                    for server in self.exchange.servers]
+        parts = [self.exchange.reply(server, seq) for server, seq in requests]
+        ids = torch.cat([part[0] for part in parts])
+        order = torch.argsort(ids)
+        names = (table.key, *(f"{table.key}.{n}" for n in table.state_names))
+        result = {f"{table.key}.ids": ids[order]}
+        for index, name in enumerate(names, start=1):
+            result[name] = torch.cat([part[index] for part in parts])[order]
         return result

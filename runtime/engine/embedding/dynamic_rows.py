@@ -64,11 +64,14 @@ class DynamicRows:
     def __init__(self, table: str, dim: int, policy: DynamicTable, *,
                  init: RowInit | None = None, dtype: torch.dtype = torch.float32,
                  optimizer: str = "sgd", optimizer_settings: dict | None = None,
-                 state_names: tuple[str, ...] = (), server: int = 0) -> None:
+                 state_names: tuple[str, ...] = (), server: int = 0,
+                 state_start: dict[str, float] | None = None) -> None:
         self.table, self.dim, self.policy, self.init = table, dim, policy, init
         self.dtype, self.optimizer = dtype, optimizer
         self.optimizer_settings = dict(optimizer_settings or {})
         self.state_names, self.server = state_names, server
+        # Each row state's starting value (Adagrad's initial accumulator).
+        self.state_start = {name: 0.0 for name in state_names} | dict(state_start or {})
         capacity = policy.row_budget if policy.row_budget is not None else _FIRST_CAPACITY
         self.rows = torch.zeros(capacity, dim, dtype=dtype)
         self.state = {n: torch.zeros(capacity, dim, dtype=dtype) for n in state_names}
@@ -218,8 +221,8 @@ class DynamicRows:
         self.last[slots] = step
         where = torch.from_numpy(slots)
         self.rows[where] = self._initial(ids)
-        for value in self.state.values():
-            value[where] = 0
+        for name, value in self.state.items():
+            value[where] = self.state_start[name]
         self.live.insert(ids, slot=slots)
 
     # -- slots --

@@ -7,6 +7,7 @@ consecutive and clustered ids (hashed ones, or small ones) evenly.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 __all__ = ["IdSharding", "mix64"]
 
@@ -33,6 +34,16 @@ class IdSharding:
         if self.num_servers == 1:
             return np.zeros(ids.size, dtype=np.int64)
         return (mix64(ids) % np.uint64(self.num_servers)).astype(np.int64)
+
+    def positions_by_server(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """For each server in rank order, the positions in `ids` (flat, CPU)
+        of the ids it owns, ascending (as `RowSharding.positions_by_server`)."""
+        flat = ids.reshape(-1).numpy()
+        if self.num_servers == 1:
+            return [torch.arange(flat.size)]
+        owner = self.server_of(flat)
+        return [torch.from_numpy(np.flatnonzero(owner == server))
+                for server in range(self.num_servers)]
 
     def split_by_server(self, ids: np.ndarray, *aligned: np.ndarray) -> list[list[np.ndarray]]:
         """`ids` and arrays aligned with them cut into each server's part, in

@@ -163,12 +163,9 @@ class BatchPlan:
 class RowCache:
     def __init__(self, table: CachedTable, device: torch.device | str = "cpu") -> None:
         if table.settings.dynamic is not None:
-            # The id -> slot map is dense over [0, num_rows): a dynamic table's
-            # int64 ids need dynamic_rows.py's IdMap here (not wired yet).
-            raise CacheError(f"table {table.key!r} is dynamic (DynamicTable): the workers' "
-                             f"caches and the servers' shards do not serve dynamic tables yet "
-                             f"(docs/embedding-cache.md, \"Dynamic tables\"); declare it "
-                             f"with a row count for now")
+            # The id -> slot map is dense over [0, num_rows).
+            raise CacheError(f"table {table.key!r} is dynamic (DynamicTable): a worker holds "
+                             f"its step's rows in a StepRows, not a RowCache")
         self.table = table
         self.capacity = min(table.settings.cache_rows, table.num_rows)
         self.policy = table.settings.policy

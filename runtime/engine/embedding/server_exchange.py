@@ -181,11 +181,14 @@ class ServerExchange:
         # Per server: (table, the ids it holds, their slots).
         by_server: dict[Label, list[tuple[str, np.ndarray, np.ndarray]]] = {}
         for table, (ids, slots) in needed.items():
-            if ids.numel() == 0:
+            # A dynamic table's servers each hear every worker's ids of a step
+            # (none, too): they make the step's rows once all are in.
+            every_server = self.caches[table].table.settings.dynamic is not None
+            if ids.numel() == 0 and not every_server:
                 continue
             parts = self.sharding[table].split_by_server(ids.numpy(), slots.numpy())
             for server, (server_ids, server_slots) in zip(self.servers, parts):
-                if server_ids.size:
+                if server_ids.size or every_server:
                     by_server.setdefault(server, []).append((table, server_ids, server_slots))
         pushes = pushes or {}
         requests = []
@@ -280,7 +283,7 @@ class ServerExchange:
             cache = self.caches[table]
             feed = cache.table.ids_feed
             settings = cache.table.settings
-            if feed is None or feed not in next_feeds or (
+            if feed is None or feed not in next_feeds or settings.dynamic is not None or (
                     not self.write_back_tables[table] and (
                         settings.max_staleness < 1 or settings.policy is EvictionPolicy.NONE)):
                 continue

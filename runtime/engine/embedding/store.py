@@ -34,7 +34,9 @@ from splitrun.splitter.ops.sparse_updates import IN_PLACE
 from ...cluster.process_memory import refuse_beyond_memory_cap
 from ...errors import MessageRejected, SplitrunError
 from ...transport.protocol import MessageKey, Transport
+from .dynamic_rows import DynamicRows, check_dynamic_ids
 from .huge_pages import empty_rows
+from .id_sharding import IdSharding
 from .protocol import Gather, Item, Op, read_request, reply_channel, send_message
 from .row_copy import RowArray
 from .row_slots import RowSlots
@@ -119,6 +121,23 @@ class _Shard:
     pending: dict[int, dict[int, tuple]] = field(default_factory=dict)  # step -> worker -> grads
 
 
+@dataclass
+class _DynamicShard:
+    """This server's rows of a dynamic table (`DynamicRows`: made, admitted
+    and expired as its policy says). A step's rows are made once every
+    worker's ids of the step are in (`sightings`) and the step before is
+    applied; the workers' gradients of a step are applied together."""
+
+    table: CachedTable
+    rows: DynamicRows
+    sharding: IdSharding
+    applied_step: int
+    begun_step: int                                # the last step whose rows were made
+    sightings: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    pending: dict[int, dict[int, tuple]] = field(default_factory=dict)
+    write_back: bool = False                       # gradients come from the workers
+
+
 def _group_key(table: CachedTable) -> tuple:
     return (table.dim, table.dtype, table.state_names, table.optimizer,
             tuple(sorted(table.optimizer_settings.items())))
@@ -160,19 +179,22 @@ class EmbeddingStore:
         self._tag = f"[{label.describe()}]"
         self.shards = []
         members: dict[tuple, list[CachedTable]] = {}
+        shard_of: dict[str, _Shard | _DynamicShard] = {}
         for table in tables:
-            members.setdefault(_group_key(table), []).append(table)
+            if table.settings.dynamic is not None:
+                shard_of[table.key] = self._dynamic_shard(table, initial, first_step)
+            else:
+                members.setdefault(_group_key(table), []).append(table)
         # A shard copied at start-up (no row initializer) is written whole, now.
         refuse_beyond_memory_cap(
             {table.key: RowSharding(table.num_rows, cluster.num_servers).shard_size(label.rank)
              * table.dim * table.dtype.itemsize * (1 + len(table.state_names))
-             for table in tables if table.settings.init is None
-             or isinstance(initial.get(table.key), LocalRows)},
+             for table in tables if table.settings.dynamic is None and (
+                 table.settings.init is None or isinstance(initial.get(table.key), LocalRows))},
             self._tag, "its shards of the cached tables (rows and their optimizer state)",
             "give the tables a row initializer (place_embedding_cache(..., init=RowInit."
             "normal(...)): rows get memory when first used), more memory, or more servers "
             "(each holds 1/S of every table's rows)")
-        shard_of = {}
         for group_tables in members.values():
             shardings = [RowSharding(t.num_rows, cluster.num_servers) for t in group_tables]
             sizes = [sharding.shard_size(label.rank) for sharding in shardings]
@@ -208,6 +230,24 @@ class EmbeddingStore:
         self._request_hook: Callable[[int], None] | None = None
         self._save_handler: SaveHandler | None = None
 
+    def _dynamic_shard(self, table: CachedTable, initial: Mapping[str, torch.Tensor | LocalRows],
+                       first_step: int) -> _DynamicShard:
+        rows = DynamicRows(
+            table.key, table.dim, table.settings.dynamic, init=table.settings.init,
+            dtype=table.dtype, optimizer=table.optimizer,
+            optimizer_settings=table.optimizer_settings, state_names=table.state_names,
+            server=self.label.rank,
+            state_start={name: _state_start(initial.get(f"{table.key}.{name}"))
+                         for name in table.state_names})
+        return _DynamicShard(table, rows, IdSharding(self.cluster.num_servers), first_step - 1,
+                             first_step - 1)
+
+    def dynamic_counters(self) -> dict[str, dict]:
+        """Per dynamic table: its counters on this server (live rows, admitted,
+        expired, waiting, dropped gradients, bytes)."""
+        return {shard.table.key: shard.rows.counters.as_dict() for shard in self.shards
+                if isinstance(shard, _DynamicShard)}
+
     def _copy_shard(self, table: CachedTable, sharding: RowSharding, rows: torch.Tensor,
                     state: dict[str, torch.Tensor],
                     initial: Mapping[str, torch.Tensor | LocalRows]) -> None:
@@ -234,8 +274,15 @@ class EmbeddingStore:
         """Per table: (rows of this server's shard that have values now, the
         shard's rows). Lazy rows count once first used; a shard copied at
         start-up has all of them."""
-        return {shard.table.key: (shard.size if shard.slots is None else shard.slots.used,
-                                  shard.size) for shard in self.shards}
+        made = {}
+        for shard in self.shards:
+            if isinstance(shard, _DynamicShard):
+                live = shard.rows.counters.live_rows
+                made[shard.table.key] = (live, shard.rows.policy.row_budget or live)
+            else:
+                made[shard.table.key] = (shard.size if shard.slots is None else
+                                         shard.slots.used, shard.size)
+        return made
 
     def set_request_hook(self, hook: Callable[[int], None] | None) -> None:
         """Call `hook(step)` in the serving thread before each request of that
@@ -299,6 +346,12 @@ class EmbeddingStore:
                                       f"names table {index}; this job caches "
                                       f"{len(self.shards)} tables")
         shards = [self.shards[i] for i in indices]
+        if op in (Op.PUSH, Op.PUSH_PULL) and any(isinstance(s, _DynamicShard) for s in shards):
+            raise MessageRejected(f"{self._tag} embedding {op.name} from {src.describe()} "
+                                  f"writes rows of a dynamic table back; a dynamic table's "
+                                  f"workers send gradients (GRADS), never rows")
+        if op is Op.PULL:
+            self._hear_ids(src, step, shards, rest)
         if op is Op.PUSH:
             self._push(shards, self._parts(rest, shards, op))
         elif op is Op.PUSH_PULL:
@@ -326,12 +379,49 @@ class EmbeddingStore:
             else:
                 self._parked.append((key, src, tensors))
         elif op in (Op.PULL, Op.DUMP):
+            began = self._begin_dynamic_steps(shards, step) if op is Op.PULL else False
             if all(self._ready(shard, op, step) for shard in shards):
                 self._answer(key, src, op, shards, rest)
             else:
                 self._parked.append((key, src, tensors))
+            if began:  # the other workers' pulls of the step were waiting for it
+                self._retry_parked()
         else:
             raise MessageRejected(f"unknown embedding request {op}")
+
+    def _hear_ids(self, src: Label, step: int, shards: list, tensors: list[torch.Tensor]
+                  ) -> None:
+        """Keep a worker's ids of a step for each dynamic table of a pull
+        (again, when the pull is handled again after waiting: the same ids)."""
+        for shard, (ids,) in zip(shards, self._parts(tensors, shards, Op.PULL)):
+            if not isinstance(shard, _DynamicShard) or step <= shard.begun_step:
+                continue
+            check_dynamic_ids(ids, shard.table.key)
+            owners = shard.sharding.server_of(ids.numpy())
+            if owners.size and bool((owners != self.label.rank).any()):
+                raise MessageRejected(
+                    f"{self._tag} a pull from {src.describe()} names ids of dynamic table "
+                    f"{shard.table.key} that server {int(owners[owners != self.label.rank][0])} "
+                    f"owns; the worker's sharding of the ids differs from this server's")
+            shard.sightings.setdefault(step, {})[src.rank] = ids
+
+    def _begin_dynamic_steps(self, shards: list, step: int) -> bool:
+        """Make `step`'s rows of each dynamic table of `shards` (admission,
+        expiry, the row budget) once every worker's ids of it are in and the
+        step before is applied; True if some were made now."""
+        began = False
+        for shard in shards:
+            if not isinstance(shard, _DynamicShard) or step <= shard.begun_step:
+                continue
+            heard = shard.sightings.get(step, {})
+            if len(heard) < self.cluster.num_workers or shard.applied_step < step - 1:
+                continue
+            ids = torch.cat([heard[rank] for rank in sorted(heard)])
+            del shard.sightings[step]
+            shard.rows.begin_step(step, ids)
+            shard.begun_step = step
+            began = True
+        return began
 
     def _push(self, shards: list[_Shard], parts: list[list[torch.Tensor]]) -> None:
         """Write rows (and their state) the worker wrote back into the shards."""
@@ -416,9 +506,12 @@ class EmbeddingStore:
             start += size
         return parts
 
-    def _ready(self, shard: _Shard, op: Op, step: int) -> bool:
+    def _ready(self, shard: _Shard | _DynamicShard, op: Op, step: int) -> bool:
         """With several workers, a pull fresh for `step` (or a dump after
-        `step` steps) needs every earlier step's updates."""
+        `step` steps) needs every earlier step's updates; a dynamic table's
+        pull, the step's rows made."""
+        if isinstance(shard, _DynamicShard) and op is Op.PULL:
+            return shard.begun_step >= step
         return shard.write_back or shard.applied_step >= step - 1
 
     def _retry_parked(self) -> None:
@@ -431,12 +524,20 @@ class EmbeddingStore:
         if op is Op.PULL:
             # Gathered straight into the reply's memory (a ring's slot) as it is sent.
             for shard, (ids,) in zip(shards, self._parts(tensors, shards, op)):
+                if isinstance(shard, _DynamicShard):
+                    reply.append(shard.rows.read(ids))  # write-through: no row state
+                    continue
                 where, arrays = self._group_rows(shard, ids), shard.group.arrays
                 reply.append(Gather(arrays["rows"], where))
                 if shard.write_back:  # the row's optimizer state travels with it
                     reply += [Gather(arrays[n], where) for n in shard.table.state_names]
         else:
             for shard in shards:
+                if isinstance(shard, _DynamicShard):  # the live rows, with their ids
+                    live = shard.rows.snapshot()
+                    reply += [live["ids"], live["rows"],
+                              *(live[f"state.{n}"] for n in shard.table.state_names)]
+                    continue
                 reply += [self._local_order(shard),
                           *(self._local_order(shard, n) for n in shard.table.state_names)]
         send_message(self.transport, src,
@@ -446,6 +547,11 @@ class EmbeddingStore:
         if self._save_handler is None:
             raise MessageRejected(f"{self._tag} got a sharded save request from "
                                   f"{src.describe()} but has no checkpoint writer")
+        dynamic = [s.table.key for s in self.shards if isinstance(s, _DynamicShard)]
+        if dynamic:
+            raise MessageRejected(f"{self._tag} got a sharded save request from "
+                                  f"{src.describe()}, but a sharded checkpoint cannot hold "
+                                  f"dynamic tables yet ({', '.join(dynamic)})")
         snapshots = []
         for shard in self.shards:
             rank = self.label.rank
@@ -475,6 +581,9 @@ class EmbeddingStore:
         num_workers = self.cluster.num_workers
         by_group: dict[int, list[tuple[_Shard, dict[int, tuple]]]] = {}
         for shard, grads in complete:
+            if isinstance(shard, _DynamicShard):
+                self._update_dynamic(shard, grads, num_workers)
+                continue
             by_group.setdefault(id(shard.group), []).append((shard, grads))
         for members in by_group.values():
             rates = {(float(g[0][2]), float(g[0][3])) for _, g in members}
@@ -500,6 +609,22 @@ class EmbeddingStore:
         IN_PLACE[table.optimizer](group.rows, torch.cat(local), torch.cat(values) / num_workers,
                                   lr, step_count, *(group.state[n] for n in table.state_names),
                                   is_coalesced=num_workers == 1, **table.optimizer_settings)
+        self.update_calls += 1
+
+
+    def _update_dynamic(self, shard: _DynamicShard, grads: dict[int, tuple],
+                        num_workers: int) -> None:
+        """A dynamic table's update of a step: every worker's gradients
+        (each summed per id already) averaged, summed per id across workers,
+        then the row-wise optimizer on the admitted rows."""
+        ordered = [grads[rank] for rank in range(num_workers)]
+        ids = torch.cat([g[0] for g in ordered])
+        values = torch.cat([g[1] for g in ordered]) / num_workers
+        if num_workers > 1:
+            ids, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+            values = torch.zeros(ids.numel(), values.shape[1], dtype=values.dtype).index_add_(
+                0, inverse, values)
+        shard.rows.apply(ids, values, ordered[0][2], ordered[0][3])
         self.update_calls += 1
 
 

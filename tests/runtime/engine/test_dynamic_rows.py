@@ -226,12 +226,11 @@ def test_a_checkpoint_past_the_budget_is_refused_with_the_numbers():
         small.restore([store.snapshot()], IdSharding(1))
 
 
-def test_the_workers_cache_refuses_a_dynamic_table_in_one_line():
+def test_a_row_cache_refuses_a_dynamic_table_in_one_line():
     from splitrun.runtime.engine.embedding.row_cache import RowCache
     from splitrun.splitter import CachedTable, CacheSettings
     table = CachedTable("user.weight", 1, DIM, torch.float32,
                         CacheSettings(16, dynamic=DynamicTable(admit_after=2)), "sgd", {}, (),
                         None)
-    with pytest.raises(CacheError, match="table 'user.weight' is dynamic.*do not serve dynamic "
-                       "tables yet"):
+    with pytest.raises(CacheError, match="table 'user.weight' is dynamic.*StepRows"):
         RowCache(table)

@@ -1,0 +1,92 @@
+"""Dynamic tables (ids any int64) through the runtime: each step a worker
+pulls its ids' rows from their servers (`StepRows`), the servers make the
+step's rows once every worker's ids are in and apply the gradients of all
+workers (`EmbeddingStore`'s `DynamicRows`). Threads of one process here;
+tests/e2e/test_dynamic_e2e.py runs the same through the launcher."""
+
+import numpy as np
+import pytest
+import torch
+from dynamic_models import TABLE, feeds, hashed_batches, make_dynamic, train_reference
+
+from splitrun.runtime import run_threaded
+from splitrun.runtime.engine.embedding.dynamic_reference import ReferencePolicy
+from splitrun.runtime.engine.embedding.id_sharding import IdSharding
+from splitrun.splitter import Cluster, DynamicTable, EmbeddingCacheMode, Label, split_program
+
+STEPS = 12
+
+
+def _train(optimizer, workers, servers, batches, policy=None):
+    program = make_dynamic(optimizer, workers, batches, policy=policy)
+    split = split_program(program, Cluster(workers, servers), EmbeddingCacheMode())
+    return run_threaded(split, len(batches), feeds(batches))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_one_worker_equals_the_unsplit_step_bit_for_bit(optimizer):
+    batches = hashed_batches(STEPS)
+    run = _train(optimizer, 1, 2, batches)
+    seen, expected = train_reference(optimizer, batches)
+    assert int((seen < 0).sum()) > 0 and int((seen > (1 << 31)).sum()) > 0
+    state = run.state
+    assert torch.equal(state[f"{TABLE}.ids"], seen)  # every id seen has a row
+    assert state.keys() == expected.keys() | {f"{TABLE}.ids"}
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+    # Each server made only the rows of the ids it owns.
+    owners = IdSharding(2).server_of(seen.numpy())
+    for server in range(2):
+        counters = run.cache_counters[Label.server(server)][TABLE]
+        assert counters["live_rows"] == counters["admitted"] == int((owners == server).sum())
+
+
+def test_two_workers_equal_the_unsplit_step_within_a_millionth():
+    batches = hashed_batches(STEPS)
+    run = _train("adagrad", 2, 2, batches)
+    seen, expected = train_reference("adagrad", batches)
+    assert torch.equal(run.state[f"{TABLE}.ids"], seen)
+    for key, value in expected.items():
+        torch.testing.assert_close(run.state[key], value, atol=1e-6, rtol=0)
+
+
+def test_admission_and_expiry_of_two_workers_match_the_reference_per_server():
+    """The servers hear both workers' ids of a step before making its rows:
+    admitted, expired, live and waiting counts, and the live ids at the end,
+    are the plain-Python reference's fed each global batch's ids."""
+    policy = DynamicTable(admit_after=2, expire_after_steps=4, row_budget=40)
+    batches = hashed_batches(30)
+    run = _train("sgd", 2, 2, batches, policy)
+    sharding = IdSharding(2)
+    references = [ReferencePolicy(policy, TABLE, s) for s in range(2)]
+    for step, (ids, _) in enumerate(batches):
+        distinct = np.unique(ids.numpy())
+        for server, (part,) in enumerate(sharding.split_by_server(distinct)):
+            references[server].step(step, part.tolist())
+    live = sorted(i for reference in references for i in reference.rows)
+    assert run.state[f"{TABLE}.ids"].tolist() == live
+    for server, reference in enumerate(references):
+        counters = run.cache_counters[Label.server(server)][TABLE]
+        assert (counters["admitted"], counters["expired"], counters["live_rows"],
+                counters["waiting"]) == (reference.num_admitted, reference.num_expired,
+                                         len(reference.rows), len(reference.waiting))
+        assert counters["live_rows"] <= 40
+    assert sum(r.num_expired for r in references) > 0
+    assert sum(run.cache_counters[Label.server(s)][TABLE]["dropped_gradients"]
+               for s in range(2)) > 0
+
+
+def test_a_table_looked_up_twice_in_a_step_is_refused_in_one_line():
+    from splitrun.runtime.engine.embedding.step_rows import StepRows
+    from splitrun.runtime.errors import CacheError
+    from splitrun.splitter import CachedTable, CacheSettings
+    table = CachedTable("user.weight", 1, 4, torch.float32,
+                        CacheSettings(16, dynamic=DynamicTable()), "sgd", {}, (), None)
+    rows = StepRows(table)
+    ids = torch.tensor([5, -(1 << 40), 5])
+    plan = rows.plan(ids, 0, write_back=False, max_staleness=0)
+    assert plan.pull_ids.tolist() == [-(1 << 40), 5] and plan.lookup_slots.tolist() == [1, 0, 1]
+    with pytest.raises(CacheError, match="'user.weight' is looked up twice in step 0"):
+        rows.plan(ids, 0, write_back=False, max_staleness=0)
+    with pytest.raises(CacheError, match="ids must be int64.*got float32"):
+        rows.plan(ids.float(), 1, write_back=False, max_staleness=0)
