@@ -17,8 +17,8 @@ from splitrun.splitter.program import Program
 from splitrun.splitter.splitting.graph_splitter import SplitProgram
 
 from ..cluster.protocol import Membership
-from ..engine.embedding.store import ShardSnapshot
-from ..errors import SplitrunError
+from ..engine.embedding.store import LiveSnapshot, ShardSnapshot
+from ..errors import CheckpointError, SplitrunError
 from ..transport.protocol import MessageKey
 from . import periodic, plain, sharded
 from .gather import (
@@ -97,6 +97,11 @@ class Checkpointer:
     # -- one plain file --
 
     def _save_plain(self, path: str | os.PathLike, step: int) -> None:
+        dynamic = [t.key for t in self.split.artifacts.tables if t.settings.dynamic is not None]
+        if dynamic:
+            raise CheckpointError(f"save({os.fspath(path)!r}): one plain file cannot hold the "
+                                  f"live rows of dynamic tables ({', '.join(dynamic)}); save "
+                                  f"into a directory (any path not ending in .pt or .pth)")
         if not self._is_driver:
             self._gather.send(save_channel(self.label), step)
             return
@@ -157,7 +162,8 @@ class Checkpointer:
             {k: v for k, v in self.process.state.items() if k in written})
         return sharded.write_pieces(directory, str(self.label), [*extra, *pieces], objects)
 
-    def _write_rows(self, directory: str, step: int, shards: list[ShardSnapshot]) -> bytes:
+    def _write_rows(self, directory: str, step: int,
+                    shards: list[ShardSnapshot | LiveSnapshot]) -> bytes:
         """A server's rows of the cached tables (its embedding store calls this
         when worker 0 asks)."""
         return sharded.write_pieces(directory, f"{self.label}-rows",

@@ -17,6 +17,7 @@ DYNAMIC_JOB = SCRIPTS / "dynamic_job.py"
 
 
 def _launch(local_cluster, tmp_path, workers, servers, *args):
+    tmp_path.mkdir(exist_ok=True)
     out = tmp_path / "final.pt"
     local_cluster.run(DYNAMIC_JOB, *args, "--out", out, workers=workers, servers=servers)
     counters = [json.loads((tmp_path / f"final.pt.server{s}.json").read_text())[TABLE]
@@ -48,3 +49,22 @@ def test_two_workers_admission_and_expiry_match_the_reference(local_cluster, tmp
         assert (got["admitted"], got["expired"], got["live_rows"]) == (
             reference.num_admitted, reference.num_expired, len(reference.rows))
     assert sum(r.num_expired for r in references) > 0
+
+
+def test_the_live_set_saved_on_two_servers_resumes_on_three_to_the_same_end(local_cluster,
+                                                                           tmp_path):
+    """A sharded checkpoint holds each server's live set (rows, ids, the ids
+    waiting for admission, the policy's columns); resumed on 3 servers, each
+    takes the ids it owns and the run ends as the run that never stopped."""
+    policy = ("--admit-after", 2, "--expire-after", 4)
+    directory = tmp_path / "step8"
+    straight, counted = _launch(local_cluster, tmp_path / "straight", 1, 2, "--steps", 16,
+                          "--save-at", 8, "--save", directory, *policy)
+    resumed, counters = _launch(local_cluster, tmp_path / "resumed", 1, 3, "--steps", 16,
+                                "--resume", directory, *policy)
+    assert straight.keys() == resumed.keys()
+    for key, value in straight.items():
+        assert torch.equal(resumed[key], value), key
+    assert sum(c["live_rows"] for c in counters) == straight[f"{TABLE}.ids"].numel()
+    # The resumed servers admitted only the ids first admitted after step 8.
+    assert 0 < sum(c["admitted"] for c in counters) < sum(c["admitted"] for c in counted)

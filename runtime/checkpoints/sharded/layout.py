@@ -16,10 +16,11 @@ from ..checksums import CHECKSUMS
 
 __all__ = ["CHECKSUMS", "METADATA", "ROWS", "FORMAT", "Path", "Piece", "is_directory_path",
            "fqn_of", "dcp_path", "plain_path", "state_paths", "step_paths", "row_paths",
-           "ids_path", "dtype_name", "numel"]
+           "ids_path", "live_path", "LIVE", "dtype_name", "numel"]
 
 METADATA = ".metadata"
 ROWS = "hashed_rows"
+LIVE = "live_rows"  # the dynamic tables' live sets, one per server that wrote it
 FORMAT = "splitrun-dcp-1"
 
 
@@ -90,6 +91,12 @@ def row_paths(table: str, path: Path) -> Path:
 
 def ids_path(table: str) -> Path:
     return (ROWS, table, "ids")
+
+
+def live_path(table: str, server: int, name: str) -> Path:
+    """Where server `server`'s live set of a dynamic table keeps `name` (its
+    ids, rows, row state and policy columns: `DynamicRows.snapshot()`)."""
+    return (LIVE, table, f"server{server}", name)
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,11 @@ from splitrun.splitter.program import Program
 from splitrun.splitter.splitting.graph_splitter import SplitProgram
 
 from ...engine.embedding.attach import cached_tables_of
+from ...engine.embedding.id_sharding import IdSharding
 from ...engine.embedding.sharding import RowSharding
-from ...engine.embedding.store import LocalRows
+from ...engine.embedding.store import LiveRows, LocalRows
 from ...errors import CheckpointError
-from .layout import Path, ids_path, row_paths, state_paths
+from .layout import Path, ids_path, live_path, row_paths, state_paths
 from .read import ShardedCheckpoint, check_against, check_finite, read_step
 
 __all__ = ["RowRange", "load_state", "load_for"]
@@ -122,13 +123,47 @@ def load_for(program: Program, split: SplitProgram, label: Label,
         keys.append(piece.key)
         if not piece.is_replica:
             regions[piece.key] = (piece.offsets, piece.sizes)
-    ranges = []
+    ranges, dynamic = [], []
     cache = cached_tables_of(split)
     if cache is not None and label.role is Role.SERVER:
         for table in cache.tables:
+            if table.settings.dynamic is not None:
+                dynamic.append(table.key)
+                continue
             sharding = RowSharding(table.num_rows, split.plan.cluster.num_servers)
             ranges.append(RowRange(
                 table.key, (table.key, *(f"{table.key}.{n}" for n in table.state_names)),
                 sharding.bounds[label.rank], sharding.bounds[label.rank + 1],
                 sharding.ids_of(label.rank)))
-    return load_state(program, directory, keys, ranges, regions)
+    state, step = load_state(program, directory, keys, ranges, regions)
+    if dynamic:
+        opened = ShardedCheckpoint(directory)
+        sharding = IdSharding(split.plan.cluster.num_servers)
+        for table in dynamic:
+            state[table] = _live_rows(opened, table, sharding, label.rank)
+    return state, step
+
+
+def _live_rows(opened: ShardedCheckpoint, table: str, sharding: IdSharding, rank: int
+               ) -> LiveRows:
+    """Server `rank`'s part of a dynamic table's saved live sets, whatever
+    number of servers wrote them: each saved server's set is read in turn
+    and cut to the ids `rank` owns (the rest is dropped before the next)."""
+    if opened.tensor_md(live_path(table, 0, "ids")) is None:
+        raise CheckpointError(f"checkpoint {opened.directory} holds no live rows of the "
+                              f"dynamic table {table!r}; was it saved from this model?")
+    mine = []
+    saved = 0
+    while opened.tensor_md(live_path(table, saved, "ids")) is not None:
+        prefix = live_path(table, saved, "")[:-1]
+        snapshot = {path[-1]: check_finite(opened, table, opened.read_whole(path))
+                    for path in opened.paths.values() if path[:-1] == prefix}
+        keep = {"ids": sharding.server_of(snapshot["ids"].numpy()) == rank,
+                "waiting_ids": sharding.server_of(snapshot["waiting_ids"].numpy()) == rank}
+        cut = {}
+        for name, value in snapshot.items():
+            by = "waiting_ids" if name.startswith("waiting_") else "ids"
+            cut[name] = value if name == "step" else value[torch.from_numpy(keep[by])]
+        mine.append(cut)
+        saved += 1
+    return LiveRows(tuple(mine))

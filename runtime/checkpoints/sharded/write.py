@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from splitrun.splitter.program import Program
 from splitrun.splitter.splitting.mode import ModeArtifacts
 
-from ...engine.embedding.store import RowsToWrite, ShardSnapshot
+from ...engine.embedding.store import LiveSnapshot, RowsToWrite, ShardSnapshot
 from ..plain import file_sha256, writing
 from .layout import (
     FORMAT,
@@ -38,6 +38,7 @@ from .layout import (
     dtype_name,
     fqn_of,
     ids_path,
+    live_path,
     row_paths,
     state_paths,
     step_paths,
@@ -167,11 +168,17 @@ def owned_pieces(program: Program, artifacts: ModeArtifacts,
     return pieces
 
 
-def row_pieces(program: Program, shards: Sequence[ShardSnapshot]) -> list[Piece]:
-    """A server's rows of the cached tables, in hash order, with their ids."""
+def row_pieces(program: Program, shards: Sequence[ShardSnapshot | LiveSnapshot]
+               ) -> list[Piece]:
+    """A server's rows of the cached tables, in hash order, with their ids;
+    of a dynamic table, its live set whole, under its own paths."""
     paths = state_paths(program)
     pieces = []
     for shard in shards:
+        if isinstance(shard, LiveSnapshot):
+            pieces += [Piece.whole(live_path(shard.table, shard.server, name), tensor)
+                       for name, tensor in shard.tensors.items()]
+            continue
         pieces.append(Piece(ids_path(shard.table), (shard.num_rows,), (shard.first_row,),
                             shard.ids))
         for key, rows in shard.tensors.items():

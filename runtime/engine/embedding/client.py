@@ -62,7 +62,6 @@ from splitrun.splitter.ops.cache import (
 )
 from splitrun.splitter.ops.sparse_updates import IN_PLACE
 
-from ...errors import CacheError
 from ...transport.dtypes import nbytes_of
 from ...transport.protocol import Transport
 from .fused_bags import FusedBags
@@ -407,11 +406,6 @@ class EmbeddingClient:
         """Worker 0, for a sharded checkpoint: every server writes its rows of
         every table into `directory` (after the dirty rows went back and every
         step's updates are in); their reports, by server."""
-        dynamic = [t.key for t in self.tables if t.settings.dynamic is not None]
-        if dynamic:
-            raise CacheError(f"[{self.label.describe()}] a sharded checkpoint cannot hold "
-                             f"dynamic tables yet ({', '.join(dynamic)}): save without one, or "
-                             f"take the live rows and their ids from trainer.finish()")
         self.drain_prefetch()
         self.flush()
         path = torch.frombuffer(bytearray(directory.encode()), dtype=torch.uint8)

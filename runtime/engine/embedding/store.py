@@ -42,7 +42,7 @@ from .row_copy import RowArray
 from .row_slots import RowSlots
 from .sharding import RowSharding
 
-__all__ = ["EmbeddingStore", "ShardSnapshot", "LocalRows"]
+__all__ = ["EmbeddingStore", "ShardSnapshot", "LocalRows", "LiveSnapshot", "LiveRows"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +83,27 @@ class LocalRows:
     values: torch.Tensor                # [its rows, dim]
 
 
+@dataclass(frozen=True)
+class LiveSnapshot:
+    """A server's live set of one dynamic table, for a sharded checkpoint:
+    `DynamicRows.snapshot()` (ids, rows, row state, policy columns)."""
+
+    table: str
+    server: int
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LiveRows:
+    """What a resumed server's dynamic table starts from: the saved live sets
+    (`DynamicRows.snapshot()`s, of any number of servers), each cut to the
+    ids this server owns."""
+
+    snapshots: tuple[dict[str, torch.Tensor], ...]
+
+
 # A sharded save: (directory, step, this server's shards) -> the writer's report.
-SaveHandler = Callable[[str, int, list[ShardSnapshot]], bytes]
+SaveHandler = Callable[[str, int, list["ShardSnapshot | LiveSnapshot"]], bytes]
 
 
 @dataclass
@@ -239,8 +258,11 @@ class EmbeddingStore:
             server=self.label.rank,
             state_start={name: _state_start(initial.get(f"{table.key}.{name}"))
                          for name in table.state_names})
-        return _DynamicShard(table, rows, IdSharding(self.cluster.num_servers), first_step - 1,
-                             first_step - 1)
+        sharding = IdSharding(self.cluster.num_servers)
+        saved = initial.get(table.key)
+        if isinstance(saved, LiveRows):  # resumed: the checkpoint's live set, this server's
+            rows.restore(list(saved.snapshots), sharding)
+        return _DynamicShard(table, rows, sharding, first_step - 1, first_step - 1)
 
     def dynamic_counters(self) -> dict[str, dict]:
         """Per dynamic table: its counters on this server (live rows, admitted,
@@ -547,14 +569,12 @@ class EmbeddingStore:
         if self._save_handler is None:
             raise MessageRejected(f"{self._tag} got a sharded save request from "
                                   f"{src.describe()} but has no checkpoint writer")
-        dynamic = [s.table.key for s in self.shards if isinstance(s, _DynamicShard)]
-        if dynamic:
-            raise MessageRejected(f"{self._tag} got a sharded save request from "
-                                  f"{src.describe()}, but a sharded checkpoint cannot hold "
-                                  f"dynamic tables yet ({', '.join(dynamic)})")
-        snapshots = []
+        snapshots: list[ShardSnapshot | LiveSnapshot] = []
         for shard in self.shards:
             rank = self.label.rank
+            if isinstance(shard, _DynamicShard):  # its live set (and ids waiting)
+                snapshots.append(LiveSnapshot(shard.table.key, rank, shard.rows.snapshot()))
+                continue
             # Every row of the shard (lazy rows not used yet from the initializer):
             # any server count reads the directory back. Made as written, in
             # this thread (no update runs meanwhile).
