@@ -29,6 +29,7 @@ _EXPORTS = {
     "CacheError": ".errors",
     "CheckpointError": ".errors",
     "ShardedTable": ".checkpoints",
+    "LiveTable": ".checkpoints",
     "ClusterError": ".errors",
     "JobFinished": ".errors",
     "MessageRejected": ".errors",

@@ -16,6 +16,7 @@ _EXPORTS = {
     "ShardedCheckpoint": ".sharded",
     "export_checkpoint": ".sharded",
     "ShardedTable": ".sharded",
+    "LiveTable": ".sharded",
     "latest_checkpoint": ".periodic",
     "Checkpointer": ".saving",
     "resume_state": ".saving",

@@ -24,7 +24,14 @@ from ..checkpoints.gather import (
     final_state_channel,
 )
 from ..checkpoints.saving import Checkpointer
-from ..checkpoints.sharded import ShardedCheckpoint, ShardedTable, is_directory_path, state_paths
+from ..checkpoints.sharded import (
+    LiveTable,
+    ShardedCheckpoint,
+    ShardedTable,
+    is_directory_path,
+    live_row_count,
+    state_paths,
+)
 from ..cluster.rendezvous import Rendezvous
 from ..engine.process import ProcessRuntime
 from ..errors import JobFinished, PeerDied, PeerFailed, SplitrunError, TransportError
@@ -258,7 +265,9 @@ class Trainer:
         table larger than this, and each of its row states, is not gathered:
         worker 0's dict holds a `ShardedTable` over `save_to` instead, which
         reads rows by id (`view[ids]`) or whole (`view.load()`), so no process
-        ever holds the whole table. Every process passes the same arguments.
+        ever holds the whole table; a dynamic table whose live rows are larger,
+        a `LiveTable` (its live ids in `view.ids`). Every process passes the
+        same arguments.
         """
         _check_finish_arguments(save_to, gather_tables_up_to)
         if self._finished:
@@ -300,9 +309,7 @@ class Trainer:
     def _gather_state(self, save_to: str | os.PathLike | None,
                       gather_tables_up_to: int | None) -> None:
         if self.job.is_driver:
-            large = [table for table in self.split.artifacts.tables
-                     if gather_tables_up_to is not None
-                     and table.num_rows * table.row_bytes > gather_tables_up_to]
+            large = _too_large(self.split.artifacts.tables, save_to, gather_tables_up_to)
             state = self._gather.collect(final_state_channel, self.steps_done)
             state.update(self.process.dump_tables(
                 self.steps_done, {table.key for table in self.split.artifacts.tables}
@@ -328,14 +335,34 @@ def _check_finish_arguments(save_to, gather_tables_up_to) -> None:
                             f"save_to=<a directory> (got {save_to!r})")
 
 
+def _too_large(tables: Sequence[CachedTable], save_to: str | os.PathLike | None,
+               limit: int | None) -> list[CachedTable]:
+    """The tables of more than `limit` bytes (rows and row state): a dynamic
+    table's live rows as the checkpoint just saved in `save_to` holds them."""
+    if limit is None:
+        return []
+    opened = ShardedCheckpoint(save_to) if any(
+        t.settings.dynamic is not None for t in tables) else None
+    return [table for table in tables if table.row_bytes * (
+        table.num_rows if table.settings.dynamic is None
+        else live_row_count(opened, table.key)) > limit]
+
+
 def _views(directory: str | os.PathLike, tables: Sequence[CachedTable], source: Program
-           ) -> dict[str, ShardedTable]:
+           ) -> dict[str, ShardedTable | LiveTable]:
     """The final state's entries of `tables`, as views of the checkpoint just
-    saved in `directory`: each table and each of its row states."""
+    saved in `directory`: each table and each of its row states (a dynamic
+    table's live rows: `LiveTable`s, the live ids in `view.ids`)."""
     opened = ShardedCheckpoint(directory)
     paths = state_paths(source)
     views = {}
     for table in tables:
+        if table.settings.dynamic is not None:
+            views[table.key] = LiveTable(directory, table.key, checkpoint=opened)
+            views.update({f"{table.key}.{name}": LiveTable(
+                directory, table.key, f"state.{name}", checkpoint=opened)
+                for name in table.state_names})
+            continue
         for key in (table.key, *(f"{table.key}.{name}" for name in table.state_names)):
             views[key] = ShardedTable(directory, table.key, paths[key], checkpoint=opened)
     return views

@@ -13,7 +13,7 @@ from splitrun.runtime.engine.embedding.dynamic_reference import ReferencePolicy
 from splitrun.runtime.engine.embedding.id_sharding import IdSharding
 from splitrun.splitter import DynamicTable
 
-DYNAMIC_JOB = SCRIPTS / "dynamic_job.py"
+DYNAMIC_JOB = SCRIPTS / "dynamic_table_job.py"
 
 
 def _launch(local_cluster, tmp_path, workers, servers, *args):
@@ -68,3 +68,18 @@ def test_the_live_set_saved_on_two_servers_resumes_on_three_to_the_same_end(loca
     assert sum(c["live_rows"] for c in counters) == straight[f"{TABLE}.ids"].numel()
     # The resumed servers admitted only the ids first admitted after step 8.
     assert 0 < sum(c["admitted"] for c in counters) < sum(c["admitted"] for c in counted)
+
+
+def test_live_rows_past_the_gather_limit_come_back_as_views_of_the_final_checkpoint(
+        local_cluster, tmp_path):
+    """`finish(save_to=DIR, gather_tables_up_to=0)`: the dynamic table and its
+    Adagrad sums come back as `LiveTable`s over the servers' live sets in DIR;
+    read whole or by id, they equal the unsplit step's."""
+    state, _ = _launch(local_cluster, tmp_path, 1, 2, "--steps", 10, "--optimizer", "adagrad",
+                       "--finish-to", tmp_path / "final", "--gather-up-to", 0)
+    seen, expected = train_reference("adagrad", hashed_batches(10))
+    assert torch.equal(state[f"{TABLE}.ids"], seen)
+    probe = torch.tensor([[3, 0, 3], [-1, 1, 2]])  # dynamic_table_job.PROBE
+    for key in (TABLE, f"{TABLE}.sum"):
+        assert torch.equal(state[key], expected[key]), key
+        assert torch.equal(state[f"probed.{key}"], expected[key][probe]), key

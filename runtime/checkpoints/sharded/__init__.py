@@ -49,6 +49,7 @@ from .layout import (
     row_paths,
     state_paths,
 )
+from .live_view import LiveTable, live_row_count
 from .read import ShardedCheckpoint
 from .resume import RowRange, load_for, load_state
 from .table_view import ShardedTable
@@ -58,4 +59,4 @@ __all__ = ["Piece", "CHECKSUMS", "METADATA", "is_directory_path", "state_paths",
            "fqn_of", "row_paths", "ids_path", "write_pieces", "finish_checkpoint",
            "ShardedCheckpoint", "export_checkpoint", "RowRange", "load_state",
            "driver_objects", "start_checkpoint", "owned_pieces", "row_pieces", "load_for",
-           "ShardedTable"]
+           "ShardedTable", "LiveTable", "live_row_count"]

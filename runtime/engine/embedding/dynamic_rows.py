@@ -48,6 +48,7 @@ def check_dynamic_ids(ids: torch.Tensor, table: str) -> None:
 @dataclass
 class DynamicCounters:
     live_rows: int = 0
+    peak_live_rows: int = 0     # the most live rows after any step
     admitted: int = 0
     expired: int = 0            # by age and by budget
     expired_by_budget: int = 0
@@ -278,6 +279,7 @@ class DynamicRows:
     def _count(self) -> None:
         c, per_row = self.counters, self.dim * self.rows.element_size() * (1 + len(self.state))
         c.live_rows, c.waiting = len(self.live), len(self.waiting)
+        c.peak_live_rows = max(c.peak_live_rows, c.live_rows)
         c.bytes = c.live_rows * per_row
         c.index_bytes = (self.live.nbytes + self.waiting.nbytes + self.slot_id.nbytes
                          + self.frequency.nbytes + self.last.nbytes)

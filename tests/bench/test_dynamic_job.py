@@ -1,0 +1,17 @@
+"""bench/dynamic_job.py --quick: a dynamic table trained by a real job (the
+launcher, 1 worker, 2 server processes): each server's live rows reach the
+row budget and never pass it, and its admitted and expired counts equal the
+plain-Python reference's on the same ids."""
+
+import dynamic_job
+
+
+def test_quick_job_holds_the_budget_and_matches_the_reference():
+    result = dynamic_job.run(dynamic_job.parse(["--quick"]))
+    assert result["counts_match_reference"] and result["live_rows_within_budget"]
+    budget = result["config"]["row_budget"]
+    for server in result["servers"]:
+        assert server["peak_live_rows"] == budget and server["live_rows"] <= budget
+        assert server["expired_by_budget"] > 0 and server["expired"] > server["expired_by_budget"]
+        assert server["dropped_gradients"] > 0 and server["peak_rss_mb"] > 0
+    assert result["distinct_ids"] > 100_000
