@@ -251,6 +251,14 @@ class EmbeddingStore:
 
     def _dynamic_shard(self, table: CachedTable, initial: Mapping[str, torch.Tensor | LocalRows],
                        first_step: int) -> _DynamicShard:
+        budget = table.settings.dynamic.row_budget
+        if budget is not None:  # the most rows (with their state) it may come to hold
+            refuse_beyond_memory_cap(
+                {table.key: budget * table.row_bytes}, self._tag,
+                f"the row budget of dynamic table {table.key!r} ({budget} rows of "
+                f"{table.row_bytes} bytes with their state) would",
+                "lower DynamicTable(row_budget=...), give the server more memory, or use more "
+                "servers (each holds its own ids' rows)")
         rows = DynamicRows(
             table.key, table.dim, table.settings.dynamic, init=table.settings.init,
             dtype=table.dtype, optimizer=table.optimizer,

@@ -90,3 +90,21 @@ def test_a_table_looked_up_twice_in_a_step_is_refused_in_one_line():
         rows.plan(ids, 0, write_back=False, max_staleness=0)
     with pytest.raises(CacheError, match="ids must be int64.*got float32"):
         rows.plan(ids.float(), 1, write_back=False, max_staleness=0)
+
+
+def test_a_row_budget_the_servers_memory_cap_cannot_hold_is_refused_at_start(monkeypatch):
+    """A server whose row budget (rows and their state) alone passes its
+    memory cgroup's limit says so, naming the table, the numbers and the fix,
+    before it serves a step."""
+    from splitrun.runtime import LoopbackHub, ProcessRuntime
+    from splitrun.runtime.cluster import process_memory
+    from splitrun.runtime.errors import MemoryCapError
+    batches = hashed_batches(1)
+    program = make_dynamic("adagrad", 1, batches, policy=DynamicTable(row_budget=1_000_000))
+    split = split_program(program, Cluster(1, 2), EmbeddingCacheMode())
+    monkeypatch.setattr(process_memory, "own_memory_limit", lambda: 16 << 20)
+    hub = LoopbackHub(split.plan.labels)
+    with pytest.raises(MemoryCapError, match=r"\[server 0\] the row budget of dynamic table "
+                       r"'table.weight' \(1000000 rows of 32 bytes with their state\) would "
+                       r"need 30.5 MiB .* limit is 16.0 MiB.*lower DynamicTable\(row_budget"):
+        ProcessRuntime(split, Label.server(0), hub.transport(Label.server(0)))
