@@ -160,9 +160,7 @@ class DynamicRows:
         age = self.policy.expire_after_steps
         if age is None:
             return np.empty(0, dtype=np.int64)
-        if len(self.waiting):
-            self.waiting.keep(step - self.waiting.columns["last"] <= age)
-        slots = self.live.columns["slot"]
+        slots = self.live.columns["slot"]  # (the ids waiting are forgotten in `_sight`)
         old = step - self.last.take(slots) > age
         if not old.any():
             return np.empty(0, dtype=np.int64)
@@ -172,20 +170,32 @@ class DynamicRows:
         return gone
 
     def _sight(self, ids: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """Count a sighting of each of `ids` (no rows); (the ids admitted now,
-        their sightings)."""
-        positions, found = self.waiting.find(ids)
+        """Forget the ids waiting unseen for more than T steps, then count a
+        sighting of each of `ids` (no rows); (the ids admitted now, their
+        sightings). The waiting map is rewritten once a step, for both the
+        forgotten and the admitted ids (its size is many steps' new ids)."""
+        waiting, age = self.waiting, self.policy.expire_after_steps
+        positions, found = waiting.find(ids)
+        drop = None  # the waiting entries that leave: forgotten, or admitted now
+        if age is not None and len(waiting):
+            drop = step - waiting.columns["last"] > age
+            found &= ~drop.take(positions)  # a forgotten id seen again starts over
         seen = np.ones(ids.size, dtype=np.int64)
-        if len(self.waiting):
-            seen += np.where(found, self.waiting.columns["seen"].take(positions), 0)
+        if len(waiting):
+            seen += np.where(found, waiting.columns["seen"].take(positions), 0)
         admit = seen >= self.policy.admit_after
         stay = found & ~admit
-        self.waiting.columns["seen"][positions.compress(stay)] = seen.compress(stay)
-        self.waiting.columns["last"][positions.compress(stay)] = step
-        self.waiting.remove(ids.compress(found & admit))
+        waiting.columns["seen"][positions.compress(stay)] = seen.compress(stay)
+        waiting.columns["last"][positions.compress(stay)] = step
+        leaving = positions.compress(found & admit)
+        if leaving.size:
+            drop = np.zeros(len(waiting), dtype=bool) if drop is None else drop
+            drop[leaving] = True
+        if drop is not None and drop.any():
+            waiting.keep(~drop)
         new = ~found & ~admit
-        self.waiting.insert(ids.compress(new), seen=seen.compress(new),
-                            last=np.full(int(np.count_nonzero(new)), step, dtype=np.int64))
+        waiting.insert(ids.compress(new), seen=seen.compress(new),
+                       last=np.full(int(np.count_nonzero(new)), step, dtype=np.int64))
         return ids.compress(admit), seen.compress(admit)
 
     def _expire_least_used(self, count: int, step: int) -> np.ndarray:
@@ -274,7 +284,12 @@ class DynamicRows:
         return ids.reshape(-1).astype(np.int64, copy=False)
 
     def _distinct(self, ids: torch.Tensor | np.ndarray) -> np.ndarray:
-        return np.unique(self._ids(ids))
+        """`ids` sorted and distinct: as they are where they already are (one
+        worker's ids of a step, made distinct by it), else `np.unique`'s."""
+        flat = self._ids(ids)
+        if flat.size < 2 or bool((flat[1:] > flat[:-1]).all()):
+            return flat
+        return np.unique(flat)
 
     def _count(self) -> None:
         c, per_row = self.counters, self.dim * self.rows.element_size() * (1 + len(self.state))
