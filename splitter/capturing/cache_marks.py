@@ -47,6 +47,12 @@ def place_embedding_cache(modules, *, cache_rows: int, policy: EvictionPolicy | 
                                f"renormalizes rows in place during the forward); drop it")
         if isinstance(table, nn.EmbeddingBag) and table.mode == "max":
             raise CaptureError("a cached EmbeddingBag takes mode 'sum' or 'mean', not 'max'")
+        if table.weight.device.type == "meta" and init is None and dynamic is None:
+            raise CaptureError(
+                f"a cached {type(table).__name__}({table.num_embeddings}, "
+                f"{table.embedding_dim}) on the meta device holds no rows to start from; give "
+                f"it a row initializer (place_embedding_cache(..., init=RowInit.normal(...))), "
+                f"whose rows each server makes for its own ids")
         setattr(table, _CACHE_ATTR, settings)
     return modules
 

@@ -227,9 +227,14 @@ def row_state_of(functional, table: torch.Tensor) -> dict[str, torch.Tensor]:
     row: a table of any size costs one row here; the servers copy or make
     their own rows of it). Whole where the optimizer's state differs between
     rows."""
-    if table.dim() == 0 or table.shape[0] < 2:
+    if table.dim() == 0:
         return functional.init_state(table)
-    first = functional.init_state(table[:2])
+    # A table on `meta` (its rows made by the servers) holds no values: rows
+    # of zeros stand for them (the optimizers start a row's state alike).
+    first = functional.init_state(table[:2] if table.device.type != "meta" else torch.zeros(
+        (min(table.shape[0], 2), *table.shape[1:]), dtype=table.dtype))
+    if table.shape[0] < 2:
+        return first
     if not all(torch.equal(value[0], value[1]) for value in first.values()):
         return functional.init_state(table)
     return {name: value[:1].expand(table.shape) for name, value in first.items()}

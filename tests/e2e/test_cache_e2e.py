@@ -126,6 +126,19 @@ def test_lazy_rows_through_the_launcher_equal_the_unsplit_step_and_reshard(launc
         assert torch.equal(resumed["state"][key], value), key
 
 
+def test_tables_on_the_meta_device_through_the_launcher_equal_the_unsplit_step(launch):
+    """No process builds the tables: the model's are on `meta`, each server
+    makes its own rows from the initializer; SGD on 1 worker and 2 servers
+    equals the unsplit step from `whole_table(init, ...)` bit for bit."""
+    result, _ = launch("meta", 1, 2, "--steps", 12, "--optimizer", "sgd", "--cache-rows", 40,
+                       "--lazy-rows", "--meta-tables")
+    program, batches = make("sgd", 1, 12, cache_rows=None, sparse_tables=True, lazy_rows=True)
+    expected = program.train_unsplit(12, feeds(batches))[1]
+    assert result["state"].keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(result["state"][key], value), key
+
+
 def test_tables_past_the_gather_limit_come_back_as_views_of_the_final_checkpoint(launch,
                                                                                  tmp_path):
     """`finish(save_to=DIR, gather_tables_up_to=0)`: no table is gathered;

@@ -59,17 +59,24 @@ LAZY_INIT = RowInit.normal(std=0.5, seed=11)
 
 def make(optimizer: str, num_workers: int, num_steps: int, *, cache_rows: int | None = 48,
          policy: str = "lru", max_staleness: int = 0, sparse_tables: bool = False,
-         batch: int = GLOBAL_BATCH, lr: float = LR, lazy_rows: bool = False):
+         batch: int = GLOBAL_BATCH, lr: float = LR, lazy_rows: bool = False,
+         meta_tables: bool = False):
     """(program for one worker's shard, the global batches). With cache_rows the
     tables are cached; with sparse_tables they are sparse embeddings instead (the
     whole-table and parameter-server references). `lazy_rows`: the tables'
     rows come from `LAZY_INIT`: cached, the servers make them lazily and the
     model's own tables are left at a value no row has (NaN: read, it would
-    show); a reference's tables are `whole_table(LAZY_INIT, ...)`."""
+    show); a reference's tables are `whole_table(LAZY_INIT, ...)`.
+    `meta_tables` (with `lazy_rows`, cached): the model's tables are on the
+    `meta` device, no process holds any of their rows but its servers' own
+    (the other layers start as in the other variants)."""
     torch.manual_seed(0)
     model = TinyRecommender()
     place(model, role="server")
-    if lazy_rows:
+    if meta_tables:
+        for index in range(NUM_TABLES):
+            model.tables[index] = nn.Embedding(ROWS, DIM, device="meta")
+    elif lazy_rows:
         with torch.no_grad():
             for index, table in enumerate(model.tables):
                 table.weight.copy_(whole_table(LAZY_INIT, ROWS, DIM, f"tables.{index}.weight")

@@ -90,6 +90,28 @@ def test_lazy_rows_one_worker_equals_the_whole_table_from_the_same_initializer(o
     assert not any(run.state[key].isnan().any() for key in expected)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_tables_built_on_the_meta_device_train_as_lazy_rows_do(optimizer):
+    """No process holds a table's rows but its servers' own: the model's
+    tables are on `meta` (capture traces them on the CPU, their Adagrad
+    sums start from a row of zeros' state), and the run equals the lazy-rows
+    run bit for bit, so the whole-table reference too."""
+    program, _ = make(optimizer, 1, 1, cache_rows=40, lazy_rows=True, meta_tables=True)
+    assert program.initial_state["tables.0.weight"].device.type == "meta"
+    run, _ = cached_run(optimizer, 1, 2, cache_rows=40, lazy_rows=True, meta_tables=True)
+    lazy, _ = cached_run(optimizer, 1, 2, cache_rows=40, lazy_rows=True)
+    assert run.state.keys() == lazy.state.keys()
+    for key, value in lazy.state.items():
+        assert torch.equal(run.state[key], value), f"{key} differs"
+
+
+def test_a_table_on_the_meta_device_without_a_row_initializer_is_refused_at_marking():
+    table = torch.nn.Embedding(1000, 4, device="meta")
+    with pytest.raises(CaptureError, match=r"cached Embedding\(1000, 4\) on the meta device "
+                       r"holds no rows to start from; give it a row initializer"):
+        place_embedding_cache(table, cache_rows=16)
+
+
 def test_lazy_rows_two_workers_equal_parameter_server_mode():
     run, _ = cached_run("adagrad", 2, 2, cache_rows=40, policy="lfu", lazy_rows=True)
     expected = ps_run("adagrad", 2, 2, lazy_rows=True)

@@ -7,7 +7,7 @@
 --save-at N writes the checkpoint after step N instead and trains on (each
 --save one: a .pt file, or else a sharded directory); --resume continues one.
 --lazy-rows: the tables' rows come from a row initializer, made by the servers
-as first used (the model's own tables are NaN).
+as first used (the model's own tables are NaN; with --meta-tables, on `meta`).
 --finish-to DIR --gather-up-to BYTES: `finish(save_to=DIR, gather_tables_up_to=BYTES)`;
 worker 0 writes each table handed back as a view loaded whole, the keys that
 were views, and the rows of PROBE_IDS read through each view.
@@ -51,12 +51,16 @@ def main() -> int:
     parser.add_argument("--gather-up-to", type=int)
     parser.add_argument("--lazy-rows", action="store_true",
                         help="tables from cache_models.LAZY_INIT, their rows made lazily")
+    parser.add_argument("--meta-tables", action="store_true",
+                        help="with --lazy-rows: the model's tables on the meta device")
     args = parser.parse_args()
 
     job = Job.from_env()
     options = {"dense_on_servers": args.dense == "server"} if args.model == "sum_bags" else {}
     if args.lazy_rows:
         options["lazy_rows"] = True
+    if args.meta_tables:
+        options["meta_tables"] = True
     program, batches = (make_sum_bags if args.model == "sum_bags" else make)(
         args.optimizer, job.cluster.num_workers, args.steps, cache_rows=args.cache_rows,
         policy=args.policy, max_staleness=args.max_staleness, **options)
