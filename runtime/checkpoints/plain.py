@@ -76,6 +76,11 @@ def from_checkpoint(program: Program, checkpoint: Mapping, source: str = "the ch
     saved = [s for s in program.inputs if s.kind in (InputKind.PARAM, InputKind.BUFFER)
              and s.key not in program.non_persistent_buffers]  # those the capture's own
     missing = [s.key for s in saved if s.key not in model]
+    live = [key for key in missing if key in checkpoint.get("live_rows", {})]
+    if live:  # an exported sharded checkpoint: a live set is no tensor of the model's shape
+        raise CheckpointError(f"{source}: {', '.join(live)} is a dynamic table, whose live rows "
+                              f"a plain file cannot resume; resume from the sharded directory "
+                              f"it was exported from")
     if missing:
         raise CheckpointError(f"{source}: the checkpoint lacks {', '.join(missing[:5])}"
                               f"{' ...' if len(missing) > 5 else ''}; was it saved from this "

@@ -108,3 +108,18 @@ def test_a_row_budget_the_servers_memory_cap_cannot_hold_is_refused_at_start(mon
                        r"'table.weight' \(1000000 rows of 32 bytes with their state\) would "
                        r"need 30.5 MiB .* limit is 16.0 MiB.*lower DynamicTable\(row_budget"):
         ProcessRuntime(split, Label.server(0), hub.transport(Label.server(0)))
+
+
+def test_an_exported_checkpoint_of_a_dynamic_table_names_the_table_when_resumed():
+    """`splitrun export` writes a dynamic table's live sets under `live_rows`:
+    no tensor of the model's shape, so a plain resume says where to resume
+    from instead of "lacks table.weight"."""
+    from splitrun.runtime import CheckpointError
+    from splitrun.runtime.checkpoints import from_checkpoint
+    program = make_dynamic("sgd", 1, hashed_batches(1))
+    exported = {"step": 4, "optimizer": {"state": {}, "param_groups": []},
+                "model": {"top.weight": torch.zeros(1, 4), "top.bias": torch.zeros(1)},
+                "live_rows": {TABLE: {"server0": {"ids": torch.tensor([3])}}}}
+    with pytest.raises(CheckpointError, match="table.weight is a dynamic table, whose live rows "
+                       "a plain file cannot resume; resume from the sharded directory"):
+        from_checkpoint(program, exported, "exported.pt")
