@@ -143,9 +143,15 @@ class EmbeddingClient:
         prefetch did not hide) and to pulls made in the step itself."""
         return self.exchange.waits
 
-    def hit_rate(self) -> float:
-        hits = sum(c.counters.last_step.get("hits", 0) for c in self.caches.values())
-        unique = sum(c.counters.last_step.get("unique_ids", 0) for c in self.caches.values())
+    def hit_rate(self) -> float | None:
+        """The last step's hits over its distinct ids, over the tables a
+        worker caches (None if it caches none: dynamic tables' rows are pulled
+        every step)."""
+        caches = [c for c in self.caches.values() if isinstance(c, RowCache)]
+        if not caches:
+            return None
+        hits = sum(c.counters.last_step.get("hits", 0) for c in caches)
+        unique = sum(c.counters.last_step.get("unique_ids", 0) for c in caches)
         return hits / unique if unique else 0.0
 
     # -- bound to the graph's marker ops --
