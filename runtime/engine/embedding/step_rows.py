@@ -14,7 +14,6 @@ makes the step's new rows once it has heard every worker's ids of the step
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from splitrun.splitter.ops.cache import CachedTable, EvictionPolicy
@@ -36,11 +35,8 @@ class StepRows:
         self.device = torch.device(device)
         self.rows = torch.empty(0, table.dim, dtype=table.dtype, device=self.device)
         self.state: dict[str, torch.Tensor] = {}  # on the servers (write-through)
-        self.row_array = None
-        self.state_arrays: dict = {}
         self.counters = TableCounters()
         self._buffer = self.rows
-        self._unique = _NO_IDS
         self._step: int | None = None
 
     def check_ids(self, ids: torch.Tensor) -> None:
@@ -67,7 +63,6 @@ class StepRows:
             self._buffer = torch.empty(max(count, 2 * self._buffer.shape[0]), self.table.dim,
                                        dtype=self.table.dtype, device=self.device)
         self.rows = self._buffer[:count]
-        self._unique = unique
         slots = torch.arange(count)
         return BatchPlan(step_ids.ids, step_ids.inverse, count, unique, slots, _NO_IDS, _NO_IDS,
                          0, slots, step_ids)
@@ -76,39 +71,6 @@ class StepRows:
                 state: dict[str, torch.Tensor], fresh_for: int | None) -> None:
         self.rows.index_copy_(0, slots.to(self.device), rows.to(self.device, self.rows.dtype))
 
-    def gather(self, plan: BatchPlan, shape: torch.Size) -> torch.Tensor:
-        slots = plan.lookup_slots.to(self.device)
-        return self.rows.index_select(0, slots).reshape(*shape, self.table.dim)
-
-    def slots_or_missing(self, ids: torch.Tensor) -> torch.Tensor:
-        """The slot of each of `ids` in this step's rows, -1 where not looked up."""
-        flat = ids.reshape(-1).to("cpu", torch.int64).numpy()
-        unique = self._unique.numpy()
-        if not unique.size:
-            return torch.full((flat.size,), -1, dtype=torch.int64)
-        position = np.minimum(np.searchsorted(unique, flat), unique.size - 1)
-        return torch.from_numpy(np.where(unique.take(position) == flat, position, -1))
-
-    def slots_of(self, ids: torch.Tensor) -> torch.Tensor:
-        slots = self.slots_or_missing(ids)
-        if bool((slots < 0).any()):
-            raise CacheError(f"dynamic table {self.table.key!r}: a gradient for ids the step "
-                             f"did not look up (the lookup and the update disagree)")
-        return slots
-
-    def uncached_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Every distinct id: none is kept across steps."""
-        self.check_ids(ids)
-        return StepIds.of(ids).unique
-
-    def mark_dirty(self, slots: torch.Tensor) -> None:
-        raise CacheError(f"dynamic table {self.table.key!r}: its rows are updated on its "
-                         f"servers, never in a worker")
-
     def dirty_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """None: its rows are updated on its servers (a flush writes nothing back)."""
         return _NO_IDS, _NO_IDS
-
-    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        slots = self.slots_or_missing(ids).reshape(ids.shape)
-        mask = slots >= 0
-        return mask, self.rows[slots[mask].to(self.device)]
