@@ -115,8 +115,10 @@ class ModuleNames:
                         break
             members = groups.setdefault(key, [])
             counts[key] = counts.get(key, 0) + 1
-            if part is not None and part not in members:
-                members.append(part)
+            # A grouped multi-tensor update is `optimizer.{a,b,c}`: its parameters.
+            parts = ([] if part is None else part[1:-1].split(",") if part.startswith("{")
+                     else [part])
+            members.extend(p for p in parts if p not in members)
         return groups, counts
 
     @staticmethod

@@ -3,10 +3,11 @@ them into the step's graph as ordinary nodes labelled with the parameter's owner
 
 Each update mirrors the single-tensor (`foreach=False`) algorithm of its
 `torch.optim` namesake op for op, so a captured step tracks eager PyTorch to
-rounding. With `foreach=True` the update is instead one call of torch's own
-multi-tensor kernel (`ops.multi_tensor.foreach_update`), equal to
-`torch.optim.X(..., foreach=True)` bit for bit; the splitter groups those
-calls per process (`splitting.update_groups`).
+rounding. With `foreach=True` the update is instead one call of torch's
+multi-tensor kernels (`ops.multi_tensor.foreach_update`), equal to
+`torch.optim.X(..., foreach=True)` bit for bit, and on the CPU to torch's
+default too; the splitter groups those calls per process
+(`splitting.update_groups`).
 Learning rate and step count are graph inputs (float64 scalars, as
 torch computes them in Python floats), so schedules change them without a
 re-capture.

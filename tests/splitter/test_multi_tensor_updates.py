@@ -75,3 +75,67 @@ def test_parameter_server_split_equals_unsplit_bit_for_bit(name, num_servers):
     for key, value in expected_state.items():
         assert torch.equal(run.state[key], value), key
     assert not torch.equal(run.state["0.weight"], program.initial_state["0.weight"])
+
+
+# (torch optimizer, foreach_update's settings) with every branch of the three
+# algorithms: weight decay coupled and decoupled, maximize, nesterov, lr decay.
+CPU_DEFAULT_CASES = {
+    "sgd_nesterov": (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3,
+                                               nesterov=True),
+                     dict(optimizer="SGD", momentum=0.9, dampening=0.0, weight_decay=1e-3,
+                          nesterov=True, maximize=False), 0.05),
+    "sgd_plain_maximize": (lambda p: torch.optim.SGD(p, lr=0.05, maximize=True),
+                           dict(optimizer="SGD", momentum=0.0, dampening=0.0, weight_decay=0.0,
+                                nesterov=False, maximize=True), 0.05),
+    "adam_decay": (lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=1e-2),
+                   dict(optimizer="Adam", betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                        maximize=False), 0.01),
+    "adamw_maximize": (lambda p: torch.optim.AdamW(p, lr=0.01, maximize=True),
+                       dict(optimizer="AdamW", betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                            maximize=True), 0.01),
+    "adagrad_decay": (lambda p: torch.optim.Adagrad(p, lr=0.05, lr_decay=0.01, weight_decay=1e-3),
+                      dict(optimizer="Adagrad", lr_decay=0.01, weight_decay=1e-3, eps=1e-10,
+                           maximize=False, initial_accumulator_value=0.0), 0.05),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CPU_DEFAULT_CASES))
+def test_the_multi_tensor_update_equals_torchs_cpu_default_bit_for_bit(name):
+    # torch's default on the CPU is its single-tensor loop (foreach=None ->
+    # False); the multi-tensor kernels loop over the same kernels with the
+    # same scalars, so 7 steps of 3 parameters agree to the bit.
+    make, settings, lr = CPU_DEFAULT_CASES[name]
+    generator = torch.Generator().manual_seed(5)
+    shapes = [(16, 6), (16,), (3, 16)]
+    params = [nn.Parameter(torch.randn(s, generator=generator)) for s in shapes]
+    reference = make(params)
+    ours = [p.detach().clone() for p in params]
+    num_slots = {"SGD": 1 if settings.get("momentum") else 0, "Adagrad": 1}.get(
+        settings["optimizer"], 2)
+    state = [[torch.zeros(s) for s in shapes] for _ in range(num_slots)]
+    for step in range(1, 8):
+        grads = [torch.randn(s, generator=generator) for s in shapes]
+        for param, grad in zip(params, grads):
+            param.grad = grad.clone()
+        reference.step()
+        given = [g.clone() for g in grads]
+        out = foreach_update(*ours, *given, *[t for slot in state for t in slot],
+                             torch.tensor(lr, dtype=torch.float64),
+                             torch.tensor(float(step), dtype=torch.float64),
+                             num_params=3, **settings)
+        assert all(torch.equal(g, h) for g, h in zip(given, grads)), "a gradient was written"
+        ours = list(out[:3])
+        state = [list(out[3 + 3 * j:6 + 3 * j]) for j in range(num_slots)]
+        for key, (mine, theirs) in enumerate(zip(ours, params)):
+            assert torch.equal(mine, theirs.detach()), f"step {step}, parameter {key}"
+
+
+def test_on_meta_tensors_the_update_gives_shapes_only():
+    params = [torch.empty(4, 3, device="meta"), torch.empty(4, device="meta")]
+    out = foreach_update(*params, *params, *params, *params,
+                         torch.empty((), dtype=torch.float64, device="meta"),
+                         torch.empty((), dtype=torch.float64, device="meta"),
+                         optimizer="Adam", num_params=2, betas=(0.9, 0.999), eps=1e-8,
+                         weight_decay=0.0, maximize=False)
+    assert [tuple(t.shape) for t in out] == [(4, 3), (4,)] * 3
+    assert all(t.is_meta for t in out)
