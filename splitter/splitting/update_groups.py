@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections import Counter
 
 from torch import fx
 
@@ -39,12 +40,17 @@ def group_updates(plan: SplitPlan, program: Program) -> tuple[SplitPlan, Program
         return plan, program
     program = _copied(program)
     nodes = {n.name: n for n in program.graph.nodes}
+    # Every process's groups first, then the merges: an update several
+    # processes run (replicated on the workers) is grouped only where they all
+    # group it alike, and is never merged twice.
+    found = list(dict.fromkeys(members for proc in plan.processes
+                               for members in _groups_in(proc.schedule, nodes)))
+    taken = Counter(member for members in found for member in members)
     # members -> the grouped node's name and its getitems' names, in graph order
     groups: dict[tuple[str, ...], tuple[str, list[str]]] = {}
-    for proc in plan.processes:
-        for members in _groups_in(proc.schedule, nodes):
-            if members not in groups:
-                groups[members] = _merge(program.graph, [nodes[m] for m in members])
+    for members in found:
+        if all(taken[member] == 1 for member in members):
+            groups[members] = _merge(program.graph, [nodes[m] for m in members])
     if not groups:
         return plan, program
     program.graph_module.recompile()

@@ -50,9 +50,16 @@ def test_one_worker_equals_the_unsplit_step(optimizer):
         assert torch.equal(run.state[key], value), f"{key} differs"
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "sgd_foreach", "adagrad_foreach"])
 def test_two_workers_equal_dense_on_servers(optimizer):
     split, run, batches = _run(optimizer, 2, "worker")
+    if optimizer.endswith("_foreach"):
+        # Both workers run the same replicated updates: one call each, the same node.
+        calls = {str(proc.label): [i.target for i in proc.schedule
+                                   if i.target.startswith("foreach_update")]
+                 for proc in split.plan.processes if proc.label.role is Role.WORKER}
+        assert len(set(map(tuple, calls.values()))) == 1, calls
+        assert all(len(names) == 1 for names in calls.values()), calls
     assert sum(n.target is all_reduce_mean for n in split.program.graph.nodes) == 1
     for channel in split.plan.channels:
         assert Role.SERVER not in (channel.src.role, channel.dst.role), (

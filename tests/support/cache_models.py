@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +18,9 @@ GLOBAL_BATCH = 16
 LOOKUPS = 3  # ids per sample and table
 
 OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "adam": optim.Adam}
+# The dense updates as multi-tensor calls (`ops.multi_tensor`).
+OPTIMIZERS.update({f"{name}_foreach": functools.partial(kind, foreach=True)
+                   for name, kind in list(OPTIMIZERS.items())})
 LR = 0.3
 
 
