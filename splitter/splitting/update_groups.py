@@ -6,11 +6,12 @@ Capture appends one `foreach_update` node per parameter (its optimizer set
 plan is made (a group's parameters may live on different servers). This
 pass walks each process's schedule: the updates that run between the same
 two messages (one stretch of `run` instructions) with equal settings,
-learning rate and step count become one node, placed where the last of
-them was. Nothing another process waits for moves later than a message
-did, so the plan's messages and their order are unchanged, and since a
-multi-tensor kernel computes every tensor alone (`ops.multi_tensor`), the
-results are the same bits.
+learning rate and step count become one node (or one per GROUP_BYTES of
+parameters, in schedule order), placed where the last of them was.
+Nothing another process waits for moves later than a message did, so the
+plan's messages and their order are unchanged, and since a multi-tensor
+kernel computes every tensor alone (`ops.multi_tensor`), the results are
+the same bits.
 
 Requires: a finished plan and the program its names refer to.
 Ensures: every grouped update's getitems read the new node at their
@@ -32,6 +33,12 @@ from ..plan.model import Instruction, OpKind, SplitPlan
 from ..program import Program, node_annotation, set_node_annotation
 
 __all__ = ["group_updates"]
+
+# The most parameter bytes one grouped call updates. A call makes all its new
+# parameters and state before the old ones can go (a single-tensor chain puts
+# each parameter's in place as it goes), so this bounds what a process holds
+# beyond its state during an update: about three times this for Adam.
+GROUP_BYTES = 64 << 20
 
 
 def group_updates(plan: SplitPlan, program: Program) -> tuple[SplitPlan, Program]:
@@ -82,6 +89,25 @@ def _key(node: fx.Node) -> tuple:
             lr.name, step.name, n)
 
 
+def _by_bytes(members: list[str], nodes) -> list[tuple[str, ...]]:
+    """`members` in consecutive runs of at most GROUP_BYTES of parameters
+    (one larger parameter alone)."""
+    chunks: list[tuple[str, ...]] = []
+    chunk: list[str] = []
+    held = 0
+    for name in members:
+        value = nodes[name].meta["val"][0]
+        size = value.numel() * value.element_size()
+        if chunk and held + size > GROUP_BYTES:
+            chunks.append(tuple(chunk))
+            chunk, held = [], 0
+        chunk.append(name)
+        held += size
+    if chunk:
+        chunks.append(tuple(chunk))
+    return chunks
+
+
 def _groups_in(schedule, nodes) -> list[tuple[str, ...]]:
     """Per stretch of `run` instructions, the one-parameter updates with the
     same key whose results are read only after the stretch (by sends or as
@@ -92,8 +118,7 @@ def _groups_in(schedule, nodes) -> list[tuple[str, ...]]:
 
     def close() -> None:
         for members in open_groups.values():
-            if len(members) >= 2:
-                found.append(tuple(members))
+            found.extend(chunk for chunk in _by_bytes(members, nodes) if len(chunk) >= 2)
         open_groups.clear()
         in_stretch.clear()
 

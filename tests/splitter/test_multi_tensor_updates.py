@@ -139,3 +139,24 @@ def test_on_meta_tensors_the_update_gives_shapes_only():
                          weight_decay=0.0, maximize=False)
     assert [tuple(t.shape) for t in out] == [(4, 3), (4,)] * 3
     assert all(t.is_meta for t in out)
+
+
+def test_a_group_holds_at_most_group_bytes_of_parameters(monkeypatch):
+    # 16x6 + 16 floats, then 3x16 + 3: a cap of 100 floats splits the four
+    # parameters into [0.weight], [0.bias, 2.weight, 2.bias]; the bits are the same.
+    from splitrun.splitter.splitting import update_groups
+    monkeypatch.setattr(update_groups, "GROUP_BYTES", 100 * 4)
+    program, feeds, eager = _case("adam")
+    split = split_program(program, Cluster(num_workers=1))
+    check_plan(split.plan, split.program)
+    grouped = sorted(n.kwargs["num_params"] for n in split.program.graph.nodes
+                     if n.target is foreach_update)
+    assert grouped == [1, 3]
+    run = run_threaded(split, NUM_STEPS, feeds, recv_timeout_s=30)
+    reference = OPTIMIZERS["adam"](eager.parameters())
+    for step in range(NUM_STEPS):
+        for key, param in eager.named_parameters():
+            param.grad = run.history[step][f"grad.{key}"].clone()
+        reference.step()
+    for key, param in eager.named_parameters():
+        assert torch.equal(run.state[key], param.detach()), key
