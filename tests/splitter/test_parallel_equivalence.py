@@ -30,9 +30,10 @@ TOLERANCE = 1e-5
 
 
 @pytest.mark.parametrize("backend", ["channels", "torch_distributed"])
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adam_foreach"])
 @pytest.mark.parametrize("num_workers", [2, 4])
 def test_column_then_row_mlp_equals_the_unsplit_step(optimizer, num_workers, backend):
+    # adam_foreach: each parameter's multi-tensor update runs on its shards.
     program = capture_mlp(optimizer)
     trained = train_both(program, num_workers, NUM_STEPS, mlp_batches(NUM_STEPS),
                          backend=backend)
@@ -45,7 +46,11 @@ def test_column_then_row_mlp_equals_the_unsplit_step(optimizer, num_workers, bac
     assert not torch.allclose(trained.full_state["l2.weight"], moved), "training must move weights"
     layout = trained.layout
     assert layout.state["l1.weight"] == S(0) and layout.state["l2.weight"] == S(1)
-    assert layout.state["l2.weight.exp_avg" if optimizer == "adam" else "l2.weight"] == S(1)
+    assert layout.state["l2.weight.exp_avg" if optimizer != "sgd" else "l2.weight"] == S(1)
+    # No parameter is gathered to be updated whole.
+    gathered = [c.value for c in layout.collectives
+                if c.kind is CollectiveKind.ALL_GATHER and not c.is_forward]
+    assert not gathered, gathered
 
 
 @pytest.mark.parametrize("num_workers", [2, 4])

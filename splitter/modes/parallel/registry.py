@@ -8,8 +8,9 @@ equal to a full output shape are replaced by the local shape (`rewrite.py`).
 Covered: matrix products (`mm`, `addmm`, `bmm`), views and reshapes,
 elementwise ops (with partial sums where the op is linear in them), `sum`,
 `mean`, `embedding` and its backward, `_log_softmax`, `nll_loss` (replicated
-only) and backwards, layer norm and its backward, and the ops of splitrun's
-functional optimizers. An op with no entry runs replicated, with a warning.
+only) and backwards, layer norm and its backward, the ops of splitrun's
+functional optimizers and a parameter's multi-tensor update. An op with no
+entry runs replicated, with a warning.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import fx
 
 from ...fx_facts import op_packet
+from ...ops.multi_tensor import foreach_update
 from .local_ops import (
     VOCAB_LOG_SOFTMAX,
     VOCAB_LOG_SOFTMAX_BACKWARD,
@@ -482,3 +484,16 @@ def _layer_norm_backward(node, in_shapes, out_shapes):
         found.append(OpStrategy(outs, ins))
     return found
 
+
+
+# -- multi-tensor updates ---------------------------------------------------------------
+
+@_register(foreach_update)
+def _multi_tensor_update(node, in_shapes, out_shapes):
+    # One parameter's update is elementwise: its parameter, gradient and state
+    # sharded alike, the learning rate and step count (0-dim) replicated.
+    if node.kwargs.get("num_params") != 1:
+        return []
+    num_tensors = len(in_shapes) - 2
+    return [OpStrategy(tuple(S(d) for _ in out_shapes), (S(d),) * num_tensors + (R, R))
+            for d in range(len(out_shapes[0]))]
