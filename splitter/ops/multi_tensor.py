@@ -36,6 +36,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 __all__ = ["foreach_update", "STATE_NAMES", "MULTI_TENSOR_UPDATES"]
 
+
 # Per optimizer, the state it keeps per parameter (SGD: only with momentum).
 STATE_NAMES = {"SGD": ("momentum_buffer",), "Adam": ("exp_avg", "exp_avg_sq"),
                "AdamW": ("exp_avg", "exp_avg_sq"), "Adagrad": ("sum",)}
@@ -121,9 +122,9 @@ def foreach_update(*tensors: torch.Tensor, optimizer: str, num_params: int,
                          f"{n * (2 + len(names)) + 2} tensors, got {len(tensors)}")
     params, grads = list(tensors[:n]), list(tensors[n:2 * n])
     states = [list(tensors[2 * n + j * n:2 * n + (j + 1) * n]) for j in range(len(names))]
-    if any(is_fake(t) or t.is_meta for t in tensors):
-        # Shapes only (a pass propagating fake or meta values): the step's
-        # scalars have no values to read.
+    if tensors[0].is_meta or is_fake(tensors[0]):
+        # Shapes only (a pass propagating fake or meta values, all of a call's
+        # alike): the step's scalars have no values to read.
         return tuple(torch.empty_like(t) for t in (*params, *[t for s in states for t in s]))
     lr, step = float(tensors[-2]), float(tensors[-1])
     if optimizer in ("Adam", "AdamW"):
