@@ -20,6 +20,9 @@ OPTIMIZERS = {
     "sgd_momentum": lambda: optim.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3),
     "adam": lambda: optim.Adam(lr=0.01),
     "adagrad": lambda: optim.Adagrad(lr=0.05),
+    # Multi-tensor updates: grouped per stage (one stage holds both ends of the
+    # tied embedding).
+    "adam_foreach": lambda: optim.Adam(lr=0.01, foreach=True),
 }
 
 
@@ -72,7 +75,7 @@ def test_split_equals_unsplit(case, num_workers, optimizer):
     program = capture(model, loss_fn, OPTIMIZERS[optimizer](), data[0], return_grads=True)
     split_prog = split_program(program, Cluster(num_workers=num_workers))
     plan = split_prog.plan
-    check_plan(plan, program)
+    check_plan(plan, split_prog.program)  # the program the plan's names refer to
     busy = [p for p in plan.processes if p.num_ops]
     assert len(busy) == num_workers, "every worker must hold part of the step"
 
@@ -120,10 +123,10 @@ def test_unsplit_step_tracks_eager_pytorch(name):
     eager.load_state_dict(model.state_dict())
     functional = OPTIMIZERS[name]()
     torch_cls = {"sgd_momentum": torch.optim.SGD, "adam": torch.optim.Adam,
-                 "adagrad": torch.optim.Adagrad}[name]
+                 "adam_foreach": torch.optim.Adam, "adagrad": torch.optim.Adagrad}[name]
     kwargs = {k: getattr(functional, k) for k in
               {"sgd_momentum": ("lr", "momentum", "weight_decay"), "adam": ("lr", "betas", "eps"),
-               "adagrad": ("lr", "eps")}[name]}
+               "adam_foreach": ("lr", "betas", "eps"), "adagrad": ("lr", "eps")}[name]}
     torch_opt = torch_cls(eager.parameters(), foreach=False, **kwargs)
     program = capture(model, loss_fn, functional, data[0])
     _, state = program.train_unsplit(
