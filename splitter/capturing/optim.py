@@ -1,13 +1,14 @@
 """Functional optimizers: updates written as pure tensor ops, so capture can trace
 them into the step's graph as ordinary nodes labelled with the parameter's owner.
 
-Each update mirrors the single-tensor (`foreach=False`) algorithm of its
-`torch.optim` namesake op for op, so a captured step tracks eager PyTorch to
-rounding. With `foreach=True` the update is instead one call of torch's
-multi-tensor kernels (`ops.multi_tensor.foreach_update`), equal to
-`torch.optim.X(..., foreach=True)` bit for bit, and on the CPU to torch's
-default too; the splitter groups those calls per process
-(`splitting.update_groups`).
+By default (`foreach=True`, and a `torch.optim` optimizer's `foreach=None`)
+an update is one call of torch's multi-tensor kernels
+(`ops.multi_tensor.foreach_update`), equal to `torch.optim.X(...,
+foreach=True)` bit for bit, and on the CPU to torch's default single-tensor
+loop too; the splitter groups those calls per process
+(`splitting.update_groups`). With `foreach=False` each update mirrors the
+single-tensor algorithm of its `torch.optim` namesake op for op (its `update`
+here), so a captured step tracks eager PyTorch to rounding.
 Learning rate and step count are graph inputs (float64 scalars, as
 torch computes them in Python floats), so schedules change them without a
 re-capture.
@@ -73,7 +74,7 @@ class SGD(Optimizer):
     weight_decay: float = 0.0
     nesterov: bool = False
     maximize: bool = False
-    foreach: bool = False
+    foreach: bool = True
 
     def __post_init__(self) -> None:
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
@@ -103,7 +104,7 @@ class Adam(Optimizer):
     eps: float = 1e-8
     weight_decay: float = 0.0
     maximize: bool = False
-    foreach: bool = False
+    foreach: bool = True
     state_names: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq")
     _decoupled: ClassVar[bool] = False
 
@@ -139,7 +140,7 @@ class Adagrad(Optimizer):
     initial_accumulator_value: float = 0.0
     eps: float = 1e-10
     maximize: bool = False
-    foreach: bool = False
+    foreach: bool = True
     state_names: ClassVar[tuple[str, ...]] = ("sum",)
 
     def init_state_entry(self, param, name):
@@ -190,9 +191,10 @@ def from_torch(optimizer: torch.optim.Optimizer) -> list[tuple[Optimizer, list[t
                     f"{kind.__name__} param group {index} sets {flag}=True, which "
                     f"splitrun's functional {kind.__name__} does not implement; "
                     f"turn it off")
-        # foreach=True: torch's multi-tensor kernels; None (torch's default,
-        # single-tensor on the CPU) and False: the single-tensor chain.
-        foreach = bool(group.get("foreach"))
+        # foreach=True and None (torch's default): torch's multi-tensor
+        # kernels, the same bits as torch's default on the CPU and on a GPU;
+        # False: the single-tensor chain.
+        foreach = group.get("foreach") is not False
         if kind is torch.optim.SGD:
             functional = SGD(lr=group["lr"], momentum=group["momentum"],
                              dampening=group["dampening"],

@@ -160,7 +160,10 @@ def _check_dataflow(plan: SplitPlan, program) -> None:
             if instr.kind is OpKind.RUN:
                 node = nodes.get(instr.target)
                 if node is None:
-                    raise PlanError(f"[{who}] runs {instr.target}, which is not in the graph")
+                    raise PlanError(
+                        f"[{who}] runs {instr.target}, which is not in the graph; check a plan "
+                        f"against the program it was split into (split_program(...).program: "
+                        f"the split may add nodes, such as grouped optimizer updates)")
                 for arg in node.all_input_nodes:
                     if arg.name not in have:
                         raise PlanError(

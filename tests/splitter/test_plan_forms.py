@@ -22,6 +22,7 @@ from splitrun.splitter import (
     plan_to_dot,
     plan_to_text,
     split,
+    split_program,
 )
 from splitrun.splitter.testing import random_program
 
@@ -31,7 +32,8 @@ def lm_plan():
     torch.manual_seed(0)
     program = capture(TiedBigramLM(num_workers=3), lm_loss, optim.SGD(lr=0.1, momentum=0.9),
                       markov_batches(1, batch=4)[0])
-    return split(program, Cluster(num_workers=3)), program
+    done = split_program(program, Cluster(num_workers=3))
+    return done.plan, done.program  # the program the plan's names refer to
 
 
 def test_text_form_round_trips(lm_plan):

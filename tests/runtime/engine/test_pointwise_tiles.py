@@ -20,14 +20,16 @@ TILE = 64
 WIDTH = 37
 STEPS = 4
 
+# foreach=False: the single-tensor chains, which are what runs tile by tile.
 OPTIMIZERS = {
-    "sgd_momentum_decay": lambda: optim.SGD(lr=0.1, momentum=0.9, weight_decay=1e-3),
+    "sgd_momentum_decay": lambda: optim.SGD(lr=0.1, momentum=0.9, weight_decay=1e-3,
+                                            foreach=False),
     "sgd_nesterov_maximize": lambda: optim.SGD(lr=0.1, momentum=0.9, nesterov=True,
-                                               maximize=True),
-    "sgd_dampening": lambda: optim.SGD(lr=0.1, momentum=0.9, dampening=0.3),
-    "adam": lambda: optim.Adam(lr=0.01, weight_decay=1e-2),
-    "adamw": lambda: optim.AdamW(lr=0.01),
-    "adagrad": lambda: optim.Adagrad(lr=0.1, lr_decay=0.01),
+                                               maximize=True, foreach=False),
+    "sgd_dampening": lambda: optim.SGD(lr=0.1, momentum=0.9, dampening=0.3, foreach=False),
+    "adam": lambda: optim.Adam(lr=0.01, weight_decay=1e-2, foreach=False),
+    "adamw": lambda: optim.AdamW(lr=0.01, foreach=False),
+    "adagrad": lambda: optim.Adagrad(lr=0.1, lr_decay=0.01, foreach=False),
 }
 
 

@@ -38,7 +38,7 @@ from splitrun.runtime.transport import ChannelContract, receive_contracts
 from splitrun.runtime.transport.dtypes import TensorSpec
 from splitrun.runtime.transport.grpc import GrpcSettings, GrpcTransport
 from splitrun.runtime.transport.grpc.outgoing import SendQueue
-from splitrun.splitter import Cluster, capture, optim, split
+from splitrun.splitter import Cluster, capture, optim, split, split_program
 from splitrun.splitter.testing import random_batches, random_program
 
 # Bounds each raw client call in the bad-input tests.
@@ -167,9 +167,11 @@ def run_over_grpc(plan, program, num_steps, feeds):
     return history, state, messages
 
 
-def assert_same_training(program, plan, num_steps, feeds):
+def assert_same_training(program, plan, num_steps, feeds, split_program=None):
+    """`split_program`: the program the plan's names refer to, where it is not
+    `program` (the split grouped the updates)."""
     expected_history, expected_state = program.train_unsplit(num_steps, feeds)
-    history, state, messages = run_over_grpc(plan, program, num_steps, feeds)
+    history, state, messages = run_over_grpc(plan, split_program or program, num_steps, feeds)
     assert messages >= num_steps, "the processes must really talk"
     for step in range(num_steps):
         assert history[step].keys() == expected_history[step].keys()
@@ -192,9 +194,9 @@ def test_a_captured_model_trains_like_the_unsplit_step():
     model = TiedBigramLM(num_workers=2)
     data = markov_batches(3, batch=8)
     program = capture(model, lm_loss, optim.Adam(lr=0.01), data[0])
-    plan = split(program, Cluster(num_workers=2))
+    done = split_program(program, Cluster(num_workers=2))
     feeds = lambda step: {"batch.0": data[step][0], "batch.1": data[step][1]}  # noqa: E731
-    assert_same_training(program, plan, 3, feeds)
+    assert_same_training(program, done.plan, 3, feeds, done.program)
 
 
 def test_receive_contracts_come_from_the_plan_and_the_graph():
