@@ -69,9 +69,7 @@ def main() -> int:
     place(model, role="server")  # every parameter on a server, spread by size
     train_x, train_y, test_x, test_y = digits()
     batches = global_batches(train_x, train_y, args.batch_size, args.epochs)
-    # foreach=True: a server updates all its parameters in one multi-tensor call
-    # (on the CPU the same bits as torch's default single-tensor loop).
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, foreach=True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=len(batches))
     shard = args.batch_size // job.cluster.num_workers
     program = capture(model, lambda m, x, y: F.cross_entropy(m(x), y), optimizer,
