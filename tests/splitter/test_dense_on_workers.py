@@ -50,10 +50,10 @@ def test_one_worker_equals_the_unsplit_step(optimizer):
         assert torch.equal(run.state[key], value), f"{key} differs"
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "sgd_foreach", "adagrad_foreach"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "sgd_chain", "adagrad_chain"])
 def test_two_workers_equal_dense_on_servers(optimizer):
     split, run, batches = _run(optimizer, 2, "worker")
-    if optimizer.endswith("_foreach"):
+    if not optimizer.endswith("_chain"):
         # Both workers run the same replicated updates: one call each, the same node.
         calls = {str(proc.label): [i.target for i in proc.schedule
                                    if i.target.startswith("foreach_update")]

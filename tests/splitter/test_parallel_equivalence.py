@@ -30,10 +30,11 @@ TOLERANCE = 1e-5
 
 
 @pytest.mark.parametrize("backend", ["channels", "torch_distributed"])
-@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adam_foreach"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adam_chain"])
 @pytest.mark.parametrize("num_workers", [2, 4])
 def test_column_then_row_mlp_equals_the_unsplit_step(optimizer, num_workers, backend):
-    # adam_foreach: each parameter's multi-tensor update runs on its shards.
+    # adam: each parameter's multi-tensor update runs on its shards; adam_chain:
+    # the single-tensor chain's ops do.
     program = capture_mlp(optimizer)
     trained = train_both(program, num_workers, NUM_STEPS, mlp_batches(NUM_STEPS),
                          backend=backend)

@@ -18,8 +18,8 @@ GLOBAL_BATCH = 16
 LOOKUPS = 3  # ids per sample and table
 
 OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "adam": optim.Adam}
-# The dense updates as multi-tensor calls (`ops.multi_tensor`).
-OPTIMIZERS.update({f"{name}_foreach": functools.partial(kind, foreach=True)
+# The dense updates as single-tensor chains (the default: multi-tensor calls).
+OPTIMIZERS.update({f"{name}_chain": functools.partial(kind, foreach=False)
                    for name, kind in list(OPTIMIZERS.items())})
 LR = 0.3
 

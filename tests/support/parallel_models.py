@@ -33,7 +33,7 @@ def mse(model, x, y):
 
 def make_optimizer(name: str):
     return {"sgd": optim.SGD(lr=0.1), "adam": optim.Adam(lr=0.01),
-            "adam_foreach": optim.Adam(lr=0.01, foreach=True),
+            "adam_chain": optim.Adam(lr=0.01, foreach=False),
             "sgd_momentum": optim.SGD(lr=0.05, momentum=0.9)}[name]
 
 
