@@ -13,7 +13,9 @@ admitted and expired counts equal the plain-Python reference of the policy
 in the same run: one process training the same model with the hashing
 trick users reach for without dynamic tables (a bounded table of
 servers x budget rows indexed by id mod rows; every row made at start);
-step times are medians after a warm-up.
+step times are medians after a warm-up. The same job with a worker that
+caches no row (`policy="none"`: every step pulls every row) runs too, and
+must reach the same counts.
 
     python bench/dynamic_job.py [--steps 700] [--batch 65536] [--row-budget 30000]
         [--admit-after 2] [--expire-after 30] [--quick]
@@ -67,6 +69,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--row-budget", type=int, default=30_000)
     parser.add_argument("--admit-after", type=int, default=2)
     parser.add_argument("--expire-after", type=int, default=30)
+    parser.add_argument("--cache-policy", default="lru", choices=["lru", "none"],
+                        help=argparse.SUPPRESS)  # the job's: the worker's cache, or none
     parser.add_argument("--quick", action="store_true",
                         help="a small run for the tests (40 steps of 4096 lookups)")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
@@ -115,7 +119,7 @@ def run_job(args: argparse.Namespace) -> None:
     model = HashedBag()
     place(model.top, role="worker")
     place_embedding_cache(model.table, cache_rows=args.batch, dynamic=policy_of(args),
-                          init=RowInit.normal(0.01, seed=SEED))
+                          init=RowInit.normal(0.01, seed=SEED), policy=args.cache_policy)
     example = next(batches(argparse.Namespace(**{**vars(args), "steps": 1})))
     program = capture(model, click_loss, optim.SGD(lr=LR), example)
     trainer = job.start(program, EmbeddingCacheMode(), num_steps=args.steps)
@@ -128,15 +132,18 @@ def run_job(args: argparse.Namespace) -> None:
     report = {"rank": job.label.rank, "peak_rss_mb": round(peak / 2**20, 1)}
     if job.is_worker:
         report["step_ms"] = [round(1e3 * (b - a), 3) for a, b in zip(stamps, stamps[1:])]
+        report["cache"] = {k: v for k, v in trainer.cache_counters["table.weight"].items()
+                           if k != "last_step"}
     else:
         report["counters"] = trainer.cache_counters["table.weight"]
     print(PREFIX[role] + json.dumps(report), flush=True)
 
 
-def launch(args: argparse.Namespace) -> tuple[dict, list[dict]]:
+def launch(args: argparse.Namespace, cache_policy: str) -> tuple[dict, list[dict]]:
     knobs = ["--steps", args.steps, "--batch", args.batch, "--lookups", args.lookups,
              "--zipf", args.zipf, "--row-budget", args.row_budget, "--admit-after",
-             args.admit_after, "--expire-after", args.expire_after]
+             args.admit_after, "--expire-after", args.expire_after,
+             "--cache-policy", cache_policy]
     command = [sys.executable, "-m", "splitrun.launcher", "--log-level", "WARNING", "launch",
                "--workers", "1", "--servers", str(SERVERS), "--device", "cpu", str(HERE),
                "--", "--job", *map(str, knobs)]
@@ -191,7 +198,9 @@ def _median_ms(step_ms: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    worker, servers = launch(args)
+    worker, servers = launch(args, "lru")
+    # The same job whose worker caches no row: every step pulls every row.
+    uncached_worker, uncached_servers = launch(args, "none")
     baseline = hashing_trick(args)  # before the reference: its peak RSS is this process's
     references, distinct = reference(args)
     per_server = []
@@ -207,6 +216,8 @@ def run(args: argparse.Namespace) -> dict:
             "counts_match": (c["admitted"], c["expired"], c["live_rows"]) == (
                 ref.num_admitted, ref.num_expired, len(ref.rows))})
     job_ms, one_ms = _median_ms(worker["step_ms"]), _median_ms(baseline["step_ms"])
+    uncached_ms = _median_ms(uncached_worker["step_ms"])
+    policy_counts = ("admitted", "expired", "live_rows", "waiting")
     return {
         "bench": "dynamic_job",
         "config": {"steps": args.steps, "batch": args.batch, "lookups": args.lookups,
@@ -220,8 +231,19 @@ def run(args: argparse.Namespace) -> dict:
                                        for p in per_server),
         "counts_match_reference": all(p["counts_match"] for p in per_server),
         "worker_peak_rss_mb": worker["peak_rss_mb"],
-        "step_ms_median": {"job": job_ms, "hashing_trick_one_process": one_ms},
+        "worker_cache": {k: worker["cache"][k] for k in (
+            "hit_rate", "hits", "misses", "evictions", "dropped_gradients", "bytes_pulled",
+            "bytes_pushed")},
+        "uncached_dropped_gradients": sum(b["counters"]["dropped_gradients"]
+                                          for b in uncached_servers),
+        "uncached_counts_equal": all(
+            {k: a["counters"][k] for k in policy_counts} ==
+            {k: b["counters"][k] for k in policy_counts}
+            for a, b in zip(servers, uncached_servers)),
+        "step_ms_median": {"job": job_ms, "job_caching_none": uncached_ms,
+                           "hashing_trick_one_process": one_ms},
         "job_speed_vs_hashing_trick": round(one_ms / job_ms, 3),
+        "cache_speed_up": round(uncached_ms / job_ms, 3),
         "hashing_trick_peak_rss_mb": baseline["peak_rss_mb"],
     }
 

@@ -51,16 +51,21 @@ class CacheSettings:
 
     def write_back(self, num_workers: int) -> bool:
         """One worker caching rows owns them while cached: updates stay in the
-        cache until the row goes back. Otherwise gradients go to the servers
-        (always for a dynamic table: its servers own admission and expiry)."""
-        return (num_workers == 1 and self.policy is not EvictionPolicy.NONE
-                and self.dynamic is None)
+        cache until the row goes back (a dynamic table's too: its servers
+        still own admission and expiry, and tell the worker which of its rows
+        are live and which expired). Otherwise gradients go to the servers."""
+        return num_workers == 1 and self.policy is not EvictionPolicy.NONE
 
     def __post_init__(self) -> None:
         if self.cache_rows < 1:
             raise CaptureError(f"cache_rows must be >= 1, got {self.cache_rows}")
         if self.max_staleness < 0:
             raise CaptureError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.dynamic is not None and self.policy is EvictionPolicy.LFU:
+            # LFU counts every id's lookups over the run, in a map over the rows.
+            raise CaptureError("a dynamic table's worker cache evicts by policy='lru' (or "
+                               "caches nothing: 'none'); 'lfu' counts lookups per row of a "
+                               "table with a row count")
 
 
 @dataclass(frozen=True)

@@ -58,12 +58,13 @@ def hashed_batches(num_steps: int, seed: int = 0, batch: int = GLOBAL_BATCH,
 
 
 def make_dynamic(optimizer: str, num_workers: int, batches, *,
-                 policy: DynamicTable | None = None):
-    """The program for one worker's share of the batches, its table dynamic."""
+                 policy: DynamicTable | None = None, cache_policy: str = "lru"):
+    """The program for one worker's share of the batches, its table dynamic
+    (`cache_policy` "none": one worker caches no row either)."""
     torch.manual_seed(0)
     model = HashedIds()
     place(model.top, role="worker")
-    place_embedding_cache(model.table, cache_rows=64, init=INIT,
+    place_embedding_cache(model.table, cache_rows=64, init=INIT, policy=cache_policy,
                           dynamic=policy or DynamicTable())
     shard = GLOBAL_BATCH // num_workers
     return capture(model, click_loss, OPTIMIZERS[optimizer](lr=LR),

@@ -32,7 +32,9 @@ Consistency model:
   and when the job saves or finishes. The servers' tables are then exactly what
   training with the whole table in one process gives. The next step's plan is
   made while a step computes, in a thread (`plans_ahead.py`, which says why
-  that is exact).
+  that is exact). A dynamic table's too, planned in its step: its servers
+  say after each pull which of the step's ids have rows (only those are
+  updated) and which rows expired (`RowCache.reset`).
 - Several workers: gradients go to the servers every step (each server
   averages them over the workers and updates, as parameter-server mode does),
   and a cached row older than `max_staleness` steps is pulled again before it
@@ -93,10 +95,11 @@ class EmbeddingClient:
         self.transport = transport
         self.incarnation = incarnation
         self.timeout_s = timeout_s
-        # A dynamic table's rows are the step's own, pulled every step (step_rows.py).
-        self.caches = {t.key: StepRows(t, device) if t.settings.dynamic is not None
-                       else RowCache(t, device) for t in tables}
         self.write_back = {t.key: t.settings.write_back(cluster.num_workers) for t in tables}
+        # A dynamic table not cached (several workers, or policy "none") holds the
+        # step's own rows, pulled every step (step_rows.py).
+        self.caches = {t.key: StepRows(t, device) if t.settings.dynamic is not None
+                       and not self.write_back[t.key] else RowCache(t, device) for t in tables}
         self.index = {t.key: i for i, t in enumerate(tables)}
         self.sharding = {t.key: IdSharding(cluster.num_servers) if t.settings.dynamic is not None
                          else RowSharding(t.num_rows, cluster.num_servers) for t in tables}
@@ -104,8 +107,8 @@ class EmbeddingClient:
                       for group in fused_groups}
         # A table one worker caches whole is resident: slot = id, every row
         # pulled once (at its first lookup), no plan, no misses afterwards.
-        self.resident = {t.key: self.write_back[t.key] and self.caches[t.key].capacity
-                         >= t.num_rows for t in tables}
+        self.resident = {t.key: self.write_back[t.key] and t.settings.dynamic is None
+                         and self.caches[t.key].capacity >= t.num_rows for t in tables}
         self._loaded: set[str] = set()
         self._resident_slots: dict[str, torch.Tensor] = {}  # this step's lookups
         self._step = first_step
@@ -145,8 +148,8 @@ class EmbeddingClient:
 
     def hit_rate(self) -> float | None:
         """The last step's hits over its distinct ids, over the tables a
-        worker caches (None if it caches none: dynamic tables' rows are pulled
-        every step)."""
+        worker caches (None if it caches none: a dynamic table's rows are
+        pulled every step with several workers)."""
         caches = [c for c in self.caches.values() if isinstance(c, RowCache)]
         if not caches:
             return None
@@ -316,7 +319,9 @@ class EmbeddingClient:
         for table in tables:
             cache = self.caches[table]
             feed = cache.table.ids_feed
+            # A dynamic table's servers make each step's rows as its pull comes.
             if (not self.write_back[table] or self.resident[table]
+                    or cache.table.settings.dynamic is not None
                     or table in self.ahead.excluded or cache.policy is EvictionPolicy.NONE
                     or feed is None or feed not in self._next_feeds):
                 continue
@@ -351,7 +356,13 @@ class EmbeddingClient:
             ids, summed = ids[keep], summed[keep.to(summed.device)]
             slots = None if slots is None else slots[keep]
         if self.write_back[table]:
-            slots = (cache.slots_of(ids) if slots is None else slots).to(cache.device)
+            slots = cache.slots_of(ids) if slots is None else slots
+            if cache.dynamic:  # only rows their servers have are trained
+                live = cache.live.index_select(0, slots)
+                if not bool(live.all()):
+                    cache.counters.dropped_gradients += int((~live).sum())
+                    slots, summed = slots[live], summed[live.to(summed.device)]
+            slots = slots.to(cache.device)
             # In place: rows leave the cache only as copies (gathers, pushes).
             IN_PLACE[cache.table.optimizer](cache.rows, slots, summed, lr, step,
                                             *(cache.state[n] for n in cache.table.state_names),

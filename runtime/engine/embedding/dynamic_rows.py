@@ -8,8 +8,9 @@ A step is `begin_step(step, ids)` (the step's ids this server owns: age
 expiry, sightings, admission, the row budget), `read(ids)` (rows for the
 step's ids: a row's own, or the initializer's row for an id not admitted),
 then `apply(ids, grads, lr, step)` (the row-wise update of the admitted ids;
-the others' gradients are dropped). `expired_ids` of a step are what the
-workers' caches must drop. `snapshot()` / `restore()` carry the live set (and
+the others' gradients are dropped). `expired_ids` of a step are what a
+worker's cache must start over (`RowCache.reset`); a worker caching the rows
+writes them back with `write`. `snapshot()` / `restore()` carry the live set (and
 the ids waiting for admission) through a sharded checkpoint, onto any number
 of servers.
 """
@@ -132,6 +133,35 @@ class DynamicRows:
         out.index_copy_(0, torch.from_numpy(np.flatnonzero(~found)),
                         self._initial(flat.compress(~found)))
         return out
+
+    def read_state(self, ids: torch.Tensor | np.ndarray) -> dict[str, torch.Tensor]:
+        """Each row state of `ids`: a row's own, the starting value for an id
+        without a row (what a worker caching the rows gets with them)."""
+        slots = self.slots_of(self._ids(ids))
+        found = torch.from_numpy(slots >= 0)
+        where = torch.from_numpy(np.maximum(slots, 0))
+        return {name: torch.where(found[:, None], value.index_select(0, where),
+                                  self.state_start[name]).to(self.dtype)
+                for name, value in self.state.items()}
+
+    def has_rows(self, ids: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """Whether each of `ids` has a row (admitted, not expired)."""
+        return torch.from_numpy(self.slots_of(self._ids(ids)) >= 0)
+
+    def write(self, ids: torch.Tensor | np.ndarray, rows: torch.Tensor,
+              state: dict[str, torch.Tensor]) -> None:
+        """Rows (and their state) a worker caching them wrote back: only rows
+        it updated, so each id has a row (it was told of every expiry)."""
+        flat = self._ids(ids)
+        slots = self.slots_of(flat)
+        if bool((slots < 0).any()):
+            raise CacheError(f"dynamic table {self.table!r} on server {self.server}: a write-back "
+                             f"of id {int(flat[slots < 0][0])}, which has no row here (expired, "
+                             f"or never admitted); the worker's cache and this server disagree")
+        where = torch.from_numpy(slots)
+        self.rows.index_copy_(0, where, rows.to(self.dtype))
+        for name, value in state.items():
+            self.state[name].index_copy_(0, where, value.to(self.dtype))
 
     def apply(self, ids: torch.Tensor | np.ndarray, grads: torch.Tensor, lr, step_count) -> None:
         """The row-wise update of the rows of `ids` (distinct, each gradient

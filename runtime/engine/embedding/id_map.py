@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["IdMap"]
+__all__ = ["IdMap", "SparseSlots"]
 
 _EMPTY = np.empty(0, dtype=np.int64)
 
@@ -64,3 +64,49 @@ class IdMap:
         mask = np.ones(self.ids.size, dtype=bool)
         mask[positions] = False
         self.keep(mask)
+
+
+class SparseSlots:
+    """slot + 1 of each cached id (0: not cached) over int64 ids: a worker's
+    cache of a dynamic table (`RowCache`) uses it where a bounded table's
+    cache uses a dense numpy array over its rows, through the same two
+    calls, `take(ids)` and `slots[ids] = values` (0 removes). Its size is the
+    cached ids', whatever the ids."""
+
+    def __init__(self) -> None:
+        self._map = IdMap(("slot_plus_one",))
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    @property
+    def nbytes(self) -> int:
+        return self._map.nbytes
+
+    def take(self, ids: np.ndarray) -> np.ndarray:
+        if not len(self._map):
+            return np.zeros(ids.shape, dtype=np.int64)
+        positions, found = self._map.find(ids.reshape(-1))
+        taken = self._map.columns["slot_plus_one"].take(positions)
+        return np.where(found, taken, 0).reshape(ids.shape)
+
+    def __setitem__(self, ids: np.ndarray, values) -> None:
+        """`values` (one, or one per id) for distinct `ids`; 0 drops an id."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if not ids.size:
+            return
+        values = np.broadcast_to(np.asarray(values, dtype=np.int64), ids.shape)
+        positions, found = self._map.find(ids)
+        column = self._map.columns["slot_plus_one"]
+        kept = found & (values != 0)
+        column[positions.compress(kept)] = values.compress(kept)
+        dropped = found & (values == 0)
+        if dropped.any():
+            mask = np.ones(len(self._map), dtype=bool)
+            mask[positions.compress(dropped)] = False
+            self._map.keep(mask)
+        new = ~found & (values != 0)
+        if new.any():
+            order = np.argsort(ids.compress(new), kind="stable")
+            self._map.insert(ids.compress(new).take(order),
+                             slot_plus_one=values.compress(new).take(order))

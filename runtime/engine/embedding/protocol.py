@@ -23,6 +23,11 @@ about, so one message per server carries every table's part of a step:
 `step` in a PULL's header is the step the rows must be fresh for: with several
 workers the server answers once the updates of every earlier step are applied.
 
+A dynamic table one worker caches (write-back) names the step's distinct ids
+seen before the ids wanted, in a PULL (seen, ids) and a PUSH_PULL (ids, rows,
+*state, seen, ids); its reply part is rows, *state, has_rows (bool, over seen),
+the ids the step expired, and each row state's starting value (float64[n]).
+
 Rows gathered from a table or cache for a message (a reply's, a write-back's,
 gradients by server) are `Gather`s in the message: `send_message` gathers them
 straight into the message's memory where the transport lends it (a shared-

@@ -28,7 +28,9 @@ import torch
 from splitrun.splitter.ops.cache import CachedTable, EvictionPolicy
 
 from ...errors import CacheError
+from .dynamic_rows import check_dynamic_ids
 from .huge_pages import small_page_zeros, zeros_rows
+from .id_map import SparseSlots
 from .row_copy import RowArray, copy_rows_
 from .step_ids import StepIds
 from .use_order import UseOrder
@@ -101,6 +103,8 @@ class TableCounters:
     bytes_pulled: int = 0
     bytes_pushed: int = 0
     planned_ahead: int = 0  # steps whose plan was made while the step before computed
+    # A dynamic table's gradients of ids without a row on their server (not admitted).
+    dropped_gradients: int = 0
     last_step: dict = field(default_factory=dict)
 
     @property
@@ -116,7 +120,8 @@ class TableCounters:
         return {"lookups": self.lookups, "unique_ids": self.unique_ids, "hits": self.hits,
                 "misses": self.misses, "evictions": self.evictions,
                 "bytes_pulled": self.bytes_pulled, "bytes_pushed": self.bytes_pushed,
-                "planned_ahead": self.planned_ahead, "hit_rate": round(self.hit_rate, 6),
+                "planned_ahead": self.planned_ahead,
+                "dropped_gradients": self.dropped_gradients, "hit_rate": round(self.hit_rate, 6),
                 "last_step": dict(self.last_step)}
 
 
@@ -161,13 +166,18 @@ class BatchPlan:
 
 
 class RowCache:
+    """A dynamic table's cache (`DynamicTable`: ids any int64, one worker)
+    maps ids sparsely (`SparseSlots`) and is told after each pull which of
+    the step's ids have rows on their servers (`live`: only those are
+    updated) and which rows expired (`reset`: they start over)."""
+
     def __init__(self, table: CachedTable, device: torch.device | str = "cpu") -> None:
-        if table.settings.dynamic is not None:
-            # The id -> slot map is dense over [0, num_rows).
-            raise CacheError(f"table {table.key!r} is dynamic (DynamicTable): a worker holds "
-                             f"its step's rows in a StepRows, not a RowCache")
         self.table = table
-        self.capacity = min(table.settings.cache_rows, table.num_rows)
+        self.dynamic = table.settings.dynamic is not None
+        if self.dynamic and table.settings.policy is EvictionPolicy.LFU:
+            raise CacheError(f"dynamic table {table.key!r}: its worker cache evicts by LRU")
+        self.capacity = (table.settings.cache_rows if self.dynamic
+                         else min(table.settings.cache_rows, table.num_rows))
         self.policy = table.settings.policy
         self.device = torch.device(device)
         shape = (self.capacity, table.dim)
@@ -175,8 +185,11 @@ class RowCache:
         self.state = {name: zeros_rows(shape, table.dtype, self.device)
                       for name in table.state_names}
         self._keep_row_arrays()
-        self._slot_plus_one = small_page_zeros(
+        self._slot_plus_one = SparseSlots() if self.dynamic else small_page_zeros(
             table.num_rows, np.int32 if self.capacity < (1 << 31) - 1 else np.int64)
+        # A dynamic table's rows with a row on their server (of the step's ids:
+        # their latest pull says so).
+        self.live = torch.zeros(self.capacity, dtype=torch.bool) if self.dynamic else None
         self.id_of_slot = torch.full((self.capacity,), -1, dtype=torch.int64)
         self.last_used = torch.full((self.capacity,), -1, dtype=torch.int64)
         # Slots fill in order and are never freed (a victim's slot is reused
@@ -229,6 +242,9 @@ class RowCache:
     # -- planning a batch --
 
     def check_ids(self, ids: torch.Tensor) -> None:
+        if self.dynamic:
+            check_dynamic_ids(ids, self.table.key)
+            return
         if ids.numel() == 0:
             return
         values = ids.numpy()
@@ -259,6 +275,14 @@ class RowCache:
         them, none is made (the cache is left as it was) and None is returned.
         """
         step_ids = ids if isinstance(ids, StepIds) else None
+        if self.dynamic:
+            if step_ids is None:
+                self.check_ids(ids)  # its dtype, before the ids are made int64
+            if step <= self._clock:
+                raise CacheError(
+                    f"dynamic table {self.table.key!r} is looked up twice in step {step}; its "
+                    f"servers make a step's rows from the step's ids once: look it up once "
+                    f"(concatenate the ids)")
         flat = ids.ids if step_ids is not None else ids.reshape(-1).to("cpu", torch.int64)
         self.check_ids(flat)
         # Numpy views of the maps: the same memory (see the module's doc).
@@ -434,6 +458,9 @@ class RowCache:
     def slot_of_id(self) -> torch.Tensor:
         """Every id's slot, -1 for none: a whole int64 copy of the map, for
         tests and debugging (it touches every page of it)."""
+        if self.dynamic:
+            raise CacheError(f"dynamic table {self.table.key!r}: its ids have no range to map "
+                             f"whole; ask slots_or_missing(ids)")
         return torch.from_numpy(np.subtract(self._slot_plus_one, 1, dtype=np.int64))
 
     def slots_or_missing(self, ids: torch.Tensor) -> torch.Tensor:
@@ -444,6 +471,32 @@ class RowCache:
     def mark_dirty(self, slots: torch.Tensor) -> None:
         """The rows in `slots` (CPU) were updated here: written back when they leave."""
         self.dirty.numpy()[slots.numpy()] = True
+
+    # -- a dynamic table: what its servers say after a pull --
+
+    def mark_live(self, ids: torch.Tensor, live: torch.Tensor) -> None:
+        """Which of `ids` (cached: the step's) have rows on their server now."""
+        self.live[self.slots_of(ids)] = live
+
+    def reset(self, ids: torch.Tensor, state_start: dict[str, float]) -> None:
+        """Rows of `ids` their servers dropped (expired) start over where
+        cached: the initializer's row, the state's starting value, clean and
+        not live (the server's view of an id without a row; a row made again
+        starts from it too)."""
+        slots = self.slots_or_missing(ids)
+        slots = slots[slots >= 0]
+        if not slots.numel():
+            return
+        init, dim = self.table.settings.init, self.table.dim
+        expired = self.id_of_slot.index_select(0, slots)
+        rows = (init.rows(expired, dim, self.table.key, dtype=self.table.dtype) if init
+                is not None else torch.zeros(slots.numel(), dim, dtype=self.table.dtype))
+        on_device = slots.to(self.device)
+        copy_rows_(self.rows, on_device, rows.to(self.device))
+        for name, value in self.state.items():
+            value.index_fill_(0, on_device, state_start[name])
+        self.dirty[slots] = False
+        self.live[slots] = False
 
     def dirty_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, slots) of every dirty row, marked clean."""

@@ -109,12 +109,20 @@ class ServerExchange:
         for table in tables:
             size = 1 + (len(self.caches[table].table.state_names)
                         if self.write_back_tables[table] else 0)
+            if self._sees_ids(table):  # has rows, expired, state starts
+                size += 3
             parts.append(reply[start:start + size])
             start += size
         if start != len(reply):
             raise CacheError(f"[{self.label.describe()}] {server.describe()} answered a pull of "
                              f"{len(tables)} tables with {len(reply)} tensors, expected {start}")
         return parts
+
+    def _sees_ids(self, table: str) -> bool:
+        """A dynamic table this worker caches: its pulls name the step's ids
+        seen beside the ids wanted, and its replies say which have rows."""
+        return self.caches[table].table.settings.dynamic is not None and \
+            self.write_back_tables[table]
 
     def by_server(self, table: str, ids: torch.Tensor, *, every_server: bool = False
                   ) -> Iterator[tuple[Label, torch.Tensor]]:
@@ -135,6 +143,7 @@ class ServerExchange:
         pulled = dict.fromkeys((table for table, _ in plans), 0)
         self._receive_prefetched(list(pulled))
         needed = {}
+        seen = {table: plan.unique_ids for table, plan in plans if self._sees_ids(table)}
         for table, plan in plans:
             cache = self.caches[table]
             ids, slots = plan.pull_ids, plan.pull_slots
@@ -154,7 +163,7 @@ class ServerExchange:
                 keep = torch.ones_like(ids, dtype=torch.bool).index_fill_(0, position, False)
                 ids, slots = ids.masked_select(keep), slots.masked_select(keep)
             needed[table] = (ids, slots)
-        for table, count in self.fetch(needed, step, waited="pulled").items():
+        for table, count in self.fetch(needed, step, waited="pulled", seen=seen).items():
             pulled[table] += count
         return pulled
 
@@ -167,19 +176,25 @@ class ServerExchange:
         pushes, pushed = self.push_parts([(t, p.evicted_ids, p.evicted_slots)
                                           for t, p in plans])
         pulled = self.fetch({t: (p.pull_ids, p.pull_slots) for t, p in plans}, step, waited,
-                            pushes)
+                            pushes, {t: p.unique_ids for t, p in plans if self._sees_ids(t)})
         return pulled, pushed
 
     def fetch(self, needed: dict[str, tuple[torch.Tensor, torch.Tensor]], step: int,
-              waited: str | None, pushes: dict[Label, Parts] | None = None) -> dict[str, int]:
+              waited: str | None, pushes: dict[Label, Parts] | None = None,
+              seen: dict[str, torch.Tensor] | None = None) -> dict[str, int]:
         """Pull each table's ids (sorted) from the servers into its cache's
         slots, one request per server for every table, fresh for `step`;
         bytes pulled per table. `pushes` (`push_parts`), rows to write back
         first, ride in the same message (PUSH_PULL) where every table pulled
-        from that server is written back; else in a PUSH before it."""
+        from that server is written back; else in a PUSH before it. `seen`:
+        the step's distinct ids of each dynamic table cached here (its
+        servers make the step's rows from them, and say which have rows)."""
         pulled = dict.fromkeys(needed, 0)
+        seen = seen or {}
         # Per server: (table, the ids it holds, their slots).
         by_server: dict[Label, list[tuple[str, np.ndarray, np.ndarray]]] = {}
+        # Per server and cached dynamic table: the step's ids it owns.
+        seen_by_server: dict[tuple[Label, str], np.ndarray] = {}
         for table, (ids, slots) in needed.items():
             # A dynamic table's servers each hear every worker's ids of a step
             # (none, too): they make the step's rows once all are in.
@@ -187,9 +202,19 @@ class ServerExchange:
             if ids.numel() == 0 and not every_server:
                 continue
             parts = self.sharding[table].split_by_server(ids.numpy(), slots.numpy())
+            if table in seen:
+                for server, (server_seen,) in zip(
+                        self.servers, self.sharding[table].split_by_server(seen[table].numpy())):
+                    seen_by_server[server, table] = server_seen
             for server, (server_ids, server_slots) in zip(self.servers, parts):
                 if server_ids.size or every_server:
                     by_server.setdefault(server, []).append((table, server_ids, server_slots))
+
+        def pull_part(server: Label, table: str, ids: np.ndarray) -> list[torch.Tensor]:
+            if table in seen:
+                return [torch.from_numpy(seen_by_server.get((server, table), _NO_IDS)),
+                        torch.from_numpy(ids)]
+            return [torch.from_numpy(ids)]
         pushes = pushes or {}
         requests = []
         for server in self.servers:
@@ -203,23 +228,31 @@ class ServerExchange:
             if not push:
                 requests.append((server, parts, self.request(
                     server, Op.PULL, step,
-                    [(table, [torch.from_numpy(ids)]) for table, ids, _ in parts])))
+                    [(table, pull_part(server, table, ids)) for table, ids, _ in parts])))
                 continue
             # Tables pushed to this server and pulled from it, then pushed only.
             pulled_here = {table for table, _, _ in parts}
             parts += [(table, _NO_IDS, _NO_IDS) for table in push if table not in pulled_here]
             requests.append((server, parts, self.request(server, Op.PUSH_PULL, step, [
-                (table, [*(push.get(table) or self._no_push(table)), torch.from_numpy(ids)])
+                (table, [*(push.get(table) or self._no_push(table)),
+                         *pull_part(server, table, ids)])
                 for table, ids, _ in parts])))
         for server, parts, seq in requests:
             replies = self.reply_parts(server, seq, [table for table, _, _ in parts], waited)
             for (table, _, slots), reply in zip(parts, replies):
                 cache = self.caches[table]
                 pulled[table] = pulled.get(table, 0) + nbytes_of(reply)
+                state_names = cache.table.state_names
                 if slots.size:
                     cache.install(torch.from_numpy(slots), reply[0],
-                                  dict(zip(cache.table.state_names, reply[1:])),
+                                  dict(zip(state_names, reply[1:1 + len(state_names)])),
                                   fresh_for=None if self.write_back_tables[table] else step)
+                if table in seen:
+                    # Expired rows start over first: one made again this step has a row.
+                    has_rows, expired, starts = reply[1 + len(state_names):]
+                    cache.reset(expired, dict(zip(state_names, starts.tolist())))
+                    cache.mark_live(torch.from_numpy(seen_by_server.get((server, table),
+                                                                        _NO_IDS)), has_rows)
         return pulled
 
     def _no_push(self, table: str) -> list[torch.Tensor]:

@@ -1,15 +1,14 @@
 """A worker's rows of a dynamic table (`DynamicTable`: ids any int64) for
-the step it runs: the step's distinct ids' rows, pulled from their servers
-every step, at slot = the id's rank among them, and nothing kept across
-steps.
+the step it runs, where it caches none (several workers, or policy
+"none"): the step's distinct ids' rows, pulled from their servers every
+step, at slot = the id's rank among them, and nothing kept across steps.
 
-It stands where a bounded table's `RowCache` stands (the client plans,
-installs and reads it the same way), but caches nothing: the servers own
-admission and expiry (a row may be made, or dropped, at any step), so a
-row kept by a worker could be one its server no longer has. Its
-gradients go to the servers every step (write-through), and a server
-makes the step's new rows once it has heard every worker's ids of the step
-(`store.py`).
+It stands where a `RowCache` stands (the client plans, installs and reads
+it the same way). Its gradients go to the servers every step
+(write-through), and a server makes the step's new rows once it has heard
+every worker's ids of the step (`store.py`). One worker caches a dynamic
+table's rows in a `RowCache` instead: there its servers' word after each
+pull (which ids have rows, which expired) keeps the cache exact.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from ...transport.protocol import MessageKey, Transport
 from .dynamic_rows import DynamicRows, check_dynamic_ids
 from .huge_pages import empty_rows
 from .id_sharding import IdSharding
-from .protocol import Gather, Item, Op, read_request, reply_channel, send_message
+from .protocol import Gather, Item, Op, read_request, reply_channel, request, send_message
 from .row_copy import RowArray
 from .row_slots import RowSlots
 from .sharding import RowSharding
@@ -154,7 +154,8 @@ class _DynamicShard:
     begun_step: int                                # the last step whose rows were made
     sightings: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
     pending: dict[int, dict[int, tuple]] = field(default_factory=dict)
-    write_back: bool = False                       # gradients come from the workers
+    # One worker caching its rows writes them back (else gradients come).
+    write_back: bool = False
 
 
 def _group_key(table: CachedTable) -> tuple:
@@ -162,13 +163,19 @@ def _group_key(table: CachedTable) -> tuple:
             tuple(sorted(table.optimizer_settings.items())))
 
 
-def _part_size(op: Op, shard: _Shard) -> int:
+def _pull_size(shard: _Shard | _DynamicShard) -> int:
+    """Tensors per table a pull names: the ids wanted; a cached dynamic
+    table's, the step's ids seen first (see protocol.py)."""
+    return 2 if isinstance(shard, _DynamicShard) and shard.write_back else 1
+
+
+def _part_size(op: Op, shard: _Shard | _DynamicShard) -> int:
     """Tensors per table in a request (see protocol.py)."""
     if op is Op.PUSH:
         return 2 + len(shard.table.state_names)
     if op is Op.PUSH_PULL:
-        return 3 + len(shard.table.state_names)
-    return 4 if op is Op.GRADS else 1
+        return 2 + len(shard.table.state_names) + _pull_size(shard)
+    return 4 if op is Op.GRADS else _pull_size(shard)
 
 
 def _state_start(value: torch.Tensor | LocalRows | None) -> float:
@@ -270,7 +277,8 @@ class EmbeddingStore:
         saved = initial.get(table.key)
         if isinstance(saved, LiveRows):  # resumed: the checkpoint's live set, this server's
             rows.restore(list(saved.snapshots), sharding)
-        return _DynamicShard(table, rows, sharding, first_step - 1, first_step - 1)
+        return _DynamicShard(table, rows, sharding, first_step - 1, first_step - 1,
+                             write_back=table.settings.write_back(self.cluster.num_workers))
 
     def dynamic_counters(self) -> dict[str, dict]:
         """Per dynamic table: its counters on this server (live rows, admitted,
@@ -340,16 +348,16 @@ class EmbeddingStore:
     def _serve(self) -> None:
         while not self._stop.is_set():
             try:
-                request = self._inbox.get(timeout=_IDLE_POLL_S)
+                message = self._inbox.get(timeout=_IDLE_POLL_S)
             except queue.Empty:
                 continue
-            if not self._serve_one(*request):
+            if not self._serve_one(*message):
                 return
             # Drop the request before waiting for the next one: a message lent
             # from a shared-memory ring holds its room until its tensors are
             # gone, and the next message (a flush's write-back larger than the
             # room left) may need that room to arrive at all.
-            del request
+            del message
 
     def _serve_one(self, key: MessageKey, src: Label, tensors: list[torch.Tensor]) -> bool:
         """Handle one request; False once the store has failed (the job is told)."""
@@ -376,12 +384,12 @@ class EmbeddingStore:
                                       f"names table {index}; this job caches "
                                       f"{len(self.shards)} tables")
         shards = [self.shards[i] for i in indices]
-        if op in (Op.PUSH, Op.PUSH_PULL) and any(isinstance(s, _DynamicShard) for s in shards):
+        if op in (Op.PUSH, Op.PUSH_PULL) and any(isinstance(s, _DynamicShard)
+                                                 and not s.write_back for s in shards):
             raise MessageRejected(f"{self._tag} embedding {op.name} from {src.describe()} "
-                                  f"writes rows of a dynamic table back; a dynamic table's "
-                                  f"workers send gradients (GRADS), never rows")
-        if op is Op.PULL:
-            self._hear_ids(src, step, shards, rest)
+                                  f"writes rows of a dynamic table back; with several "
+                                  f"workers a dynamic table's workers send gradients "
+                                  f"(GRADS), never rows")
         if op is Op.PUSH:
             self._push(shards, self._parts(rest, shards, op))
         elif op is Op.PUSH_PULL:
@@ -390,10 +398,19 @@ class EmbeddingStore:
                 raise MessageRejected(f"{self._tag} embedding PUSH_PULL from {src.describe()} "
                                       f"names tables the workers do not write back: {others}")
             parts = self._parts(rest, shards, op)
+            pulls = [tensor for shard, part in zip(shards, parts)
+                     for tensor in part[len(part) - _pull_size(shard):]]
+            pushes = [part[:len(part) - _pull_size(shard)] for shard, part in zip(shards, parts)]
+            if any(isinstance(shard, _DynamicShard) for shard in shards):
+                # Rows written back before the step's rows are made: they
+                # had rows until then (an expiry may drop them now).
+                self._push(shards, pushes)
+                self._pull(key, src, step, indices, shards, pulls)
+                return
             # One plan's misses (rows the worker does not cache) and victims
             # (rows it did) are distinct: the reply it waits for goes first.
-            self._answer(key, src, Op.PULL, shards, [part[-1] for part in parts])
-            self._push(shards, [part[:-1] for part in parts])
+            self._answer(key, src, Op.PULL, shards, pulls)
+            self._push(shards, pushes)
         elif op is Op.GRADS:
             complete = []
             for shard, part in zip(shards, self._parts(rest, shards, op)):
@@ -408,24 +425,37 @@ class EmbeddingStore:
                 self._save(key, src, step, rest[0])
             else:
                 self._parked.append((key, src, tensors))
-        elif op in (Op.PULL, Op.DUMP):
-            began = self._begin_dynamic_steps(shards, step) if op is Op.PULL else False
+        elif op is Op.PULL:
+            self._pull(key, src, step, indices, shards, rest)
+        elif op is Op.DUMP:
             if all(self._ready(shard, op, step) for shard in shards):
                 self._answer(key, src, op, shards, rest)
             else:
                 self._parked.append((key, src, tensors))
-            if began:  # the other workers' pulls of the step were waiting for it
-                self._retry_parked()
         else:
             raise MessageRejected(f"unknown embedding request {op}")
+
+    def _pull(self, key: MessageKey, src: Label, step: int, indices: list[int], shards: list,
+              parts: list[torch.Tensor]) -> None:
+        """Answer a pull of `step` (`parts`: each table's), or park it until
+        its rows are ready."""
+        self._hear_ids(src, step, shards, parts)
+        began = self._begin_dynamic_steps(shards, step)
+        if all(self._ready(shard, Op.PULL, step) for shard in shards):
+            self._answer(key, src, Op.PULL, shards, parts)
+        else:
+            self._parked.append((key, src, request(Op.PULL, step, indices, [parts])))
+        if began:  # the other workers' pulls of the step were waiting for it
+            self._retry_parked()
 
     def _hear_ids(self, src: Label, step: int, shards: list, tensors: list[torch.Tensor]
                   ) -> None:
         """Keep a worker's ids of a step for each dynamic table of a pull
         (again, when the pull is handled again after waiting: the same ids)."""
-        for shard, (ids,) in zip(shards, self._parts(tensors, shards, Op.PULL)):
+        for shard, part in zip(shards, self._parts(tensors, shards, Op.PULL)):
             if not isinstance(shard, _DynamicShard) or step <= shard.begun_step:
                 continue
+            ids = part[0]  # the ids wanted, or (cached) the step's ids seen
             check_dynamic_ids(ids, shard.table.key)
             owners = shard.sharding.server_of(ids.numpy())
             if owners.size and bool((owners != self.label.rank).any()):
@@ -444,7 +474,8 @@ class EmbeddingStore:
             if not isinstance(shard, _DynamicShard) or step <= shard.begun_step:
                 continue
             heard = shard.sightings.get(step, {})
-            if len(heard) < self.cluster.num_workers or shard.applied_step < step - 1:
+            if len(heard) < self.cluster.num_workers or (
+                    not shard.write_back and shard.applied_step < step - 1):
                 continue
             ids = torch.cat([heard[rank] for rank in sorted(heard)])
             del shard.sightings[step]
@@ -456,15 +487,24 @@ class EmbeddingStore:
     def _push(self, shards: list[_Shard], parts: list[list[torch.Tensor]]) -> None:
         """Write rows (and their state) the worker wrote back into the shards."""
         for shard, (ids, *values) in zip(shards, parts):
+            if isinstance(shard, _DynamicShard):
+                self._check_row_shapes(shard, ids.numel(), values)
+                shard.rows.write(ids, values[0], dict(zip(shard.table.state_names, values[1:])))
+                continue
             where = self._group_rows(shard, ids)
-            arrays = shard.group.arrays
+            self._check_row_shapes(shard, where.size, values)
             for name, value in zip(("rows", *shard.table.state_names), values):
-                if value.shape != (where.size, shard.table.dim):
-                    raise MessageRejected(
-                        f"{self._tag} embedding write-back of {where.size} rows of "
-                        f"{shard.table.key} carries {name} of shape {list(value.shape)}; "
-                        f"expected [{where.size}, {shard.table.dim}]")
-                arrays[name].put(where, value)
+                shard.group.arrays[name].put(where, value)
+
+    def _check_row_shapes(self, shard: _Shard | _DynamicShard, count: int,
+                          values: list[torch.Tensor]) -> None:
+        """A write-back of `count` rows carries [count, dim] rows and state."""
+        for name, value in zip(("rows", *shard.table.state_names), values):
+            if value.shape != (count, shard.table.dim):
+                raise MessageRejected(
+                    f"{self._tag} embedding write-back of {count} rows of "
+                    f"{shard.table.key} carries {name} of shape {list(value.shape)}; "
+                    f"expected [{count}, {shard.table.dim}]")
 
     def _group_rows(self, shard: _Shard, ids: torch.Tensor) -> np.ndarray:
         """Where the rows of `ids` lie in their shard's group buffer, checked
@@ -553,10 +593,11 @@ class EmbeddingStore:
         reply: list[Item] = []
         if op is Op.PULL:
             # Gathered straight into the reply's memory (a ring's slot) as it is sent.
-            for shard, (ids,) in zip(shards, self._parts(tensors, shards, op)):
+            for shard, part in zip(shards, self._parts(tensors, shards, op)):
                 if isinstance(shard, _DynamicShard):
-                    reply.append(shard.rows.read(ids))  # write-through: no row state
+                    reply += self._dynamic_reply(shard, part)
                     continue
+                (ids,) = part
                 where, arrays = self._group_rows(shard, ids), shard.group.arrays
                 reply.append(Gather(arrays["rows"], where))
                 if shard.write_back:  # the row's optimizer state travels with it
@@ -572,6 +613,21 @@ class EmbeddingStore:
                           *(self._local_order(shard, n) for n in shard.table.state_names)]
         send_message(self.transport, src,
                      MessageKey(self.incarnation, key.step, reply_channel(self.label)), reply)
+
+    def _dynamic_reply(self, shard: _DynamicShard, part: list[torch.Tensor]) -> list[Item]:
+        """A dynamic table's part of a pull's reply: the rows wanted; a worker
+        caching the rows also gets their state, whether each id it saw this
+        step has a row, the ids whose rows the step expired, and each row
+        state's starting value (what an expired row it caches starts over
+        from)."""
+        if not shard.write_back:
+            return [shard.rows.read(part[0])]  # write-through: no row state
+        seen, wanted = part
+        state = shard.rows.read_state(wanted)
+        return [shard.rows.read(wanted), *(state[n] for n in shard.table.state_names),
+                shard.rows.has_rows(seen), torch.from_numpy(shard.rows.expired_ids),
+                torch.tensor([shard.rows.state_start[n] for n in shard.table.state_names],
+                             dtype=torch.float64)]
 
     def _save(self, key: MessageKey, src: Label, step: int, directory: torch.Tensor) -> None:
         if self._save_handler is None:

@@ -111,7 +111,8 @@ class EmbeddingCacheMode(ParameterServerMode):
             removed_outputs |= removed_inputs
         tables, fused_groups = batch_cached_bags(
             graph, tables, lambda t: (t.optimizer in FUSED_OPTIMIZERS and t.dtype == torch.float32
-                                      and t.settings.write_back(cluster.num_workers)))
+                                      and t.settings.write_back(cluster.num_workers)
+                                      and t.settings.dynamic is None))
         outputs = [(spec, node) for spec, node in zip(program.outputs, returned)
                    if not (spec.kind is OutputKind.STATE and spec.key in removed_outputs)]
         for spec in program.inputs:

@@ -226,11 +226,37 @@ def test_a_checkpoint_past_the_budget_is_refused_with_the_numbers():
         small.restore([store.snapshot()], IdSharding(1))
 
 
-def test_a_row_cache_refuses_a_dynamic_table_in_one_line():
+def test_a_row_cache_of_a_dynamic_table_maps_any_int64_id_and_starts_expired_rows_over():
+    """A worker's cache of a dynamic table: ids anywhere in int64 get slots
+    (a sparse map, no range), a second lookup in a step is refused, and an
+    expired cached row starts over from the initializer's row, clean."""
     from splitrun.runtime.engine.embedding.row_cache import RowCache
-    from splitrun.splitter import CachedTable, CacheSettings
+    from splitrun.splitter import CachedTable, CacheSettings, CaptureError, EvictionPolicy
+    init = RowInit.normal(std=1.0, seed=3)
     table = CachedTable("user.weight", 1, DIM, torch.float32,
-                        CacheSettings(16, dynamic=DynamicTable(admit_after=2)), "sgd", {}, (),
-                        None)
-    with pytest.raises(CacheError, match="table 'user.weight' is dynamic.*StepRows"):
-        RowCache(table)
+                        CacheSettings(4, init=init, dynamic=DynamicTable(admit_after=2)),
+                        "adagrad", {}, ("sum",), None)
+    cache = RowCache(table)
+    ids = torch.tensor([1 << 62, -7, 1 << 62, 3])
+    plan = cache.plan(ids, 0, write_back=True, max_staleness=0)
+    assert plan.pull_ids.tolist() == [-7, 3, 1 << 62]
+    cache.install(plan.pull_slots, torch.ones(3, DIM), {"sum": torch.ones(3, DIM)}, None)
+    cache.mark_dirty(plan.used_slots)
+    assert cache.slots_or_missing(torch.tensor([3, 4])).tolist()[1] == -1
+    with pytest.raises(CacheError, match="'user.weight' is looked up twice in step 0"):
+        cache.plan(ids, 0, write_back=True, max_staleness=0)
+    cache.reset(torch.tensor([-7, 99]), {"sum": 0.5})  # 99: not cached
+    slot = int(cache.slots_of(torch.tensor([-7]))[0])
+    assert torch.equal(cache.rows[slot], init.rows(torch.tensor([-7]), DIM, "user.weight")[0])
+    assert torch.equal(cache.state["sum"][slot], torch.full((DIM,), 0.5))
+    dirty_ids, _ = cache.dirty_slots()
+    assert sorted(dirty_ids.tolist()) == [3, 1 << 62]  # the reset row is clean
+    # Two new ids: the free slot, then the least recently used row (-7, clean:
+    # nothing to write back).
+    plan = cache.plan(torch.tensor([5, 6]), 1, write_back=True, max_staleness=0)
+    assert plan.evictions == 1 and plan.evicted_ids.tolist() == []
+    assert cache.slots_or_missing(torch.tensor([-7, 5, 6])).tolist()[0] == -1
+    with pytest.raises(CacheError, match="ids must be int64.*got float32"):
+        cache.plan(ids.float(), 2, write_back=True, max_staleness=0)
+    with pytest.raises(CaptureError, match="evicts by policy='lru'"):
+        CacheSettings(4, policy=EvictionPolicy.LFU, dynamic=DynamicTable())

@@ -17,8 +17,8 @@ from splitrun.splitter import Cluster, DynamicTable, EmbeddingCacheMode, Label, 
 STEPS = 12
 
 
-def _train(optimizer, workers, servers, batches, policy=None):
-    program = make_dynamic(optimizer, workers, batches, policy=policy)
+def _train(optimizer, workers, servers, batches, policy=None, cache_policy="lru"):
+    program = make_dynamic(optimizer, workers, batches, policy=policy, cache_policy=cache_policy)
     split = split_program(program, Cluster(workers, servers), EmbeddingCacheMode())
     return run_threaded(split, len(batches), feeds(batches))
 
@@ -39,6 +39,38 @@ def test_one_worker_equals_the_unsplit_step_bit_for_bit(optimizer):
     for server in range(2):
         counters = run.cache_counters[Label.server(server)][TABLE]
         assert counters["live_rows"] == counters["admitted"] == int((owners == server).sum())
+    # The worker cached rows across steps (64 slots; a step's ~30 distinct ids
+    # of 300), evicting and writing some back.
+    worker = run.cache_counters[Label.worker(0)][TABLE]
+    assert worker["hits"] > 0 and worker["evictions"] > 0 and worker["bytes_pushed"] > 0
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_one_worker_caching_the_rows_equals_one_caching_none_under_admission_and_expiry(
+        optimizer):
+    """With admission, expiry by age and a row budget, the worker's cache
+    (write-back: rows stay while cached, its servers say which ids have rows
+    and which expired) trains exactly as pulling every row every step: the
+    same rows and state, the same policy counts, the same dropped gradients."""
+    policy = DynamicTable(admit_after=2, expire_after_steps=6, row_budget=20)
+    batches = hashed_batches(30)
+    cached = _train(optimizer, 1, 2, batches, policy)
+    uncached = _train(optimizer, 1, 2, batches, policy, cache_policy="none")
+    assert cached.state.keys() == uncached.state.keys()
+    for key, value in uncached.state.items():
+        assert torch.equal(cached.state[key], value), key
+    policy_counts = ("admitted", "expired", "expired_by_budget", "live_rows", "waiting")
+    dropped = 0
+    for server in range(2):
+        ours = cached.cache_counters[Label.server(server)][TABLE]
+        theirs = uncached.cache_counters[Label.server(server)][TABLE]
+        assert {k: ours[k] for k in policy_counts} == {k: theirs[k] for k in policy_counts}
+        assert ours["dropped_gradients"] == 0  # the worker drops them itself
+        dropped += theirs["dropped_gradients"]
+        assert theirs["expired"] > theirs["expired_by_budget"] > 0
+    worker = cached.cache_counters[Label.worker(0)][TABLE]
+    assert worker["dropped_gradients"] == dropped > 0
+    assert worker["hits"] > 0 and uncached.cache_counters[Label.worker(0)][TABLE]["hits"] == 0
 
 
 def test_two_workers_equal_the_unsplit_step_within_a_millionth():
