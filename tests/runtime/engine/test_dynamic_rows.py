@@ -155,6 +155,23 @@ def test_an_id_not_admitted_reads_its_initial_row_and_drops_its_gradient():
     assert store.counters.bytes == 2 * DIM * 4
 
 
+def test_a_caching_worker_gets_row_state_and_writes_back_only_rows_that_exist():
+    """What a server gives a worker caching the rows: state (the starting
+    value for an id without a row), which ids have rows; a write-back of an
+    id without a row names it."""
+    store = DynamicRows("t", DIM, DynamicTable(admit_after=2), init=INIT, optimizer="adagrad",
+                        state_names=("sum",), state_start={"sum": 0.25})
+    store.begin_step(0, np.array([1, 2]))
+    store.begin_step(1, np.array([2, 3]))  # 2 admitted; 1 and 3 wait
+    assert store.has_rows(np.array([3, 2, 1])).tolist() == [False, True, False]
+    store.write(np.array([2]), torch.full((1, DIM), 7.0), {"sum": torch.full((1, DIM), 9.0)})
+    state = store.read_state(np.array([2, 3]))["sum"]
+    assert state[0].tolist() == [9.0] * DIM and state[1].tolist() == [0.25] * DIM
+    assert store.read(np.array([2]))[0].tolist() == [7.0] * DIM
+    with pytest.raises(CacheError, match="write-back of id 3, which has no row here"):
+        store.write(np.array([2, 3]), torch.zeros(2, DIM), {"sum": torch.zeros(2, DIM)})
+
+
 def test_zeros_without_an_initializer():
     store = DynamicRows("t", DIM, DynamicTable(admit_after=5))
     store.begin_step(0, np.array([3]))
