@@ -343,6 +343,32 @@ def test_a_server_refuses_rows_it_does_not_hold_and_says_which_table():
             store.stop()
 
 
+def test_a_server_refuses_rows_of_a_dynamic_table_from_workers_that_send_gradients():
+    """With two workers a dynamic table's rows live on its servers only (the
+    workers send gradients); a PUSH of rows for it is refused by name rather
+    than written over rows the other worker is training."""
+    from splitrun.runtime.engine.embedding.protocol import Op, request, request_channel
+    from splitrun.runtime.transport.protocol import MessageKey
+    from splitrun.splitter import DynamicTable
+
+    table = CachedTable("emb.weight", 0, 2, torch.float32,
+                        CacheSettings(4, EvictionPolicy.LRU, dynamic=DynamicTable()),
+                        "sgd", {}, (), "batch.0")
+    cluster = Cluster(2, 1)
+    worker, _, server = cluster.labels()
+    hub = LoopbackHub(cluster.labels())
+    store = EmbeddingStore([table], server, cluster, hub.transport(server), 0, {})
+    store.start()
+    try:
+        store.on_message(MessageKey(0, 0, request_channel(worker)), worker,
+                         request(Op.PUSH, 0, [0], [[torch.tensor([5]), torch.zeros(1, 2)]]))
+        with pytest.raises(SplitrunError, match="PUSH .* writes rows of a dynamic table back"):
+            hub.transport(server).recv(worker, MessageKey(0, 0, "never"), 10)
+        assert store.dynamic_counters()["emb.weight"]["live_rows"] == 0
+    finally:
+        store.stop()
+
+
 def test_a_server_lets_go_of_a_request_once_served_not_when_the_next_comes():
     """A request lent from a shared-memory ring holds its room there until its
     tensors are gone; a store that kept its last request while waiting for the
