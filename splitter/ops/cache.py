@@ -56,6 +56,15 @@ class CacheSettings:
         are live and which expired). Otherwise gradients go to the servers."""
         return num_workers == 1 and self.policy is not EvictionPolicy.NONE
 
+    def caches_dynamic_rows(self, num_workers: int) -> bool:
+        """A dynamic table's workers keep its rows between steps: one worker
+        (write-back), or several reading rows up to `max_staleness` steps old
+        (write-through). Else each step pulls every row it looks up: with
+        several workers and no staleness a cached row would be read again
+        every step anyway."""
+        return self.dynamic is not None and self.policy is not EvictionPolicy.NONE and (
+            num_workers == 1 or self.max_staleness > 0)
+
     def __post_init__(self) -> None:
         if self.cache_rows < 1:
             raise CaptureError(f"cache_rows must be >= 1, got {self.cache_rows}")

@@ -58,14 +58,16 @@ def hashed_batches(num_steps: int, seed: int = 0, batch: int = GLOBAL_BATCH,
 
 
 def make_dynamic(optimizer: str, num_workers: int, batches, *,
-                 policy: DynamicTable | None = None, cache_policy: str = "lru"):
+                 policy: DynamicTable | None = None, cache_policy: str = "lru",
+                 max_staleness: int = 0):
     """The program for one worker's share of the batches, its table dynamic
-    (`cache_policy` "none": one worker caches no row either)."""
+    (`cache_policy` "none": one worker caches no row either; `max_staleness`:
+    several workers cache rows read up to that many steps old)."""
     torch.manual_seed(0)
     model = HashedIds()
     place(model.top, role="worker")
     place_embedding_cache(model.table, cache_rows=64, init=INIT, policy=cache_policy,
-                          dynamic=policy or DynamicTable())
+                          dynamic=policy or DynamicTable(), max_staleness=max_staleness)
     shard = GLOBAL_BATCH // num_workers
     return capture(model, click_loss, OPTIMIZERS[optimizer](lr=LR),
                    tuple(t[:shard] for t in batches[0]))

@@ -96,10 +96,11 @@ class EmbeddingClient:
         self.incarnation = incarnation
         self.timeout_s = timeout_s
         self.write_back = {t.key: t.settings.write_back(cluster.num_workers) for t in tables}
-        # A dynamic table not cached (several workers, or policy "none") holds the
-        # step's own rows, pulled every step (step_rows.py).
+        # A dynamic table not cached (several workers without staleness, or
+        # policy "none") holds the step's own rows, pulled every step (step_rows.py).
         self.caches = {t.key: StepRows(t, device) if t.settings.dynamic is not None
-                       and not self.write_back[t.key] else RowCache(t, device) for t in tables}
+                       and not t.settings.caches_dynamic_rows(cluster.num_workers)
+                       else RowCache(t, device) for t in tables}
         self.index = {t.key: i for i, t in enumerate(tables)}
         self.sharding = {t.key: IdSharding(cluster.num_servers) if t.settings.dynamic is not None
                          else RowSharding(t.num_rows, cluster.num_servers) for t in tables}

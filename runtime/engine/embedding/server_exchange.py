@@ -119,10 +119,12 @@ class ServerExchange:
         return parts
 
     def _sees_ids(self, table: str) -> bool:
-        """A dynamic table this worker caches: its pulls name the step's ids
-        seen beside the ids wanted, and its replies say which have rows."""
-        return self.caches[table].table.settings.dynamic is not None and \
-            self.write_back_tables[table]
+        """A dynamic table this worker caches (write-back or, with several
+        workers, stale up to `max_staleness`; a `StepRows` holds only the
+        step's rows): its pulls name the step's ids seen beside the ids
+        wanted, and its replies say which have rows and which expired."""
+        cache = self.caches[table]
+        return cache.table.settings.dynamic is not None and isinstance(cache, RowCache)
 
     def by_server(self, table: str, ids: torch.Tensor, *, every_server: bool = False
                   ) -> Iterator[tuple[Label, torch.Tensor]]:
@@ -242,7 +244,8 @@ class ServerExchange:
             for (table, _, slots), reply in zip(parts, replies):
                 cache = self.caches[table]
                 pulled[table] = pulled.get(table, 0) + nbytes_of(reply)
-                state_names = cache.table.state_names
+                # Row state comes only to a worker that updates the rows itself.
+                state_names = cache.table.state_names if self.write_back_tables[table] else ()
                 if slots.size:
                     cache.install(torch.from_numpy(slots), reply[0],
                                   dict(zip(state_names, reply[1:1 + len(state_names)])),
@@ -250,7 +253,7 @@ class ServerExchange:
                 if table in seen:
                     # Expired rows start over first: one made again this step has a row.
                     has_rows, expired, starts = reply[1 + len(state_names):]
-                    cache.reset(expired, dict(zip(state_names, starts.tolist())))
+                    cache.reset(expired, dict(zip(cache.table.state_names, starts.tolist())))
                     cache.mark_live(torch.from_numpy(seen_by_server.get((server, table),
                                                                         _NO_IDS)), has_rows)
         return pulled

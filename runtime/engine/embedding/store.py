@@ -156,6 +156,9 @@ class _DynamicShard:
     pending: dict[int, dict[int, tuple]] = field(default_factory=dict)
     # One worker caching its rows writes them back (else gradients come).
     write_back: bool = False
+    # The workers keep its rows between steps (write-back, or stale): their
+    # pulls name the step's ids seen, and replies say which have rows.
+    cached: bool = False
 
 
 def _group_key(table: CachedTable) -> tuple:
@@ -166,7 +169,7 @@ def _group_key(table: CachedTable) -> tuple:
 def _pull_size(shard: _Shard | _DynamicShard) -> int:
     """Tensors per table a pull names: the ids wanted; a cached dynamic
     table's, the step's ids seen first (see protocol.py)."""
-    return 2 if isinstance(shard, _DynamicShard) and shard.write_back else 1
+    return 2 if isinstance(shard, _DynamicShard) and shard.cached else 1
 
 
 def _part_size(op: Op, shard: _Shard | _DynamicShard) -> int:
@@ -277,8 +280,10 @@ class EmbeddingStore:
         saved = initial.get(table.key)
         if isinstance(saved, LiveRows):  # resumed: the checkpoint's live set, this server's
             rows.restore(list(saved.snapshots), sharding)
+        workers = self.cluster.num_workers
         return _DynamicShard(table, rows, sharding, first_step - 1, first_step - 1,
-                             write_back=table.settings.write_back(self.cluster.num_workers))
+                             write_back=table.settings.write_back(workers),
+                             cached=table.settings.caches_dynamic_rows(workers))
 
     def dynamic_counters(self) -> dict[str, dict]:
         """Per dynamic table: its counters on this server (live rows, admitted,
@@ -616,15 +621,16 @@ class EmbeddingStore:
 
     def _dynamic_reply(self, shard: _DynamicShard, part: list[torch.Tensor]) -> list[Item]:
         """A dynamic table's part of a pull's reply: the rows wanted; a worker
-        caching the rows also gets their state, whether each id it saw this
-        step has a row, the ids whose rows the step expired, and each row
-        state's starting value (what an expired row it caches starts over
+        caching the rows also gets (write-back) their state, whether each id it
+        saw this step has a row, the ids whose rows the step expired, and each
+        row state's starting value (what an expired row it caches starts over
         from)."""
-        if not shard.write_back:
-            return [shard.rows.read(part[0])]  # write-through: no row state
+        if not shard.cached:
+            return [shard.rows.read(part[0])]  # the step's rows only: no row state
         seen, wanted = part
-        state = shard.rows.read_state(wanted)
-        return [shard.rows.read(wanted), *(state[n] for n in shard.table.state_names),
+        names = shard.table.state_names if shard.write_back else ()
+        state = shard.rows.read_state(wanted) if names else {}
+        return [shard.rows.read(wanted), *(state[n] for n in names),
                 shard.rows.has_rows(seen), torch.from_numpy(shard.rows.expired_ids),
                 torch.tensor([shard.rows.state_start[n] for n in shard.table.state_names],
                              dtype=torch.float64)]

@@ -17,8 +17,10 @@ from splitrun.splitter import Cluster, DynamicTable, EmbeddingCacheMode, Label, 
 STEPS = 12
 
 
-def _train(optimizer, workers, servers, batches, policy=None, cache_policy="lru"):
-    program = make_dynamic(optimizer, workers, batches, policy=policy, cache_policy=cache_policy)
+def _train(optimizer, workers, servers, batches, policy=None, cache_policy="lru",
+           max_staleness=0):
+    program = make_dynamic(optimizer, workers, batches, policy=policy, cache_policy=cache_policy,
+                           max_staleness=max_staleness)
     split = split_program(program, Cluster(workers, servers), EmbeddingCacheMode())
     return run_threaded(split, len(batches), feeds(batches))
 
@@ -80,6 +82,33 @@ def test_two_workers_equal_the_unsplit_step_within_a_millionth():
     assert torch.equal(run.state[f"{TABLE}.ids"], seen)
     for key, value in expected.items():
         torch.testing.assert_close(run.state[key], value, atol=1e-6, rtol=0)
+
+
+def test_two_workers_caching_stale_rows_keep_the_policy_and_stay_near_the_exact_run():
+    """Two workers caching rows up to 2 steps old (write-through: gradients
+    go to the servers): admission and expiry see the same ids as workers
+    caching none, so every policy count is equal; rows are pulled less and
+    the trained rows stay near the exact run's."""
+    policy = DynamicTable(admit_after=2, expire_after_steps=6, row_budget=20)
+    batches = hashed_batches(30)
+    stale = _train("sgd", 2, 2, batches, policy, max_staleness=2)
+    exact = _train("sgd", 2, 2, batches, policy)
+    policy_counts = ("admitted", "expired", "expired_by_budget", "live_rows", "waiting",
+                     "dropped_gradients")
+    for server in range(2):
+        ours = stale.cache_counters[Label.server(server)][TABLE]
+        theirs = exact.cache_counters[Label.server(server)][TABLE]
+        assert {k: ours[k] for k in policy_counts} == {k: theirs[k] for k in policy_counts}
+        assert theirs["expired_by_budget"] > 0 and theirs["dropped_gradients"] > 0
+    for worker in range(2):
+        ours = stale.cache_counters[Label.worker(worker)][TABLE]
+        theirs = exact.cache_counters[Label.worker(worker)][TABLE]
+        assert ours["hits"] > 0 == theirs["hits"]
+        assert ours["bytes_pulled"] < theirs["bytes_pulled"]
+    key = f"{TABLE}.ids"
+    assert torch.equal(stale.state[key], exact.state[key])
+    assert not torch.equal(stale.state[TABLE], exact.state[TABLE])  # stale rows were read
+    assert torch.allclose(stale.state[TABLE], exact.state[TABLE], atol=5e-3)
 
 
 def test_admission_and_expiry_of_two_workers_match_the_reference_per_server():
