@@ -5,6 +5,7 @@ sight; nothing holds a table of every id."""
 import json
 
 import numpy as np
+import pytest
 import torch
 from cluster import SCRIPTS
 from dynamic_models import TABLE, hashed_batches, train_reference
@@ -16,14 +17,15 @@ from splitrun.splitter import DynamicTable
 DYNAMIC_JOB = SCRIPTS / "dynamic_table_job.py"
 
 
-def _launch(local_cluster, tmp_path, workers, servers, *args):
+def _launch(local_cluster, tmp_path, workers, servers, *args, caches=None):
     tmp_path.mkdir(exist_ok=True)
     out = tmp_path / "final.pt"
     proc = local_cluster.run(DYNAMIC_JOB, *args, "--out", out, workers=workers,
                              servers=servers)
-    # One worker caches rows (its progress line shows the hit rate); several do not.
+    # One worker caches rows (its progress line shows the hit rate); several
+    # only with --max-staleness.
     assert "steps/s" in proc.output()
-    assert ("hit rate" in proc.output()) == (workers == 1)
+    assert ("hit rate" in proc.output()) == (workers == 1 if caches is None else caches)
     counters = [json.loads((tmp_path / f"final.pt.server{s}.json").read_text())[TABLE]
                 for s in range(servers)]
     return torch.load(out), counters
@@ -39,10 +41,15 @@ def test_one_worker_two_servers_equal_the_unsplit_step_bit_for_bit(local_cluster
     assert [c["live_rows"] for c in counters] == [int((owners == s).sum()) for s in range(2)]
 
 
-def test_two_workers_admission_and_expiry_match_the_reference(local_cluster, tmp_path):
+@pytest.mark.parametrize("max_staleness", [0, 2])
+def test_two_workers_admission_and_expiry_match_the_reference(local_cluster, tmp_path,
+                                                              max_staleness):
+    """Caching none, or (max_staleness=2) rows read up to 2 steps old: the
+    servers' policy sees the same ids either way."""
     policy = DynamicTable(admit_after=2, expire_after_steps=4, row_budget=40)
     state, counters = _launch(local_cluster, tmp_path, 2, 2, "--steps", 20, "--admit-after",
-                              2, "--expire-after", 4, "--row-budget", 40)
+                              2, "--expire-after", 4, "--row-budget", 40, "--max-staleness",
+                              max_staleness, caches=max_staleness > 0)
     references = [ReferencePolicy(policy, TABLE, s) for s in range(2)]
     for step, (ids, _) in enumerate(hashed_batches(20)):
         parts = IdSharding(2).split_by_server(np.unique(ids.numpy()))

@@ -38,6 +38,7 @@ def main() -> int:
     parser.add_argument("--admit-after", type=int, default=1)
     parser.add_argument("--expire-after", type=int)
     parser.add_argument("--row-budget", type=int)
+    parser.add_argument("--max-staleness", type=int, default=0)
     parser.add_argument("--out", required=True)
     parser.add_argument("--save-at", type=int)
     parser.add_argument("--save")
@@ -49,7 +50,8 @@ def main() -> int:
     job = Job.from_env()
     batches = hashed_batches(args.steps)
     policy = DynamicTable(args.admit_after, args.expire_after, args.row_budget)
-    program = make_dynamic(args.optimizer, job.cluster.num_workers, batches, policy=policy)
+    program = make_dynamic(args.optimizer, job.cluster.num_workers, batches, policy=policy,
+                           max_staleness=args.max_staleness)
     trainer = job.start(program, EmbeddingCacheMode(), num_steps=args.steps,
                         resume=args.resume)
     for _ in trainer.run(trainer.shard(batches[trainer.steps_done:])):
