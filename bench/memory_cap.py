@@ -54,7 +54,6 @@ from types import SimpleNamespace
 HERE = pathlib.Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
-from embedding_cache import BENCH_PREFIX, MEMORY_PREFIX  # noqa: E402
 from joined_job import run_joined_job  # noqa: E402
 
 CAP_MB = 1024
@@ -172,6 +171,10 @@ def run_splitrun(args, workdir: pathlib.Path, cap_bytes: int, final_state: str) 
     server_cgroups = [] if args.server_cap_mb is None else [
         MemoryCgroup(f"splitrun-memcap-{os.getpid()}-server{rank}-{final_state}",
                      args.server_cap_mb * 2**20) for rank in range(args.servers)]
+    # Here, not at the top: embedding_cache imports the example and with it
+    # scikit-learn, which sets KMP_* variables in whatever process imports it
+    # (a test importing MemoryCgroup from here would pass them to its launches).
+    from embedding_cache import BENCH_PREFIX, MEMORY_PREFIX
     try:
         hosts = SimpleNamespace(a=LocalHost(), b=LocalHost(cgroup))
         run_dir = workdir / f"splitrun-{final_state}"
