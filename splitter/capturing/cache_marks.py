@@ -17,7 +17,7 @@ __all__ = ["place_embedding_cache", "cache_settings_of"]
 _CACHE_ATTR = "_splitrun_cache"
 
 
-def place_embedding_cache(modules, *, cache_rows: int, policy: EvictionPolicy | str = "lru",
+def place_embedding_cache(modules, *, cache_rows: int, policy: EvictionPolicy | str | None = None,
                           max_staleness: int = 0, init: RowInit | None = None,
                           dynamic: DynamicTable | None = None):
     """Keep these `nn.Embedding` or `nn.EmbeddingBag` tables on the servers and
@@ -29,10 +29,15 @@ def place_embedding_cache(modules, *, cache_rows: int, policy: EvictionPolicy | 
     the table on the `meta` device (docs/embedding-cache.md). `dynamic`
     (`DynamicTable(...)`): the table has no row count, its ids are any int64;
     the model's table is a placeholder of the rows' width (docs/embedding-
-    cache.md, "Dynamic tables")."""
+    cache.md, "Dynamic tables"). `policy` (None): "lru" for a table with a
+    row count; "none" for a dynamic table, whose workers then hold only each
+    step's rows (caching them is asked for with "lru": on one host it cost
+    more than the pulls it saved, bench/dynamic_job.py)."""
     if dynamic is not None and not isinstance(dynamic, DynamicTable):
         raise CaptureError(f"place_embedding_cache(dynamic=...) takes a DynamicTable, got "
                            f"{type(dynamic).__name__}")
+    if policy is None:
+        policy = EvictionPolicy.NONE if dynamic is not None else EvictionPolicy.LRU
     settings = CacheSettings(cache_rows, EvictionPolicy(policy) if isinstance(policy, str)
                              else policy, max_staleness, init, dynamic)
     tables = [modules] if isinstance(modules, nn.Module) and not isinstance(

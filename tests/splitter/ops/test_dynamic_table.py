@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from splitrun.splitter import CaptureError, DynamicTable, RowInit
+from splitrun.splitter import CaptureError, DynamicTable, EvictionPolicy, RowInit
 from splitrun.splitter.capturing.cache_marks import cache_settings_of, place_embedding_cache
 
 
@@ -14,6 +14,14 @@ def test_place_embedding_cache_marks_a_placeholder_table_dynamic():
     settings = cache_settings_of(table)
     assert settings.dynamic == policy and settings.init == RowInit.normal(0.01)
     assert not policy.is_exact and DynamicTable().is_exact
+    # A dynamic table's workers cache its rows only when asked; a bounded
+    # table's cache is LRU unless told otherwise.
+    assert settings.policy is EvictionPolicy.NONE
+    place_embedding_cache(table, cache_rows=256, dynamic=policy, policy="lru")
+    assert cache_settings_of(table).policy is EvictionPolicy.LRU
+    bounded = torch.nn.Embedding(10, 8)
+    place_embedding_cache(bounded, cache_rows=4)
+    assert cache_settings_of(bounded).policy is EvictionPolicy.LRU
 
 
 @pytest.mark.parametrize("kwargs, match", [
