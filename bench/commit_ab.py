@@ -21,24 +21,20 @@ import pathlib
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 
 from embedding_cache import (
-    BENCH_PREFIX,
     MEASURED_STEPS,
-    RUN_TIMEOUT_S,
     THROUGHPUT_JOB,
-    THROUGHPUT_SERVERS,
-    THROUGHPUT_WORKERS,
     VARIANTS,
     WARMUP_STEPS,
+    launch,
     samples_per_s,
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The package `splitrun` as the editable install maps it (setup.cfg).
-ROOMS = {"launcher": "launcher", "runtime": "runtime", "splitter": "splitter"}
+ROOMS = ("launcher", "runtime", "splitter")  # splitrun.<room> -> <room>/
 PACKAGE_ROOT = "launcher/root"
 
 
@@ -46,34 +42,23 @@ def link_package(tree: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
     """A directory holding `splitrun` for the checkout `tree`."""
     package = into / "splitrun"
     root = tree / PACKAGE_ROOT
-    missing = [str(tree / d) for d in [PACKAGE_ROOT, *ROOMS.values()] if not (tree / d).is_dir()]
+    missing = [str(tree / d) for d in [PACKAGE_ROOT, *ROOMS] if not (tree / d).is_dir()]
     if missing:
         raise SystemExit(f"commit_ab: the base's layout is not today's (missing {missing}); "
                          f"pick a base from after the rooms moved")
     shutil.copytree(root, package)
-    for name, folder in ROOMS.items():
-        (package / name).symlink_to(tree / folder)
+    for room in ROOMS:
+        (package / room).symlink_to(tree / room)
     return into
 
 
 def run_job(tree: pathlib.Path, python_path: pathlib.Path | None, variant: str) -> float:
-    env = dict(os.environ)
-    if python_path is not None:
-        env["PYTHONPATH"] = str(python_path)
-    steps = WARMUP_STEPS + MEASURED_STEPS
-    command = [sys.executable, "-m", "splitrun.launcher", "--log-level", "WARNING", "launch",
-               "--workers", str(THROUGHPUT_WORKERS), "--servers", str(THROUGHPUT_SERVERS),
-               "--device", "cpu", str(tree / "bench" / "embedding_cache.py"), "--job", "--",
-               *THROUGHPUT_JOB, *VARIANTS[variant], "--steps", str(steps)]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
-                         env=env, cwd=tempfile.gettempdir())
-    for line in out.stdout.splitlines():
-        if BENCH_PREFIX in line:
-            stamps = json.loads(line.split(BENCH_PREFIX, 1)[1])["stamps"]
-            batch_size = int(THROUGHPUT_JOB[THROUGHPUT_JOB.index("--batch-size") + 1])
-            return samples_per_s(stamps, WARMUP_STEPS, batch_size)
-    raise RuntimeError(f"the {variant} job at {tree} failed ({out.returncode}):\n"
-                       f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    """Samples/s after the warm-up of one run of `variant` in checkout `tree`."""
+    env = None if python_path is None else {**os.environ, "PYTHONPATH": str(python_path)}
+    record = launch(variant, WARMUP_STEPS + MEASURED_STEPS,
+                    script=tree / "bench" / "embedding_cache.py", env=env)
+    batch_size = int(THROUGHPUT_JOB[THROUGHPUT_JOB.index("--batch-size") + 1])
+    return samples_per_s(record["stamps"], WARMUP_STEPS, batch_size)
 
 
 def main() -> None:

@@ -506,18 +506,23 @@ def _process_cpu_s() -> float:
 
 
 def launch(variant: str, steps: int, profile_dir: str | None = None,
-           profile_after: int = 0) -> dict:
+           profile_after: int = 0, *, script: pathlib.Path = HERE,
+           env: dict[str, str] | None = None) -> dict:
+    """One run of the job's `variant` through the launcher: its BENCH record.
+    `script`: this file of another checkout (bench/commit_ab.py), with the
+    `env` that imports that checkout's splitrun."""
     profile = ["--profile-dir", profile_dir, "--profile-after", str(profile_after)] if (
         profile_dir) else []
     command = [sys.executable, "-m", "splitrun.launcher", "--log-level", "WARNING", "launch",
                "--workers", str(THROUGHPUT_WORKERS), "--servers", str(THROUGHPUT_SERVERS),
-               "--device", "cpu", str(HERE), "--job", *profile, "--",
+               "--device", "cpu", str(script), "--job", *profile, "--",
                *THROUGHPUT_JOB, *VARIANTS[variant], "--steps", str(steps)]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    out = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                         env=env)
     for line in out.stdout.splitlines():
         if BENCH_PREFIX in line:
             return json.loads(line.split(BENCH_PREFIX, 1)[1])
-    raise RuntimeError(f"the {variant} job failed ({out.returncode}):\n"
+    raise RuntimeError(f"the {variant} job ({script}) failed ({out.returncode}):\n"
                        f"{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
 
 
