@@ -26,6 +26,11 @@ __all__ = ["MemoryWatch", "memory_cgroup_of", "SAMPLE_PERIOD_S"]
 
 # How often a running process's memory is looked at (a few small /proc reads).
 SAMPLE_PERIOD_S = 0.25
+# The kernel counts an OOM kill on the machine, then in the victim's cgroup,
+# both after the SIGKILL is sent: a verdict made between the two counts waits
+# up to this long for the cgroup's.
+CGROUP_COUNT_WAIT_S = 0.2
+CGROUP_COUNT_POLL_S = 0.005
 
 
 class MemoryWatch:
@@ -58,8 +63,16 @@ class MemoryWatch:
         """After a SIGKILL: that it ran out of memory, where the kernel says
         so, with its last RSS; None where the kernel counted no OOM kill."""
         said = None
+        machine_now = oom_kills(VMSTAT)
+        machine_counted = (machine_now is not None and self._machine_kills is not None
+                           and machine_now > self._machine_kills)
         if self.cgroup is not None and self._cgroup_kills is not None:
             now = oom_kills(events_file(self.cgroup))
+            deadline = time.monotonic() + CGROUP_COUNT_WAIT_S
+            while (machine_counted and now is not None and now <= self._cgroup_kills
+                   and time.monotonic() < deadline):
+                time.sleep(CGROUP_COUNT_POLL_S)
+                now = oom_kills(events_file(self.cgroup))
             if now is not None and now > self._cgroup_kills:
                 sizes = [f"{what} {mib(size)}" for what, size in
                          (("limit", cgroup_bytes(self.cgroup, "memory.max",
@@ -70,11 +83,9 @@ class MemoryWatch:
                 detail = f" ({', '.join(sizes)})" if sizes else ""
                 said = (f"out of memory: its memory cgroup {self.cgroup}{detail} counted an OOM "
                         f"kill (oom_kill {self._cgroup_kills} -> {now})")
-        if said is None and self._machine_kills is not None:
-            now = oom_kills(VMSTAT)
-            if now is not None and now > self._machine_kills:
-                said = (f"out of memory, it seems: the kernel's OOM killer ran meanwhile "
-                        f"({VMSTAT} oom_kill {self._machine_kills} -> {now})")
+        if said is None and machine_counted:
+            said = (f"out of memory, it seems: the kernel's OOM killer ran meanwhile "
+                    f"({VMSTAT} oom_kill {self._machine_kills} -> {machine_now})")
         if said is None:
             return None
         if self.rss_kb is not None and self.sampled_at is not None:
